@@ -1,0 +1,34 @@
+"""veloxpatch: compressed KV caches for unmodified mlx_lm applications.
+
+    import veloxpatch
+    veloxpatch.patch(kv="snapkv", budget=1024)   # or VeloxConfig(...), or the VELOX_* environment
+
+The heavy parts (mlx, mlx_lm hooks) load on first use of these names, so the launcher's
+bootstrap can import the package cheaply in every process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._version import __version__
+
+_LAZY = {
+    "patch": "veloxpatch.integration",
+    "unpatch": "veloxpatch.integration",
+    "is_patched": "veloxpatch.integration",
+    "active_config": "veloxpatch.integration",
+    "VeloxConfig": "veloxpatch.config",
+    "ConfigError": "veloxpatch.config",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'veloxpatch' has no attribute {name!r}")
+    import importlib
+
+    importlib.import_module("veloxpatch.caches")  # registers the methods VeloxConfig validates against
+    return getattr(importlib.import_module(_LAZY[name]), name)

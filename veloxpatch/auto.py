@@ -1,0 +1,10 @@
+"""``import veloxpatch.auto`` as the first line of a script: patch mlx_lm from ``VELOX_*``.
+
+Unlike the launcher's lazy bootstrap it patches at once, so ``veloxpatch.is_patched()`` is true
+right after the import when a method is configured. A bad value is logged and the script runs
+unpatched (``VELOX_STRICT=1`` raises instead).
+"""
+
+from .integration import patch_from_env
+
+patch_from_env()

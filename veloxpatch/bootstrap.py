@@ -1,0 +1,31 @@
+"""The light part of the bootstrap that runs at start-up of every Python process of the app.
+
+It imports only wrapt: the real work (config validation, importing mlx, binding wrappers) is
+deferred to a post-import hook on ``mlx_lm``, so subprocesses that never touch mlx_lm pay nothing
+and an app that does gets patched before its first call. It never raises unless VELOX_STRICT.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+DISABLED = ("", "none")
+
+
+def _strict() -> bool:
+    return os.environ.get("VELOX_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def install() -> None:
+    """Arrange for mlx_lm to be patched from ``VELOX_*`` when it is imported."""
+    if os.environ.get("VELOX_KV", "none").strip().lower() in DISABLED:
+        return
+    try:
+        import wrapt
+
+        wrapt.register_post_import_hook("veloxpatch.integration:on_mlx_lm_import", "mlx_lm")
+    except Exception as error:  # the host app must start regardless
+        if _strict():
+            raise
+        print(f"veloxpatch: ERROR: bootstrap failed ({error}); running unpatched", file=sys.stderr)

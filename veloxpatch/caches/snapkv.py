@@ -1,0 +1,71 @@
+"""SnapKV (Li et al., 2404.14469): keep the rows the most recent queries attend to.
+
+The last ``VELOX_WINDOW`` queries (the observation window) already look at what the next tokens
+will need; their attention, summed over the window and the query heads sharing a KV head and
+pooled over neighbouring rows (so a kept token keeps its context), ranks the rows per KV head.
+Here it runs between prefill chunks and every ``headroom`` decode steps, so memory stays bounded
+over the whole generation, not only after the prompt.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..config import Setting
+from . import method
+from .base import CompressedKVCache
+
+
+def _odd_kernel(text: str) -> int:
+    value = int(text)
+    if value < 1 or value > 63 or value % 2 == 0:
+        raise ValueError(text)
+    return value
+
+
+def _pool(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("avg", "max"):
+        raise ValueError(text)
+    return value
+
+
+KNOBS = (
+    Setting("VELOX_SNAPKV_KERNEL", _odd_kernel, "7", "an odd integer in [1, 63]",
+            "SnapKV: width of the pooling over neighbouring rows' scores.", method="snapkv"),
+    Setting("VELOX_SNAPKV_POOL", _pool, "avg", "one of avg, max",
+            "SnapKV: how scores are pooled over the kernel (average or maximum).", method="snapkv"),
+)
+
+
+def pool_rows(scores: mx.array, kernel: int, kind: str) -> mx.array:
+    """Same-size 1-D pooling of (..., rows) scores along rows."""
+    if kernel == 1:
+        return scores
+    half = kernel // 2
+    rows = scores.shape[-1]
+    widths = [(0, 0)] * (scores.ndim - 1) + [(half, half)]
+    if kind == "max":
+        padded = mx.pad(scores, widths, constant_values=-mx.inf)
+        windows = mx.stack([padded[..., i : i + rows] for i in range(kernel)])
+        return windows.max(axis=0)
+    padded = mx.pad(scores, widths)
+    csum = mx.cumsum(padded, axis=-1)
+    csum = mx.pad(csum, [(0, 0)] * (scores.ndim - 1) + [(1, 0)])
+    return (csum[..., kernel : kernel + rows] - csum[..., :rows]) / kernel
+
+
+@method("snapkv", "Observation-window attention of the real queries, pooled; top-k per KV head.", KNOBS)
+class SnapKVCache(CompressedKVCache):
+    """Ranks rows by the pooled attention the recent window of queries pays them."""
+
+    def __init__(self, budget, sink: int = 4, window: int = 32, kernel: int = 7, pool: str = "avg") -> None:
+        super().__init__(budget, sink, window)
+        self.kernel = kernel
+        self.pool = pool
+
+    def knob_values(self) -> dict[str, object]:
+        return {"kernel": self.kernel, "pool": self.pool}
+
+    def score(self, keys: mx.array, scale: float) -> mx.array:
+        return pool_rows(self.window_attention(keys, scale), self.kernel, self.pool)

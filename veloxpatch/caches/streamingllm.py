@@ -1,0 +1,24 @@
+"""StreamingLLM (Xiao et al., 2309.17453): attention sinks plus a window of recent tokens.
+
+The first ``VELOX_SINK`` tokens soak up attention mass that would otherwise destabilise the
+softmax once early context is dropped, so they stay; of the rest only the most recent survive.
+It needs no queries, so it is the cheapest method and the baseline every query-aware one must beat.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import method
+from .base import CompressedKVCache
+
+
+@method("streamingllm", "Attention sinks + most recent tokens (no scoring; cheapest).")
+class StreamingLLMCache(CompressedKVCache):
+    """Keeps the sink rows and the most recent rows; recency is the only score."""
+
+    uses_queries = False
+
+    def score(self, keys: mx.array, scale: float) -> mx.array:
+        b, h, rows, _ = keys.shape
+        return mx.broadcast_to(mx.arange(rows, dtype=mx.float32), (b, h, rows))

@@ -1,0 +1,126 @@
+"""The ``veloxpatch`` command: ``run`` an unmodified app with the shim, list ``methods``, show ``info``.
+
+``run`` validates the settings here (a bad value exits with status 2 and names the setting), then
+replaces itself with the real interpreter running the app, with the bootstrap first on
+PYTHONPATH: argv, ``sys.path[0]``, ``__main__``, exit codes and signals are the app's own, and
+subprocesses inherit the shim through the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import caches
+from ._version import __version__
+from .config import ConfigError, all_settings, from_env
+from .integration import version
+
+SHIM_DIR = Path(__file__).resolve().parent / "_shim"
+RUN_CONTEXT = {"ignore_unknown_options": True, "allow_interspersed_args": False}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="veloxpatch")
+def main() -> None:
+    """Compressed KV caches for unmodified mlx_lm applications."""
+
+
+def _setting_options(command: Any) -> Any:
+    """One ``--option`` per registry setting; given ones become ``VELOX_*`` for the child."""
+    for s in reversed(all_settings()):
+        doc = f"{s.doc} [{s.name}; default {s.default}]"
+        if s.is_flag:
+            names = f"{s.option}/--no-{s.option[2:]}"
+            command = click.option(names, s.key, default=None, help=doc)(command)
+        else:
+            command = click.option(s.option, s.key, default=None, metavar="VALUE", help=doc)(command)
+    return command
+
+
+def child_environment(options: dict[str, Any], base: dict[str, str]) -> dict[str, str]:
+    """The app's environment: the caller's, the given options as VELOX_*, the bootstrap path."""
+    env = dict(base)
+    for s in all_settings():
+        value = options.get(s.key)
+        if value is not None:
+            env[s.name] = ("1" if value else "0") if s.is_flag else value
+    paths = [str(SHIM_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+@main.command(context_settings=RUN_CONTEXT)
+@click.option("-m", "module", metavar="MODULE", help="Run a library module as a script (like python -m).")
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
+@_setting_options
+def run(module: str | None, argv: tuple[str, ...], **options: str | None) -> None:
+    """Run SCRIPT [ARGS]... or -m MODULE [ARGS]... with compressed KV caches.
+
+    Options before the script or module set VELOX_* for it; everything after belongs to the app.
+    """
+    if module is None and not argv:
+        raise click.UsageError("give a SCRIPT to run, or -m MODULE")
+    env = child_environment(options, dict(os.environ))
+    try:
+        loaded = from_env(env)
+    except ConfigError as error:
+        raise click.UsageError(str(error)) from None
+    for warning in loaded.warnings:
+        click.echo(f"veloxpatch: WARNING: {warning}", err=True)
+    target = ["-m", module] if module is not None else [argv[0]]
+    rest = list(argv if module is not None else argv[1:])
+    os.execve(sys.executable, [sys.executable, *target, *rest], env)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def methods(as_json: bool) -> None:
+    """List the compression methods, their knobs and what each does."""
+    rows = [
+        {"name": m.name, "description": m.description,
+         "knobs": [{"name": k.name, "option": k.option, "default": k.default,
+                    "allowed": k.allowed_text, "doc": k.doc} for k in m.knobs]}
+        for m in sorted(caches.METHODS.values(), key=lambda m: m.name)
+    ]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        click.echo(f"{r['name']:<{width}}  {r['description']}")
+        for k in r["knobs"]:
+            click.echo(f"{'':<{width}}    {k['name']} ({k['option']}, default {k['default']}): {k['doc']}")
+
+
+@main.command()
+def info() -> None:
+    """Show the effective configuration, where each value came from, versions and backend."""
+    import mlx.core as mx
+
+    click.echo(f"veloxpatch {__version__}  python {platform.python_version()}  {platform.platform()}")
+    found = version.mlx_lm_version()
+    gate = "tested" if version.is_tested(found) else f"NOT in tested range {version.TESTED_RANGE_TEXT}"
+    click.echo(f"mlx {mx.__version__}  mlx-lm {found} ({gate})  backend {mx.default_device()}")
+    try:
+        loaded = from_env()
+    except ConfigError as error:
+        click.echo(f"invalid configuration: {error}")
+        raise SystemExit(2) from None
+    config = loaded.config
+    click.echo("settings:")
+    for s in all_settings():
+        value = config.knob(s.key) if s.method else getattr(config, s.key)
+        click.echo(f"  {s.name:<22} {str(value):<10} ({loaded.sources[s.name]})")
+    for warning in loaded.warnings:
+        click.echo(f"warning: {warning}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""The single registry of ``VELOX_*`` settings, and their parsing and validation.
+
+Every way of switching veloxpatch on (launcher options, environment, ``import veloxpatch.auto``,
+``veloxpatch.patch(config)``) goes through the settings declared here, so a value means the same
+thing and fails with the same message wherever it comes from. Methods add their own knobs with
+:func:`register_method`; this module imports nothing else of the package.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Mapping
+
+PREFIX = "VELOX_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class ConfigError(ValueError):
+    """A setting has a value that is not allowed; the message names the setting, value and rule."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """KV rows a layer keeps: a fixed number of tokens, or a fraction of the tokens it has seen."""
+
+    tokens: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Budget":
+        """``"1024"`` -> 1024 tokens, ``"25%"`` -> a quarter of the tokens seen; ValueError otherwise."""
+        text = text.strip()
+        if text.endswith("%"):
+            pct = float(text[:-1])
+            if not 0 < pct <= 100:
+                raise ValueError(text)
+            return cls(fraction=pct / 100)
+        value = int(text)
+        if value < 1:
+            raise ValueError(text)
+        return cls(tokens=value)
+
+    def resolve(self, seen: int) -> int:
+        """Rows to keep after ``seen`` tokens (a fraction rounds up, so 100% never evicts)."""
+        if self.tokens is not None:
+            return self.tokens
+        return math.ceil(self.fraction * seen)
+
+    def __str__(self) -> str:
+        if self.tokens is not None:
+            return str(self.tokens)
+        return f"{self.fraction * 100:g}%"
+
+
+def _int_range(lo: int, hi: int | None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lo or (hi is not None and value > hi):
+            raise ValueError
+        return value
+
+    return parse
+
+
+def _choice(options: tuple[str, ...], upper: bool = False) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().upper() if upper else text.strip().lower()
+        if value not in options:
+            raise ValueError
+        return value
+
+    return parse
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError
+
+
+def _method(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("none", "") and value not in METHODS:
+        raise ValueError
+    return value or "none"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``VELOX_*`` variable: how to parse it, its default, what is allowed, one line of doc."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: str
+    allowed: str | Callable[[], str]
+    doc: str
+    method: str | None = None
+    is_flag: bool = False
+
+    @property
+    def key(self) -> str:
+        """Attribute/knob name: ``VELOX_SNAPKV_KERNEL`` -> ``snapkv_kernel``."""
+        return self.name[len(PREFIX):].lower()
+
+    @property
+    def allowed_text(self) -> str:
+        """What values are allowed, in words (computed for settings whose choices grow)."""
+        return self.allowed() if callable(self.allowed) else self.allowed
+
+    @property
+    def option(self) -> str:
+        """Launcher option: ``VELOX_SNAPKV_KERNEL`` -> ``--snapkv-kernel``."""
+        return "--" + self.key.replace("_", "-")
+
+    def convert(self, value: Any) -> Any:
+        """Parse a string (or check a Python value) or raise :class:`ConfigError`."""
+        text = _to_text(value)
+        try:
+            return self.parse(text)
+        except (ValueError, TypeError):
+            raise ConfigError(
+                f"{self.name}={text!r} is not allowed: expected {self.allowed_text}"
+            ) from None
+
+
+def _to_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """A compression method as the registry knows it (the cache class lives in ``caches``)."""
+
+    name: str
+    description: str
+    knobs: tuple[Setting, ...] = ()
+
+
+METHODS: dict[str, MethodInfo] = {}
+
+CORE_SETTINGS: tuple[Setting, ...] = (
+    Setting("VELOX_KV", _method, "none", lambda: "one of " + ", ".join(["none", *sorted(METHODS)]),
+            "KV-cache compression method; unset or `none` passes every cache through."),
+    Setting("VELOX_BUDGET", Budget.parse, "1024", "an integer >= 1 or a percentage in (0, 100]",
+            "KV rows kept per layer: tokens (`1024`) or a share of the tokens seen (`25%`)."),
+    Setting("VELOX_SINK", _int_range(0, None), "4", "an integer >= 0",
+            "First tokens of the context that are never evicted (attention sinks)."),
+    Setting("VELOX_WINDOW", _int_range(1, None), "32", "an integer >= 1",
+            "Most recent tokens that are never evicted; query-aware methods score with them."),
+    Setting("VELOX_LOG", _choice(LOG_LEVELS, upper=True), "WARNING", "one of " + ", ".join(LOG_LEVELS),
+            "Log level of veloxpatch's own messages (stderr)."),
+    Setting("VELOX_STRICT", _bool, "0", "a boolean (1/0, true/false, yes/no, on/off)",
+            "Raise instead of falling back to plain mlx_lm when something cannot be patched.", is_flag=True),
+    Setting("VELOX_STATS", _bool, "0", "a boolean (1/0, true/false, yes/no, on/off)",
+            "Print a one-line KV-cache summary to stderr when the process exits.", is_flag=True),
+)
+
+
+def register_method(info: MethodInfo) -> None:
+    """Add a method and its knobs to the registry (called once by each method's module)."""
+    taken = {s.name for s in CORE_SETTINGS}
+    taken |= {k.name for m in METHODS.values() if m.name != info.name for k in m.knobs}
+    clash = [k.name for k in info.knobs if k.name in taken]
+    if clash:
+        raise ValueError(f"method {info.name!r} registers settings that already exist: {clash}")
+    METHODS[info.name] = info
+
+
+def all_settings() -> tuple[Setting, ...]:
+    """Core settings followed by every registered method's knobs."""
+    knobs = tuple(k for m in METHODS.values() for k in m.knobs)
+    return CORE_SETTINGS + knobs
+
+
+def setting(name: str) -> Setting:
+    """Look a setting up by its variable name (``VELOX_BUDGET``)."""
+    for s in all_settings():
+        if s.name == name:
+            return s
+    raise KeyError(name)
+
+
+_CORE_KEYS = {s.key for s in CORE_SETTINGS}
+
+
+@dataclass(frozen=True)
+class VeloxConfig:
+    """The Python form of the ``VELOX_*`` settings, for ``veloxpatch.patch(config)``.
+
+    Fields accept the same strings as the environment (``budget="25%"``) or Python values;
+    method knobs go in ``knobs`` by key (``{"snapkv_kernel": 7}``). Construction validates.
+    """
+
+    kv: str = "none"
+    budget: Budget | int | str = "1024"
+    sink: int = 4
+    window: int = 32
+    log: str = "WARNING"
+    strict: bool = False
+    stats: bool = False
+    knobs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for s in CORE_SETTINGS:
+            object.__setattr__(self, s.key, s.convert(getattr(self, s.key)))
+        object.__setattr__(self, "knobs", self._checked_knobs(dict(self.knobs)))
+        self._check_budget()
+
+    def _checked_knobs(self, given: dict[str, Any]) -> dict[str, Any]:
+        by_key = {s.key: s for s in all_settings() if s.method}
+        unknown = sorted(set(given) - set(by_key))
+        if unknown:
+            raise ConfigError(f"unknown method knob(s) {unknown}; known: {sorted(by_key)}")
+        return {k: s.convert(given.get(k, s.default)) for k, s in by_key.items()}
+
+    def _check_budget(self) -> None:
+        tokens = self.budget.tokens
+        if self.enabled and tokens is not None and tokens < self.sink + self.window:
+            raise ConfigError(
+                f"VELOX_BUDGET={tokens} is not allowed: it must be at least "
+                f"VELOX_SINK + VELOX_WINDOW = {self.sink} + {self.window} = {self.sink + self.window}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """True when a compression method is selected."""
+        return self.kv != "none"
+
+    def knob(self, key: str) -> Any:
+        """A method knob's value by key (``snapkv_kernel``)."""
+        return self.knobs[key]
+
+    def to_env(self) -> dict[str, str]:
+        """The same configuration as ``VELOX_*`` variables (for a child process)."""
+        env = {s.name: _to_text(getattr(self, s.key)) for s in CORE_SETTINGS}
+        for s in all_settings():
+            if s.method:
+                env[s.name] = _to_text(self.knobs[s.key])
+        return env
+
+    def replace(self, **changes: Any) -> "VeloxConfig":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+@dataclass
+class LoadedConfig:
+    """A config read from an environment, with where each value came from and what was wrong."""
+
+    config: VeloxConfig
+    sources: dict[str, str]
+    warnings: list[str]
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> LoadedConfig:
+    """Read and validate every ``VELOX_*`` variable; raise :class:`ConfigError` on a bad value."""
+    environ = os.environ if environ is None else environ
+    core: dict[str, Any] = {}
+    knobs: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for s in all_settings():
+        raw = environ.get(s.name)
+        sources[s.name] = "default" if raw is None else f"environment ({s.name})"
+        value = s.convert(s.default if raw is None else raw)
+        (core if s.key in _CORE_KEYS else knobs)[s.key] = value
+    config = VeloxConfig(**core, knobs=knobs)
+    return LoadedConfig(config, sources, unknown_names(environ))
+
+
+def unknown_names(environ: Mapping[str, str]) -> list[str]:
+    """Warnings for ``VELOX_*`` names that are not settings, each with the closest valid name."""
+    valid = [s.name for s in all_settings()]
+    out = []
+    for name in sorted(n for n in environ if n.startswith(PREFIX) and n not in valid):
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        out.append(f"unknown setting {name}{hint} (see `veloxpatch info`)")
+    return out
+
+
+def field_names() -> tuple[str, ...]:
+    """Names of :class:`VeloxConfig`'s fields (for ``patch(**kwargs)``)."""
+    return tuple(f.name for f in fields(VeloxConfig))

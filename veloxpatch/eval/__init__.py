@@ -1,0 +1,1 @@
+"""Quality evaluation: task generators (tasks.py) shared with training."""

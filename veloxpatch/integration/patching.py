@@ -1,0 +1,185 @@
+"""patch / unpatch: bind our wrappers into mlx_lm, whenever it is imported, and undo it exactly.
+
+wrapt post-import hooks fire when a defining module is imported (or at once if it already is).
+The defining module gets the wrapper, and so does every module that already holds a copy of the
+original (``from .models.cache import make_prompt_cache`` copies the function), so mlx_lm's
+generate, server, chat, ... and a user's own early import all see it; modules imported later copy
+the wrapper from the definer. Hooks are registered once per process and check the state, so any
+order of import / patch / unpatch works and nothing is wrapped twice.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+from types import ModuleType
+from typing import Any, Callable
+
+import wrapt
+
+from .. import stats
+from ..caches import CACHE_CLASSES
+from ..config import ConfigError, VeloxConfig, from_env
+from . import version, wrappers
+from .state import STATE, Swap
+
+log = logging.getLogger("veloxpatch")
+
+# defining module -> names it defines that we replace, and the wrapper for each
+TARGETS: dict[str, dict[str, Callable[[Any], Any]]] = {
+    "mlx_lm.models.base": {"scaled_dot_product_attention": wrappers.scaled_dot_product_attention},
+    "mlx_lm.models.cache": {"make_prompt_cache": wrappers.make_prompt_cache},
+    "mlx_lm.generate": {"generate_step": wrappers.generate_step},
+}
+
+
+def configure_logging(level: str) -> None:
+    """Give the ``veloxpatch`` logger one stderr handler at ``level`` (host logging untouched)."""
+    logger = logging.getLogger("veloxpatch")
+    logger.setLevel(level)
+    if not any(getattr(h, "_velox", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("veloxpatch: %(levelname)s: %(message)s"))
+        handler._velox = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
+    """Switch compressed caches on for mlx_lm; returns True if mlx_lm is (or will be) patched.
+
+    ``config`` or keyword settings (``patch(kv="snapkv", budget="25%")``); neither means the
+    ``VELOX_*`` environment. Calling it again only swaps the config. Outside the tested mlx_lm
+    range it warns and passes through (raises under ``strict``).
+    """
+    if config is None:
+        config = VeloxConfig(**settings) if settings else from_env().config
+    elif settings:
+        config = config.replace(**settings)
+    configure_logging(config.log)
+    found = version.mlx_lm_version()
+    if not version.is_tested(found):
+        message = f"mlx-lm {found} is outside the tested range {version.TESTED_RANGE_TEXT}"
+        if config.strict:
+            raise RuntimeError(message)
+        log.warning("%s; running unpatched", message)
+        return False
+    with STATE.lock:
+        STATE.config = config
+        _register_hooks()
+        for name in TARGETS:
+            if name in sys.modules:
+                _apply(sys.modules[name])
+        _register_stats(config)
+    return True
+
+
+def unpatch() -> None:
+    """Restore every original function wherever we bound ours; forget our cache classes."""
+    with STATE.lock:
+        STATE.config = None
+        for swap in STATE.swaps.values():
+            _rebind(swap.replacement, swap.original, swap.name)
+        STATE.swaps.clear()
+        cache_module = sys.modules.get("mlx_lm.models.cache")
+        for cls in CACHE_CLASSES.values():
+            if cache_module is not None and vars(cache_module).get(cls.__name__) is cls:
+                delattr(cache_module, cls.__name__)
+
+
+def is_patched() -> bool:
+    """True while a config is active (mlx_lm is patched now or will be when imported)."""
+    return STATE.active
+
+
+def active_config() -> VeloxConfig | None:
+    """The config in force, or None when unpatched."""
+    return STATE.config
+
+
+def patch_from_env() -> bool:
+    """The bootstrap: patch from ``VELOX_*``; a bad value is logged and the app runs unpatched."""
+    try:
+        loaded = from_env()
+    except ConfigError as error:
+        configure_logging("WARNING")
+        log.error("%s; running unpatched", error)
+        if _strict_in_env():
+            raise
+        return False
+    configure_logging(loaded.config.log)
+    for warning in loaded.warnings:
+        log.warning(warning)
+    if not loaded.config.enabled:
+        return False
+    try:
+        return patch(loaded.config)
+    except Exception as error:
+        if loaded.config.strict:
+            raise
+        log.error("patching mlx_lm failed (%s: %s); running unpatched", type(error).__name__, error)
+        return False
+
+
+def on_mlx_lm_import(module: ModuleType) -> None:
+    """Lazy bootstrap entry (a wrapt hook on ``mlx_lm``): patch only once mlx_lm is used."""
+    if not STATE.active:
+        patch_from_env()
+
+
+def _strict_in_env() -> bool:
+    import os
+
+    return os.environ.get("VELOX_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _register_hooks() -> None:
+    if STATE.hooks_registered:
+        return
+    STATE.hooks_registered = True
+    for name in TARGETS:
+        wrapt.register_post_import_hook(_on_import, name)
+
+
+def _on_import(module: ModuleType) -> None:
+    with STATE.lock:
+        if not STATE.active:
+            return
+        try:
+            _apply(module)
+        except Exception as error:
+            wrappers.fall_back(f"patching {module.__name__}", error)
+
+
+def _apply(module: ModuleType) -> None:
+    """Bind our wrapper for each target name this module defines (once)."""
+    for name, wrap in TARGETS[module.__name__].items():
+        if name not in STATE.swaps:
+            original = vars(module)[name]
+            STATE.swaps[name] = Swap(name, original, wrap(original))
+        swap = STATE.swaps[name]
+        _rebind(swap.original, swap.replacement, name)
+    if module.__name__ == "mlx_lm.models.cache":
+        for cls in CACHE_CLASSES.values():  # load_prompt_cache looks classes up here by name
+            setattr(module, cls.__name__, cls)
+
+
+def _rebind(old: Any, new: Any, name: str) -> None:
+    """Replace every module-level binding ``name`` that is ``old`` with ``new``."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get(name) is old:
+            setattr(module, name, new)
+
+
+def _register_stats(config: VeloxConfig) -> None:
+    if config.stats and not STATE.stats_registered:
+        STATE.stats_registered = True
+        atexit.register(_print_stats)
+
+
+def _print_stats() -> None:
+    config = STATE.config
+    if config is not None and config.stats:
+        print(stats.summary(config.kv), file=sys.stderr)

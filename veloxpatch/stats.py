@@ -1,0 +1,44 @@
+"""Process-wide KV-cache statistics for ``VELOX_STATS`` (one line on exit).
+
+Caches register themselves here when they are built; the summary reads the live ones, so nothing
+is counted twice and nothing is kept alive by the statistics.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+_live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@dataclass
+class _Totals:
+    caches_built: int = 0
+    compressions: int = 0
+    generations: int = 0
+
+
+totals = _Totals()
+
+
+def track(cache: Any) -> None:
+    """Count a new compressed cache and remember it (weakly) for the exit summary."""
+    totals.caches_built += 1
+    _live.add(cache)
+
+
+def summary(method: str) -> str:
+    """One line: method, caches, tokens seen vs rows kept, physical bytes vs a dense cache."""
+    live = list(_live)
+    seen = sum(c.offset for c in live)
+    kept = sum(c.size() for c in live)
+    nbytes = sum(c.nbytes for c in live)
+    dense = sum(c.dense_nbytes() for c in live)
+    share = f"{100 * kept / seen:.1f}%" if seen else "n/a"
+    return (
+        f"veloxpatch: {method} | {totals.generations} generation(s), {totals.caches_built} layer cache(s) built, "
+        f"{totals.compressions} compression(s) | live: {kept}/{seen} rows kept ({share}), "
+        f"KV {nbytes / 2**20:.2f} MiB vs {dense / 2**20:.2f} MiB dense"
+    )
