@@ -12,8 +12,6 @@ import logging
 import sys
 from typing import Any
 
-from mlx_lm.models.cache import KVCache
-
 from .caches import make_cache
 from .config import VeloxConfig
 from .coordinators import Coordinator
@@ -40,6 +38,8 @@ def uses_routed_attention(model: Any) -> bool:
 
 def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
     """Replace the eligible slots of ``caches`` with compressed caches sharing one coordinator."""
+    from mlx_lm.models.cache import KVCache  # here, so patching before mlx_lm's import stays lazy
+
     slots = [i for i, c in enumerate(caches) if type(c) is KVCache]
     model_name = type(model).__module__
     if not slots:

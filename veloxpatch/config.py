@@ -278,10 +278,11 @@ def from_env(environ: Mapping[str, str] | None = None) -> LoadedConfig:
 def unknown_names(environ: Mapping[str, str]) -> list[str]:
     """Warnings for ``VELOX_*`` names that are not settings, each with the closest valid name."""
     valid = [s.name for s in all_settings()]
+    suffixes = [n[len(PREFIX):] for n in valid]  # the shared prefix would make everything "close"
     out = []
     for name in sorted(n for n in environ if n.startswith(PREFIX) and n not in valid):
-        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close else ""
+        close = difflib.get_close_matches(name[len(PREFIX):], suffixes, n=1, cutoff=0.6)
+        hint = f"; did you mean {PREFIX}{close[0]}?" if close else ""
         out.append(f"unknown setting {name}{hint} (see `veloxpatch info`)")
     return out
 

@@ -1,0 +1,77 @@
+"""The VELOX_* registry: parsing, clear errors, unknown names, and the README's table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from veloxpatch.caches import METHODS
+from veloxpatch.config import Budget, ConfigError, VeloxConfig, all_settings, from_env
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_defaults_pass_through() -> None:
+    config = from_env({}).config
+    assert config.kv == "none" and not config.enabled
+    assert config.budget == Budget(tokens=1024) and (config.sink, config.window) == (4, 32)
+
+
+@pytest.mark.parametrize("name,value,allowed", [
+    ("VELOX_KV", "snapk", "one of none, snapkv, streamingllm"),
+    ("VELOX_BUDGET", "0", "an integer >= 1 or a percentage"),
+    ("VELOX_BUDGET", "150%", "an integer >= 1 or a percentage"),
+    ("VELOX_BUDGET", "1k", "an integer >= 1 or a percentage"),
+    ("VELOX_SINK", "-2", "an integer >= 0"),
+    ("VELOX_WINDOW", "wide", "an integer >= 1"),
+    ("VELOX_LOG", "loud", "one of DEBUG, INFO, WARNING, ERROR"),
+    ("VELOX_STRICT", "maybe", "a boolean"),
+    ("VELOX_SNAPKV_KERNEL", "4", "an odd integer in [1, 63]"),
+    ("VELOX_SNAPKV_POOL", "median", "one of avg, max"),
+])
+def test_bad_values_name_the_setting_the_value_and_what_is_allowed(name: str, value: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        from_env({"VELOX_KV": "snapkv", name: value})
+    assert f"{name}={value!r} is not allowed" in str(error.value)
+    assert allowed in str(error.value)
+
+
+def test_budget_forms() -> None:
+    assert Budget.parse("25%").resolve(1000) == 250
+    assert Budget.parse("100%").resolve(77) == 77
+    assert Budget.parse("12.5%").resolve(9) == 2
+    assert Budget.parse(" 512 ").resolve(10_000) == 512
+    with pytest.raises(ConfigError, match="at least VELOX_SINK \\+ VELOX_WINDOW = 4 \\+ 32 = 36"):
+        VeloxConfig(kv="snapkv", budget=20)
+    assert VeloxConfig(kv="none", budget=20).budget.tokens == 20
+
+
+def test_unknown_names_get_the_closest_valid_name() -> None:
+    warnings = from_env({"VELOX_WINDWO": "8", "VELOX_ZZZ": "1"}).warnings
+    assert warnings[0] == "unknown setting VELOX_WINDWO; did you mean VELOX_WINDOW? (see `veloxpatch info`)"
+    assert warnings[1].startswith("unknown setting VELOX_ZZZ") and "did you mean" not in warnings[1]
+
+
+def test_python_form_matches_the_environment_form() -> None:
+    env = {"VELOX_KV": "snapkv", "VELOX_BUDGET": "25%", "VELOX_SNAPKV_POOL": "max", "VELOX_STATS": "yes"}
+    loaded = from_env(env)
+    python = VeloxConfig(kv="snapkv", budget="25%", stats=True, knobs={"snapkv_pool": "max"})
+    assert loaded.config == python
+    assert from_env(python.to_env()).config == python
+    assert loaded.sources["VELOX_BUDGET"] == "environment (VELOX_BUDGET)" and loaded.sources["VELOX_SINK"] == "default"
+    with pytest.raises(ConfigError, match="unknown method knob"):
+        VeloxConfig(knobs={"snapkv_kernal": 3})
+
+
+def test_readme_settings_table_matches_the_registry() -> None:
+    rows = re.findall(r"^\| `(VELOX_\w+)` \| `([^`]*)` \| (.+?) \| (.+?) \|$", README.read_text(), re.M)
+    documented = {name: (default, allowed, doc) for name, default, allowed, doc in rows}
+    registry = {s.name: (s.default, s.allowed_text, s.doc) for s in all_settings()}
+    assert documented == registry
+
+
+def test_every_method_is_in_the_readme() -> None:
+    text = README.read_text()
+    assert all(f"`{name}`" in text for name in METHODS)

@@ -1,0 +1,49 @@
+"""With nothing to drop, a patched model generates exactly what unpatched mlx_lm generates."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import veloxpatch
+from conftest import ARCHS, random_tokens, tiny
+from veloxpatch.caches import CompressedKVCache
+
+
+def greedy(model, prompt: mx.array, steps: int = 12, chunk: int = 32) -> list[int]:
+    return [t for t, _ in generate_step(prompt, model, max_tokens=steps, prefill_step_size=chunk)]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("method,budget", [("snapkv", 4096), ("snapkv", "100%"), ("streamingllm", 4096)])
+def test_full_budget_is_exact(arch: str, method: str, budget) -> None:
+    model = tiny(arch)
+    prompt = random_tokens(150, 1)  # > 4 prefill chunks
+    expected = greedy(model, prompt)
+    veloxpatch.patch(kv=method, budget=budget)
+    caches = make_prompt_cache(model)
+    ours = [c for c in caches if isinstance(c, CompressedKVCache)]
+    assert ours, "the patch must really replace the full-attention slots"
+    assert greedy(model, prompt) == expected
+    veloxpatch.unpatch()
+    assert greedy(model, prompt) == expected
+
+
+def test_only_full_attention_slots_are_replaced() -> None:
+    model = tiny("gemma3_text")
+    vanilla = [type(c).__name__ for c in make_prompt_cache(model)]
+    veloxpatch.patch(kv="snapkv", budget=64)
+    patched = [type(c).__name__ for c in make_prompt_cache(model)]
+    assert vanilla == ["RotatingKVCache", "KVCache", "RotatingKVCache", "KVCache"]
+    assert patched == ["RotatingKVCache", "SnapKVCache", "RotatingKVCache", "SnapKVCache"]
+
+
+def test_compression_changes_nothing_until_the_budget_is_reached() -> None:
+    """Under budget the cache is dense, so the first tokens match even when it later evicts."""
+    model = tiny("llama")
+    prompt = random_tokens(40, 2)
+    expected = greedy(model, prompt, steps=5)
+    veloxpatch.patch(kv="snapkv", budget=48, window=8)
+    assert greedy(model, prompt, steps=5) == expected

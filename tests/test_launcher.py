@@ -1,0 +1,117 @@
+"""``veloxpatch run`` in real subprocesses: the app must not be able to tell it is launched."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+LAUNCHER = str(Path(sys.executable).parent / "veloxpatch")
+
+APP = textwrap.dedent("""
+    import os, sys
+    print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__,
+                      "shim_on_path": any("_shim" in p for p in sys.path)}))
+    code = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 0
+    if "--check-patch" in sys.argv:
+        import veloxpatch, mlx_lm
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.models.llama import Model, ModelArgs
+        args = ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                         num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=50)
+        print("patched", veloxpatch.is_patched(), type(make_prompt_cache(Model(args))[0]).__name__)
+    if "--spawn" in sys.argv:
+        child = "import mlx_lm, veloxpatch; print('child', veloxpatch.is_patched())"
+        print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip())
+    if "--signal" in sys.argv:
+        os.kill(os.getpid(), signal.SIGTERM)
+    sys.exit(code)
+""")
+
+
+def launch(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
+    full_env.update(env or {})
+    return subprocess.run([LAUNCHER, *args], env=full_env, cwd=cwd, capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Path:
+    path = tmp_path / "app.py"
+    path.write_text("import json, signal, subprocess\n" + APP)
+    return path
+
+
+def first_json(out: str) -> dict:
+    return json.loads(out.splitlines()[0])
+
+
+def test_argv_path_and_name_are_the_apps_own(app: Path) -> None:
+    result = launch("run", "--kv", "snapkv", str(app), "x", "--kv", "y", "-m", "z")
+    assert result.returncode == 0, result.stderr
+    seen = first_json(result.stdout)
+    assert seen == {"argv": [str(app), "x", "--kv", "y", "-m", "z"], "path0": str(app.parent),
+                    "name": "__main__", "shim_on_path": False}
+
+
+def test_exit_code_and_signal_pass_through(app: Path) -> None:
+    assert launch("run", "--kv", "snapkv", str(app), "4").returncode == 4
+    assert launch("run", "--kv", "snapkv", str(app), "--signal").returncode == -signal.SIGTERM
+
+
+def test_module_mode(app: Path) -> None:
+    result = launch("run", "--kv", "snapkv", "-m", "app", "7", cwd=app.parent)
+    assert result.returncode == 7, result.stderr
+    assert first_json(result.stdout)["argv"][1:] == ["7"]
+
+
+def test_the_child_and_its_subprocesses_are_patched(app: Path) -> None:
+    result = launch("run", "--kv", "snapkv", "--budget", "64", str(app), "--check-patch", "--spawn")
+    assert result.returncode == 0, result.stderr
+    assert "patched True SnapKVCache" in result.stdout
+    assert "child True" in result.stdout
+
+
+def test_bad_values_stop_before_the_app_runs(app: Path) -> None:
+    result = launch("run", "--kv", "snapkv", str(app), env={"VELOX_BUDGET": "lots"})
+    assert result.returncode == 2 and result.stdout == ""
+    assert "VELOX_BUDGET='lots' is not allowed" in result.stderr
+    result = launch("run", "--kv", "tova2", str(app))
+    assert result.returncode == 2 and "VELOX_KV='tova2'" in result.stderr and "snapkv" in result.stderr
+    result = launch("run", "--kv", "snapkv", str(app), env={"VELOX_BUGDET": "5"})
+    assert result.returncode == 0 and "did you mean VELOX_BUDGET?" in result.stderr
+
+
+def test_the_users_own_sitecustomize_still_runs(app: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys; print('user sitecustomize ran', file=sys.stderr)\n")
+    result = launch("run", "--kv", "snapkv", str(app), "--check-patch", env={"PYTHONPATH": str(site)})
+    assert result.returncode == 0, result.stderr
+    assert "user sitecustomize ran" in result.stderr
+    assert "patched True SnapKVCache" in result.stdout
+
+
+def test_mlx_lm_generate_module_runs_patched(model_dir: Path) -> None:
+    result = launch("run", "--kv", "snapkv", "--budget", "40", "--window", "8", "--stats",
+                    "-m", "mlx_lm", "generate", "--model", str(model_dir),
+                    "--prompt", "hello world " * 12, "--max-tokens", "20", "--ignore-chat-template")
+    assert result.returncode == 0, result.stderr
+    assert "Generation: " in result.stdout
+    summary = [line for line in result.stderr.splitlines() if line.startswith("veloxpatch: snapkv")]
+    assert summary and "compression(s)" in summary[0], result.stderr
+
+
+def test_methods_and_info(app: Path) -> None:
+    listed = json.loads(launch("methods", "--json").stdout)
+    assert {m["name"] for m in listed} >= {"snapkv", "streamingllm"}
+    info = launch("info", env={"VELOX_KV": "snapkv"})
+    assert info.returncode == 0 and "VELOX_KV               snapkv     (environment (VELOX_KV))" in info.stdout
+    assert launch("info", env={"VELOX_WINDOW": "0"}).returncode == 2
+    assert launch("--version").stdout.startswith("veloxpatch, version")

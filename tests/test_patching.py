@@ -1,0 +1,133 @@
+"""patch / unpatch in every import order, idempotent and exactly reversible."""
+
+from __future__ import annotations
+
+import logging
+import textwrap
+
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import veloxpatch
+from conftest import ARCHS, random_tokens, tiny
+from conftest import run_python
+from veloxpatch.integration import patching, version
+
+# Prints the class of a tiny llama's first cache slot and whether attention is routed.
+PROBE = textwrap.dedent("""
+    def probe(tag):
+        import sys, mlx_lm.models.cache as c, mlx_lm.models.base as b, mlx_lm.models.llama as llama
+        from mlx_lm.models.llama import Model, ModelArgs
+        import veloxpatch.integration.wrappers as w
+        args = ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)
+        gen = sys.modules["mlx_lm.generate"]
+        routed = llama.scaled_dot_product_attention is b.scaled_dot_product_attention
+        wrapped = hasattr(b.scaled_dot_product_attention, "__wrapped__")
+        double = hasattr(getattr(b.scaled_dot_product_attention, "__wrapped__", None), "__wrapped__")
+        print(tag, type(gen.make_prompt_cache(Model(args))[0]).__name__, routed, wrapped, double)
+""")
+
+
+def run_order(body: str) -> list[str]:
+    result = run_python(PROBE + textwrap.dedent(body))
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("\n")[:-1]
+
+
+def test_patch_before_mlx_lm_is_imported() -> None:
+    out = run_order("""
+        import sys, veloxpatch
+        veloxpatch.patch(kv="snapkv", budget=64)
+        assert "mlx_lm" not in sys.modules
+        import mlx_lm
+        probe("after")
+    """)
+    assert out == ["after SnapKVCache True True False"]
+
+
+def test_patch_after_import_rebinds_every_copy() -> None:
+    out = run_order("""
+        import mlx_lm
+        from mlx_lm.models.cache import make_prompt_cache   # a user's own early binding
+        import mlx_lm.models.cache as c, mlx_lm.models.llama, veloxpatch
+        original = make_prompt_cache
+        veloxpatch.patch(kv="streamingllm", budget=64)
+        probe("patched")
+        print(make_prompt_cache is c.make_prompt_cache, make_prompt_cache is original)
+        veloxpatch.unpatch()
+        probe("unpatched")
+        print(make_prompt_cache is c.make_prompt_cache, make_prompt_cache is original)
+    """)
+    assert out == ["patched StreamingLLMCache True True False", "True False",
+                   "unpatched KVCache True False False", "True True"]
+
+
+def test_repeated_patch_and_unpatch_never_double_wrap() -> None:
+    out = run_order("""
+        import mlx_lm, veloxpatch
+        import mlx_lm.models.base as b
+        original = b.scaled_dot_product_attention
+        for _ in range(3):
+            veloxpatch.patch(kv="snapkv", budget=64)
+            veloxpatch.patch(kv="snapkv", budget=128)
+        probe("twice")
+        assert veloxpatch.active_config().budget.tokens == 128
+        veloxpatch.unpatch(); veloxpatch.unpatch()
+        print(b.scaled_dot_product_attention is original, veloxpatch.is_patched())
+        veloxpatch.patch(kv="snapkv", budget=64)
+        probe("again")
+    """)
+    assert out == ["twice SnapKVCache True True False", "True False", "again SnapKVCache True True False"]
+
+
+def test_unpatch_before_import_leaves_mlx_lm_original() -> None:
+    out = run_order("""
+        import veloxpatch
+        veloxpatch.patch(kv="snapkv", budget=64)
+        veloxpatch.unpatch()
+        import mlx_lm
+        probe("never")
+    """)
+    assert out == ["never KVCache True False False"]
+
+
+def test_none_method_passes_every_cache_through() -> None:
+    model = tiny("llama")
+    assert veloxpatch.patch(kv="none")
+    assert type(make_prompt_cache(model)[0]).__name__ == "KVCache"
+
+
+def test_outside_the_tested_version_range_passes_through(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(version, "mlx_lm_version", lambda: "0.40.1")
+    with caplog.at_level(logging.WARNING, logger="veloxpatch"):
+        assert veloxpatch.patch(kv="snapkv", budget=64) is False
+    assert not veloxpatch.is_patched()
+    with pytest.raises(RuntimeError, match="outside the tested range"):
+        veloxpatch.patch(kv="snapkv", budget=64, strict=True)
+
+
+def test_a_failure_while_building_falls_back_unless_strict(monkeypatch) -> None:
+    model = tiny("llama")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(patching.wrappers.builder, "build", broken)
+    veloxpatch.patch(kv="snapkv", budget=64)
+    assert type(make_prompt_cache(model)[0]).__name__ == "KVCache"
+    veloxpatch.patch(kv="snapkv", budget=64, strict=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        make_prompt_cache(model)
+
+
+def test_auto_import_patches_from_the_environment() -> None:
+    code = "import veloxpatch.auto, veloxpatch; print(veloxpatch.is_patched(), veloxpatch.active_config().budget)"
+    ok = run_python(code, env={"VELOX_KV": "snapkv", "VELOX_BUDGET": "25%"})
+    assert ok.stdout.strip() == "True 25%", ok.stderr
+    bad = run_python("import veloxpatch.auto, veloxpatch; print(veloxpatch.is_patched())",
+                     env={"VELOX_KV": "snapkv", "VELOX_SINK": "-1"})
+    assert bad.returncode == 0 and bad.stdout.strip() == "False"
+    assert "VELOX_SINK='-1' is not allowed" in bad.stderr
+    strict = run_python("import veloxpatch.auto", env={"VELOX_KV": "snapkv", "VELOX_SINK": "-1", "VELOX_STRICT": "1"})
+    assert strict.returncode != 0 and "VELOX_SINK" in strict.stderr
