@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
@@ -31,13 +32,28 @@ def test_full_budget_is_exact(arch: str, method: str, budget) -> None:
     assert greedy(model, prompt) == expected
 
 
-def test_only_full_attention_slots_are_replaced() -> None:
-    model = tiny("gemma3_text")
+@pytest.mark.parametrize("arch,other", [("gemma3_text", "RotatingKVCache"), ("lfm2", "ArraysCache")])
+def test_only_full_attention_slots_are_replaced(arch: str, other: str) -> None:
+    model = tiny(arch)
     vanilla = [type(c).__name__ for c in make_prompt_cache(model)]
     veloxpatch.patch(kv="snapkv", budget=64)
     patched = [type(c).__name__ for c in make_prompt_cache(model)]
-    assert vanilla == ["RotatingKVCache", "KVCache", "RotatingKVCache", "KVCache"]
-    assert patched == ["RotatingKVCache", "SnapKVCache", "RotatingKVCache", "SnapKVCache"]
+    assert vanilla == [other, "KVCache", other, "KVCache"]
+    assert patched == [other, "SnapKVCache", other, "SnapKVCache"]
+
+
+def test_a_model_with_no_replaceable_slot_runs_unpatched_with_one_log_line(caplog) -> None:
+    model = tiny("qwen2")  # no make_cache of its own, so mlx_lm honours max_kv_size
+    veloxpatch.patch(kv="snapkv", budget=64, log="INFO")
+    logger = logging.getLogger("veloxpatch")
+    logger.addHandler(caplog.handler)
+    try:
+        for _ in range(3):  # max_kv_size asks mlx_lm for RotatingKVCache slots: the user's choice stands
+            assert {type(c).__name__ for c in make_prompt_cache(model, max_kv_size=64)} == {"RotatingKVCache"}
+    finally:
+        logger.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if "running unpatched" in r.getMessage()]
+    assert len(lines) == 1 and "no plain full-attention KVCache slot" in lines[0]
 
 
 def test_compression_changes_nothing_until_the_budget_is_reached() -> None:

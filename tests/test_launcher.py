@@ -115,3 +115,11 @@ def test_methods_and_info(app: Path) -> None:
     assert info.returncode == 0 and "VELOX_KV               snapkv     (environment (VELOX_KV))" in info.stdout
     assert launch("info", env={"VELOX_WINDOW": "0"}).returncode == 2
     assert launch("--version").stdout.startswith("veloxpatch, version")
+
+
+def test_the_readme_quickstart_runs() -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    result = launch("run", "--kv", "snapkv", "--budget", "256", "--stats", str(example), "--words", "300")
+    assert result.returncode == 0, result.stderr
+    assert "answer: " in result.stdout and "decode" in result.stdout
+    assert "veloxpatch: snapkv | 1 generation(s)" in result.stderr

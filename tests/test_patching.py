@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import textwrap
+import threading
 
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -131,3 +132,25 @@ def test_auto_import_patches_from_the_environment() -> None:
     assert "VELOX_SINK='-1' is not allowed" in bad.stderr
     strict = run_python("import veloxpatch.auto", env={"VELOX_KV": "snapkv", "VELOX_SINK": "-1", "VELOX_STRICT": "1"})
     assert strict.returncode != 0 and "VELOX_SINK" in strict.stderr
+
+
+def test_concurrent_patch_and_unpatch_stay_consistent() -> None:
+    import mlx_lm.models.base as base
+    import mlx_lm.models.cache as cache
+
+    originals = (base.scaled_dot_product_attention, cache.make_prompt_cache)
+
+    def churn() -> None:
+        for _ in range(25):
+            veloxpatch.patch(kv="snapkv", budget=64)
+            veloxpatch.unpatch()
+
+    threads = [threading.Thread(target=churn) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (base.scaled_dot_product_attention, cache.make_prompt_cache) == originals
+    veloxpatch.patch(kv="snapkv", budget=64)
+    assert base.scaled_dot_product_attention.__wrapped__ is originals[0]
+    assert cache.make_prompt_cache.__wrapped__ is originals[1]
