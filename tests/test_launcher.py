@@ -113,7 +113,8 @@ def test_methods_and_info(app: Path) -> None:
     assert {m["name"] for m in listed} >= {"snapkv", "streamingllm"}
     info = launch("info", env={"VELOX_KV": "snapkv"})
     assert info.returncode == 0 and "VELOX_KV               snapkv     (environment (VELOX_KV))" in info.stdout
-    assert launch("info", env={"VELOX_WINDOW": "0"}).returncode == 2
+    bad = launch("info", env={"VELOX_WINDOW": "0", "VELOX_LOG": "loud"})
+    assert bad.returncode == 2 and "VELOX_WINDOW='0'" in bad.stdout and "VELOX_LOG='loud'" in bad.stdout
     assert launch("--version").stdout.startswith("veloxpatch, version")
 
 

@@ -99,6 +99,22 @@ def methods(as_json: bool) -> None:
             click.echo(f"{'':<{width}}    {k['name']} ({k['option']}, default {k['default']}): {k['doc']}")
 
 
+def invalid_settings(env: dict[str, str]) -> list[str]:
+    """Every problem with the ``VELOX_*`` values in ``env`` (not only the first)."""
+    errors = []
+    for s in all_settings():
+        try:
+            s.convert(env.get(s.name, s.default))
+        except ConfigError as error:
+            errors.append(str(error))
+    if not errors:
+        try:
+            from_env(env)
+        except ConfigError as error:  # rules across settings, e.g. budget vs sink + window
+            errors.append(str(error))
+    return errors
+
+
 @main.command()
 def info() -> None:
     """Show the effective configuration, where each value came from, versions and backend."""
@@ -108,11 +124,13 @@ def info() -> None:
     found = version.mlx_lm_version()
     gate = "tested" if version.is_tested(found) else f"NOT in tested range {version.TESTED_RANGE_TEXT}"
     click.echo(f"mlx {mx.__version__}  mlx-lm {found} ({gate})  backend {mx.default_device()}")
-    try:
-        loaded = from_env()
-    except ConfigError as error:
-        click.echo(f"invalid configuration: {error}")
-        raise SystemExit(2) from None
+    errors = invalid_settings(dict(os.environ))
+    if errors:
+        click.echo("invalid configuration:")
+        for error in errors:
+            click.echo(f"  {error}")
+        raise SystemExit(2)
+    loaded = from_env()
     config = loaded.config
     click.echo("settings:")
     for s in all_settings():
