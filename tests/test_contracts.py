@@ -44,10 +44,10 @@ def test_offset_counts_tokens_and_rows_stay_bounded(method: str) -> None:
     assert all(c.offset == 300 for c in caches)
     assert max(peaks) == 48, "rows are compressed back to the budget after every chunk"
     capacity = max(c.keys.shape[2] for c in caches)
-    assert capacity <= 48 + CompressedKVCache.headroom + CompressedKVCache.step
+    assert capacity <= 48 + CompressedKVCache.max_headroom + CompressedKVCache.step
     continue_greedy(model, caches, first=5, steps=100)
     assert all(c.offset == 300 + 100 + 1 for c in caches), "generate_step runs one token ahead"
-    assert all(c.size() < 48 + CompressedKVCache.headroom for c in caches)
+    assert all(c.size() < 48 + c.headroom(48) for c in caches) and caches[0].headroom(48) == 8
 
 
 def test_physical_bytes_do_not_grow_with_context() -> None:

@@ -20,6 +20,7 @@ import click
 from . import caches
 from ._version import __version__
 from .config import ConfigError, all_settings, from_env
+from .eval.commands import COMMANDS
 from .integration import version
 
 SHIM_DIR = Path(__file__).resolve().parent / "_shim"
@@ -139,6 +140,9 @@ def info() -> None:
     for warning in loaded.warnings:
         click.echo(f"warning: {warning}")
 
+
+for _command in COMMANDS:
+    main.add_command(_command)
 
 if __name__ == "__main__":
     main()

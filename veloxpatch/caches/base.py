@@ -9,7 +9,8 @@ keeps the contracts every cache shares (see DESIGN.md):
   supplies the mask for its own rows: every kept row is in the past, so a lower-right aligned
   causal mask is right for kept + new rows under any chunking.
 * Compression runs after a step's attention, so the step itself saw everything; during a chunked
-  prefill the rows never exceed ``budget + chunk``, and in decode ``budget + headroom``.
+  prefill the rows never exceed ``budget + chunk``, and in decode ``budget + headroom`` (an
+  eighth of the budget, 8 to 64 rows), so the copy a compression costs is amortised.
 * Storage is preallocated and grown in steps like mlx_lm's ``KVCache``; until a cache evicts,
   its arrays and attention calls are exactly those of ``KVCache``, so outputs are identical.
 """
@@ -36,7 +37,7 @@ class CompressedKVCache(ABC):
 
     method: ClassVar[str] = ""
     step: ClassVar[int] = 256
-    headroom: ClassVar[int] = 64
+    max_headroom: ClassVar[int] = 64
     uses_queries: ClassVar[bool] = True
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32) -> None:
@@ -174,9 +175,13 @@ class CompressedKVCache(ABC):
         if self.uses_queries:
             self._remember(queries)
         keep = self.target()
-        if self.rows > keep and (n > 1 or self.rows >= keep + self.headroom):
+        if self.rows > keep and (n > 1 or self.rows >= keep + self.headroom(keep)):
             self.compress(keep, scale)
         return out
+
+    def headroom(self, keep: int) -> int:
+        """Decode rows allowed above the budget before compressing again (an eighth, 8 to 64)."""
+        return min(self.max_headroom, max(8, keep // 8))
 
     def target(self) -> int:
         """Rows to keep now: the budget, but never fewer than the protected sink + window."""
@@ -194,8 +199,9 @@ class CompressedKVCache(ABC):
         keep = index.shape[-1]
         keys, values = self._stored()
         idx = index[..., None]
-        self.keys = self._with_headroom(mx.take_along_axis(keys, idx, axis=2))
-        self.values = self._with_headroom(mx.take_along_axis(values, idx, axis=2))
+        spare = self.headroom(keep)
+        self.keys = self._with_spare(mx.take_along_axis(keys, idx, axis=2), spare)
+        self.values = self._with_spare(mx.take_along_axis(values, idx, axis=2), spare)
         self.tail = min(self.tail, self.window) if keep < self.rows else self.tail
         self.evicted = self.evicted or keep < self.rows
         self.rows = keep
@@ -237,9 +243,10 @@ class CompressedKVCache(ABC):
         self.keys = mx.concatenate([old_k, new_k], axis=2)
         self.values = mx.concatenate([old_v, new_v], axis=2)
 
-    def _with_headroom(self, kept: mx.array) -> mx.array:
+    @staticmethod
+    def _with_spare(kept: mx.array, spare: int) -> mx.array:
         b, h, _, d = kept.shape
-        return mx.concatenate([kept, mx.zeros((b, h, self.headroom, d), kept.dtype)], axis=2)
+        return mx.concatenate([kept, mx.zeros((b, h, spare, d), kept.dtype)], axis=2)
 
     def _remember(self, queries: mx.array) -> None:
         """Keep the most recent ``window`` queries (the observation window)."""

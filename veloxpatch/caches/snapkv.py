@@ -3,7 +3,7 @@
 The last ``VELOX_WINDOW`` queries (the observation window) already look at what the next tokens
 will need; their attention, summed over the window and the query heads sharing a KV head and
 pooled over neighbouring rows (so a kept token keeps its context), ranks the rows per KV head.
-Here it runs between prefill chunks and every ``headroom`` decode steps, so memory stays bounded
+Here it runs between prefill chunks and every few decode steps (``headroom``), so memory stays bounded
 over the whole generation, not only after the prompt.
 """
 

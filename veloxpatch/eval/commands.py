@@ -1,0 +1,160 @@
+"""The ``eval``, ``bench``, ``demo`` and ``model-path`` subcommands of ``veloxpatch``."""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+
+from ..assets import model_path
+from . import report
+from .bench import LARGE_RANDOM, BenchSpec, run_bench
+from .harness import TASKS, EvalSpec, run_eval
+from .variants import known_methods
+
+EVAL_COLUMNS = ("task", "context", "label", "value", "kv_bytes", "peak_bytes", "samples")
+BENCH_COLUMNS = ("context", "variant", "budget", "prefill_s", "decode_tok_s", "decode_vs_vanilla",
+                 "kv_bytes", "kv_vs_vanilla", "peak_bytes")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x.strip().rstrip("%")) / (100 if x.strip().endswith("%") else 1) for x in text.split(",") if x.strip()]
+
+
+def _methods(text: str) -> list[str]:
+    allowed = known_methods()
+    chosen = allowed if text == "all" else [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in allowed]
+    if unknown:
+        raise click.BadParameter(f"{unknown} not allowed: choose from all, {', '.join(allowed)}", param_hint="--methods")
+    return chosen
+
+
+def _progress(label: str):
+    def wrap(items: Iterator[Any], length: int) -> Iterator[Any]:
+        with click.progressbar(items, length=length, label=label, file=click.get_text_stream("stderr")) as bar:
+            yield from bar
+
+    return wrap
+
+
+def load_model(model: str | None) -> tuple[Any, Any, str]:
+    """The given mlx_lm folder, else the shipped model; errors say how to get one."""
+    from mlx_lm import load
+
+    path = Path(model) if model else model_path()
+    if not (path / "config.json").exists():
+        hint = "" if model else " (the shipped model is missing: run train/train.py --export)"
+        raise click.BadParameter(f"{path} is not an mlx_lm model folder{hint}", param_hint="--model")
+    loaded, tokenizer = load(str(path))
+    return loaded, tokenizer, str(path)
+
+
+def machine() -> str:
+    import mlx.core as mx
+
+    return f"{platform.machine()} {platform.system()}, mlx {mx.__version__} on {mx.default_device()}"
+
+
+def finish(rows: list[dict[str, Any]], columns: tuple[str, ...], out: Path, stem: str, meta: dict[str, Any]) -> None:
+    click.echo(report.table(rows, columns))
+    for path in report.write_files(rows, out, stem, meta):
+        click.echo(f"wrote {path}", err=True)
+
+
+@click.command("eval")
+@click.option("--model", default=None, help="mlx_lm model folder [default: the shipped model]")
+@click.option("--tasks", "task_list", default=",".join(TASKS), show_default=True, help="Comma-separated tasks.")
+@click.option("--contexts", default="1024", show_default=True, help="Comma-separated context lengths (tokens).")
+@click.option("--budgets", default="100%,50%,25%,12.5%", show_default=True, help="KV budgets as shares of the context.")
+@click.option("--methods", default="all", show_default=True, help=f"Comma-separated: {', '.join(known_methods())}.")
+@click.option("--samples", default=20, show_default=True, help="Held-out examples per cell.")
+@click.option("--prefill-step", default=512, show_default=True, help="mlx_lm prefill_step_size.")
+@click.option("--out", default="velox-eval", show_default=True, type=click.Path(path_type=Path), help="Output folder.")
+@click.option("--plots/--no-plots", default=True, show_default=True, help="Write PNG plots (needs matplotlib).")
+def eval_command(model, task_list, contexts, budgets, methods, samples, prefill_step, out, plots) -> None:
+    """Quality per method and budget: passkey, multi-key retrieval and perplexity."""
+    chosen = [t.strip() for t in task_list.split(",") if t.strip()]
+    if any(t not in TASKS for t in chosen):
+        raise click.BadParameter(f"{chosen} not allowed: choose from {', '.join(TASKS)}", param_hint="--tasks")
+    spec = EvalSpec(chosen, _ints(contexts), _floats(budgets), _methods(methods), samples, prefill_step)
+    loaded, tokenizer, path = load_model(model)
+    started = time.time()
+    rows = [c.row() for c in run_eval(loaded, tokenizer, spec, _progress("eval"))]
+    meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
+    finish(rows, EVAL_COLUMNS, out, "eval", meta)
+    if plots:
+        for png in report.plot_eval(rows, out):
+            click.echo(f"wrote {png}", err=True)
+
+
+@click.command("bench")
+@click.option("--model", default=None, help="mlx_lm model folder [default: the shipped model]")
+@click.option("--random-model", is_flag=True, help="A larger random-weight llama (8 x 1024) for speed.")
+@click.option("--contexts", default="1024,4096", show_default=True, help="Comma-separated context lengths.")
+@click.option("--budget", default=256, show_default=True, help="KV rows each method keeps per layer.")
+@click.option("--methods", default="all", show_default=True, help=f"Comma-separated: {', '.join(known_methods())}.")
+@click.option("--new-tokens", default=64, show_default=True, help="Tokens generated per run.")
+@click.option("--repeats", default=3, show_default=True, help="Timed runs per case (median), after a warm-up.")
+@click.option("--prefill-step", default=512, show_default=True, help="mlx_lm prefill_step_size.")
+@click.option("--out", default="velox-bench", show_default=True, type=click.Path(path_type=Path), help="Output folder.")
+def bench_command(model, random_model, contexts, budget, methods, new_tokens, repeats, prefill_step, out) -> None:
+    """Speed and memory per method, side by side with unpatched mlx_lm."""
+    chosen = [m for m in _methods(methods) if m != "quantized"]
+    spec = BenchSpec(_ints(contexts), budget, chosen, new_tokens, repeats, prefill_step)
+    if random_model:
+        from .random_model import build, config_for
+
+        loaded, path = build(config_for("llama", **LARGE_RANDOM, max_position_embeddings=1 << 16)), "random llama 8x1024"
+    else:
+        loaded, _, path = load_model(model)
+    rows = run_bench(loaded, spec, _progress("bench"))
+    finish(rows, BENCH_COLUMNS, out, "bench", {"model": path, "spec": vars(spec), "machine": machine()})
+
+
+@click.command("demo")
+@click.option("--model", default=None, help="mlx_lm model folder [default: the shipped model]")
+@click.option("--kv", default="snapkv", show_default=True, help="Method for the compressed run.")
+@click.option("--budget", default="25%", show_default=True, help="VELOX_BUDGET for the compressed run.")
+@click.option("--context", default=2048, show_default=True, help="Prompt length in tokens.")
+@click.option("--seed", default=0, show_default=True, help="Held-out passkey example.")
+def demo_command(model, kv, budget, context, seed) -> None:
+    """A long-context question under plain mlx_lm.generate, vanilla then compressed, side by side."""
+    import veloxpatch
+    from mlx_lm import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from . import tasks
+
+    loaded, tokenizer, _ = load_model(model)
+    prompt, answer = tasks.passkey_example(tokenizer, context, seed, "heldout")
+    rows = []
+    for name, settings in (("vanilla", {"kv": "none"}), (f"{kv} {budget}", {"kv": kv, "budget": budget})):
+        veloxpatch.patch(**settings)
+        cache = make_prompt_cache(loaded)  # what generate would make; kept here to read its bytes
+        text, last = "", None
+        for last in stream_generate(loaded, tokenizer, prompt, max_tokens=8, prompt_cache=cache,
+                                    prefill_step_size=512):
+            text += last.text
+        rows.append({"run": name, "answer": text.strip(), "right": tasks.is_correct(text, answer),
+                     "kv_MiB": sum(c.nbytes for c in cache) / 2**20, "prompt_tok_s": last.prompt_tps,
+                     "decode_tok_s": last.generation_tps, "peak_MiB": last.peak_memory * 1e9 / 2**20})
+    veloxpatch.unpatch()
+    click.echo(f"question: {last.prompt_tokens}-token passkey prompt; expected answer {answer.strip()!r}")
+    click.echo(report.table(rows, ("run", "answer", "right", "kv_MiB", "prompt_tok_s", "decode_tok_s", "peak_MiB")))
+
+
+@click.command("model-path")
+def model_path_command() -> None:
+    """Print the folder of the shipped model (for --model or mlx_lm.load)."""
+    click.echo(str(model_path()))
+
+
+COMMANDS = (eval_command, bench_command, demo_command, model_path_command)
