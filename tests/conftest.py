@@ -34,7 +34,8 @@ def clean_patch():
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("tiny") / "model")
+    # head_dim 32: the smallest mlx can quantize, so the eval's quantized variant applies
+    return write_model_dir(tmp_path_factory.mktemp("tiny") / "model", hidden_size=128, intermediate_size=192)
 
 
 __all__ = ["ARCHS", "random_tokens", "run_python", "tiny"]

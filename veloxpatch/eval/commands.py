@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -39,7 +40,7 @@ def _methods(text: str) -> list[str]:
 
 def _progress(label: str):
     def wrap(items: Iterator[Any], length: int) -> Iterator[Any]:
-        with click.progressbar(items, length=length, label=label, file=click.get_text_stream("stderr")) as bar:
+        with click.progressbar(items, length=length, label=label, file=sys.stderr) as bar:
             yield from bar
 
     return wrap
@@ -119,6 +120,31 @@ def bench_command(model, random_model, contexts, budget, methods, new_tokens, re
     finish(rows, BENCH_COLUMNS, out, "bench", {"model": path, "spec": vars(spec), "machine": machine()})
 
 
+def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, seed: int) -> tuple[list[dict], str]:
+    """One held-out passkey question under mlx_lm's stream_generate, vanilla then compressed."""
+    import mlx_lm.models.cache as mlx_cache
+    from mlx_lm import stream_generate
+
+    import veloxpatch
+
+    from . import tasks
+
+    prompt, answer = tasks.passkey_example(tokenizer, context, seed, "heldout")
+    rows = []
+    for name, settings in (("vanilla", {"kv": "none"}), (f"{kv}@{budget}", {"kv": kv, "budget": budget})):
+        veloxpatch.patch(**settings)
+        cache = mlx_cache.make_prompt_cache(model)  # what generate would make; kept here to read its bytes
+        text, last = "", None
+        for last in stream_generate(model, tokenizer, prompt, max_tokens=8, prompt_cache=cache, prefill_step_size=512):
+            text += last.text
+        rows.append({"run": name, "answer": repr(text.strip()), "right": tasks.is_correct(text, answer),
+                     "kv_MiB": sum(c.nbytes for c in cache) / 2**20, "prompt_tok_s": last.prompt_tps,
+                     "decode_tok_s": last.generation_tps, "peak_MiB": last.peak_memory * 1e9 / 2**20,
+                     "prompt_tokens": last.prompt_tokens})
+    veloxpatch.unpatch()
+    return rows, answer.strip()
+
+
 @click.command("demo")
 @click.option("--model", default=None, help="mlx_lm model folder [default: the shipped model]")
 @click.option("--kv", default="snapkv", show_default=True, help="Method for the compressed run.")
@@ -126,28 +152,10 @@ def bench_command(model, random_model, contexts, budget, methods, new_tokens, re
 @click.option("--context", default=2048, show_default=True, help="Prompt length in tokens.")
 @click.option("--seed", default=0, show_default=True, help="Held-out passkey example.")
 def demo_command(model, kv, budget, context, seed) -> None:
-    """A long-context question under plain mlx_lm.generate, vanilla then compressed, side by side."""
-    import veloxpatch
-    from mlx_lm import stream_generate
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from . import tasks
-
+    """A long-context question under plain mlx_lm, vanilla then compressed, side by side."""
     loaded, tokenizer, _ = load_model(model)
-    prompt, answer = tasks.passkey_example(tokenizer, context, seed, "heldout")
-    rows = []
-    for name, settings in (("vanilla", {"kv": "none"}), (f"{kv} {budget}", {"kv": kv, "budget": budget})):
-        veloxpatch.patch(**settings)
-        cache = make_prompt_cache(loaded)  # what generate would make; kept here to read its bytes
-        text, last = "", None
-        for last in stream_generate(loaded, tokenizer, prompt, max_tokens=8, prompt_cache=cache,
-                                    prefill_step_size=512):
-            text += last.text
-        rows.append({"run": name, "answer": text.strip(), "right": tasks.is_correct(text, answer),
-                     "kv_MiB": sum(c.nbytes for c in cache) / 2**20, "prompt_tok_s": last.prompt_tps,
-                     "decode_tok_s": last.generation_tps, "peak_MiB": last.peak_memory * 1e9 / 2**20})
-    veloxpatch.unpatch()
-    click.echo(f"question: {last.prompt_tokens}-token passkey prompt; expected answer {answer.strip()!r}")
+    rows, answer = demo_rows(loaded, tokenizer, kv, budget, context, seed)
+    click.echo(f"question: {rows[0]['prompt_tokens']}-token passkey prompt; expected answer {answer!r}")
     click.echo(report.table(rows, ("run", "answer", "right", "kv_MiB", "prompt_tok_s", "decode_tok_s", "peak_MiB")))
 
 

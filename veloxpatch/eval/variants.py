@@ -20,7 +20,7 @@ from veloxpatch.config import setting
 # a token budget may not be smaller than the rows every method protects (default sink + window)
 PROTECTED = int(setting("VELOX_SINK").default) + int(setting("VELOX_WINDOW").default)
 
-QUANT_BITS = (2, 3, 4, 6, 8)
+QUANT_BITS = (2, 4, 8)  # the widths mlx_lm users pick with --kv-bits
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,12 @@ class KVLayout:
 
     @property
     def group(self) -> int:
-        """mlx_lm's default group of 64, or the head dimension when that is smaller."""
-        return min(64, self.head_dim)
+        """mlx_lm's default group of 64, or 32 when the head dimension is not a multiple of 64."""
+        for group in (64, 32):
+            if self.head_dim % group == 0:
+                return group
+        raise ValueError(f"the quantized variant needs head_dim divisible by 32 (mlx's smallest group); "
+                         f"this model has head_dim {self.head_dim}")
 
     def share(self, bits: int) -> float:
         """Bytes of a quantized row relative to the unquantized one (values + fp16 scale and bias)."""
@@ -68,16 +72,17 @@ class Variant:
 
     def caches(self, model: Any, context: int) -> list[Any]:
         """The cache list for one run (patching or unpatching mlx_lm as the variant needs)."""
-        from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+        import mlx_lm.models.cache as mlx_cache  # looked up after (un)patching, as an app's call would be
 
         if self.method in METHODS:
             veloxpatch.patch(kv=self.method, budget=self.budget(context))
-            return make_prompt_cache(model)
+            return mlx_cache.make_prompt_cache(model)
         veloxpatch.unpatch()
-        caches = make_prompt_cache(model)
+        caches = mlx_cache.make_prompt_cache(model)
         if self.method == "rotating":
             size = self.budget(context)
-            return [RotatingKVCache(max_size=size, keep=4) if type(c) is KVCache else c for c in caches]
+            return [mlx_cache.RotatingKVCache(max_size=size, keep=4) if type(c) is mlx_cache.KVCache else c
+                    for c in caches]
         return caches
 
     def generate_kwargs(self, layout: KVLayout) -> dict[str, Any]:

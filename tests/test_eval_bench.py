@@ -1,0 +1,70 @@
+"""``veloxpatch eval`` and ``bench`` end to end on tiny settings: they run and write their files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from veloxpatch.cli import main
+from veloxpatch.eval.commands import demo_rows
+from veloxpatch.eval.variants import KVLayout, Variant
+
+
+def test_eval_writes_table_json_csv_and_plots(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    result = CliRunner().invoke(main, ["eval", "--model", str(model_dir), "--contexts", "160", "--samples", "1",
+                                       "--budgets", "100%,25%", "--methods", "snapkv,rotating,quantized",
+                                       "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads((out / "eval.json").read_text())["rows"]
+    labels = {(r["task"], r["label"]) for r in rows}
+    for task in ("passkey", "multikey", "perplexity"):
+        assert {(task, "full"), (task, "snapkv@0.25"), (task, "rotating@0.25"), (task, "quantized@0.25")} <= labels
+    ppl = {r["label"]: r for r in rows if r["task"] == "perplexity"}
+    assert all(r["value"] > 1 for r in ppl.values())
+    assert ppl["snapkv@0.25"]["kv_bytes"] < ppl["full"]["kv_bytes"]
+    assert (out / "eval.csv").read_text().startswith("task,context,method,share,label,metric,value")
+    assert (out / "perplexity_160.png").stat().st_size > 1000
+    assert "snapkv@0.25" in result.output
+
+
+def test_bench_compares_every_method_with_vanilla(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "200", "--budget", "48",
+                                       "--methods", "snapkv,streamingllm,rotating", "--new-tokens", "4",
+                                       "--repeats", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = {r["variant"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}
+    assert set(rows) == {"vanilla@ctx=48", "vanilla", "snapkv", "streamingllm", "rotating"}
+    assert rows["vanilla"]["decode_vs_vanilla"] == 1.0
+    assert rows["snapkv"]["kv_bytes"] < rows["vanilla"]["kv_bytes"]
+    assert all(r["prefill_s"] > 0 and r["decode_tok_s"] > 0 for r in rows.values())
+
+
+def test_bad_method_names_are_refused(model_dir: Path) -> None:
+    result = CliRunner().invoke(main, ["eval", "--model", str(model_dir), "--methods", "snapkv,h2o2"])
+    assert result.exit_code == 2 and "h2o2" in result.output and "streamingllm" in result.output
+
+
+def test_quantized_variant_matches_bytes_to_the_budget() -> None:
+    fp16 = KVLayout(dtype_bits=16, head_dim=64)
+    assert [fp16.bits_for(s) for s in (0.5, 0.25, 0.125)] == [8, 4, 2]
+    assert KVLayout(dtype_bits=16, head_dim=32).group == 32
+    with pytest.raises(ValueError, match="head_dim divisible by 32"):
+        KVLayout(dtype_bits=16, head_dim=16).group
+    assert Variant("quantized", 0.25).generate_kwargs(fp16) == {"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0}
+    assert Variant("snapkv", 0.01).budget(1000) == 36
+
+
+def test_demo_runs_vanilla_then_compressed(model_dir: Path) -> None:
+    from mlx_lm import load
+
+    model, tokenizer = load(str(model_dir))
+    rows, answer = demo_rows(model, tokenizer, "snapkv", "40", context=300, seed=1)
+    assert [r["run"] for r in rows] == ["vanilla", "snapkv@40"] and answer.isdigit()
+    assert rows[1]["kv_MiB"] < rows[0]["kv_MiB"] / 3, "the second run really is compressed"
+    result = CliRunner().invoke(main, ["demo", "--model", str(model_dir), "--context", "300", "--budget", "40"])
+    assert result.exit_code == 0 and "passkey prompt" in result.output, result.output
