@@ -163,3 +163,14 @@ def test_trim_is_exact_or_refused() -> None:
     assert not any(c.is_trimmable() for c in evicted)
     assert evicted[0].trim(100) == 0 and evicted[0].offset == 200, "refused, nothing changed"
     assert evicted[0].trim(8) == 8 and (evicted[0].offset, evicted[0].size()) == (192, 56)
+
+
+def test_each_generation_resets_the_coordinator_of_a_reused_cache_list() -> None:
+    model = tiny("llama")
+    veloxpatch.patch(kv="snapkv", budget=40, window=8)
+    caches = make_prompt_cache(model)
+    coordinator = caches[0].coordinator
+    assert all(c.coordinator is coordinator for c in caches) and coordinator.members == caches
+    for turn in range(3):  # a chat: one cache list, a generation per turn
+        continue_greedy(model, caches, first=turn + 1, steps=3)
+    assert coordinator.generations == 3

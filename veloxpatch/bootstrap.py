@@ -13,7 +13,8 @@ import sys
 DISABLED = ("", "none")
 
 
-def _strict() -> bool:
+def strict_requested() -> bool:
+    """``VELOX_STRICT`` read without the config registry (this module must stay light)."""
     return os.environ.get("VELOX_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -26,6 +27,6 @@ def install() -> None:
 
         wrapt.register_post_import_hook("veloxpatch.integration:on_mlx_lm_import", "mlx_lm")
     except Exception as error:  # the host app must start regardless
-        if _strict():
+        if strict_requested():
             raise
         print(f"veloxpatch: ERROR: bootstrap failed ({error}); running unpatched", file=sys.stderr)

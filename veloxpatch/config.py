@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 PREFIX = "VELOX_"
@@ -285,8 +285,3 @@ def unknown_names(environ: Mapping[str, str]) -> list[str]:
         hint = f"; did you mean {PREFIX}{close[0]}?" if close else ""
         out.append(f"unknown setting {name}{hint} (see `veloxpatch info`)")
     return out
-
-
-def field_names() -> tuple[str, ...]:
-    """Names of :class:`VeloxConfig`'s fields (for ``patch(**kwargs)``)."""
-    return tuple(f.name for f in fields(VeloxConfig))

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import wrapt
 
 from .. import stats
+from ..bootstrap import strict_requested
 from ..caches import CACHE_CLASSES
 from ..config import ConfigError, VeloxConfig, from_env
 from . import version, wrappers
@@ -105,7 +106,7 @@ def patch_from_env() -> bool:
     except ConfigError as error:
         configure_logging("WARNING")
         log.error("%s; running unpatched", error)
-        if _strict_in_env():
+        if strict_requested():
             raise
         return False
     configure_logging(loaded.config.log)
@@ -126,12 +127,6 @@ def on_mlx_lm_import(module: ModuleType) -> None:
     """Lazy bootstrap entry (a wrapt hook on ``mlx_lm``): patch only once mlx_lm is used."""
     if not STATE.active:
         patch_from_env()
-
-
-def _strict_in_env() -> bool:
-    import os
-
-    return os.environ.get("VELOX_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _register_hooks() -> None:

@@ -26,7 +26,7 @@ SDPA_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 
 
 def fall_back(what: str, error: Exception) -> None:
-    """Log a failure once per kind; re-raise under VELOX_STRICT."""
+    """Log the first failure (later ones would repeat it); re-raise under VELOX_STRICT."""
     config = STATE.config
     if config is not None and config.strict:
         raise error
