@@ -154,3 +154,19 @@ def test_concurrent_patch_and_unpatch_stay_consistent() -> None:
     veloxpatch.patch(kv="snapkv", budget=64)
     assert base.scaled_dot_product_attention.__wrapped__ is originals[0]
     assert cache.make_prompt_cache.__wrapped__ is originals[1]
+
+
+def test_batched_generation_runs_on_mlx_lms_own_caches(model_dir) -> None:
+    """batch_generate merges caches, which ours cannot join: it must run, unchanged, on mlx_lm's caches."""
+    from mlx_lm import batch_generate, load
+    from mlx_lm.generate import BatchGenerator
+
+    model, tokenizer = load(str(model_dir))
+    prompts = [random_tokens(60, 1).tolist(), random_tokens(75, 2).tolist()]
+    expected = batch_generate(model, tokenizer, prompts, max_tokens=5, return_token_ids=True).token_ids
+    original_insert = vars(BatchGenerator)["insert"]
+    veloxpatch.patch(kv="snapkv", budget=40, window=8)
+    assert batch_generate(model, tokenizer, prompts, max_tokens=5, return_token_ids=True).token_ids == expected
+    assert type(make_prompt_cache(model)[0]).__name__ == "SnapKVCache", "single-sequence caches stay ours"
+    veloxpatch.unpatch()
+    assert vars(BatchGenerator)["insert"] is original_insert

@@ -27,11 +27,11 @@ from .state import STATE, Swap
 
 log = logging.getLogger("veloxpatch")
 
-# defining module -> names it defines that we replace, and the wrapper for each
+# defining module -> what it defines that we replace (a function, or Class.method), and the wrapper for each
 TARGETS: dict[str, dict[str, Callable[[Any], Any]]] = {
     "mlx_lm.models.base": {"scaled_dot_product_attention": wrappers.scaled_dot_product_attention},
     "mlx_lm.models.cache": {"make_prompt_cache": wrappers.make_prompt_cache},
-    "mlx_lm.generate": {"generate_step": wrappers.generate_step},
+    "mlx_lm.generate": {"generate_step": wrappers.generate_step, "BatchGenerator.insert": wrappers.batch_insert},
 }
 
 
@@ -81,7 +81,7 @@ def unpatch() -> None:
     with STATE.lock:
         STATE.config = None
         for swap in STATE.swaps.values():
-            _rebind(swap.replacement, swap.original, swap.name)
+            _rebind(swap, swap.replacement, swap.original)
         STATE.swaps.clear()
         cache_module = sys.modules.get("mlx_lm.models.cache")
         for cls in CACHE_CLASSES.values():
@@ -151,21 +151,27 @@ def _apply(module: ModuleType) -> None:
     """Bind our wrapper for each target name this module defines (once)."""
     for name, wrap in TARGETS[module.__name__].items():
         if name not in STATE.swaps:
-            original = vars(module)[name]
-            STATE.swaps[name] = Swap(name, original, wrap(original))
+            owner_name, _, attr = name.rpartition(".")
+            owner = getattr(module, owner_name) if owner_name else None
+            original = vars(owner if owner is not None else module)[attr]
+            STATE.swaps[name] = Swap(attr, original, wrap(original), owner)
         swap = STATE.swaps[name]
-        _rebind(swap.original, swap.replacement, name)
+        _rebind(swap, swap.original, swap.replacement)
     if module.__name__ == "mlx_lm.models.cache":
         for cls in CACHE_CLASSES.values():  # load_prompt_cache looks classes up here by name
             setattr(module, cls.__name__, cls)
 
 
-def _rebind(old: Any, new: Any, name: str) -> None:
-    """Replace every module-level binding ``name`` that is ``old`` with ``new``."""
+def _rebind(swap: Swap, old: Any, new: Any) -> None:
+    """Replace ``old`` with ``new``: on the owning class, or at every module-level binding of the name."""
+    if swap.owner is not None:
+        if vars(swap.owner).get(swap.name) is old:
+            setattr(swap.owner, swap.name, new)
+        return
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict) and namespace.get(name) is old:
-            setattr(module, name, new)
+        if isinstance(namespace, dict) and namespace.get(swap.name) is old:
+            setattr(module, swap.name, new)
 
 
 def _register_stats(config: VeloxConfig) -> None:

@@ -11,11 +11,13 @@ from ..config import VeloxConfig
 
 @dataclass
 class Swap:
-    """One function replaced in mlx_lm: the original, our replacement, and where it is bound."""
+    """One function replaced in mlx_lm: the original and our replacement, bound on ``owner`` (a class)
+    or, when that is None, at every module-level binding of ``name``."""
 
     name: str
     original: Any
     replacement: Any
+    owner: Any = None
 
 
 @dataclass

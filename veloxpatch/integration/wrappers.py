@@ -4,6 +4,8 @@
 * ``scaled_dot_product_attention``: a call whose cache is ours goes to the cache (real queries,
   our mask); every other call goes to the original, arguments untouched.
 * ``generate_step``: resets the coordinator of a reused cache list when a generation starts.
+* ``BatchGenerator.insert``: mlx_lm's batched generation merges caches into batch caches, which
+  ours cannot join, so caches made inside it stay mlx_lm's own (logged once).
 
 Each reads the active config at call time, so re-patching with a new config needs no re-binding,
 and a failure inside our code falls back to mlx_lm's own behaviour unless ``VELOX_STRICT``.
@@ -12,6 +14,7 @@ and a failure inside our code falls back to mlx_lm's own behaviour unless ``VELO
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable
 
 import wrapt
@@ -23,6 +26,8 @@ from .state import STATE
 log = logging.getLogger("veloxpatch")
 
 SDPA_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
+_local = threading.local()
+_told_batched = False
 
 
 def fall_back(what: str, error: Exception) -> None:
@@ -39,7 +44,7 @@ def fall_back(what: str, error: Exception) -> None:
 def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     caches = wrapped(*args, **kwargs)
     config = STATE.config
-    if config is None or not config.enabled:
+    if config is None or not config.enabled or _in_batched_generation():
         return caches
     model = args[0] if args else kwargs["model"]
     try:
@@ -68,3 +73,22 @@ def generate_step(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -
         coordinator.reset()
     stats.totals.generations += 1
     return wrapped(*args, **kwargs)
+
+
+@wrapt.decorator
+def batch_insert(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    _local.batched = getattr(_local, "batched", 0) + 1
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _local.batched -= 1
+
+
+def _in_batched_generation() -> bool:
+    global _told_batched
+    if not getattr(_local, "batched", 0):
+        return False
+    if not _told_batched:
+        _told_batched = True
+        log.warning("mlx_lm batched generation merges caches; it runs with mlx_lm's own caches")
+    return True
