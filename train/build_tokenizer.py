@@ -1,8 +1,10 @@
 """Build the shipped model's tokenizer: byte-level BPE over the stdlib train split, digits split one per token.
 
 Why: a character vocabulary makes the cue ("The pass key is") a dozen tokens and the key-to-cue distance long; a
-small BPE makes the cue a few distinct tokens, while single-digit tokens keep every key a plain copy task and make
-all keys of one length the same number of tokens.
+small BPE makes the cue a few distinct tokens. Numbers are pre-split into groups of two digits, the first carrying
+the leading space (" 48213" -> "Ġ48" "21" "3"): every key of a given length has the same token count, and each
+key token is rare enough for an induction head to copy it (single-digit tokens were not learnable: after 800
+steps the model copied nothing, because a previous digit matches everywhere).
 
     python train/build_tokenizer.py --out /root/veloxpatch-train/tokenizer.json
 """
@@ -14,7 +16,7 @@ import random
 import sys
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from veloxpatch.eval import tasks  # noqa: E402
@@ -34,14 +36,17 @@ def _texts(max_chars: int, seed: int = 0) -> list[str]:
         cues.append(tasks.PASSKEY_NEEDLE.format(key=tasks.random_key(rng, 5)) + tasks.PASSKEY_QUESTION)
         cues.append(tasks.MULTIKEY_NEEDLE.format(name=name, key=tasks.random_key(rng, 4))
                     + tasks.MULTIKEY_QUESTION.format(name=name))
-    return pieces + ["\n".join(cues)]
+    # every 1-2 digit group, with and without a leading space, often enough that BPE keeps each as one token
+    groups = [f"{i}" for i in range(10)] + [f"{i:02d}" for i in range(100)]
+    numbers = " ".join(g + "," + g for g in groups) + "\n"
+    return pieces + ["\n".join(cues)] + [numbers] * 400
 
 
 def build(vocab_size: int = VOCAB_SIZE, max_chars: int = 12_000_000) -> Tokenizer:
     """Train the BPE (deterministic for a given corpus)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Split(Regex(r" ?[0-9]{1,2}"), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tok.decoder = decoders.ByteLevel()

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from veloxpatch.eval import tasks  # noqa: E402
 
-CHARS_PER_TOKEN = 3.25  # measured for the 4096-token BPE on held-out stdlib text
+CHARS_PER_TOKEN = 3.35  # measured for the 4096-token BPE on held-out stdlib text
 
 
 @dataclass
@@ -28,6 +28,7 @@ class Mix:
     passkey: float = 0.35  # exact eval format, question right at the end (right-aligned)
     dense: float = 0.45  # several secret-code pairs (+ maybe a passkey), each asked 1-2 times later
     plain: float = 0.20  # natural text only
+    drill: float = 0.0  # episodes packed back to back with little filler: dense signal to form induction heads
     answer_weight: float = 4.0
 
 
@@ -98,6 +99,33 @@ def dense_text(rng: random.Random, L: int) -> tuple[str, list[tuple[int, int]]]:
     return text, spans
 
 
+def drill_text(rng: random.Random, L: int) -> tuple[str, list[tuple[int, int]]]:
+    """Many short pairs and their questions with only a line or two of filler between: ~25% answer tokens."""
+    parts, spans, n = [], [], 0
+    live: list[tuple[str, str]] = []
+    while n < L * CHARS_PER_TOKEN * 1.3:
+        r = rng.random()
+        if live and r < 0.45:
+            question, key = rng.choice(live)
+            text, span = _qa(question, key)
+            spans.append((n + span[0], n + span[1]))
+        elif r < 0.85:
+            if rng.random() < 0.2:
+                key = tasks.random_key(rng, rng.randint(4, 7))
+                live = [p for p in live if p[0] != tasks.PASSKEY_QUESTION] + [(tasks.PASSKEY_QUESTION, key)]
+                text = tasks.PASSKEY_NEEDLE.format(key=key)
+            else:
+                name, key = rng.choice(tasks.KEY_NAMES), tasks.random_key(rng, rng.randint(3, 6))
+                question = tasks.MULTIKEY_QUESTION.format(name=name)
+                live = [p for p in live if p[0] != question] + [(question, key)]
+                text = tasks.MULTIKEY_NEEDLE.format(name=name, key=key)
+        else:
+            text = tasks.filler(rng.randint(20, 200), rng, "train")
+        parts.append(text)
+        n += len(text)
+    return "".join(parts), spans
+
+
 def plain_text(rng: random.Random, L: int) -> str:
     return tasks.filler(int(L * CHARS_PER_TOKEN * 1.3), rng, "train")
 
@@ -118,14 +146,16 @@ def make_batch(tok: Tokenizer, seed: int, step: int, L: int, batch: int, mix: Mi
     for i in range(batch):
         r = rng.random()
         for _ in range(10):  # retry the rare sample whose needle got cut off
-            if r < mix.passkey:
+            if mix.drill <= r < mix.drill + mix.passkey:
                 text, spans, keep_from = passkey_text(rng, L)
                 enc = tok.encode(text)
                 ids, offs = enc.ids[-(L + 1):], enc.offsets[-(L + 1):]
                 if len(ids) < L + 1 or offs[0][0] > keep_from:
                     continue
             else:
-                if r < mix.passkey + mix.dense:
+                if r < mix.drill:
+                    text, spans = drill_text(rng, L)
+                elif r < mix.drill + mix.passkey + mix.dense:
                     text, spans = dense_text(rng, L)
                 else:
                     text, spans = plain_text(rng, L), []
