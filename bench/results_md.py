@@ -1,0 +1,58 @@
+"""Turn ``veloxpatch eval`` / ``bench`` JSON files into the README's results tables (Markdown on stdout).
+
+    python bench/results_md.py velox-eval/eval.json [more eval.json ...] --bench velox-bench/bench.json ...
+
+Eval rows become one table per (task, context): a row per method, a column per KV budget share, each cell the
+measured value and its sample count. Several eval files are merged (e.g. a slower variant run with fewer samples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from veloxpatch.eval.report import markdown
+
+
+def eval_tables(rows: list[dict]) -> str:
+    out = []
+    for task, context in sorted({(r["task"], r["context"]) for r in rows}):
+        cells = [r for r in rows if r["task"] == task and r["context"] == context]
+        shares = sorted({r["share"] for r in cells}, reverse=True)
+        methods = sorted({r["method"] for r in cells}, key=lambda m: (m != "full", m))
+        table = []
+        for method in methods:
+            line = {"method": method}
+            for share in shares:
+                hit = [r for r in cells if r["method"] == method and r["share"] == share]
+                line[f"{share:.3g}"] = f"{hit[0]['value']:.3g} (n={hit[0]['samples']})" if hit else ""
+            table.append(line)
+        metric = "perplexity (lower is better)" if task == "perplexity" else "accuracy"
+        out.append(f"**{task}, context {context} tokens** ({metric}; columns: KV budget as a share of the context)\n")
+        out.append(markdown(table, ["method"] + [f"{s:.3g}" for s in shares]) + "\n")
+    return "\n".join(out)
+
+
+def bench_table(rows: list[dict]) -> str:
+    shown = [{**r, "kv_MiB": r["kv_bytes"] / 2**20, "peak_MiB": r["peak_bytes"] / 2**20} for r in rows]
+    return markdown(shown, ["context", "variant", "budget", "prefill_s", "decode_tok_s", "decode_vs_vanilla",
+                            "kv_MiB", "kv_vs_vanilla", "peak_MiB"]) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("eval", nargs="*", type=Path, help="eval.json files")
+    parser.add_argument("--bench", nargs="*", type=Path, default=[], help="bench.json files")
+    args = parser.parse_args()
+    rows = [r for path in args.eval for r in json.loads(path.read_text())["rows"]]
+    if rows:
+        print(eval_tables(rows))
+    for path in args.bench:
+        data = json.loads(path.read_text())
+        print(f"**bench: {data['meta']['model']}** ({data['meta']['machine']})\n")
+        print(bench_table(data["rows"]))
+
+
+if __name__ == "__main__":
+    main()
