@@ -44,9 +44,13 @@ def test_bench_compares_every_method_with_vanilla(model_dir: Path, tmp_path: Pat
     assert all(r["prefill_s"] > 0 and r["decode_tok_s"] > 0 for r in rows.values())
 
 
-def test_bad_method_names_are_refused(model_dir: Path) -> None:
+def test_bad_arguments_are_refused(model_dir: Path) -> None:
     result = CliRunner().invoke(main, ["eval", "--model", str(model_dir), "--methods", "snapkv,h2o2"])
     assert result.exit_code == 2 and "h2o2" in result.output and "streamingllm" in result.output
+    result = CliRunner().invoke(main, ["eval", "--model", str(model_dir), "--budgets", "50%,150%"])
+    assert result.exit_code == 2 and "'150%' not allowed" in result.output
+    result = CliRunner().invoke(main, ["eval", "--model", str(model_dir / "missing")])
+    assert result.exit_code == 2 and "is not an mlx_lm model folder" in result.output
 
 
 def test_quantized_variant_matches_bytes_to_the_budget() -> None:

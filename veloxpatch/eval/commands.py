@@ -25,8 +25,15 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x.strip().rstrip("%")) / (100 if x.strip().endswith("%") else 1) for x in text.split(",") if x.strip()]
+def _shares(text: str) -> list[float]:
+    """``"100%,25%"`` or ``"1,0.25"`` -> [1.0, 0.25]; anything outside (0, 1] is refused."""
+    shares = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        share = float(item[:-1]) / 100 if item.endswith("%") else float(item)
+        if not 0 < share <= 1:
+            raise click.BadParameter(f"{item!r} not allowed: budgets are shares in (0, 100%]", param_hint="--budgets")
+        shares.append(share)
+    return shares
 
 
 def _methods(text: str) -> list[str]:
@@ -85,7 +92,7 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, prefill_
     chosen = [t.strip() for t in task_list.split(",") if t.strip()]
     if any(t not in TASKS for t in chosen):
         raise click.BadParameter(f"{chosen} not allowed: choose from {', '.join(TASKS)}", param_hint="--tasks")
-    spec = EvalSpec(chosen, _ints(contexts), _floats(budgets), _methods(methods), samples, prefill_step)
+    spec = EvalSpec(chosen, _ints(contexts), _shares(budgets), _methods(methods), samples, prefill_step)
     loaded, tokenizer, path = load_model(model)
     started = time.time()
     rows = [c.row() for c in run_eval(loaded, tokenizer, spec, _progress("eval"))]
