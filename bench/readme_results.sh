@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Reproduce the README's results section: quality on the shipped model, speed on it and on a larger random model.
+# Writes docs/results/ (JSON, CSV, PNG) and prints the Markdown tables. Run with nothing else busy on the machine.
+#   bash bench/readme_results.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+blas=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+[ -e "$blas" ] && export LD_PRELOAD=$blas   # ~30x faster mlx CPU matmuls (apt-get install libopenblas0-pthread)
+out=docs/results
+veloxpatch eval --contexts 1024 --samples 10 --methods snapkv,streamingllm,rotating --out $out/eval
+# mlx's CPU quantized matmul is slow, so mlx_lm's QuantizedKVCache gets fewer samples
+veloxpatch eval --contexts 1024 --samples 3 --methods quantized --out $out/eval-quantized --no-plots
+veloxpatch bench --contexts 1024,2048 --budget 256 --repeats 3 --new-tokens 64 --out $out/bench-shipped
+veloxpatch bench --random-model --contexts 2048 --budget 256 --repeats 1 --new-tokens 32 --out $out/bench-random
+python bench/results_md.py $out/eval/eval.json $out/eval-quantized/eval.json \
+    --bench $out/bench-shipped/bench.json $out/bench-random/bench.json
