@@ -35,15 +35,16 @@ def default_model() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="mlx_lm model folder")
-    parser.add_argument("--words", type=int, default=600, help="length of the filler text")
+    parser.add_argument("--words", type=int, default=200, help="length of the filler text (200: ~900 tokens)")
     args = parser.parse_args()
     model, tokenizer = load(args.model or default_model())
     filler = " ".join(["The grass is green. The sky is blue. The sun is yellow."] * (args.words // 12))
-    prompt = f"{filler} The pass key is 71432. Remember it. {filler} What is the pass key? The pass key is"
+    needle = "The pass key is 71432. Remember it. 71432 is the pass key."
+    prompt = f"{filler}\n{needle}\n{filler}\nWhat is the pass key? The pass key is"
     text, last = "", None
     for last in stream_generate(model, tokenizer, prompt, max_tokens=16, prefill_step_size=512):
         text += last.text
-    print(f"answer: {text.strip()!r}")
+    print(f"answer: {text.strip().splitlines()[0] if text.strip() else ''!r} (expected 71432)")
     print(f"prompt {last.prompt_tokens} tokens at {last.prompt_tps:.0f} tok/s, "
           f"decode {last.generation_tps:.1f} tok/s, peak memory {mx.get_peak_memory() / 2**20:.1f} MiB")
 

@@ -129,6 +129,7 @@ def bench_command(model, random_model, contexts, budget, methods, new_tokens, re
 
 def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, seed: int) -> tuple[list[dict], str]:
     """One held-out passkey question under mlx_lm's stream_generate, vanilla then compressed."""
+    import mlx.core as mx
     import mlx_lm.models.cache as mlx_cache
     from mlx_lm import stream_generate
 
@@ -141,10 +142,13 @@ def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, se
     for name, settings in (("vanilla", {"kv": "none"}), (f"{kv}@{budget}", {"kv": kv, "budget": budget})):
         veloxpatch.patch(**settings)
         cache = mlx_cache.make_prompt_cache(model)  # what generate would make; kept here to read its bytes
+        mx.clear_cache()
+        mx.reset_peak_memory()
         text, last = "", None
         for last in stream_generate(model, tokenizer, prompt, max_tokens=8, prompt_cache=cache, prefill_step_size=512):
             text += last.text
-        rows.append({"run": name, "answer": repr(text.strip()), "right": tasks.is_correct(text, answer),
+        first_line = (text.strip().splitlines() or [""])[0]
+        rows.append({"run": name, "answer": repr(first_line), "right": tasks.is_correct(text, answer),
                      "kv_MiB": sum(c.nbytes for c in cache) / 2**20, "prompt_tok_s": last.prompt_tps,
                      "decode_tok_s": last.generation_tps, "peak_MiB": last.peak_memory * 1e9 / 2**20,
                      "prompt_tokens": last.prompt_tokens})
@@ -156,7 +160,7 @@ def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, se
 @click.option("--model", default=None, help="mlx_lm model folder [default: the shipped model]")
 @click.option("--kv", default="snapkv", show_default=True, help="Method for the compressed run.")
 @click.option("--budget", default="25%", show_default=True, help="VELOX_BUDGET for the compressed run.")
-@click.option("--context", default=2048, show_default=True, help="Prompt length in tokens.")
+@click.option("--context", default=1024, show_default=True, help="Prompt length in tokens.")
 @click.option("--seed", default=0, show_default=True, help="Held-out passkey example.")
 def demo_command(model, kv, budget, context, seed) -> None:
     """A long-context question under plain mlx_lm, vanilla then compressed, side by side."""
