@@ -3,7 +3,8 @@
     python bench/results_md.py velox-eval/eval.json [more eval.json ...] --bench velox-bench/bench.json ...
 
 Eval rows become one table per (task, context): a row per method, a column per KV budget share, each cell the
-measured value and its sample count. Several eval files are merged (e.g. a slower variant run with fewer samples).
+measured value and its sample count. Several eval files are merged (e.g. a slower variant run with fewer samples);
+where two files hold the same cell (task, context, method, share), the later file wins.
 """
 
 from __future__ import annotations
@@ -45,7 +46,11 @@ def main() -> None:
     parser.add_argument("eval", nargs="*", type=Path, help="eval.json files")
     parser.add_argument("--bench", nargs="*", type=Path, default=[], help="bench.json files")
     args = parser.parse_args()
-    rows = [r for path in args.eval for r in json.loads(path.read_text())["rows"]]
+    cells = {}
+    for path in args.eval:
+        for r in json.loads(path.read_text())["rows"]:
+            cells[r["task"], r["context"], r["method"], r["share"]] = r
+    rows = list(cells.values())
     if rows:
         print(eval_tables(rows))
     for path in args.bench:

@@ -20,7 +20,7 @@ from veloxpatch.config import setting
 # a token budget may not be smaller than the rows every method protects (default sink + window)
 PROTECTED = int(setting("VELOX_SINK").default) + int(setting("VELOX_WINDOW").default)
 
-QUANT_BITS = (2, 4, 8)  # the widths mlx_lm users pick with --kv-bits
+QUANT_BITS = (8, 4, 2)  # the widths mlx_lm users pick with --kv-bits; a tie goes to the wider one
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class KVLayout:
         return (bits + 2 * 16 / self.group) / self.dtype_bits
 
     def bits_for(self, share: float) -> int:
-        """The kv_bits whose bytes come closest to ``share`` of the unquantized cache."""
+        """The kv_bits whose bytes come closest to ``share`` of the unquantized cache (ties: more bits)."""
         return min(QUANT_BITS, key=lambda b: abs(self.share(b) - share))
 
 
