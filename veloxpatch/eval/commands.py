@@ -99,8 +99,11 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, prefill_
     meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
     finish(rows, EVAL_COLUMNS, out, "eval", meta)
     if plots:
-        for png in report.plot_eval(rows, out):
+        pngs = report.plot_eval(rows, out)
+        for png in pngs:
             click.echo(f"wrote {png}", err=True)
+        if not pngs:
+            click.echo("no plots: matplotlib is not installed (pip install 'veloxpatch[plot]')", err=True)
 
 
 @click.command("bench")
