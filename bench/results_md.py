@@ -4,7 +4,9 @@
 
 Eval rows become one table per (task, context): a row per method, a column per KV budget share, each cell the
 measured value and its sample count. Several eval files are merged (e.g. a slower variant run with fewer samples);
-where two files hold the same cell (task, context, method, share), the later file wins.
+where two files hold the same cell (task, context, method, share, sample count), the later file wins. A method
+measured with different sample counts gets a row per count (e.g. the full cache at n=10 and at n=3), so each row
+compares with the baseline measured on the same prompts.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ def eval_tables(rows: list[dict]) -> str:
     for task, context in sorted({(r["task"], r["context"]) for r in rows}):
         cells = [r for r in rows if r["task"] == task and r["context"] == context]
         shares = sorted({r["share"] for r in cells}, reverse=True)
-        methods = sorted({r["method"] for r in cells}, key=lambda m: (m != "full", m))
+        methods = sorted({(r["method"], r["samples"]) for r in cells}, key=lambda m: (m[0] != "full", m[0], -m[1]))
         table = []
-        for method in methods:
+        for method, samples in methods:
             line = {"method": method}
             for share in shares:
-                hit = [r for r in cells if r["method"] == method and r["share"] == share]
+                hit = [r for r in cells if (r["method"], r["samples"], r["share"]) == (method, samples, share)]
                 line[f"{share:.3g}"] = f"{hit[0]['value']:.3g} (n={hit[0]['samples']})" if hit else ""
             table.append(line)
         metric = "perplexity (lower is better)" if task == "perplexity" else "accuracy"
@@ -49,7 +51,7 @@ def main() -> None:
     cells = {}
     for path in args.eval:
         for r in json.loads(path.read_text())["rows"]:
-            cells[r["task"], r["context"], r["method"], r["share"]] = r
+            cells[r["task"], r["context"], r["method"], r["share"], r["samples"]] = r
     rows = list(cells.values())
     if rows:
         print(eval_tables(rows))
