@@ -15,12 +15,10 @@ from typing import Any
 from .caches import make_cache
 from .config import VeloxConfig
 from .coordinators import Coordinator
-
-log = logging.getLogger("veloxpatch")
+from .log import log, once
 
 ROUTED_NAME = "scaled_dot_product_attention"
 _route_checked: dict[type, bool] = {}
-_told: set[str] = set()
 
 
 def uses_routed_attention(model: Any) -> bool:
@@ -43,10 +41,10 @@ def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
     slots = [i for i, c in enumerate(caches) if type(c) is KVCache]
     model_name = type(model).__module__
     if not slots:
-        _tell_once(model_name, f"{model_name}: no plain full-attention KVCache slot; running unpatched")
+        once(model_name, logging.INFO, f"{model_name}: no plain full-attention KVCache slot; running unpatched")
         return caches
     if not uses_routed_attention(model):
-        _tell_once(model_name, f"{model_name}: attention does not use mlx_lm's routed function; running unpatched")
+        once(model_name, logging.INFO, f"{model_name}: attention does not use mlx_lm's routed function; running unpatched")
         return caches
     coordinator = Coordinator(config.kv)
     out = list(caches)
@@ -66,9 +64,3 @@ def coordinator_of(caches: Any) -> Coordinator | None:
         if isinstance(found, Coordinator):
             return found
     return None
-
-
-def _tell_once(key: str, message: str) -> None:
-    if key not in _told:
-        _told.add(key)
-        log.info(message)

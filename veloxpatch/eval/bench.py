@@ -87,8 +87,7 @@ def run_bench(model: Any, spec: BenchSpec,
             prompt = mx.random.randint(0, vocab, (context,), key=mx.random.key(context))
             timing = median_timing(lambda: time_generation(model, prompt, variant.caches(model, context), spec),
                                    spec.repeats)
-            rows.append({"context": context, "variant": label, "budget": variant.budget(context)
-                         if variant.method != "full" else context, **vars(timing)})
+            rows.append({"context": context, "variant": label, "budget": variant.budget(context), **vars(timing)})
     finally:
         veloxpatch.unpatch()
     return with_ratios(rows)

@@ -64,7 +64,10 @@ class Variant:
     share: float = 1.0
 
     def budget(self, context: int) -> int:
-        """Rows this variant may keep for a context of ``context`` tokens (sink + window at least)."""
+        """Rows this variant may keep for a context of ``context`` tokens (all for the full cache,
+        else the share, but at least sink + window)."""
+        if self.method == "full":
+            return context
         return max(round(self.share * context), PROTECTED)
 
     def label(self) -> str:

@@ -11,7 +11,6 @@ order of import / patch / unpatch works and nothing is wrapped twice.
 from __future__ import annotations
 
 import atexit
-import logging
 import sys
 from types import ModuleType
 from typing import Any, Callable
@@ -22,10 +21,10 @@ from .. import stats
 from ..bootstrap import strict_requested
 from ..caches import CACHE_CLASSES
 from ..config import ConfigError, VeloxConfig, from_env
+from ..log import configure as configure_logging
+from ..log import log
 from . import version, wrappers
 from .state import STATE, Swap
-
-log = logging.getLogger("veloxpatch")
 
 # defining module -> what it defines that we replace (a function, or Class.method), and the wrapper for each
 TARGETS: dict[str, dict[str, Callable[[Any], Any]]] = {
@@ -33,18 +32,6 @@ TARGETS: dict[str, dict[str, Callable[[Any], Any]]] = {
     "mlx_lm.models.cache": {"make_prompt_cache": wrappers.make_prompt_cache},
     "mlx_lm.generate": {"generate_step": wrappers.generate_step, "BatchGenerator.insert": wrappers.batch_insert},
 }
-
-
-def configure_logging(level: str) -> None:
-    """Give the ``veloxpatch`` logger one stderr handler at ``level`` (host logging untouched)."""
-    logger = logging.getLogger("veloxpatch")
-    logger.setLevel(level)
-    if not any(getattr(h, "_velox", False) for h in logger.handlers):
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("veloxpatch: %(levelname)s: %(message)s"))
-        handler._velox = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-        logger.propagate = False
 
 
 def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:

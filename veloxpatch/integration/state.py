@@ -26,7 +26,6 @@ class PatchState:
     config: VeloxConfig | None = None
     swaps: dict[str, Swap] = field(default_factory=dict)
     hooks_registered: bool = False
-    failed: bool = False
     stats_registered: bool = False
 
     @property

@@ -21,13 +21,11 @@ import wrapt
 
 from .. import builder, stats
 from ..caches.base import CompressedKVCache
+from ..log import once
 from .state import STATE
-
-log = logging.getLogger("veloxpatch")
 
 SDPA_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 _local = threading.local()
-_told_batched = False
 
 
 def fall_back(what: str, error: Exception) -> None:
@@ -35,9 +33,7 @@ def fall_back(what: str, error: Exception) -> None:
     config = STATE.config
     if config is not None and config.strict:
         raise error
-    if not STATE.failed:
-        log.error("%s failed (%s: %s); running unpatched mlx_lm", what, type(error).__name__, error)
-    STATE.failed = True
+    once("fall back", logging.ERROR, f"{what} failed ({type(error).__name__}: {error}); running unpatched mlx_lm")
 
 
 @wrapt.decorator
@@ -85,10 +81,7 @@ def batch_insert(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
 
 
 def _in_batched_generation() -> bool:
-    global _told_batched
     if not getattr(_local, "batched", 0):
         return False
-    if not _told_batched:
-        _told_batched = True
-        log.warning("mlx_lm batched generation merges caches; it runs with mlx_lm's own caches")
+    once("batched", logging.WARNING, "mlx_lm batched generation merges caches; it runs with mlx_lm's own caches")
     return True

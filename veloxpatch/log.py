@@ -1,0 +1,26 @@
+"""veloxpatch's own logger: one stderr handler, host logging untouched, and messages said once."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("veloxpatch")
+_said: set[str] = set()
+
+
+def configure(level: str) -> None:
+    """Give the ``veloxpatch`` logger one stderr handler at ``level``."""
+    log.setLevel(level)
+    if not any(getattr(h, "_velox", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("veloxpatch: %(levelname)s: %(message)s"))
+        handler._velox = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+        log.propagate = False
+
+
+def once(key: str, level: int, message: str) -> None:
+    """Log ``message`` the first time ``key`` comes up in this process (repeats would only be noise)."""
+    if key not in _said:
+        _said.add(key)
+        log.log(level, message)
