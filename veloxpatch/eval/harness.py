@@ -55,26 +55,29 @@ class Cell:
         }
 
 
-def retrieval(model: Any, tokenizer: Any, variant: Variant, prompt: str, answer: str, spec: EvalSpec) -> tuple[float, int]:
-    """Greedy answer under the variant's cache: (1.0 if right else 0.0, KV bytes at the end)."""
+def retrieval(model: Any, tokenizer: Any, variant: Variant, prompt: str, answer: str, spec: EvalSpec,
+              quant: dict[str, Any]) -> tuple[float, int]:
+    """Greedy answer under the variant's cache: (1.0 if right else 0.0, KV bytes at the end).
+
+    ``quant`` is the variant's kv_bits arguments for mlx_lm (empty unless it is the quantized one)."""
     from mlx_lm.generate import generate_step
 
     tokens = mx.array(tokenizer.encode(prompt))
     caches = variant.caches(model, tokens.size)
     steps = len(tokenizer.encode(answer)) + 2
     out = [t for t, _ in generate_step(tokens, model, max_tokens=steps, prompt_cache=caches,
-                                       prefill_step_size=spec.prefill_step, **variant.generate_kwargs(KVLayout.of(model)))]
+                                       prefill_step_size=spec.prefill_step, **quant)]
     right = tasks.is_correct(tokenizer.decode(out), answer)
     return float(right), sum(c.nbytes for c in caches)
 
 
-def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: EvalSpec) -> tuple[float, int]:
+def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: EvalSpec,
+               quant: dict[str, Any]) -> tuple[float, int]:
     """exp(mean NLL) of the second half of ``text`` under the variant's cache, and KV bytes."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
     tokens = mx.array(tokenizer.encode(text))
     caches = variant.caches(model, tokens.size)
-    quant = variant.generate_kwargs(KVLayout.of(model))
     total, count, start_scoring = 0.0, 0, tokens.size // 2
     for start in range(0, tokens.size - 1, PPL_STEP):
         end = min(start + PPL_STEP, tokens.size - 1)
@@ -99,16 +102,17 @@ def examples(task: str, tokenizer: Any, context: int, samples: int) -> list[tupl
 
 
 def measure(model: Any, tokenizer: Any, task: str, context: int, variant: Variant,
-            items: list[tuple[str, str]], spec: EvalSpec) -> Cell:
+            items: list[tuple[str, str]], spec: EvalSpec, layout: KVLayout) -> Cell:
     """Average one variant over the task's examples, with KV bytes and peak memory."""
+    quant = variant.generate_kwargs(layout)
     values, kv, peaks = [], [], []
     for prompt, answer in items:
         mx.clear_cache()
         mx.reset_peak_memory()
         if task == "perplexity":
-            value, nbytes = perplexity(model, tokenizer, variant, prompt, spec)
+            value, nbytes = perplexity(model, tokenizer, variant, prompt, spec, quant)
         else:
-            value, nbytes = retrieval(model, tokenizer, variant, prompt, answer, spec)
+            value, nbytes = retrieval(model, tokenizer, variant, prompt, answer, spec, quant)
         values.append(value)
         kv.append(nbytes)
         peaks.append(mx.get_peak_memory())
@@ -122,13 +126,14 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
     grid = [(task, context, v) for task in spec.tasks for context in spec.contexts
             for v in variants(spec.methods, spec.shares)]
     cache: dict[tuple[str, int], list[tuple[str, str]]] = {}
+    layout = KVLayout.of(model)
     cells = []
     steps = progress(iter(grid), len(grid)) if progress else iter(grid)
     try:
         for task, context, variant in steps:
             if (task, context) not in cache:
                 cache[task, context] = examples(task, tokenizer, context, spec.samples)
-            cells.append(measure(model, tokenizer, task, context, variant, cache[task, context], spec))
+            cells.append(measure(model, tokenizer, task, context, variant, cache[task, context], spec, layout))
     finally:
         veloxpatch.unpatch()
     return cells
