@@ -64,13 +64,17 @@ def _qa(question: str, key: str) -> tuple[str, tuple[int, int]]:
 
 
 def passkey_text(rng: random.Random, L: int) -> tuple[str, list[tuple[int, int]], int]:
-    """Eval-format episode; returns text, answer spans and the char position the needle must survive from."""
+    """Eval-format episode; returns text, answer spans and the char position the needle must survive from.
+
+    Filler before and after the needle is sized in tokens from a uniform depth, so the needle's distance from the
+    question is uniform over the window like in the eval. (Sizing the text so that it always overflows the window
+    made short texts, i.e. needles far from the question, get rejected: depths below 0.1 were 4% of examples.)
+    A text shorter than the window is right-padded by ``make_batch``.
+    """
     key = tasks.random_key(rng, rng.randint(4, 7))
     depth = rng.random()
-    before = int(L * CHARS_PER_TOKEN * (depth * 1.25 + 0.02))
-    after = int(L * CHARS_PER_TOKEN * (1 - depth) * 0.9)
-    a = tasks.filler(before, rng, "train")
-    b = tasks.filler(after, rng, "train")
+    a = tasks.filler(int(L * CHARS_PER_TOKEN * depth * 1.15), rng, "train")
+    b = tasks.filler(int(L * CHARS_PER_TOKEN * (1 - depth) * 0.95), rng, "train")
     qa, span = _qa(tasks.PASSKEY_QUESTION, key)
     qa = qa[:-1]  # eval prompts end right after the key
     head = a + tasks.PASSKEY_NEEDLE.format(key=key) + b
@@ -150,7 +154,7 @@ def make_batch(tok: Tokenizer, seed: int, step: int, L: int, batch: int, mix: Mi
                 text, spans, keep_from = passkey_text(rng, L)
                 enc = tok.encode(text)
                 ids, offs = enc.ids[-(L + 1):], enc.offsets[-(L + 1):]
-                if len(ids) < L + 1 or offs[0][0] > keep_from:
+                if offs[0][0] > keep_from:
                     continue
             else:
                 if r < mix.drill:
@@ -163,7 +167,8 @@ def make_batch(tok: Tokenizer, seed: int, step: int, L: int, batch: int, mix: Mi
                 ids, offs = enc.ids[:L + 1], enc.offsets[:L + 1]
                 if len(ids) < L + 1:
                     continue
-            toks[i] = ids
-            wts[i] = _weights(offs, spans, mix.answer_weight)[1:]
+            # a short passkey text is right-padded with EOS at weight 0: later tokens never affect earlier ones
+            toks[i, :len(ids)] = ids
+            wts[i, :len(ids) - 1] = _weights(offs, spans, mix.answer_weight)[1:]
             break
     return toks, wts

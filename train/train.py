@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-n", type=int, default=32)
     ap.add_argument("--ckpt-every-s", type=float, default=300)
     ap.add_argument("--no-auto-export", action="store_true")
+    ap.add_argument("--warm-stage", type=int, default=0,
+                    help="curriculum stage (index into --stages) a warm start from the shipped weights begins at")
     return ap.parse_args(argv)
 
 
@@ -220,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     elif (Path(args.export_dir) / "model.safetensors").exists():
         model.load_weights(str(Path(args.export_dir) / "model.safetensors"))
         model.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())]))
-        print("warm start from shipped weights", flush=True)
+        meta["stage"] = args.warm_stage
+        print(f"warm start from shipped weights at L={stages[args.warm_stage]}", flush=True)
     print(f"params {n_params / 1e6:.2f}M, stages {stages}, batch tokens {args.batch_tokens}", flush=True)
     mx.eval(model.parameters(), opt.state)
 
