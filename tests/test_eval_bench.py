@@ -17,9 +17,11 @@ def test_eval_writes_table_json_csv_and_plots(model_dir: Path, tmp_path: Path) -
     out = tmp_path / "eval"
     result = CliRunner().invoke(main, ["eval", "--model", str(model_dir), "--contexts", "160", "--samples", "1",
                                        "--budgets", "100%,25%", "--methods", "snapkv,rotating,quantized",
-                                       "--out", str(out)])
+                                       "--seed", "7", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    rows = json.loads((out / "eval.json").read_text())["rows"]
+    written = json.loads((out / "eval.json").read_text())
+    assert written["meta"]["spec"]["seed"] == 7
+    rows = written["rows"]
     labels = {(r["task"], r["label"]) for r in rows}
     for task in ("passkey", "multikey", "perplexity"):
         assert {(task, "full"), (task, "snapkv@0.25"), (task, "rotating@0.25"), (task, "quantized@0.25")} <= labels
@@ -74,3 +76,15 @@ def test_demo_runs_vanilla_then_compressed(model_dir: Path) -> None:
     assert rows[1]["kv_MiB"] < rows[0]["kv_MiB"] / 3, "the second run really is compressed"
     result = CliRunner().invoke(main, ["demo", "--model", str(model_dir), "--context", "300", "--budget", "40"])
     assert result.exit_code == 0 and "passkey prompt" in result.output, result.output
+
+
+def test_eval_seed_picks_the_held_out_examples() -> None:
+    from veloxpatch.eval import tasks
+    from veloxpatch.eval.harness import EvalSpec, examples
+
+    def chars(text: str) -> int:
+        return len(text) // 3
+
+    got = examples("passkey", chars, 200, EvalSpec(samples=2, seed=1000))
+    assert got == [tasks.passkey_example(chars, 200, s, "heldout") for s in (1000, 1001)]
+    assert got[0] != tasks.passkey_example(chars, 200, 0, "heldout")

@@ -84,15 +84,17 @@ def finish(rows: list[dict[str, Any]], columns: tuple[str, ...], out: Path, stem
 @click.option("--budgets", default="100%,50%,25%,12.5%", show_default=True, help="KV budgets as shares of the context.")
 @click.option("--methods", default="all", show_default=True, help=f"Comma-separated: {', '.join(known_methods())}.")
 @click.option("--samples", default=20, show_default=True, help="Held-out examples per cell.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="First held-out example: a cell uses seeds SEED .. SEED+SAMPLES-1.")
 @click.option("--prefill-step", default=512, show_default=True, help="mlx_lm prefill_step_size.")
 @click.option("--out", default="velox-eval", show_default=True, type=click.Path(path_type=Path), help="Output folder.")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write PNG plots (needs matplotlib).")
-def eval_command(model, task_list, contexts, budgets, methods, samples, prefill_step, out, plots) -> None:
+def eval_command(model, task_list, contexts, budgets, methods, samples, seed, prefill_step, out, plots) -> None:
     """Quality per method and budget: passkey, multi-key retrieval and perplexity."""
     chosen = [t.strip() for t in task_list.split(",") if t.strip()]
     if any(t not in TASKS for t in chosen):
         raise click.BadParameter(f"{chosen} not allowed: choose from {', '.join(TASKS)}", param_hint="--tasks")
-    spec = EvalSpec(chosen, _ints(contexts), _shares(budgets), _methods(methods), samples, prefill_step)
+    spec = EvalSpec(chosen, _ints(contexts), _shares(budgets), _methods(methods), samples, prefill_step, seed)
     loaded, tokenizer, path = load_model(model)
     started = time.time()
     rows = [c.row() for c in run_eval(loaded, tokenizer, spec, _progress("eval"))]

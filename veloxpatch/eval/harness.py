@@ -31,6 +31,7 @@ class EvalSpec:
     methods: list[str] = field(default_factory=list)
     samples: int = 20
     prefill_step: int = 512
+    seed: int = 0  # a cell uses held-out seeds seed .. seed + samples - 1
 
 
 @dataclass
@@ -92,13 +93,14 @@ def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: Ev
     return float(mx.exp(mx.array(total / max(count, 1))).item()), sum(c.nbytes for c in caches)
 
 
-def examples(task: str, tokenizer: Any, context: int, samples: int) -> list[tuple[str, str]]:
-    """Held-out (prompt, answer) pairs; perplexity has text and no answer."""
+def examples(task: str, tokenizer: Any, context: int, spec: EvalSpec) -> list[tuple[str, str]]:
+    """The spec's held-out (prompt, answer) pairs; perplexity has text and no answer."""
+    seeds = range(spec.seed, spec.seed + spec.samples)
     if task == "passkey":
-        return [tasks.passkey_example(tokenizer, context, seed, "heldout") for seed in range(samples)]
+        return [tasks.passkey_example(tokenizer, context, seed, "heldout") for seed in seeds]
     if task == "multikey":
-        return [tasks.multikey_example(tokenizer, context, seed, "heldout") for seed in range(samples)]
-    return [(tasks.longtext_sample(tokenizer, context, seed), "") for seed in range(samples)]
+        return [tasks.multikey_example(tokenizer, context, seed, "heldout") for seed in seeds]
+    return [(tasks.longtext_sample(tokenizer, context, seed), "") for seed in seeds]
 
 
 def measure(model: Any, tokenizer: Any, task: str, context: int, variant: Variant,
@@ -132,7 +134,7 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
     try:
         for task, context, variant in steps:
             if (task, context) not in cache:
-                cache[task, context] = examples(task, tokenizer, context, spec.samples)
+                cache[task, context] = examples(task, tokenizer, context, spec)
             cells.append(measure(model, tokenizer, task, context, variant, cache[task, context], spec, layout))
     finally:
         veloxpatch.unpatch()
