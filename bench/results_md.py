@@ -15,6 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
+from veloxpatch.assets import model_path
 from veloxpatch.eval.report import markdown
 
 
@@ -57,7 +58,9 @@ def main() -> None:
         print(eval_tables(rows))
     for path in args.bench:
         data = json.loads(path.read_text())
-        print(f"**bench: {data['meta']['model']}** ({data['meta']['machine']})\n")
+        model = data["meta"]["model"]
+        name = "the shipped model" if Path(model) == model_path() else model
+        print(f"**bench: {name}** ({data['meta']['machine']})\n")
         print(bench_table(data["rows"]))
 
 
