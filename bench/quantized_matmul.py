@@ -1,9 +1,10 @@
-"""Why the quantized KV variant is slow on mlx's CPU backend: its attention matmul vs the dense one.
+"""Quantized KV attention on mlx's CPU backend: the quantized matmul vs dequantize-then-dense.
 
     python bench/quantized_matmul.py      (preload OpenBLAS as the README says, for a fair dense figure)
 
 Times mlx_lm's quantized attention product (64 queries x 1024 keys, head_dim 32, 4 and 8 bits, group 32, as for
-the shipped model) against the same product on unquantized fp16 keys, median of 20 after a warm-up.
+the shipped model) against the same product on unquantized fp16 keys, and against dequantizing the keys first and
+then running the dense product (what veloxpatch's quantized caches do), median of 20 after a warm-up.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def main() -> None:
         packed = mx.quantize(keys, group_size=32, bits=bits)
         quant = median_seconds(lambda: mx.quantized_matmul(queries, *packed, transpose=True, group_size=32, bits=bits))
         print(f"quantized {bits} bit {quant * 1e3:8.2f} ms  ({quant / dense:.0f}x dense)")
+        unpacked = median_seconds(
+            lambda: queries @ mx.dequantize(*packed, group_size=32, bits=bits).swapaxes(-1, -2))
+        print(f"dequant+dense {bits} {unpacked * 1e3:8.2f} ms  ({unpacked / dense:.1f}x dense)")
 
 
 if __name__ == "__main__":

@@ -7,12 +7,15 @@ import copy
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import (
+    can_trim_prompt_cache, load_prompt_cache, make_prompt_cache, save_prompt_cache, trim_prompt_cache,
+)
 
 import veloxpatch
 from conftest import ARCHS, random_tokens, tiny
 from veloxpatch.caches import CompressedKVCache
 from veloxpatch.caches.snapkv import SnapKVCache, pool_rows
+from veloxpatch.caches.store import RowStore
 from veloxpatch.caches.streamingllm import StreamingLLMCache
 from veloxpatch.config import Budget
 
@@ -43,8 +46,8 @@ def test_offset_counts_tokens_and_rows_stay_bounded(method: str) -> None:
     peaks = prefill(model, caches, tokens, chunk=20)
     assert all(c.offset == 300 for c in caches)
     assert max(peaks) == 48, "rows are compressed back to the budget after every chunk"
-    capacity = max(c.keys.shape[2] for c in caches)
-    assert capacity <= 48 + CompressedKVCache.max_headroom + CompressedKVCache.step
+    capacity = max(c.store.capacity for c in caches)
+    assert capacity <= 48 + CompressedKVCache.max_headroom + RowStore.step
     continue_greedy(model, caches, first=5, steps=100)
     assert all(c.offset == 300 + 100 + 1 for c in caches), "generate_step runs one token ahead"
     assert all(c.size() < 48 + c.headroom(48) for c in caches) and caches[0].headroom(48) == 8
@@ -147,22 +150,52 @@ def test_deepcopy_is_independent_and_keeps_one_coordinator() -> None:
     assert continue_greedy(model, clone, 3) == first
 
 
-def test_trim_is_exact_or_refused() -> None:
-    model = tiny("llama")
-    veloxpatch.patch(kv="snapkv", budget=64, window=8)
-    dense = make_prompt_cache(model)
-    prefill(model, dense, random_tokens(40, 14), chunk=40)
-    assert all(c.is_trimmable() for c in dense)
-    reference = continue_greedy(model, copy.deepcopy(dense), 9)
-    continue_greedy(model, dense, 9)
-    assert [c.trim(7) for c in dense] == [7] * 3 and dense[0].offset == 40  # 1 prompt + 6 generated
-    assert continue_greedy(model, dense, 9) == reference, "trimming an unevicted cache is exact"
+def first_layer_keys(model, tokens: mx.array) -> mx.array:
+    """The first layer's keys under mlx_lm's own cache, (B, kv_heads, tokens, head_dim).
 
-    evicted = make_prompt_cache(model)
-    prefill(model, evicted, random_tokens(200, 15), chunk=50)
-    assert not any(c.is_trimmable() for c in evicted)
-    assert evicted[0].trim(100) == 0 and evicted[0].offset == 200, "refused, nothing changed"
-    assert evicted[0].trim(8) == 8 and (evicted[0].offset, evicted[0].size()) == (192, 56)
+    Only the first layer's keys depend on nothing but the tokens and their positions; deeper
+    layers' keys change once an earlier layer has evicted.
+    """
+    caches = make_prompt_cache(model)
+    model(tokens[None], cache=caches)
+    return caches[0].keys[..., : tokens.size, :]
+
+
+def test_trim_of_the_newest_rows_after_eviction_is_exact_through_mlx_lm() -> None:
+    """Speculative decoding's rewind: through mlx_lm's own gate, after evictions, exactly."""
+    model = tiny("llama")
+    veloxpatch.patch(kv="snapkv", budget=48, window=8)
+    caches = make_prompt_cache(model)
+    prefill(model, caches, random_tokens(200, 14), chunk=50)
+    assert all(c.evicted for c in caches)
+    reference = continue_greedy(model, copy.deepcopy(caches), 9)
+    model(mx.array([[9, 1, 2, 3]]), cache=caches)  # four draft tokens, then rejected
+    assert can_trim_prompt_cache(caches) and trim_prompt_cache(caches, 4) == 4
+    assert [c.offset for c in caches] == [200] * 3
+    assert continue_greedy(model, caches, 9) == reference
+
+
+def test_trim_into_evicted_history_leaves_the_compressed_cache_of_the_prefix() -> None:
+    """Back to any prefix: only rows from before it remain, each exactly the key it was."""
+    model = tiny("llama")
+    tokens = random_tokens(260, 15)
+    truth = first_layer_keys(model, tokens)
+    veloxpatch.patch(kv="snapkv", budget=48, window=8)
+    caches = make_prompt_cache(model)
+    prefill(model, caches, tokens, chunk=40)
+    assert trim_prompt_cache(caches, 170) == 170
+    for cache in caches:
+        positions = cache.store.row_positions()
+        valid = positions >= 0
+        assert cache.offset == 90 and (mx.where(valid, positions, 0) < 90).all().item()
+        assert valid.sum(axis=-1).min().item() > 0, "every head keeps rows of the prefix"
+    positions = caches[0].store.row_positions()
+    gathered = mx.take_along_axis(truth, mx.maximum(positions, 0)[..., None], axis=2)
+    diff = mx.where((positions >= 0)[..., None], caches[0].keys - gathered, 0)
+    assert mx.abs(diff).max().item() < 1e-4, "kept rows keep their keys and original rotation"
+    generated = continue_greedy(model, caches, 3, steps=20)
+    assert len(generated) == 20 and all(c.offset == 90 + 21 for c in caches)
+    assert all(c.size() <= 48 + c.headroom(48) for c in caches)
 
 
 def test_each_generation_resets_the_coordinator_of_a_reused_cache_list() -> None:
@@ -174,3 +207,25 @@ def test_each_generation_resets_the_coordinator_of_a_reused_cache_list() -> None
     for turn in range(3):  # a chat: one cache list, a generation per turn
         continue_greedy(model, caches, first=turn + 1, steps=3)
     assert coordinator.generations == 3
+
+
+def test_attention_after_a_ragged_trim_sees_each_heads_own_rows_only() -> None:
+    """Heads left with different numbers of rows: the holes are masked, per head, exactly."""
+    cache = SnapKVCache(Budget(tokens=12), sink=2, window=4, kernel=1)
+    keys = mx.random.normal((1, 2, 40, 8), key=mx.random.key(20))
+    queries = mx.random.normal((1, 4, 40, 8), key=mx.random.key(21))
+    k, v = cache.update_and_fetch(keys, keys)
+    cache.attend(queries, k, v, scale=SCALE)
+    cache.trim(25)
+    assert cache.store.holes, "the heads kept different rows before position 15"
+    positions = cache.store.row_positions()
+    new_q = mx.random.normal((1, 4, 3, 8), key=mx.random.key(22))
+    new_k = mx.random.normal((1, 2, 3, 8), key=mx.random.key(23))
+    k, v = cache.update_and_fetch(new_k, new_k)
+    out = cache.attend(new_q, k, v, scale=SCALE)
+    for head in range(2):
+        rows = [i for i, p in enumerate(positions[0, head].tolist()) if p >= 0]
+        kv = mx.concatenate([k[:, head : head + 1, rows], new_k[:, head : head + 1]], axis=2)
+        q = new_q[:, 2 * head : 2 * head + 2]
+        expected = mx.fast.scaled_dot_product_attention(q, kv, kv, scale=SCALE, mask="causal")
+        assert mx.allclose(out[:, 2 * head : 2 * head + 2], expected, atol=1e-5).item()

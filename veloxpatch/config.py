@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 PREFIX = "VELOX_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+COMPRESS_MODES = ("chunk", "end")
 
 
 class ConfigError(ValueError):
@@ -155,6 +156,8 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "First tokens of the context that are never evicted (attention sinks)."),
     Setting("VELOX_WINDOW", _int_range(1, None), "32", "an integer >= 1",
             "Most recent tokens that are never evicted; query-aware methods score with them."),
+    Setting("VELOX_COMPRESS", _choice(COMPRESS_MODES), "chunk", "one of " + ", ".join(COMPRESS_MODES),
+            "When to compress the prompt: after each prefill chunk (bounded memory) or once at its end."),
     Setting("VELOX_LOG", _choice(LOG_LEVELS, upper=True), "WARNING", "one of " + ", ".join(LOG_LEVELS),
             "Log level of veloxpatch's own messages (stderr)."),
     Setting("VELOX_STRICT", _bool, "0", "a boolean (1/0, true/false, yes/no, on/off)",
@@ -203,6 +206,7 @@ class VeloxConfig:
     budget: Budget | int | str = "1024"
     sink: int = 4
     window: int = 32
+    compress: str = "chunk"
     log: str = "WARNING"
     strict: bool = False
     stats: bool = False

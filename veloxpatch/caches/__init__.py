@@ -37,7 +37,7 @@ def make_cache(config: VeloxConfig) -> CompressedKVCache:
     cls = CACHE_CLASSES[config.kv]
     prefix = f"{config.kv}_"
     knobs = {k[len(prefix):]: v for k, v in config.knobs.items() if k.startswith(prefix)}
-    return cls(config.budget, config.sink, config.window, **knobs)
+    return cls(config.budget, config.sink, config.window, config.compress, **knobs)
 
 
 from . import snapkv, streamingllm  # noqa: E402  (registers the methods)

@@ -1,23 +1,29 @@
 """The shared base of veloxpatch's compressed KV caches.
 
 A method only says how important each stored row is (:meth:`CompressedKVCache.score`); the base
-keeps the contracts every cache shares (see DESIGN.md):
+keeps the contracts every cache shares (docs/DESIGN.md):
 
-* ``offset`` counts the tokens the layer has seen (mlx_lm rotates queries and keys with it);
-  ``rows`` counts what is stored. Rows stay in temporal order per head and keep their rotation.
+* ``offset`` counts the tokens the layer has seen (mlx_lm rotates queries and keys with it); the
+  rows stored are separate and live in a :class:`RowStore` with the position each came from, so
+  ``trim`` can always go back to any prefix exactly (speculative decoding, the server's reuse).
 * Attention for our caches is routed here (:meth:`attend`) with the real queries, and the cache
   supplies the mask for its own rows: every kept row is in the past, so a lower-right aligned
-  causal mask is right for kept + new rows under any chunking.
-* Compression runs after a step's attention, so the step itself saw everything; during a chunked
-  prefill the rows never exceed ``budget + chunk``, and in decode ``budget + headroom`` (an
-  eighth of the budget, 8 to 64 rows), so the copy a compression costs is amortised.
+  causal mask is right for kept + new rows under any chunking (holes left by a trim are masked
+  by position). A mask the model built with information of its own is honoured.
+* When to compress: ``VELOX_COMPRESS=chunk`` compresses after each prefill chunk (memory stays
+  bounded during prefill; each chunk is scored by its own last queries); ``end`` keeps every
+  prompt row and compresses when decoding starts, scored by the prompt's last window (SnapKV's
+  one-shot mode). During decode a cache grows ``headroom`` rows (an eighth of the budget, 8 to
+  64) above the budget before compressing again, so the copy a compression costs is amortised.
 * Storage is preallocated and grown in steps like mlx_lm's ``KVCache``; until a cache evicts,
-  its arrays and attention calls are exactly those of ``KVCache``, so outputs are identical.
+  its attention calls see exactly the rows of ``KVCache``, so outputs are identical.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -26,38 +32,42 @@ import mlx.core as mx
 from .. import stats
 from ..config import Budget
 from ..coordinators import Coordinator
+from ..log import once
+from .store import RowStore
 
 
 class CompressedKVCache(ABC):
     """A per-layer KV cache that keeps at most a budget of rows, chosen by :meth:`score`.
 
-    Deliberately has no ``merge``, ``to_quantized`` or ``bits``: mlx_lm would otherwise batch,
-    quantize or re-route it as one of its own caches.
+    Deliberately has no ``merge`` or ``bits``: mlx_lm would otherwise batch it or send it to its
+    own quantized attention. ``to_quantized`` returns a cache of the same method whose rows are
+    stored quantized.
     """
 
     method: ClassVar[str] = ""
-    step: ClassVar[int] = 256
     max_headroom: ClassVar[int] = 64
     uses_queries: ClassVar[bool] = True
 
-    def __init__(self, budget: Budget, sink: int = 4, window: int = 32) -> None:
+    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "chunk") -> None:
         self.budget = budget
         self.sink = sink
         self.window = window
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.mode = mode
+        self.store = RowStore()
         self.queries: mx.array | None = None
         self.offset = 0
-        self.rows = 0
-        self.tail = 0
         self.evicted = False
+        self.issued_mask: mx.array | None = None
         self.coordinator: Coordinator | None = None
         stats.track(self)
 
     # ----------------------------------------------------------------- what a method provides
     @abstractmethod
-    def score(self, keys: mx.array, scale: float) -> mx.array:
-        """Importance of each stored row, shape (B, kv_heads, rows); higher is kept."""
+    def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+        """Importance of each stored row, shape (B, kv_heads, rows); higher is kept.
+
+        ``positions`` (B, kv_heads, rows) holds each row's original token position (-1: hole).
+        """
 
     def knob_values(self) -> dict[str, Any]:
         """The method's own knobs, saved with the cache so it loads back the same."""
@@ -66,94 +76,123 @@ class CompressedKVCache(ABC):
     # ----------------------------------------------------------------- mlx_lm cache protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append new rows (already rotated at ``offset``) and return every stored row."""
-        n = keys.shape[2]
-        self._reserve(n, keys, values)
-        self.keys[..., self.rows : self.rows + n, :] = keys
-        self.values[..., self.rows : self.rows + n, :] = values
-        self.rows += n
-        self.offset += n
-        self.tail += n
-        return self._stored()
+        self.store.append(keys, values, self.offset)
+        self.offset += keys.shape[2]
+        return self.store.fetch()
+
+    @property
+    def keys(self) -> mx.array | None:
+        """The stored key rows (decoded), for code that reads a cache's keys."""
+        return None if self.empty() else self.store.fetch()[0]
+
+    @property
+    def values(self) -> mx.array | None:
+        return None if self.empty() else self.store.fetch()[1]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        """The mask a model asks for before this step: causal over our own rows, as KVCache does."""
+        """The mask a model asks for before this step: causal over our own rows, as KVCache does.
+
+        An array handed out is remembered, so the attention route can tell it from a mask that
+        carries the model's own information.
+        """
         if window_size is None and n == 1:
             return None
         if window_size is None and not return_array:
             return "causal"
-        rows = mx.arange(self.rows + n)
-        query_rows = mx.arange(self.rows, self.rows + n)[:, None]
+        rows = mx.arange(self.store.rows + n)
+        query_rows = mx.arange(self.store.rows, self.store.rows + n)[:, None]
         mask = query_rows >= rows[None]
         if window_size is not None:
             mask = mask & (query_rows < rows[None] + window_size)
+        self.issued_mask = mask
         return mask
 
     def size(self) -> int:
-        return self.rows
+        return self.store.rows
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self.store.positions is None
 
     def is_trimmable(self) -> bool:
-        """Only a cache that has evicted nothing can be trimmed by any amount exactly."""
-        return not self.evicted
+        """Always: every row knows its position, so any prefix can be restored exactly."""
+        return True
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` tokens if they are exactly the last stored rows; else refuse (0)."""
+        """Forget the last ``n`` tokens: the cache becomes the compressed cache of the prefix."""
         n = min(n, self.offset)
-        if n > self.tail:
+        if n <= 0:
             return 0
-        self.rows -= n
         self.offset -= n
-        self.tail -= n
+        self.store.trim_to(self.offset)
         if self.queries is not None:
             kept = self.queries.shape[2] - n
             self.queries = self.queries[..., :kept, :] if kept > 0 else None
         return n
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "CompressedKVCache":
+        """This cache with its rows stored in mlx's quantized format (same method and rows).
+
+        mlx_lm calls this at every step once ``kv_bits`` applies, so an already quantized cache
+        with the same format returns itself. A format mlx cannot store (head_dim not a multiple
+        of the group size, an unsupported width) leaves the cache as it is, said once.
+        """
+        if (self.store.bits, self.store.group_size) == (bits, group_size):
+            return self
+        try:
+            store = self.store.quantized(bits, group_size)
+        except ValueError as error:
+            once(f"kv_bits {bits}/{group_size}", logging.WARNING,
+                 f"kv_bits={bits} with group size {group_size} is not honoured ({error}); KV rows stay unquantized")
+            return self
+        out = copy.copy(self)
+        out.store = store
+        stats.track(out)
+        if self.coordinator is not None:
+            members = self.coordinator.members
+            members[members.index(self)] = out
+        return out
+
     @property
     def nbytes(self) -> int:
-        """Physical bytes held: key/value storage (with unused capacity) and remembered queries."""
-        arrays = (self.keys, self.values, self.queries)
-        return sum(a.nbytes for a in arrays if a is not None)
+        """Physical bytes held: stored rows (with unused capacity), positions, remembered queries."""
+        return self.store.nbytes + (0 if self.queries is None else self.queries.nbytes)
 
     def dense_nbytes(self) -> int:
         """Bytes a plain KVCache would need for the same tokens (for statistics)."""
-        if self.keys is None:
+        if self.empty():
             return 0
-        b, h, _, dk = self.keys.shape
-        return self.offset * b * h * (dk + self.values.shape[-1]) * self.keys.itemsize
+        keys, values = self.store.fetch()
+        b, h, _, dk = keys.shape
+        return self.offset * b * h * (dk + values.shape[-1]) * keys.itemsize
 
     @property
     def meta_state(self) -> str:
         """Scalars and settings as one JSON string (mlx_lm saves strings in prompt-cache files)."""
         return json.dumps({
-            "offset": self.offset, "rows": self.rows, "tail": self.tail, "evicted": self.evicted,
-            "budget": str(self.budget), "sink": self.sink, "window": self.window,
-            "knobs": self.knob_values(),
+            "offset": self.offset, "evicted": self.evicted, "budget": str(self.budget),
+            "sink": self.sink, "window": self.window, "mode": self.mode, "bits": self.store.bits,
+            "group_size": self.store.group_size, "knobs": self.knob_values(),
         })
 
     @property
     def state(self) -> tuple[Any, ...]:
-        """Stored rows (without spare capacity), remembered queries and :attr:`meta_state`."""
-        if self.keys is None:
-            return None, None, None, self.meta_state
-        keys, values = self._stored()
-        return keys, values, self.queries, self.meta_state
+        """Stored rows (without spare capacity), their positions, remembered queries, meta."""
+        return (*self.store.state, self.queries, self.meta_state)
 
     @state.setter
     def state(self, value: tuple[Any, ...]) -> None:
-        keys, values, queries, meta = value
+        *rows, queries, meta = value
         info = json.loads(meta)
-        self.keys, self.values, self.queries = keys, values, queries
-        self.offset, self.rows, self.tail = info["offset"], info["rows"], info["tail"]
-        self.evicted = info["evicted"]
+        self.store = RowStore(info["bits"], info["group_size"])
+        self.store.load(tuple(rows))
+        self.queries = queries
+        self.offset, self.evicted = info["offset"], info["evicted"]
 
     @classmethod
     def from_state(cls, state: tuple[Any, ...]) -> "CompressedKVCache":
         """Rebuild a cache saved with ``save_prompt_cache`` (mlx_lm looks the class up by name)."""
         info = json.loads(state[-1])
-        cache = cls(Budget.parse(info["budget"]), info["sink"], info["window"], **info["knobs"])
+        cache = cls(Budget.parse(info["budget"]), info["sink"], info["window"], info["mode"], **info["knobs"])
         cache.state = state
         return cache
 
@@ -167,15 +206,16 @@ class CompressedKVCache(ABC):
         mask: Any = None,
         sinks: mx.array | None = None,
     ) -> mx.array:
-        """Attention of this step over our rows (our mask, not the model's), then compress."""
+        """Attention of this step over our rows with our mask (and the model's, if it has one
+        of its own), then compress if due."""
         n = queries.shape[2]
         out = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=None if n == 1 else "causal", sinks=sinks
+            queries, keys, values, scale=scale, mask=self._mask(queries, mask), sinks=sinks
         )
         if self.uses_queries:
             self._remember(queries)
         keep = self.target()
-        if self.rows > keep and (n > 1 or self.rows >= keep + self.headroom(keep)):
+        if self._due(n, keep):
             self.compress(keep, scale)
         return out
 
@@ -189,74 +229,87 @@ class CompressedKVCache(ABC):
 
     def compress(self, keep: int, scale: float) -> None:
         """Keep the ``keep`` best rows per head (sink and recent window always), in time order."""
-        keys, values = self._stored()
-        scores = self._protect(self.score(keys, scale).astype(mx.float32))
+        keys, _ = self.store.fetch()
+        positions = self.store.row_positions()
+        scores = self.score(keys, positions, scale).astype(mx.float32)
+        scores = mx.where(self.protected(positions), mx.inf, scores)
+        scores = mx.where(positions < 0, -mx.inf, scores)
         order = mx.argpartition(-scores, kth=keep - 1, axis=-1)[..., :keep]
         self.keep_rows(mx.sort(order, axis=-1))
 
     def keep_rows(self, index: mx.array) -> None:
         """Compact storage to the rows ``index`` (B, kv_heads, keep), ascending per head."""
         keep = index.shape[-1]
-        keys, values = self._stored()
-        idx = index[..., None]
-        spare = self.headroom(keep)
-        self.keys = self._with_spare(mx.take_along_axis(keys, idx, axis=2), spare)
-        self.values = self._with_spare(mx.take_along_axis(values, idx, axis=2), spare)
-        self.tail = min(self.tail, self.window) if keep < self.rows else self.tail
-        self.evicted = self.evicted or keep < self.rows
-        self.rows = keep
+        self.evicted = self.evicted or keep < self.store.rows
+        self.store.keep(index, self.headroom(keep))
         stats.totals.compressions += 1
 
+    def protected(self, positions: mx.array) -> mx.array:
+        """Rows never evicted: the first ``sink`` tokens and the last ``window`` tokens."""
+        return (positions >= 0) & ((positions < self.sink) | (positions >= self.offset - self.window))
+
     # ----------------------------------------------------------------- helpers for methods
-    def window_attention(self, keys: mx.array, scale: float) -> mx.array:
+    def window_attention(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         """Attention mass each row gets from the remembered recent queries, (B, kv_heads, rows).
 
-        The queries are the last ``w`` tokens, whose own keys are the last ``w`` rows, so the
-        causal mask is lower-right aligned. Summed over the query heads of each KV head (GQA).
+        The queries are those of the last ``w`` tokens; a row is visible to a query when its
+        position is not later (holes never). Summed over the query heads of each KV head (GQA).
         """
         b, hq, w, d = self.queries.shape
-        hkv, rows = keys.shape[1], keys.shape[2]
+        hkv = keys.shape[1]
         q = self.queries.astype(mx.float32).reshape(b, hkv, hq // hkv, w, d) * scale
         logits = q @ mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)
-        visible = mx.arange(rows)[None] <= (rows - w + mx.arange(w))[:, None]
+        query_pos = self.offset - w + mx.arange(w)
+        pos = positions[:, :, None, None, :]
+        visible = (pos >= 0) & (pos <= query_pos[:, None])
         logits = mx.where(visible, logits, -mx.inf)
         return mx.softmax(logits, axis=-1).sum(axis=(2, 3))
 
     # ----------------------------------------------------------------- internals
-    def _stored(self) -> tuple[mx.array, mx.array]:
-        if self.rows < self.keys.shape[2]:
-            return self.keys[..., : self.rows, :], self.values[..., : self.rows, :]
-        return self.keys, self.values
+    def _due(self, n: int, keep: int) -> bool:
+        """Whether to compress after a step of ``n`` tokens (see the module docstring)."""
+        if self.store.rows <= keep:
+            return False
+        room = self.headroom(keep)
+        if n > room:  # a prefill chunk
+            return self.mode == "chunk"
+        return self.store.rows >= keep + room
 
-    def _reserve(self, n: int, keys: mx.array, values: mx.array) -> None:
-        """Make room for ``n`` more rows, growing in whole steps as KVCache does."""
-        if self.keys is not None and self.rows + n <= self.keys.shape[2]:
-            return
-        grow = (n + self.step - 1) // self.step * self.step
-        b, h, _, dk = keys.shape
-        new_k = mx.zeros((b, h, grow, dk), keys.dtype)
-        new_v = mx.zeros((b, h, grow, values.shape[3]), values.dtype)
-        if self.keys is None:
-            self.keys, self.values = new_k, new_v
-            return
-        old_k, old_v = self._stored()
-        self.keys = mx.concatenate([old_k, new_k], axis=2)
-        self.values = mx.concatenate([old_v, new_v], axis=2)
+    def _mask(self, queries: mx.array, given: Any) -> Any:
+        """Our mask for this step, combined with the model's when it carries its own information."""
+        n = queries.shape[2]
+        own = self._position_mask(queries) if self.store.holes else (None if n == 1 else "causal")
+        if not isinstance(given, mx.array) or self._issued(given):
+            return own
+        if isinstance(own, str):
+            rows = self.store.rows
+            own = mx.arange(rows)[None] <= mx.arange(rows - n, rows)[:, None]
+        if own is None:
+            return given
+        if given.dtype == mx.bool_:
+            return own & given
+        return mx.where(own, given, mx.array(-mx.inf, given.dtype))
 
-    @staticmethod
-    def _with_spare(kept: mx.array, spare: int) -> mx.array:
-        b, h, _, d = kept.shape
-        return mx.concatenate([kept, mx.zeros((b, h, spare, d), kept.dtype)], axis=2)
+    def _position_mask(self, queries: mx.array) -> mx.array:
+        """(B, query heads, n, rows): a row is visible when it is no hole and not in the future."""
+        b, hq, n, _ = queries.shape
+        positions = self.store.row_positions()
+        query_pos = self.offset - n + mx.arange(n)
+        visible = (positions[:, :, None, :] >= 0) & (positions[:, :, None, :] <= query_pos[:, None])
+        return mx.repeat(visible, hq // positions.shape[1], axis=1)
+
+    def _issued(self, mask: mx.array) -> bool:
+        """True if ``mask`` is one our caches handed the model (it carries nothing of its own)."""
+        members = self.coordinator.members if self.coordinator is not None else [self]
+        return any(mask is m.issued_mask for m in members)
 
     def _remember(self, queries: mx.array) -> None:
-        """Keep the most recent ``window`` queries (the observation window)."""
-        if self.queries is not None and queries.shape[2] < self.window:
-            queries = mx.concatenate([self.queries, queries], axis=2)
-        self.queries = queries[..., -self.window :, :]
+        """Keep a copy of the most recent ``window`` queries (the observation window).
 
-    def _protect(self, scores: mx.array) -> mx.array:
-        """Make the first ``sink`` rows and the last ``window`` rows unevictable."""
-        rows = scores.shape[-1]
-        index = mx.arange(rows)
-        protected = (index < self.sink) | (index >= rows - self.window)
-        return mx.where(protected, mx.inf, scores)
+        A copy, not a slice: a slice would keep the whole chunk's query tensor alive. Queries of
+        a different width (models that attend in another space when decoding) start afresh.
+        """
+        old = self.queries
+        if old is not None and queries.shape[2] < self.window and old.shape[-1] == queries.shape[-1]:
+            queries = mx.concatenate([old, queries], axis=2)
+        self.queries = mx.contiguous(queries[..., -self.window :, :])

@@ -3,8 +3,9 @@
 The last ``VELOX_WINDOW`` queries (the observation window) already look at what the next tokens
 will need; their attention, summed over the window and the query heads sharing a KV head and
 pooled over neighbouring rows (so a kept token keeps its context), ranks the rows per KV head.
-Here it runs between prefill chunks and every few decode steps (``headroom``), so memory stays bounded
-over the whole generation, not only after the prompt.
+The paper compresses once, after the prompt (``VELOX_COMPRESS=end``); with ``chunk`` it also runs
+between prefill chunks so memory stays bounded during the prompt, and either way every few decode
+steps (``headroom``), so memory stays bounded over the whole generation.
 """
 
 from __future__ import annotations
@@ -59,13 +60,22 @@ def pool_rows(scores: mx.array, kernel: int, kind: str) -> mx.array:
 class SnapKVCache(CompressedKVCache):
     """Ranks rows by the pooled attention the recent window of queries pays them."""
 
-    def __init__(self, budget, sink: int = 4, window: int = 32, kernel: int = 7, pool: str = "avg") -> None:
-        super().__init__(budget, sink, window)
+    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "chunk", kernel: int = 7,
+                 pool: str = "avg") -> None:
+        super().__init__(budget, sink, window, mode)
         self.kernel = kernel
         self.pool = pool
 
     def knob_values(self) -> dict[str, object]:
         return {"kernel": self.kernel, "pool": self.pool}
 
-    def score(self, keys: mx.array, scale: float) -> mx.array:
-        return pool_rows(self.window_attention(keys, scale), self.kernel, self.pool)
+    def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+        """Pooled attention of the window over the prefix only, as the paper pools it.
+
+        Protected rows (the window itself and the sinks) are kept anyway; zeroing their scores
+        before pooling stops the window's attention to itself spilling into the rows just
+        before it, where it would outrank rows the window really attends to.
+        """
+        scores = self.window_attention(keys, positions, scale)
+        scores = mx.where(self.protected(positions), 0.0, scores)
+        return pool_rows(scores, self.kernel, self.pool)

@@ -1,0 +1,63 @@
+"""Memory the process really holds (mx.get_active_memory), not only what a cache reports."""
+
+from __future__ import annotations
+
+import gc
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import veloxpatch
+from conftest import random_tokens, tiny
+
+SLACK = 32768  # per layer: the last step's small graph, which mlx_lm's own cache holds too
+
+
+def held(run: Callable[[list], None], model) -> tuple[int, list]:
+    """Bytes the process holds after ``run(caches)``, with the caches alive and nothing else."""
+    gc.collect()
+    before = mx.get_active_memory()
+    caches = make_prompt_cache(model)
+    run(caches)
+    mx.eval([c.state for c in caches])
+    gc.collect()
+    gc.collect()  # a second pass frees what the first one only unlinked
+    return mx.get_active_memory() - before, caches
+
+
+def prefill(tokens: mx.array, model) -> Callable[[list], None]:
+    """One prefill chunk straight through the model (mlx_lm's cache_prompt and evaluate do this)."""
+    return lambda caches: model(tokens[None], cache=caches)
+
+
+def generate(tokens: mx.array, model, steps: int) -> Callable[[list], None]:
+    def run(caches: list) -> None:
+        for _ in generate_step(tokens, model, max_tokens=steps, prompt_cache=caches, prefill_step_size=tokens.size):
+            pass
+
+    return run
+
+
+def test_held_memory_does_not_grow_with_the_prompt_chunk() -> None:
+    """The remembered window is a copy: a slice would keep the chunk's whole query tensor alive
+    (512 KiB per layer for the 2048-token chunk here) until the next decode step."""
+    model = tiny("llama", seed=1)
+    veloxpatch.patch(kv="snapkv", budget=64, window=16)
+    short, _ = held(prefill(random_tokens(512, 30), model), model)
+    long, caches = held(prefill(random_tokens(2048, 30), model), model)
+    reported = sum(c.nbytes for c in caches)
+    assert long <= reported + SLACK * len(caches), f"held {long} B, the caches report {reported} B"
+    assert long - short < SLACK, f"held {short} B after 512 tokens, {long} B after 2048"
+
+
+def test_held_memory_after_decoding_is_far_below_vanilla() -> None:
+    model = tiny("llama", seed=1)
+    tokens = random_tokens(2048, 31)
+    vanilla, _ = held(generate(tokens, model, 1), model)
+    veloxpatch.patch(kv="snapkv", budget=64, window=16)
+    for steps in (1, 40):  # right after the prompt, and after compressions during decode
+        used, caches = held(generate(tokens, model, steps), model)
+        assert used <= sum(c.nbytes for c in caches) + SLACK * len(caches)
+        assert used < vanilla / 8, f"held {used} B, vanilla {vanilla} B"

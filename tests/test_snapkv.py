@@ -1,0 +1,53 @@
+"""SnapKV as the paper defines it (arXiv 2404.14469): prefix-only pooling, one-shot mode."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import veloxpatch
+from conftest import random_tokens, tiny
+from veloxpatch.caches.snapkv import SnapKVCache
+from veloxpatch.config import Budget
+
+
+def test_the_windows_attention_to_itself_does_not_spill_into_the_rows_before_it() -> None:
+    """The window attends mostly to itself and a little to row 20; one free slot must go to the
+    neighbourhood of row 20, not to the rows just before the window (where pooling over
+    unprotected scores would put the window's own mass)."""
+    cache = SnapKVCache(Budget(tokens=6), sink=1, window=4, kernel=7)
+    direction = mx.zeros((8,)).at[0].add(1.0)
+    keys = mx.random.normal((1, 1, 40, 8), key=mx.random.key(3)) * 0.01
+    keys[:, :, 36:, :] = direction * 8
+    keys[:, :, 20, :] = direction * 4
+    queries = mx.broadcast_to(direction * 4, (1, 2, 40, 8))
+    k, v = cache.update_and_fetch(keys, keys)
+    cache.attend(queries, k, v, scale=0.25)
+    kept = cache.store.row_positions()[0, 0].tolist()
+    assert kept[0] == 0 and kept[-4:] == [36, 37, 38, 39]
+    assert abs(kept[1] - 20) <= 3, f"kept {kept}: the free slot went to row {kept[1]}"
+
+
+def test_end_mode_keeps_every_prompt_row_until_decoding_starts() -> None:
+    model = tiny("llama")
+    veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="end")
+    caches = make_prompt_cache(model)
+    prompt = random_tokens(300, 40)
+    for start in range(0, 299, 50):
+        model(prompt[None, start : min(start + 50, 299)], cache=caches)
+        assert all(c.size() == c.offset for c in caches), "no prompt row is evicted during prefill"
+    model(prompt[None, 299:], cache=caches)  # the last prompt token goes down the decode path
+    assert all((c.offset, c.size()) == (300, 48) for c in caches)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "end"])
+def test_both_modes_decode_within_the_budget(mode: str) -> None:
+    model = tiny("qwen3")
+    veloxpatch.patch(kv="snapkv", budget=40, window=8, compress=mode)
+    caches = make_prompt_cache(model)
+    steps = list(generate_step(random_tokens(200, 41), model, max_tokens=30, prompt_cache=caches,
+                               prefill_step_size=64))
+    assert len(steps) == 30
+    assert all(c.offset == 230 and c.size() < 40 + c.headroom(40) for c in caches)

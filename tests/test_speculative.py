@@ -1,0 +1,60 @@
+"""Speculative decoding under the shim: mlx_lm rewinds rejected draft tokens with trim_prompt_cache."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm import load, stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+
+import veloxpatch
+from veloxpatch.assets import model_path
+from veloxpatch.eval import tasks
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The shipped model and a noisy copy of it as the draft: it agrees only some of the time."""
+    model, tokenizer = load(str(model_path()))
+    draft, _ = load(str(model_path()))
+    noisy = [(k, v + 0.5 * v.std() * mx.random.normal(v.shape, key=mx.random.key(i))) if v.ndim > 1 else (k, v)
+             for i, (k, v) in enumerate(tree_flatten(draft.parameters()))]
+    draft.update(tree_unflatten(noisy))
+    mx.eval(draft.parameters())
+    prompt, answer = tasks.passkey_example(tokenizer, 512, 2001)
+    return model, draft, tokenizer, tokenizer.encode(prompt), answer
+
+
+def speculate(models, **settings) -> tuple[list, list]:
+    """Greedy speculative generation; returns the responses and the main + draft caches."""
+    model, draft, tokenizer, prompt, _ = models
+    veloxpatch.unpatch()
+    if settings:
+        veloxpatch.patch(**settings)
+    caches = make_prompt_cache(model) + make_prompt_cache(draft)
+    out = list(stream_generate(model, tokenizer, prompt, max_tokens=NEW_TOKENS, draft_model=draft,
+                               prompt_cache=caches, num_draft_tokens=3))
+    return out, caches
+
+
+def test_with_a_big_budget_speculative_output_is_unpatched_output(models) -> None:
+    plain, _ = speculate(models)
+    drafted = sum(r.from_draft for r in plain)
+    assert 0 < drafted < NEW_TOKENS, "the draft must disagree some of the time for the rewind to be tested"
+    patched, caches = speculate(models, kv="snapkv", budget=4096, window=16)
+    assert [r.token for r in patched] == [r.token for r in plain]
+    assert any(type(c).__name__ == "SnapKVCache" for c in caches)
+
+
+def test_with_compression_every_offset_is_the_tokens_seen(models) -> None:
+    plain, plain_caches = speculate(models)
+    out, caches = speculate(models, kv="snapkv", budget=128, window=16)
+    assert all(type(c).__name__ == "SnapKVCache" for c in caches)
+    assert [c.offset for c in caches] == [c.offset for c in plain_caches], "no drift after rewinds"
+    for cache in caches:
+        newest = cache.store.row_positions().max().item()
+        assert newest == cache.offset - 1 and cache.size() < 128 + cache.headroom(128)
+    assert tasks.is_correct(models[2].decode([r.token for r in out]), models[4])

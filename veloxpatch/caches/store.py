@@ -1,0 +1,178 @@
+"""Rows of one layer's KV cache, per head, each with the position of the token it came from.
+
+The store knows nothing of scoring. It appends rows, keeps a chosen subset, trims back to a
+prefix of the context, and reports its physical bytes. Recording each row's original position is
+what makes trimming exact at any time: dropping the rows whose position lies past the prefix
+leaves a valid compressed cache of that prefix (what speculative decoding's rewind and the
+server's prompt-cache reuse need), whatever was evicted before.
+
+Heads keep different rows, so a trim can leave heads with different numbers of valid rows. The
+shorter heads then end in *holes*: rows with position -1 that attention masks out and the next
+compression drops first. Storage can be dense or in mlx's affine-quantized format (a key or value
+is then a (packed, scales, biases) triple); either way every stored array has rows on axis 2.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import mlx.core as mx
+
+Parts = tuple[mx.array, ...]
+HOLE = -1
+
+
+def _grow(parts: Parts, extra: int) -> Parts:
+    """The same arrays with ``extra`` zero rows appended (spare capacity)."""
+    if extra == 0:
+        return parts
+    return tuple(mx.concatenate([p, mx.zeros((*p.shape[:2], extra, p.shape[3]), p.dtype)], axis=2) for p in parts)
+
+
+def _head(parts: Parts, rows: int) -> Parts:
+    """The first ``rows`` rows of each array (a view when nothing is cut)."""
+    return tuple(p if p.shape[2] == rows else p[..., :rows, :] for p in parts)
+
+
+def _take(parts: Parts, index: mx.array) -> Parts:
+    """Rows ``index`` (B, H, k) of each array, gathered per head."""
+    return tuple(mx.take_along_axis(p, index[..., None], axis=2) for p in parts)
+
+
+class RowStore:
+    """Keys, values and positions of the rows one layer keeps, with spare capacity like KVCache."""
+
+    step: ClassVar[int] = 256
+
+    def __init__(self, bits: int | None = None, group_size: int = 64) -> None:
+        self.bits = bits
+        self.group_size = group_size
+        self.keys: Parts | None = None
+        self.values: Parts | None = None
+        self.positions: mx.array | None = None  # (B, H, capacity, 1) int32
+        self.rows = 0
+        self.holes = False
+
+    # ----------------------------------------------------------------- encoding
+    def encode(self, x: mx.array) -> Parts:
+        """Rows as stored: the array itself, or its quantized triple."""
+        if self.bits is None:
+            return (x,)
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def decode(self, parts: Parts) -> mx.array:
+        """Rows as attention uses them (dequantized in the cache's dtype)."""
+        if self.bits is None:
+            return parts[0]
+        return mx.dequantize(*parts, group_size=self.group_size, bits=self.bits).astype(parts[1].dtype)
+
+    # ----------------------------------------------------------------- reading
+    @property
+    def capacity(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[2]
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        """Every stored row (holes included), decoded."""
+        return self.decode(_head(self.keys, self.rows)), self.decode(_head(self.values, self.rows))
+
+    def row_positions(self) -> mx.array:
+        """Original token position of each stored row, (B, H, rows); -1 marks a hole."""
+        return _head((self.positions,), self.rows)[0][..., 0]
+
+    @property
+    def nbytes(self) -> int:
+        """Physical bytes held, spare capacity included."""
+        if self.positions is None:
+            return 0
+        return sum(p.nbytes for p in (*self.keys, *self.values, self.positions))
+
+    # ----------------------------------------------------------------- writing
+    def append(self, keys: mx.array, values: mx.array, start: int) -> None:
+        """Write ``keys``/``values`` (B, H, n, d) as the rows of positions ``start .. start+n-1``."""
+        n = keys.shape[2]
+        self._reserve(n, keys, values)
+        b, h = keys.shape[:2]
+        new = (
+            self.encode(keys), self.encode(values),
+            (mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32)[:, None], (b, h, n, 1)),),
+        )
+        for stored, fresh in zip((self.keys, self.values, (self.positions,)), new):
+            for target, part in zip(stored, fresh):
+                target[..., self.rows : self.rows + n, :] = part
+        self.rows += n
+
+    def keep(self, index: mx.array, spare: int) -> None:
+        """Compact to rows ``index`` (B, H, k), ascending per head, plus ``spare`` free rows."""
+        self.keys = _grow(_take(_head(self.keys, self.rows), index), spare)
+        self.values = _grow(_take(_head(self.values, self.rows), index), spare)
+        (self.positions,) = _grow(_take(_head((self.positions,), self.rows), index), spare)
+        self.rows = index.shape[-1]
+        if self.holes:
+            self.holes = bool((self.row_positions() < 0).any().item())
+
+    def trim_to(self, prefix: int) -> None:
+        """Forget every row whose position is ``prefix`` or later (exact, at any time).
+
+        Rows are in time order per head, so what goes is a suffix of each head; where the
+        suffixes differ in length the shorter heads keep holes up to the longest one.
+        """
+        if self.rows == 0:
+            return
+        positions = self.row_positions()
+        left = (positions >= 0) & (positions < prefix)
+        last = mx.where(left, mx.arange(self.rows), -1).max()
+        rows = int(last.item()) + 1
+        kept = left[..., :rows]
+        self.holes = rows > 0 and not bool(kept.all().item())
+        if self.holes:
+            self.positions[..., :rows, :] = mx.where(kept, positions[..., :rows], HOLE)[..., None]
+        self.rows = rows
+
+    def quantized(self, bits: int, group_size: int) -> "RowStore":
+        """A copy of this store in mlx's quantized format (``bits`` per element).
+
+        Raises ValueError (mlx's own message) for a format mlx cannot store these rows in.
+        """
+        out = RowStore(bits, group_size)
+        out.rows, out.holes = self.rows, self.holes
+        if self.positions is None:
+            out.encode(mx.zeros((1, group_size)))  # checks the format before any row arrives
+        else:
+            keys, values = self.fetch()
+            spare = self.capacity - self.rows
+            out.keys, out.values = _grow(out.encode(keys), spare), _grow(out.encode(values), spare)
+            out.positions = mx.array(self.positions)
+        return out
+
+    # ----------------------------------------------------------------- saving
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """Stored rows without spare capacity: (key parts, value parts, positions)."""
+        if self.positions is None:
+            return None, None, None
+        return _head(self.keys, self.rows), _head(self.values, self.rows), self.row_positions()
+
+    def load(self, state: tuple[Any, ...]) -> None:
+        keys, values, positions = state
+        if positions is None:
+            return
+        self.keys, self.values = tuple(keys), tuple(values)
+        self.positions = positions[..., None]
+        self.rows = positions.shape[2]
+        self.holes = bool((positions < 0).any().item())
+
+    # ----------------------------------------------------------------- internals
+    def _reserve(self, n: int, keys: mx.array, values: mx.array) -> None:
+        """Make room for ``n`` more rows, growing in whole steps as KVCache does."""
+        if self.positions is not None and self.rows + n <= self.capacity:
+            return
+        grow = (n + self.step - 1) // self.step * self.step
+        if self.positions is None:
+            b, h = keys.shape[:2]
+            self.keys = self.encode(mx.zeros((b, h, grow, keys.shape[3]), keys.dtype))
+            self.values = self.encode(mx.zeros((b, h, grow, values.shape[3]), values.dtype))
+            self.positions = mx.zeros((b, h, grow, 1), mx.int32)
+            return
+        self.keys = _grow(_head(self.keys, self.rows), grow)
+        self.values = _grow(_head(self.values, self.rows), grow)
+        (self.positions,) = _grow(_head((self.positions,), self.rows), grow)
