@@ -2,11 +2,12 @@
 
     python bench/results_md.py velox-eval/eval.json [more eval.json ...] --bench velox-bench/bench.json ...
 
-Eval rows become one table per (task, context): a row per method, a column per KV budget share, each cell the
+Eval rows become one table per (task, context): a row per variant, a column per KV budget share, each cell the
 measured value and its sample count. Several eval files are merged (e.g. a slower variant run with fewer samples);
 where two files hold the same cell (task, context, method, share, sample count), the later file wins. A method
-measured with different sample counts gets a row per count (e.g. the full cache at n=10 and at n=3), so each row
-compares with the baseline measured on the same prompts.
+measured with different sample counts (each run measures the full cache as its own baseline) gets one row per count,
+so every row still has a baseline measured on the same prompts: the largest count keeps the method's name, a smaller
+one is named after the run it belongs to, the other methods measured with that count (``full (quantized run)``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ def eval_tables(rows: list[dict]) -> str:
         cells = [r for r in rows if r["task"] == task and r["context"] == context]
         shares = sorted({r["share"] for r in cells}, reverse=True)
         methods = sorted({(r["method"], r["samples"]) for r in cells}, key=lambda m: (m[0] != "full", m[0], -m[1]))
+        labels = row_labels(methods)
         table = []
         for method, samples in methods:
-            line = {"method": method}
+            line = {"method": labels[method, samples]}
             for share in shares:
                 hit = [r for r in cells if (r["method"], r["samples"], r["share"]) == (method, samples, share)]
                 line[f"{share:.3g}"] = f"{hit[0]['value']:.3g} (n={hit[0]['samples']})" if hit else ""
@@ -36,6 +38,19 @@ def eval_tables(rows: list[dict]) -> str:
         out.append(f"**{task}, context {context} tokens** ({metric}; columns: KV budget as a share of the context)\n")
         out.append(markdown(table, ["method"] + [f"{s:.3g}" for s in shares]) + "\n")
     return "\n".join(out)
+
+
+def row_labels(methods: list[tuple[str, int]]) -> dict[tuple[str, int], str]:
+    """A distinct row name per (method, sample count): the method's name for its largest count; for a smaller
+    count, the method plus the run it came from, i.e. the other methods measured with that count."""
+    labels = {}
+    for method, samples in methods:
+        if samples == max(n for m, n in methods if m == method):
+            labels[method, samples] = method
+            continue
+        peers = sorted({m for m, n in methods if n == samples and m != method})
+        labels[method, samples] = f"{method} ({'/'.join(peers)} run)" if peers else f"{method} (n={samples} run)"
+    return labels
 
 
 def bench_table(rows: list[dict]) -> str:

@@ -124,3 +124,25 @@ def test_the_readme_quickstart_runs() -> None:
     assert result.returncode == 0, result.stderr
     assert "answer: " in result.stdout and "decode" in result.stdout
     assert "veloxpatch: snapkv | 1 generation(s)" in result.stderr
+
+
+def test_a_child_interpreter_without_veloxpatch_still_runs_the_users_sitecustomize(tmp_path: Path) -> None:
+    """PYTHONPATH reaches children that run another interpreter: no error there, the user's file runs."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=60)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import sys; print('user sitecustomize ran', file=sys.stderr)\n")
+    app = tmp_path / "spawn.py"
+    app.write_text(textwrap.dedent(f"""
+        import subprocess, sys
+        child = subprocess.run([{str(bare / "bin" / "python")!r}, "-c", "import sys; print(sys.prefix)"],
+                               capture_output=True, text=True)
+        print(child.stdout.strip())
+        print(child.stderr.strip() or "<no stderr>")
+    """))
+    result = launch("run", "--kv", "snapkv", str(app), env={"PYTHONPATH": str(site)})
+    assert result.returncode == 0, result.stderr
+    prefix, *child_stderr = result.stdout.splitlines()
+    assert Path(prefix) == bare, "the child ran the bare interpreter"
+    assert child_stderr == ["user sitecustomize ran"]

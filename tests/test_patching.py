@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import textwrap
 import threading
+import time
 
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -134,22 +135,49 @@ def test_auto_import_patches_from_the_environment() -> None:
     assert strict.returncode != 0 and "VELOX_SINK" in strict.stderr
 
 
-def test_concurrent_patch_and_unpatch_stay_consistent() -> None:
+def test_generating_while_other_threads_patch_and_unpatch() -> None:
+    """Generation keeps going, with mlx_lm's exact tokens, while the bindings change under it.
+
+    The budget exceeds the sequence, so whichever caches and attention route each step meets
+    (ours or mlx_lm's, patched or not), the tokens must be mlx_lm's own.
+    """
     import mlx_lm.models.base as base
     import mlx_lm.models.cache as cache
+    from mlx_lm.generate import generate_step
 
     originals = (base.scaled_dot_product_attention, cache.make_prompt_cache)
+    model = tiny("llama")
+    prompt = random_tokens(40, 5)
+    expected = [int(t) for t, _ in generate_step(prompt, model, max_tokens=8)]
+    churning = threading.Event()
+    results: list[list[int]] = []
+    errors: list[BaseException] = []
 
     def churn() -> None:
         for _ in range(25):
-            veloxpatch.patch(kv="snapkv", budget=64)
+            veloxpatch.patch(kv="snapkv", budget=512)
+            time.sleep(0.002)  # let generation steps meet the patched bindings too
             veloxpatch.unpatch()
 
-    threads = [threading.Thread(target=churn) for _ in range(6)]
+    def generate() -> None:
+        try:
+            while churning.is_set() or not results:
+                results.append([int(t) for t, _ in generate_step(prompt, model, max_tokens=8)])
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    churning.set()
+    generator = threading.Thread(target=generate)
+    generator.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    churning.clear()
+    generator.join()
+    assert not errors, errors
+    assert results and all(tokens == expected for tokens in results)
     assert (base.scaled_dot_product_attention, cache.make_prompt_cache) == originals
     veloxpatch.patch(kv="snapkv", budget=64)
     assert base.scaled_dot_product_attention.__wrapped__ is originals[0]
@@ -164,9 +192,9 @@ def test_batched_generation_runs_on_mlx_lms_own_caches(model_dir) -> None:
     model, tokenizer = load(str(model_dir))
     prompts = [random_tokens(60, 1).tolist(), random_tokens(75, 2).tolist()]
     expected = batch_generate(model, tokenizer, prompts, max_tokens=5, return_token_ids=True).token_ids
-    original_insert = vars(BatchGenerator)["insert"]
+    original_insert = vars(BatchGenerator)["insert_segments"]
     veloxpatch.patch(kv="snapkv", budget=40, window=8)
     assert batch_generate(model, tokenizer, prompts, max_tokens=5, return_token_ids=True).token_ids == expected
     assert type(make_prompt_cache(model)[0]).__name__ == "SnapKVCache", "single-sequence caches stay ours"
     veloxpatch.unpatch()
-    assert vars(BatchGenerator)["insert"] is original_insert
+    assert vars(BatchGenerator)["insert_segments"] is original_insert

@@ -1,7 +1,9 @@
 """Process-wide KV-cache statistics for ``VELOX_STATS`` (one line on exit).
 
-Caches register themselves here when they are built; the summary reads the live ones, so nothing
-is counted twice and nothing is kept alive by the statistics.
+Caches register themselves here when they are built; copies made without ``__init__`` (the
+server's ``copy.deepcopy`` of prompt caches, a quantized copy) are registered by whoever hands them
+on, with ``built=False``. The summary reads the live ones, so nothing is counted twice and nothing is
+kept alive by the statistics.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ class _Totals:
 totals = _Totals()
 
 
-def track(cache: Any) -> None:
-    """Count a new compressed cache and remember it (weakly) for the exit summary."""
-    totals.caches_built += 1
+def track(cache: Any, built: bool = True) -> None:
+    """Remember a compressed cache (weakly) for the exit summary; count it if it was just built.
+
+    Tracking the same cache again is harmless: the live set holds each cache once.
+    """
+    if built:
+        totals.caches_built += 1
     _live.add(cache)
 
 

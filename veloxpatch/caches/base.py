@@ -76,6 +76,8 @@ class CompressedKVCache(ABC):
     # ----------------------------------------------------------------- mlx_lm cache protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append new rows (already rotated at ``offset``) and return every stored row."""
+        if self.coordinator is not None:
+            self.coordinator.on_update(self)
         self.store.append(keys, values, self.offset)
         self.offset += keys.shape[2]
         return self.store.fetch()
@@ -146,10 +148,9 @@ class CompressedKVCache(ABC):
             return self
         out = copy.copy(self)
         out.store = store
-        stats.track(out)
+        stats.track(out, built=False)
         if self.coordinator is not None:
-            members = self.coordinator.members
-            members[members.index(self)] = out
+            self.coordinator.replace(self, out)
         return out
 
     @property

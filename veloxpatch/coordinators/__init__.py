@@ -5,6 +5,17 @@ every member cache. Single-layer methods only use it to be found and reset; cros
 (ChunkKV index reuse, xKV, SqueezeAttention, MiniCache, XQuant) subclass it to exchange
 ``mx.array``s between layers. Layers run in order within a forward pass, so a leader layer always
 publishes before its followers read.
+
+When a new sequence starts, cross-layer state from the previous one must go. Two signals say so:
+
+* a generation starts on the list (the integration resets every coordinator of the list handed to
+  ``generate_step`` / ``speculative_generate_step``): this covers a reused list, e.g. a chat's
+  next turn, whose caches keep their history;
+* the first member receives rows while its offset is 0 (:meth:`Coordinator.on_update`): this
+  covers loops that call the model directly (mlx_lm's ``evaluate``, a user's own loop). Offset 0
+  means the layer has seen nothing, so no state held from before can belong to this sequence; the
+  first member is the first layer to run in a forward, so nothing of the new forward has been
+  published yet when it resets (a later member at offset 0 would wipe the leader's publication).
 """
 
 from __future__ import annotations
@@ -13,17 +24,45 @@ from typing import Any
 
 
 class Coordinator:
-    """Shared by the veloxpatch caches of one cache list; reset at the start of each generation."""
+    """Shared by the veloxpatch caches of one cache list; reset when a new sequence starts."""
 
     def __init__(self, method: str) -> None:
         self.method = method
         self.members: list[Any] = []
         self.generations = 0
+        self.fresh = False  # reset, and no member has received rows since
 
     def join(self, cache: Any) -> None:
         """Register a member cache (in layer order)."""
         self.members.append(cache)
 
+    def replace(self, old: Any, new: Any) -> None:
+        """``new`` takes ``old``'s place (and layer order), e.g. its quantized copy."""
+        self.members = [new if m is old else m for m in self.members]
+        new.coordinator = self
+
     def reset(self) -> None:
-        """Forget per-generation cross-layer state; called when a generation starts."""
+        """Forget per-generation cross-layer state; a new sequence or generation starts."""
         self.generations += 1
+        self.fresh = True
+
+    def on_update(self, cache: Any) -> None:
+        """A member is about to store rows: at offset 0 on the first member, a new sequence starts.
+
+        A reset just made by the generation start is not repeated (``fresh``), so one generation
+        counts once whichever signal sees it first.
+        """
+        if cache.offset == 0 and self.members and cache is self.members[0] and not self.fresh:
+            self.reset()
+        self.fresh = False
+
+
+def coordinators_of(caches: Any) -> list[Coordinator]:
+    """Every distinct coordinator in a cache list, in list order (a server list holds main and
+    draft caches, each part with its own); empty for any other list or object."""
+    found: dict[int, Coordinator] = {}
+    for cache in caches if isinstance(caches, (list, tuple)) else ():
+        coordinator = getattr(cache, "coordinator", None)
+        if isinstance(coordinator, Coordinator):
+            found.setdefault(id(coordinator), coordinator)
+    return list(found.values())

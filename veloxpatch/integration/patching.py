@@ -29,8 +29,13 @@ from .state import STATE, Swap
 # defining module -> what it defines that we replace (a function, or Class.method), and the wrapper for each
 TARGETS: dict[str, dict[str, Callable[[Any], Any]]] = {
     "mlx_lm.models.base": {"scaled_dot_product_attention": wrappers.scaled_dot_product_attention},
-    "mlx_lm.models.cache": {"make_prompt_cache": wrappers.make_prompt_cache},
-    "mlx_lm.generate": {"generate_step": wrappers.generate_step, "BatchGenerator.insert": wrappers.batch_insert},
+    "mlx_lm.models.cache": {"make_prompt_cache": wrappers.make_prompt_cache,
+                            "load_prompt_cache": wrappers.load_prompt_cache},
+    "mlx_lm.generate": {
+        "generate_step": wrappers.generation_start,
+        "speculative_generate_step": wrappers.generation_start,
+        "BatchGenerator.insert_segments": wrappers.batch_insert_segments,
+    },
 }
 
 

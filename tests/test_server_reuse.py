@@ -1,0 +1,82 @@
+"""The server's prompt-cache reuse under compression, against the real ``mlx_lm server``.
+
+The server keeps each request's cache and, for a new prompt, trims a cached one back to the prefix
+they share. Our caches record each kept row's position, so that trim is exact at any depth and
+leaves a valid compressed cache of the prefix. Three requests: A, then B sharing A's long
+haystack with another question (a trim of A's cache back past its question), then C, which
+shares only A's first sentences and hides another key after them (a trim deep into evicted
+history). The shipped model answers passkey questions, so a wrongly positioned or stale cache
+shows as a wrong key.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from serving import post, running
+from veloxpatch.assets import model_path
+from veloxpatch.eval import tasks
+
+CONTEXT = 1024
+SHARED_CHARS = 300  # C shares this much text with A: a few dozen tokens
+
+
+def requests() -> list[tuple[str, str]]:
+    """(prompt, answer) for A, B and C."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(model_path())
+    a, key_a = tasks.passkey_example(tokenizer, CONTEXT, 2004, depth=0.6)
+    b = a[: -len(tasks.PASSKEY_QUESTION)] + "Now tell me: what is the pass key? The pass key is"
+    other, key_c = tasks.passkey_example(tokenizer, CONTEXT - 100, 2005, depth=0.1)
+    c = a[:SHARED_CHARS] + other
+    assert key_a.strip() not in c
+    return [(a, key_a), (b, key_a), (c, key_c)]
+
+
+def answers(model_dir: str, log: Path, env: dict[str, str], launcher: bool) -> list[str]:
+    """The three completions from one server, in order."""
+    serve = [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--log-level", "INFO"]
+    if launcher:
+        serve = [sys.executable, "-m", "veloxpatch.cli", "run", *serve[1:]]
+    out = []
+    with running(serve, log, env) as url:
+        for prompt, _ in requests():
+            status, body = post(url, {"prompt": prompt, "max_tokens": 6, "temperature": 0})
+            assert status == 200, body
+            out.append(body["choices"][0]["text"])
+    return out
+
+
+def processed_counts(log: Path) -> list[int]:
+    """How many prompt tokens each request had to process (the rest came from the prompt cache)."""
+    return [int(m) for m in re.findall(r"Prompt processing progress: 0/(\d+)", log.read_text())]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> list[str]:
+    return answers(str(model_path()), tmp_path_factory.mktemp("plain") / "log", {}, launcher=False)
+
+
+def test_big_budget_reuse_is_the_unpatched_servers(plain, tmp_path) -> None:
+    log = tmp_path / "log"
+    patched = answers(str(model_path()), log, {"VELOX_KV": "snapkv", "VELOX_BUDGET": "4096"}, launcher=True)
+    assert patched == plain
+    a, b, c = processed_counts(log)
+    assert b < 40 and c > CONTEXT / 2, f"B reused A's haystack, C only its start: {a}, {b}, {c}"
+
+
+def test_small_budget_reuse_is_compressed_and_correctly_positioned(tmp_path) -> None:
+    log = tmp_path / "log"
+    env = {"VELOX_KV": "snapkv", "VELOX_BUDGET": "256", "VELOX_LOG": "DEBUG"}
+    got = answers(str(model_path()), log, env, launcher=True)
+    a, b, c = processed_counts(log)
+    assert b < 40, f"B reused A's compressed cache ({b} tokens processed)"
+    assert c < CONTEXT, f"C reused A's first tokens ({c} processed)"
+    for text, (_, key) in zip(got, requests()):
+        assert tasks.is_correct(text, key), (text, key)
+    assert "snapkv on 4 of 4 cache slots" in log.read_text(), "the server's caches were ours"
