@@ -58,3 +58,16 @@ def test_with_compression_every_offset_is_the_tokens_seen(models) -> None:
         newest = cache.store.row_positions().max().item()
         assert newest == cache.offset - 1 and cache.size() < 128 + cache.headroom(128)
     assert tasks.is_correct(models[2].decode([r.token for r in out]), models[4])
+
+
+def test_the_draft_can_keep_mlx_lms_own_cache(models) -> None:
+    """VELOX_DRAFT_KV=none: through stream_generate without a prompt cache, and with one."""
+    model, draft, tokenizer, prompt, answer = models
+    veloxpatch.patch(kv="snapkv", budget=128, window=16, draft_kv="none")
+    out = list(stream_generate(model, tokenizer, prompt, max_tokens=NEW_TOKENS, draft_model=draft))
+    assert tasks.is_correct(tokenizer.decode([r.token for r in out]), answer)
+    caches = make_prompt_cache(model) + make_prompt_cache(draft)
+    list(stream_generate(model, tokenizer, prompt, max_tokens=4, draft_model=draft, prompt_cache=caches))
+    main, drafts = caches[: len(model.layers)], caches[len(model.layers) :]
+    assert all(type(c).__name__ == "SnapKVCache" and c.evicted for c in main)
+    assert all(type(c).__name__ == "KVCache" and c.offset == main[0].offset for c in drafts)

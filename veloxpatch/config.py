@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 PREFIX = "VELOX_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 COMPRESS_MODES = ("chunk", "end")
+DRAFT_MODES = ("same", "none")
 
 
 class ConfigError(ValueError):
@@ -158,6 +159,8 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "Most recent tokens that are never evicted; query-aware methods score with them."),
     Setting("VELOX_COMPRESS", _choice(COMPRESS_MODES), "chunk", "one of " + ", ".join(COMPRESS_MODES),
             "When to compress the prompt: after each prefill chunk (bounded memory) or once at its end."),
+    Setting("VELOX_DRAFT_KV", _choice(DRAFT_MODES), "same", "one of " + ", ".join(DRAFT_MODES),
+            "Speculative decoding: the draft model's cache is compressed like the main one, or stays mlx_lm's."),
     Setting("VELOX_LOG", _choice(LOG_LEVELS, upper=True), "WARNING", "one of " + ", ".join(LOG_LEVELS),
             "Log level of veloxpatch's own messages (stderr)."),
     Setting("VELOX_STRICT", _bool, "0", "a boolean (1/0, true/false, yes/no, on/off)",
@@ -207,6 +210,7 @@ class VeloxConfig:
     sink: int = 4
     window: int = 32
     compress: str = "chunk"
+    draft_kv: str = "same"
     log: str = "WARNING"
     strict: bool = False
     stats: bool = False

@@ -33,7 +33,7 @@ TARGETS: dict[str, dict[str, Callable[[Any], Any]]] = {
                             "load_prompt_cache": wrappers.load_prompt_cache},
     "mlx_lm.generate": {
         "generate_step": wrappers.generation_start,
-        "speculative_generate_step": wrappers.generation_start,
+        "speculative_generate_step": wrappers.speculative_start,
         "BatchGenerator.insert_segments": wrappers.batch_insert_segments,
     },
 }

@@ -86,6 +86,19 @@ def generation_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict
 
 
 @wrapt.decorator
+def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """For ``speculative_generate_step``: the draft model's caches follow ``VELOX_DRAFT_KV``, then a
+    generation starts as for ``generate_step``."""
+    call = inspect.signature(wrapped).bind(*args, **kwargs)
+    try:
+        _draft_caches(call.arguments)
+        _start_generation(call.arguments.get("prompt_cache"))
+    except Exception as error:
+        fall_back("starting a speculative generation", error)
+    return wrapped(*call.args, **call.kwargs)
+
+
+@wrapt.decorator
 def load_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     loaded = wrapped(*args, **kwargs)
     _adopt(_ours(loaded[0] if isinstance(loaded, tuple) else loaded))
@@ -111,6 +124,33 @@ def _start_generation(caches: Any) -> None:
     for coordinator in coordinators_of(ours):
         coordinator.reset()
     stats.totals.generations += 1
+
+
+def _draft_caches(arguments: dict[str, Any]) -> None:
+    """With ``VELOX_DRAFT_KV=none`` the draft model keeps mlx_lm's own caches.
+
+    Without a prompt cache, mlx_lm would build both lists itself; we build them the same way (the
+    main model's compressed). A given list's draft part (after the main model's layers) has its
+    empty compressed slots swapped for mlx_lm's; one that already holds rows stays (said once).
+    """
+    config = STATE.config
+    if config is None or config.draft_kv != "none":
+        return
+    model, draft = arguments["model"], arguments["draft_model"]
+    make = sys.modules["mlx_lm.models.cache"].make_prompt_cache
+    plain = getattr(make, "__wrapped__", make)(draft)
+    caches = arguments.get("prompt_cache")
+    if caches is None:
+        arguments["prompt_cache"] = make(model) + plain
+        return
+    first = len(model.layers)
+    for i, cache in enumerate(caches[first:], start=first):
+        if not isinstance(cache, CompressedKVCache):
+            continue
+        if cache.empty():
+            caches[i] = plain[i - first]
+        else:
+            once("draft history", logging.INFO, "a draft cache that already holds rows stays compressed")
 
 
 def _ours(caches: Any) -> list[CompressedKVCache]:
