@@ -1,4 +1,4 @@
-"""The cache contracts of DESIGN.md under real compression."""
+"""The cache contracts of docs/DESIGN.md under real compression."""
 
 from __future__ import annotations
 
