@@ -12,7 +12,7 @@ from mlx_lm.models.cache import (
 )
 
 import veloxpatch
-from conftest import ARCHS, random_tokens, tiny
+from conftest import random_tokens, tiny
 from veloxpatch.caches import CompressedKVCache
 from veloxpatch.caches.snapkv import SnapKVCache, pool_rows
 from veloxpatch.caches.store import RowStore

@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
-from conftest import ARCHS, random_tokens, tiny
+from conftest import random_tokens, tiny
 from conftest import run_python
 from veloxpatch.integration import patching, version
 

@@ -23,7 +23,7 @@ from ..caches import CACHE_CLASSES
 from ..config import ConfigError, VeloxConfig, from_env
 from ..log import configure as configure_logging
 from ..log import log
-from . import version, wrappers
+from . import batched, version, wrappers
 from .state import STATE, Swap
 
 # defining module -> what it defines that we replace (a function, or Class.method), and the wrapper for each
@@ -34,7 +34,8 @@ TARGETS: dict[str, dict[str, Callable[[Any], Any]]] = {
     "mlx_lm.generate": {
         "generate_step": wrappers.generation_start,
         "speculative_generate_step": wrappers.speculative_start,
-        "BatchGenerator.insert_segments": wrappers.batch_insert_segments,
+        "BatchGenerator.insert_segments": batched.batch_insert_segments,
+        "batch_generate": batched.batch_generate,
     },
 }
 

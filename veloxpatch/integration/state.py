@@ -1,12 +1,16 @@
-"""What is patched right now: the active config and every attribute swapped, for exact undo."""
+"""What is patched right now: the active config, every attribute swapped (for exact undo), and
+whether this thread is inside mlx_lm's batched generation."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from ..config import VeloxConfig
+from ..log import once
 
 
 @dataclass
@@ -34,3 +38,23 @@ class PatchState:
 
 
 STATE = PatchState()
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def batched_generation() -> Iterator[None]:
+    """Marks this thread as inside mlx_lm's batched generation (caches made here stay mlx_lm's)."""
+    _local.batched = getattr(_local, "batched", 0) + 1
+    try:
+        yield
+    finally:
+        _local.batched -= 1
+
+
+def in_batched_generation() -> bool:
+    """True inside :func:`batched_generation` on this thread (said once in the log)."""
+    if not getattr(_local, "batched", 0):
+        return False
+    once("batched", logging.WARNING, "mlx_lm batched generation merges caches; it runs with mlx_lm's own caches")
+    return True

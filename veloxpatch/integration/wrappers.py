@@ -8,14 +8,7 @@
   that lost theirs (restored with ``from_state``) get one, and copies made without ``__init__``
   (the server deep-copies prompt caches) are counted in the statistics.
 * ``load_prompt_cache``: a restored list gets its coordinator back.
-* ``BatchGenerator.insert_segments`` (``insert`` goes through it): mlx_lm's batched generation
-  merges caches into its batch caches, which ours cannot join, so it runs on mlx_lm's own caches
-  (logged once). Caches it makes stay mlx_lm's; compressed caches a caller hands in (the server's
-  prompt-cache reuse, ``batch_generate(prompt_caches=...)``) become mlx_lm's: empty or lossless
-  ones as exact copies, evicted ones by re-reading the tokens they saw, which the caller gives as
-  ``all_tokens`` (the server does). An evicted cache without its tokens is refused before anything
-  changes: its evicted rows are gone, and a batch cache cannot hold a history with gaps, so any
-  tokens it produced would be wrong.
+* the batched-generation entries live in :mod:`.batched`.
 
 Each reads the active config at call time, so re-patching with a new config needs no re-binding,
 and a failure inside our code falls back to mlx_lm's own behaviour unless ``VELOX_STRICT``.
@@ -26,7 +19,6 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-import threading
 from typing import Any, Callable
 
 import wrapt
@@ -35,10 +27,9 @@ from .. import builder, stats
 from ..caches.base import CompressedKVCache
 from ..coordinators import Coordinator, coordinators_of
 from ..log import once
-from .state import STATE
+from .state import STATE, in_batched_generation
 
 SDPA_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
-_local = threading.local()
 
 
 def fall_back(what: str, error: Exception) -> None:
@@ -53,7 +44,7 @@ def fall_back(what: str, error: Exception) -> None:
 def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     caches = wrapped(*args, **kwargs)
     config = STATE.config
-    if config is None or not config.enabled or _in_batched_generation():
+    if config is None or not config.enabled or in_batched_generation():
         return caches
     model = args[0] if args else kwargs["model"]
     try:
@@ -101,27 +92,16 @@ def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
 @wrapt.decorator
 def load_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     loaded = wrapped(*args, **kwargs)
-    _adopt(_ours(loaded[0] if isinstance(loaded, tuple) else loaded))
+    _adopt(ours(loaded[0] if isinstance(loaded, tuple) else loaded))
     return loaded
 
 
-@wrapt.decorator
-def batch_insert_segments(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    call = inspect.signature(wrapped).bind(*args, **kwargs)
-    _local.batched = getattr(_local, "batched", 0) + 1
-    try:
-        _own_caches(instance, call.arguments)
-        return wrapped(*call.args, **call.kwargs)
-    finally:
-        _local.batched -= 1
-
-
 def _start_generation(caches: Any) -> None:
-    ours = _ours(caches)
-    _adopt(ours)
-    for cache in ours:
+    found = ours(caches)
+    _adopt(found)
+    for cache in found:
         stats.track(cache, built=False)
-    for coordinator in coordinators_of(ours):
+    for coordinator in coordinators_of(found):
         coordinator.reset()
     stats.totals.generations += 1
 
@@ -153,7 +133,7 @@ def _draft_caches(arguments: dict[str, Any]) -> None:
             once("draft history", logging.INFO, "a draft cache that already holds rows stays compressed")
 
 
-def _ours(caches: Any) -> list[CompressedKVCache]:
+def ours(caches: Any) -> list[CompressedKVCache]:
     """Our caches in a cache list, in list order (none for anything that is not a list)."""
     return [c for c in caches if isinstance(c, CompressedKVCache)] if isinstance(caches, (list, tuple)) else []
 
@@ -169,61 +149,3 @@ def _adopt(ours: list[CompressedKVCache]) -> None:
         for cache in (c for c in orphans if c.method == method):
             cache.coordinator = coordinator
             coordinator.join(cache)
-
-
-def _in_batched_generation() -> bool:
-    if not getattr(_local, "batched", 0):
-        return False
-    once("batched", logging.WARNING, "mlx_lm batched generation merges caches; it runs with mlx_lm's own caches")
-    return True
-
-
-def _own_caches(generator: Any, arguments: dict[str, Any]) -> None:
-    """Swap the compressed caches a caller handed to ``insert_segments`` for mlx_lm's own.
-
-    New lists only (the caller's stay as they were), written back only once every sequence is
-    done, so a refusal leaves the generator and the caller untouched.
-    """
-    caches = arguments.get("caches")
-    if not caches or not any(_ours(c) for c in caches):
-        return
-    segments = list(arguments["segments"])
-    seen = list(arguments.get("all_tokens") or [[] for _ in segments])
-    if not len(caches) == len(segments) == len(seen):
-        return  # mlx_lm reports the mismatch itself
-    caches = list(caches)
-    for i, cache_list in enumerate(caches):
-        caches[i], segments[i], seen[i] = _own_sequence(generator, cache_list, segments[i], seen[i])
-    arguments.update(caches=caches, segments=segments, all_tokens=seen)
-
-
-def _own_sequence(generator: Any, caches: Any, segments: list, seen: list) -> tuple[Any, list, list]:
-    """One sequence's (caches, segments, all_tokens) with mlx_lm's caches in place of ours."""
-    ours = _ours(caches)
-    if not ours:
-        return caches, segments, seen
-    if all(c.empty() or (not c.evicted and c.size() == c.offset) for c in ours):
-        once("batched copy", logging.INFO, "compressed caches that lost nothing join mlx_lm's batch as exact copies")
-        return [_dense_copy(c) if isinstance(c, CompressedKVCache) else c for c in caches], segments, seen
-    if len(seen) != ours[0].offset:
-        raise ValueError(
-            f"a compressed cache that has evicted rows ({ours[0].size()} kept of {ours[0].offset} tokens) cannot "
-            "join mlx_lm's batched generation: pass the tokens it has seen as all_tokens (they are read again), "
-            "or generate this sequence with generate / stream_generate"
-        )
-    once("batched reread", logging.INFO,
-         "a compressed cache with evicted rows joins mlx_lm's batch by re-reading the tokens it saw")
-    fresh = sys.modules["mlx_lm.models.cache"].make_prompt_cache(generator.model, generator.max_kv_size)
-    first = list(segments[0]) if segments else []
-    return fresh, [list(seen) + first, *segments[1:]], []
-
-
-def _dense_copy(cache: CompressedKVCache) -> Any:
-    """mlx_lm's ``KVCache`` holding the same rows as ``cache``, which must have lost none."""
-    from mlx_lm.models.cache import KVCache
-
-    dense = KVCache()
-    if not cache.empty():
-        rows = cache.size()
-        dense.update_and_fetch(cache.keys[..., :rows, :], cache.values[..., :rows, :])
-    return dense
