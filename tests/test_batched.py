@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import veloxpatch
 from conftest import random_tokens
 
-BUDGET = dict(kv="snapkv", budget=40, window=8)
+BUDGET = dict(kv="snapkv", budget=40, window=8, compress="chunk")  # prefills evict
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ def feed(cache, chunks: list[int], seed: int) -> mx.array:
     Returns the positions of the rows left, (B, kv_heads, rows).
     """
     key = mx.random.key(seed)
-    seen = 0
+    seen = cache.offset
     for n in chunks:
         key, k1, k2 = mx.random.split(key, 3)
         position = mx.broadcast_to(mx.arange(seen, seen + n, dtype=mx.float32)[:, None], (2, KV_HEADS, n, DIM))
@@ -32,16 +32,17 @@ def feed(cache, chunks: list[int], seed: int) -> mx.array:
         seen += n
         assert cache.offset == seen
         keep = cache.target()
-        if n > cache.headroom(keep):
+        if n > cache.headroom(keep) and cache.mode == "chunk":
             assert cache.size() <= keep, "a prefill chunk always ends within the budget"
-        assert cache.size() < max(keep + cache.headroom(keep), n + keep), "small steps use the headroom"
+        if cache.mode == "chunk":
+            assert cache.size() < max(keep + cache.headroom(keep), n + keep), "small steps use the headroom"
     return cache.values[..., : cache.size(), 0].astype(mx.int32)
 
 
 @settings(max_examples=40, deadline=None)
 @given(chunks=chunkings, budget=st.integers(min_value=6, max_value=50), seed=st.integers(0, 1000))
 def test_snapkv_keeps_sinks_recent_window_and_time_order(chunks: list[int], budget: int, seed: int) -> None:
-    cache = SnapKVCache(Budget(tokens=budget), sink=2, window=4, kernel=3)
+    cache = SnapKVCache(Budget(tokens=budget), mode="chunk", sink=2, window=4, kernel=3)
     kept = feed(cache, chunks, seed)
     total = sum(chunks)
     assert cache.size() <= min(budget + cache.headroom(budget), total)
@@ -55,9 +56,26 @@ def test_snapkv_keeps_sinks_recent_window_and_time_order(chunks: list[int], budg
 @settings(max_examples=40, deadline=None)
 @given(chunks=chunkings, budget=st.integers(min_value=5, max_value=50), seed=st.integers(0, 1000))
 def test_streamingllm_is_sinks_plus_a_recent_run_under_any_chunking(chunks: list[int], budget: int, seed: int) -> None:
-    cache = StreamingLLMCache(Budget(tokens=budget), sink=1, window=4)
+    cache = StreamingLLMCache(Budget(tokens=budget), mode="chunk", sink=1, window=4)
     kept = feed(cache, chunks, seed)
     total, rows = sum(chunks), cache.size()
     expected = list(range(min(1, rows))) + list(range(total - (rows - 1), total)) if rows < total else list(range(total))
     assert kept[0, 0].tolist() == expected
     assert (kept == kept[:1, :1]).all().item(), "every batch row and head keeps the same positions"
+
+
+@settings(max_examples=30, deadline=None)
+@given(chunks=st.lists(st.integers(min_value=9, max_value=40), min_size=1, max_size=8),
+       budget=st.integers(min_value=6, max_value=50), seed=st.integers(0, 1000))
+def test_end_mode_keeps_the_prompt_whole_until_a_decode_step(chunks: list[int], budget: int, seed: int) -> None:
+    """Prompt chunks (more tokens than the headroom of 8) never compress; the first decode step does."""
+    cache = SnapKVCache(Budget(tokens=budget), sink=2, window=4, mode="end", kernel=3)
+    kept = feed(cache, chunks, seed)
+    total = sum(chunks)
+    assert cache.size() == total and kept[0, 0].tolist() == list(range(total))
+    kept = feed(cache, [1], seed + 1)
+    if total + 1 >= budget + cache.headroom(budget):
+        assert cache.size() == budget
+        assert (kept[..., :2] == mx.array([0, 1])).all().item() and (kept[..., -4:] == total + 1 - 4 + mx.arange(4)).all().item()
+    else:
+        assert cache.size() == total + 1

@@ -40,7 +40,7 @@ def continue_greedy(model, caches, first: int, steps: int = 6) -> list[int]:
 @pytest.mark.parametrize("method", ["snapkv", "streamingllm"])
 def test_offset_counts_tokens_and_rows_stay_bounded(method: str) -> None:
     model = tiny("qwen3")
-    veloxpatch.patch(kv=method, budget=48, window=8)
+    veloxpatch.patch(compress="chunk", kv=method, budget=48, window=8)
     caches = make_prompt_cache(model)
     tokens = random_tokens(300, 3)
     peaks = prefill(model, caches, tokens, chunk=20)
@@ -55,7 +55,7 @@ def test_offset_counts_tokens_and_rows_stay_bounded(method: str) -> None:
 
 def test_physical_bytes_do_not_grow_with_context() -> None:
     model = tiny("llama")
-    veloxpatch.patch(kv="snapkv", budget=40, window=8)
+    veloxpatch.patch(compress="chunk", kv="snapkv", budget=40, window=8)
     sizes = []
     for length in (200, 600):
         caches = make_prompt_cache(model)
@@ -68,7 +68,7 @@ def test_physical_bytes_do_not_grow_with_context() -> None:
 
 def test_multi_token_step_after_eviction_uses_a_mask_for_our_rows() -> None:
     """After eviction a 5-token step attends to every kept row and causally to itself."""
-    cache = SnapKVCache(Budget(tokens=12), sink=2, window=4)
+    cache = SnapKVCache(Budget(tokens=12), mode="chunk", sink=2, window=4)
     keys = mx.random.normal((1, 2, 30, 8), key=mx.random.key(5))
     values = mx.random.normal((1, 2, 30, 8), key=mx.random.key(6))
     queries = mx.random.normal((1, 4, 30, 8), key=mx.random.key(7))
@@ -92,7 +92,7 @@ def test_multi_token_step_after_eviction_uses_a_mask_for_our_rows() -> None:
 
 
 def test_snapkv_keeps_the_rows_the_window_attends_to() -> None:
-    cache = SnapKVCache(Budget(tokens=10), sink=1, window=4, kernel=1)
+    cache = SnapKVCache(Budget(tokens=10), mode="chunk", sink=1, window=4, kernel=1)
     d = 8
     keys = mx.random.normal((2, 2, 40, d), key=mx.random.key(11)) * 0.1
     target = mx.zeros((d,)).at[0].add(1.0)
@@ -107,7 +107,7 @@ def test_snapkv_keeps_the_rows_the_window_attends_to() -> None:
 
 
 def test_streamingllm_keeps_sinks_and_the_most_recent_rows() -> None:
-    cache = StreamingLLMCache(Budget(tokens=10), sink=3, window=4)
+    cache = StreamingLLMCache(Budget(tokens=10), mode="chunk", sink=3, window=4)
     position = mx.broadcast_to(mx.arange(50, dtype=mx.float32)[:, None], (1, 2, 50, 4))
     k, v = cache.update_and_fetch(position, position)
     cache.attend(mx.zeros((1, 2, 50, 4)), k, v, scale=SCALE)
@@ -124,7 +124,7 @@ def test_pooling() -> None:
 @pytest.mark.parametrize("method", ["snapkv", "streamingllm"])
 def test_prompt_cache_file_round_trip(tmp_path, method: str) -> None:
     model = tiny("qwen2")
-    veloxpatch.patch(kv=method, budget=40, window=8, knobs={"snapkv_kernel": 5})
+    veloxpatch.patch(compress="chunk", kv=method, budget=40, window=8, knobs={"snapkv_kernel": 5})
     caches = make_prompt_cache(model)
     prefill(model, caches, random_tokens(120, 12), chunk=30)
     path = str(tmp_path / "prompt.safetensors")
@@ -139,7 +139,7 @@ def test_prompt_cache_file_round_trip(tmp_path, method: str) -> None:
 
 def test_deepcopy_is_independent_and_keeps_one_coordinator() -> None:
     model = tiny("llama")
-    veloxpatch.patch(kv="snapkv", budget=40, window=8)
+    veloxpatch.patch(compress="chunk", kv="snapkv", budget=40, window=8)
     caches = make_prompt_cache(model)
     prefill(model, caches, random_tokens(100, 13), chunk=25)
     clone = copy.deepcopy(caches)
@@ -164,7 +164,7 @@ def first_layer_keys(model, tokens: mx.array) -> mx.array:
 def test_trim_of_the_newest_rows_after_eviction_is_exact_through_mlx_lm() -> None:
     """Speculative decoding's rewind: through mlx_lm's own gate, after evictions, exactly."""
     model = tiny("llama")
-    veloxpatch.patch(kv="snapkv", budget=48, window=8)
+    veloxpatch.patch(compress="chunk", kv="snapkv", budget=48, window=8)
     caches = make_prompt_cache(model)
     prefill(model, caches, random_tokens(200, 14), chunk=50)
     assert all(c.evicted for c in caches)
@@ -180,7 +180,7 @@ def test_trim_into_evicted_history_leaves_the_compressed_cache_of_the_prefix() -
     model = tiny("llama")
     tokens = random_tokens(260, 15)
     truth = first_layer_keys(model, tokens)
-    veloxpatch.patch(kv="snapkv", budget=48, window=8)
+    veloxpatch.patch(compress="chunk", kv="snapkv", budget=48, window=8)
     caches = make_prompt_cache(model)
     prefill(model, caches, tokens, chunk=40)
     assert trim_prompt_cache(caches, 170) == 170
@@ -200,7 +200,7 @@ def test_trim_into_evicted_history_leaves_the_compressed_cache_of_the_prefix() -
 
 def test_each_generation_resets_the_coordinator_of_a_reused_cache_list() -> None:
     model = tiny("llama")
-    veloxpatch.patch(kv="snapkv", budget=40, window=8)
+    veloxpatch.patch(compress="chunk", kv="snapkv", budget=40, window=8)
     caches = make_prompt_cache(model)
     coordinator = caches[0].coordinator
     assert all(c.coordinator is coordinator for c in caches) and coordinator.members == caches
@@ -211,7 +211,7 @@ def test_each_generation_resets_the_coordinator_of_a_reused_cache_list() -> None
 
 def test_attention_after_a_ragged_trim_sees_each_heads_own_rows_only() -> None:
     """Heads left with different numbers of rows: the holes are masked, per head, exactly."""
-    cache = SnapKVCache(Budget(tokens=12), sink=2, window=4, kernel=1)
+    cache = SnapKVCache(Budget(tokens=12), mode="chunk", sink=2, window=4, kernel=1)
     keys = mx.random.normal((1, 2, 40, 8), key=mx.random.key(20))
     queries = mx.random.normal((1, 4, 40, 8), key=mx.random.key(21))
     k, v = cache.update_and_fetch(keys, keys)

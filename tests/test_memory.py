@@ -44,7 +44,7 @@ def test_held_memory_does_not_grow_with_the_prompt_chunk() -> None:
     """The remembered window is a copy: a slice would keep the chunk's whole query tensor alive
     (512 KiB per layer for the 2048-token chunk here) until the next decode step."""
     model = tiny("llama", seed=1)
-    veloxpatch.patch(kv="snapkv", budget=64, window=16)
+    veloxpatch.patch(kv="snapkv", budget=64, window=16, compress="chunk")
     short, _ = held(prefill(random_tokens(512, 30), model), model)
     long, caches = held(prefill(random_tokens(2048, 30), model), model)
     reported = sum(c.nbytes for c in caches)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 PREFIX = "VELOX_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-COMPRESS_MODES = ("chunk", "end")
+COMPRESS_MODES = ("end", "chunk")
 DRAFT_MODES = ("same", "none")
 
 
@@ -157,8 +157,8 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "First tokens of the context that are never evicted (attention sinks)."),
     Setting("VELOX_WINDOW", _int_range(1, None), "32", "an integer >= 1",
             "Most recent tokens that are never evicted; query-aware methods score with them."),
-    Setting("VELOX_COMPRESS", _choice(COMPRESS_MODES), "chunk", "one of " + ", ".join(COMPRESS_MODES),
-            "When to compress the prompt: after each prefill chunk (bounded memory) or once at its end."),
+    Setting("VELOX_COMPRESS", _choice(COMPRESS_MODES), "end", "one of " + ", ".join(COMPRESS_MODES),
+            "When to compress the prompt: once at its end (best retrieval) or after each prefill chunk (bounded memory)."),
     Setting("VELOX_DRAFT_KV", _choice(DRAFT_MODES), "same", "one of " + ", ".join(DRAFT_MODES),
             "Speculative decoding: the draft model's cache is compressed like the main one, or stays mlx_lm's."),
     Setting("VELOX_LOG", _choice(LOG_LEVELS, upper=True), "WARNING", "one of " + ", ".join(LOG_LEVELS),
@@ -209,7 +209,7 @@ class VeloxConfig:
     budget: Budget | int | str = "1024"
     sink: int = 4
     window: int = 32
-    compress: str = "chunk"
+    compress: str = "end"
     draft_kv: str = "same"
     log: str = "WARNING"
     strict: bool = False

@@ -48,7 +48,7 @@ class CompressedKVCache(ABC):
     max_headroom: ClassVar[int] = 64
     uses_queries: ClassVar[bool] = True
 
-    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "chunk") -> None:
+    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
         self.budget = budget
         self.sink = sink
         self.window = window

@@ -60,7 +60,7 @@ def pool_rows(scores: mx.array, kernel: int, kind: str) -> mx.array:
 class SnapKVCache(CompressedKVCache):
     """Ranks rows by the pooled attention the recent window of queries pays them."""
 
-    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "chunk", kernel: int = 7,
+    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", kernel: int = 7,
                  pool: str = "avg") -> None:
         super().__init__(budget, sink, window, mode)
         self.kernel = kernel

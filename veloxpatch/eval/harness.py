@@ -74,11 +74,16 @@ def retrieval(model: Any, tokenizer: Any, variant: Variant, prompt: str, answer:
 
 def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: EvalSpec,
                quant: dict[str, Any]) -> tuple[float, int]:
-    """exp(mean NLL) of the second half of ``text`` under the variant's cache, and KV bytes."""
+    """exp(mean NLL) of the second half of ``text`` under the variant's cache, and KV bytes.
+
+    The text streams through the cache in steps of PPL_STEP tokens, each scored as it arrives, so
+    our caches compress between steps (``VELOX_COMPRESS=chunk``): with ``end`` nothing would be
+    compressed before the last token and every method would score as the full cache.
+    """
     from mlx_lm.generate import maybe_quantize_kv_cache
 
     tokens = mx.array(tokenizer.encode(text))
-    caches = variant.caches(model, tokens.size)
+    caches = variant.caches(model, tokens.size, compress="chunk")
     total, count, start_scoring = 0.0, 0, tokens.size // 2
     for start in range(0, tokens.size - 1, PPL_STEP):
         end = min(start + PPL_STEP, tokens.size - 1)

@@ -73,12 +73,14 @@ class Variant:
     def label(self) -> str:
         return "full" if self.method == "full" else f"{self.method}@{self.share:g}"
 
-    def caches(self, model: Any, context: int) -> list[Any]:
-        """The cache list for one run (patching or unpatching mlx_lm as the variant needs)."""
+    def caches(self, model: Any, context: int, compress: str | None = None) -> list[Any]:
+        """The cache list for one run (patching or unpatching mlx_lm as the variant needs);
+        ``compress`` overrides ``VELOX_COMPRESS`` for our methods."""
         import mlx_lm.models.cache as mlx_cache  # looked up after (un)patching, as an app's call would be
 
         if self.method in METHODS:
-            veloxpatch.patch(kv=self.method, budget=self.budget(context))
+            extra = {} if compress is None else {"compress": compress}
+            veloxpatch.patch(kv=self.method, budget=self.budget(context), **extra)
             return mlx_cache.make_prompt_cache(model)
         veloxpatch.unpatch()
         caches = mlx_cache.make_prompt_cache(model)
