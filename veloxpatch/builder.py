@@ -1,66 +1,64 @@
 """From (model, the cache list mlx_lm made, config) to the cache list a generation uses.
 
-Only plain full-attention ``KVCache`` slots are replaced. Sliding-window, SSM/linear, quantized,
-``CacheList`` and any other slot stays exactly as the model made it. A model whose attention does
-not go through ``mlx_lm.models.base.scaled_dot_product_attention`` cannot reach our caches, so it
-is left alone entirely.
+Only plain full-attention ``KVCache`` slots are candidates. Sliding-window, SSM/linear, quantized,
+``CacheList`` and any other slot stays exactly as the model made it. Which candidates really get
+our caches is decided by probing what the model does with them (:mod:`veloxpatch.eligibility`);
+a model that fails the probe runs on mlx_lm's own caches, said once at INFO with the reason.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
+from . import eligibility
 from .caches import make_cache
 from .config import VeloxConfig
-from .coordinators import Coordinator
 from .log import log, once
 
-ROUTED_NAME = "scaled_dot_product_attention"
-_route_checked: dict[type, bool] = {}
+NO_SLOT = "no plain full-attention KVCache slot; running unpatched"
 
 
-def uses_routed_attention(model: Any) -> bool:
-    """True if some module defining the model's layers calls attention via mlx_lm's base.
+def model_type(model: Any) -> str:
+    """The mlx_lm model type of a model object: the name of the module defining its class."""
+    return type(model).__module__.rpartition(".")[2]
 
-    mlx_lm's model files import ``scaled_dot_product_attention`` by name from ``models.base``;
-    those are the calls the shim can route. Cached per model class.
-    """
-    kind = type(model)
-    if kind not in _route_checked:
-        names = {type(m).__module__ for _, m in model.named_modules()}
-        _route_checked[kind] = any(hasattr(sys.modules.get(n), ROUTED_NAME) for n in names)
-    return _route_checked[kind]
+
+def candidate_slots(caches: list[Any]) -> tuple[int, ...]:
+    """The plain full-attention ``KVCache`` slots of a cache list."""
+    # imported here, so patching before mlx_lm's import stays lazy
+    from mlx_lm.models.cache import KVCache
+
+    return tuple(i for i, c in enumerate(caches) if type(c) is KVCache)
+
+
+def mlx_caches(model: Any) -> list[Any]:
+    """The cache list mlx_lm's own ``make_prompt_cache`` makes for ``model`` (no size limit)."""
+    from mlx_lm.models.cache import KVCache
+
+    return model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+
+
+def explain(model: Any, config: VeloxConfig) -> str:
+    """What ``config``'s method does on ``model``, in one line (the attention route must be patched)."""
+    caches = mlx_caches(model)
+    slots = candidate_slots(caches)
+    if not slots:
+        return NO_SLOT
+    return eligibility.verdict(model, caches, slots, config).describe(len(slots))
 
 
 def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
-    """Replace the eligible slots of ``caches`` with compressed caches sharing one coordinator."""
-    from mlx_lm.models.cache import KVCache  # here, so patching before mlx_lm's import stays lazy
-
-    slots = [i for i, c in enumerate(caches) if type(c) is KVCache]
-    model_name = type(model).__module__
+    """Replace the slots the probe clears with compressed caches sharing one coordinator."""
+    name = model_type(model)
+    slots = candidate_slots(caches)
     if not slots:
-        once(model_name, logging.INFO, f"{model_name}: no plain full-attention KVCache slot; running unpatched")
+        once(name, logging.INFO, f"{name}: {NO_SLOT}")
         return caches
-    if not uses_routed_attention(model):
-        once(model_name, logging.INFO, f"{model_name}: attention does not use mlx_lm's routed function; running unpatched")
+    found = eligibility.verdict(model, caches, slots, config)
+    if not found.slots or found.left:
+        once(f"{name} {config.kv}", logging.INFO, f"{name} with {config.kv}: {found.describe(len(slots))}")
+    if not found.slots:
         return caches
-    coordinator = Coordinator(config.kv)
-    out = list(caches)
-    for i in slots:
-        cache = make_cache(config)
-        cache.coordinator = coordinator
-        coordinator.join(cache)
-        out[i] = cache
-    log.debug("%s: %s on %d of %d cache slots", model_name, config.kv, len(slots), len(caches))
-    return out
-
-
-def coordinator_of(caches: Any) -> Coordinator | None:
-    """The coordinator of a cache list built here, or None for any other list."""
-    for cache in caches if isinstance(caches, (list, tuple)) else ():
-        found = getattr(cache, "coordinator", None)
-        if isinstance(found, Coordinator):
-            return found
-    return None
+    log.debug("%s: %s on %d of %d cache slots", name, config.kv, len(found.slots), len(caches))
+    return eligibility.assemble(caches, found.slots, lambda: make_cache(config), config.kv)

@@ -19,7 +19,7 @@ import click
 
 from . import caches
 from ._version import __version__
-from .config import ConfigError, all_settings, from_env
+from .config import ConfigError, VeloxConfig, all_settings, from_env
 from .eval.commands import COMMANDS
 from .integration import version
 
@@ -117,7 +117,9 @@ def invalid_settings(env: dict[str, str]) -> list[str]:
 
 
 @main.command()
-def info() -> None:
+@click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False), metavar="PATH",
+              help="Also say, per method, whether this model's caches are compressed, and if not why.")
+def info(model_path: str | None) -> None:
     """Show the effective configuration, where each value came from, versions and backend."""
     import mlx.core as mx
 
@@ -139,6 +141,22 @@ def info() -> None:
         click.echo(f"  {s.name:<22} {str(value):<10} ({loaded.sources[s.name]})")
     for warning in loaded.warnings:
         click.echo(f"warning: {warning}")
+    if model_path is not None:
+        _model_support(Path(model_path), config)
+
+
+def _model_support(path: Path, config: VeloxConfig) -> None:
+    """Probe the model at ``path`` with each method under the effective settings."""
+    from mlx_lm.utils import load_model
+
+    from .builder import model_type
+    from .eval.zoo import explain_patched
+
+    model, _ = load_model(path, lazy=True)
+    click.echo(f"model {path} ({model_type(model)}):")
+    width = max(map(len, caches.CACHE_CLASSES))
+    for name in sorted(caches.CACHE_CLASSES):
+        click.echo(f"  {name:<{width}}  {explain_patched(model, config.replace(kv=name))}")
 
 
 for _command in COMMANDS:

@@ -1,0 +1,123 @@
+"""Every model type mlx_lm ships: served exactly, or left alone with one INFO line saying why.
+
+For each type, built tiny with random weights (``veloxpatch.eval.zoo``), and each method: greedy
+tokens at a budget above the context equal unpatched mlx_lm's, and a budget far below the prompt
+really evicts and raises nothing, compressing between prefill chunks or at the prompt's end. A
+40-token prompt in 16-token prefill chunks makes chunked prefill (and compression between chunks)
+happen.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+from conftest import random_tokens
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import veloxpatch
+import veloxpatch.log
+from veloxpatch.caches import CACHE_CLASSES, CompressedKVCache
+from veloxpatch.cli import main
+from veloxpatch.config import COMPRESS_MODES
+from veloxpatch.eligibility import assemble
+from veloxpatch.eval import zoo
+from veloxpatch.eval.random_model import build
+
+SMALL_BUDGET = dict(budget=8, sink=2, window=4)
+
+
+def greedy(model, caches, steps: int = 4) -> list[int]:
+    prompt = random_tokens(40, 3)
+    return [t for t, _ in generate_step(prompt, model, max_tokens=steps, prefill_step_size=16, prompt_cache=caches)]
+
+
+@pytest.fixture
+def info_lines(monkeypatch):
+    """veloxpatch's INFO messages from this test (messages said once before are said again)."""
+    monkeypatch.setattr(veloxpatch.log, "_said", set())
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("veloxpatch")
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("model_type", zoo.model_types())
+def test_every_model_type_runs_exactly_compressed_or_unpatched(model_type: str, info_lines: list[str]) -> None:
+    reason = zoo.unbuildable(model_type)
+    if reason:
+        pytest.skip(reason)
+    model = build(zoo.small_config(model_type))
+    expected = greedy(model, make_prompt_cache(model))
+    for method, compress in itertools.product(sorted(CACHE_CLASSES), COMPRESS_MODES):
+        case = f"{method}, compressing at {compress}"
+        veloxpatch.patch(kv=method, compress=compress, budget=4096, log="INFO")
+        caches = make_prompt_cache(model)
+        assert greedy(model, caches) == expected, f"{case}: tokens differ at a budget above the context"
+        if not any(isinstance(c, CompressedKVCache) for c in caches):
+            said = [line for line in info_lines if line.startswith((f"{model_type} with {method}: ", f"{model_type}: "))
+                    and line.endswith("running unpatched")]
+            assert len(said) == 1, f"{case}: left unpatched without one INFO line naming {model_type}: {info_lines}"
+            continue
+        veloxpatch.patch(kv=method, compress=compress, log="INFO", **SMALL_BUDGET)
+        caches = make_prompt_cache(model)
+        greedy(model, caches)
+        ours = [c for c in caches if isinstance(c, CompressedKVCache)]
+        assert any(c.evicted for c in ours), f"{case}: nothing was evicted at budget {SMALL_BUDGET['budget']}"
+        assert max(c.size() for c in ours) <= 16, f"{case}: rows exceed budget + decode headroom"
+
+
+def test_the_line_for_a_model_left_unpatched_names_it_the_method_and_why(info_lines: list[str]) -> None:
+    veloxpatch.patch(kv="snapkv", budget=4096, log="INFO")
+    make_prompt_cache(build(zoo.small_config("gemma2")))
+    assert info_lines == [("gemma2 with snapkv: its attention does not go through mlx_lm's routed function; "
+                           "running unpatched")]
+
+
+def test_models_that_misuse_a_cache_keep_mlx_lms_in_that_slot_only() -> None:
+    """afm7 reads its last cache with ``keys_and_values``; gemma3n's only full-attention cache is
+    also read that way by the layers sharing it. Those slots stay mlx_lm's; the others are ours."""
+    veloxpatch.patch(kv="snapkv", budget=4096)
+    afm7 = [type(c).__name__ for c in make_prompt_cache(build(zoo.small_config("afm7")))]
+    gemma3n = [type(c).__name__ for c in make_prompt_cache(build(zoo.small_config("gemma3n")))]
+    assert afm7 == ["SnapKVCache", "KVCache"]
+    assert gemma3n == ["RotatingKVCache", "KVCache"]
+
+
+def test_a_cache_object_filling_several_slots_gets_one_replacement() -> None:
+    """Layers sharing one KV cache object must keep sharing: one compressed cache, not two."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    shared, other = KVCache(), RotatingKVCache(max_size=8)
+    out = assemble([shared, other, shared, KVCache()], [0, 2, 3], lambda: CACHE_CLASSES["snapkv"](4096), "snapkv")
+    assert out[0] is out[2] and out[3] is not out[0] and out[1] is other
+    assert out[0].coordinator.members == [out[0], out[3]]
+
+
+def test_the_support_table_names_every_model_type() -> None:
+    table = zoo.support_table(["llama", "gemma2", "olmo"])
+    assert table.splitlines()[0].startswith("| model type |")
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert "compressed on 2 of 2" in rows["llama"]
+    assert "does not go through mlx_lm's routed function" in rows["gemma2"]
+    assert "not built: needs the ai2-olmo package" in rows["olmo"]
+
+
+def test_info_says_per_method_what_happens_to_a_model_folder(tmp_path) -> None:
+    config = zoo.small_config("gemma3n")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(build(config).parameters())))
+    result = CliRunner().invoke(main, ["info", "--model", str(tmp_path)], env={"VELOX_KV": "snapkv"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[-3] == f"model {tmp_path} (gemma3n):"
+    assert all("reads the cache directly (`keys_and_values`); running unpatched" in line for line in lines[-2:])

@@ -1,0 +1,234 @@
+"""Which cache slots of a model our caches can serve, decided by what the model does.
+
+A model's source does not say whether compression is safe: multi-head latent attention attends
+over keys up-projected from a stored latent, with its rotary scores in the mask and queries of
+another width when decoding; some models read a cache directly (``keys_and_values``) or hand one
+layer's KV to other layers. So the builder probes each model once, with a few dummy tokens:
+
+1. a slot is served only if, at every forward, its layer stored rows in it once and attended
+   once, through the routed function, over as many rows as it got back;
+2. with those slots ours and a budget no probe reaches, the logits equal mlx_lm's own;
+3. at a budget below the probe's length (prefill and decode compressions), nothing raises.
+
+A slot failing 1 stays mlx_lm's and the others are probed again; failing 2 or 3 leaves the whole
+model to mlx_lm. Each verdict carries the reason, in words a user can act on.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from . import stats
+from .caches import CompressedKVCache, make_cache
+from .config import Budget, VeloxConfig
+from .coordinators import Coordinator
+
+# token chunks fed to the model: two prefill chunks, then decode steps (ids valid in any vocabulary)
+EXACT_CHUNKS = ((1, 2), (3, 4), (5,))
+# at budget 2 (decode headroom 8): a short prompt, decode steps up to a compression, then a prefill
+# chunk longer than the headroom (compressed as a chunk, or at the next step when compressing at the end)
+EVICTING_CHUNKS = ((1, 2, 3, 4, 5, 6, 7, 1), (2,), (3,), (4, 5, 6, 7, 1, 2, 3, 4, 5), (6,))
+NEVER = (Budget(tokens=1 << 30), 4, 32)
+TINY = (Budget(tokens=2), 1, 1)
+
+_verdicts: dict[tuple[Any, ...], Verdict] = {}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The slots that get our caches; why each other candidate slot (or the model) stays mlx_lm's."""
+
+    slots: tuple[int, ...]
+    left: dict[int, str] = field(default_factory=dict)
+    reason: str = ""
+
+    def describe(self, candidates: int) -> str:
+        """One line for a user: what runs compressed and what does not, and why."""
+        if not self.slots:
+            return f"{self.reason}; running unpatched"
+        text = f"compressed on {len(self.slots)} of {candidates} full-attention cache slots"
+        return text + "".join(f"; slot {i} stays mlx_lm's: {why}" for i, why in sorted(self.left.items()))
+
+
+def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], CompressedKVCache], method: str) -> list[Any]:
+    """``caches`` with ``slots`` replaced by fresh ``make()`` caches joined to one coordinator.
+
+    A cache object that fills several slots (layers sharing their KV) gets one replacement.
+    """
+    coordinator = Coordinator(method)
+    out = list(caches)
+    replaced: dict[int, CompressedKVCache] = {}
+    for i in slots:
+        if id(caches[i]) not in replaced:
+            cache = replaced[id(caches[i])] = make()
+            cache.coordinator = coordinator
+            coordinator.join(cache)
+        out[i] = replaced[id(caches[i])]
+    return out
+
+
+def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig) -> Verdict:
+    """The probe's verdict for ``model`` under ``config`` (kept while the model lives); never raises.
+
+    ``caches`` is a fresh list from mlx_lm and ``slots`` its plain ``KVCache`` slots. The
+    attention route must be patched, or no call reaches our caches.
+    """
+    key = (id(model), slots, config.kv, config.compress, tuple(sorted(config.knobs.items())))
+    if key not in _verdicts:
+        _verdicts[key] = _probe_keeping_stats(model, caches, slots, config)
+        weakref.finalize(model, _verdicts.pop, key, None)
+    return _verdicts[key]
+
+
+def _probe_keeping_stats(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig) -> Verdict:
+    """Probe without counting the probe's caches and compressions in the user's statistics."""
+    saved = dict(vars(stats.totals))
+    try:
+        return _probe(model, caches, slots, config)
+    except Exception as error:  # the app keeps running on mlx_lm's caches
+        return Verdict((), reason=f"the probe could not run the model ({type(error).__name__}: {error})")
+    finally:
+        vars(stats.totals).update(saved)
+
+
+def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig) -> Verdict:
+    """Drop the slots the model misuses until the rest pass, then check outputs and eviction."""
+    expected = _run(model, copy.deepcopy(caches), EXACT_CHUNKS)
+    left: dict[int, str] = {}
+    candidates = list(slots)
+    while candidates:
+        run = _Run(model, caches, candidates, config, NEVER, EXACT_CHUNKS)
+        blamed = run.misused()
+        if not blamed and run.error is not None:
+            return Verdict((), left, f"raises {type(run.error).__name__}: {run.error}")
+        left.update(blamed)
+        candidates = [i for i in candidates if i not in blamed]
+        if not blamed:
+            break
+    if not candidates:
+        return Verdict((), left, "; ".join(dict.fromkeys(left.values())))
+    if not all(_close(a, b) for a, b in zip(expected, run.outputs)):
+        return Verdict((), left, run.why_outputs_differ())
+    evicting = _Run(model, caches, candidates, config, TINY, EVICTING_CHUNKS)
+    problems = list(evicting.misused().values()) + ([repr(evicting.error)] if evicting.error else [])
+    if problems:
+        return Verdict((), left, f"fails once rows are evicted ({problems[0]})")
+    return Verdict(tuple(candidates), left)
+
+
+class _Run:
+    """One probe run with watched caches in ``slots``: its outputs, error, and per-slot records."""
+
+    def __init__(self, model: Any, caches: list[Any], slots: list[int], config: VeloxConfig,
+                 sizes: tuple[Budget, int, int], chunks: tuple[tuple[int, ...], ...]) -> None:
+        self.caches = assemble(copy.deepcopy(caches), slots, lambda: _sized(make_cache(config), sizes), config.kv)
+        self.watches = {i: _Watch(self.caches[i]) for i in slots}
+        self.outputs: list[mx.array] = []
+        self.error: Exception | None = None
+        try:
+            self.outputs = _run(model, self.caches, chunks)
+        except Exception as error:
+            self.error = error
+        finally:
+            for watch in self.watches.values():
+                watch.detach()
+
+    def misused(self) -> dict[int, str]:
+        """Slots whose layer did not store once and attend once over the rows it got back."""
+        forwards = None if self.error is not None else len(self.outputs)
+        found = {i: w.misuse(forwards) for i, w in self.watches.items()}
+        if isinstance(self.error, AttributeError):
+            for i, watch in self.watches.items():
+                if self.error.obj is watch.cache:
+                    found[i] = f"the model reads the cache directly (`{self.error.name}`)"
+        return {i: why for i, why in found.items() if why}
+
+    def why_outputs_differ(self) -> str:
+        """The likeliest reason this run's logits differ from those with mlx_lm's caches."""
+        if any(w.score_mask for w in self.watches.values()):
+            return "its attention mask carries scores (as multi-head latent attention's rotary part does)"
+        return "its outputs differ from those with mlx_lm's own caches"
+
+
+def _sized(cache: CompressedKVCache, sizes: tuple[Budget, int, int]) -> CompressedKVCache:
+    cache.budget, cache.sink, cache.window = sizes
+    return cache
+
+
+def _run(model: Any, caches: list[Any], chunks: tuple[tuple[int, ...], ...]) -> list[mx.array]:
+    """The model's logits for each chunk, fed in order as prefill chunks and decode steps."""
+    outputs = []
+    for chunk in chunks:
+        logits = model(mx.array([chunk]), cache=caches)
+        mx.eval(logits)
+        outputs.append(logits)
+    return outputs
+
+
+def _close(expected: mx.array, got: mx.array) -> bool:
+    """Equal up to rounding: the same kernels run, so only the spelling of a mask can move bits."""
+    a, b = expected.astype(mx.float32), got.astype(mx.float32)
+    tolerance = 1e-4 if expected.dtype == mx.float32 else 2e-2
+    return a.shape == b.shape and bool(mx.abs(a - b).max() <= tolerance * (1 + mx.abs(a).max()))
+
+
+def _same_rows(keys: mx.array, stored: mx.array) -> bool:
+    """Whether attended keys are the stored rows, up to repeated heads and dtype (per-row means agree)."""
+    means = [k.astype(mx.float32).mean(axis=(1, 3)) for k in (keys, stored)]
+    return bool(mx.allclose(*means, rtol=1e-2, atol=1e-3))
+
+
+class _Watch:
+    """Counts a probe cache's stores and attention calls (instance-level wrappers, undone by detach)."""
+
+    def __init__(self, cache: CompressedKVCache) -> None:
+        self.cache = cache
+        self.stores = self.attends = 0
+        self.fetched: tuple[mx.array, mx.array] | None = None
+        self.other_rows = self.derived_keys = self.score_mask = False
+        cache.update_and_fetch = self._update_and_fetch
+        cache.attend = self._attend
+
+    def detach(self) -> None:
+        """Drop the wrappers (and the cycles through them) and leave the coordinator."""
+        del self.cache.update_and_fetch, self.cache.attend
+        self.cache.coordinator.members.clear()
+
+    def _update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.stores += 1
+        self.fetched = type(self.cache).update_and_fetch(self.cache, keys, values)
+        return self.fetched
+
+    def _attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
+                sinks: mx.array | None = None) -> mx.array:
+        self.attends += 1
+        if self.fetched is None:  # attended before anything was stored: not this layer's own rows
+            self.other_rows = True
+        else:
+            stored = self.fetched[0]
+            rows = stored.shape[-2]
+            self.other_rows = self.other_rows or keys.shape[-2] != rows or values.shape[-2] != rows
+            self.derived_keys = self.derived_keys or not self.other_rows and not _same_rows(keys, stored)
+        self.score_mask = self.score_mask or (isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating))
+        return type(self.cache).attend(self.cache, queries, keys, values, scale, mask, sinks)
+
+    def misuse(self, forwards: int | None) -> str:
+        """Why this slot cannot be served ('' if it can); ``forwards`` is None after an exception."""
+        if self.attends > self.stores:
+            return "its KV is shared with other layers"
+        if forwards is not None and self.stores and not self.attends:
+            return "its attention does not go through mlx_lm's routed function"
+        if self.other_rows:
+            return "its attention runs over other rows than the cache stores"
+        if self.derived_keys and self.cache.uses_queries:
+            return (f"it attends over keys computed from the stored rows (multi-head latent attention), "
+                    f"which {self.cache.method} cannot score against its queries")
+        if forwards is not None and (self.stores, self.attends) != (forwards, forwards):
+            return f"it was stored to {self.stores} and attended {self.attends} times in {forwards} forward passes"
+        return ""
