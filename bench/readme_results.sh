@@ -13,6 +13,8 @@ veloxpatch eval --contexts 1024 --samples 3 --methods quantized --out $out/eval-
 # the full-cache passkey bar on seeds 1000-1099 (never used in training or to pick the checkpoint)
 veloxpatch eval --tasks passkey --budgets 100% --contexts 1024 --samples 100 --seed 1000 --out $out/passkey-heldout --no-plots
 veloxpatch bench --contexts 1024,2048 --budget 256 --repeats 3 --new-tokens 64 --out $out/bench-shipped
-veloxpatch bench --random-model --contexts 2048 --budget 256 --repeats 1 --new-tokens 32 --out $out/bench-random
+veloxpatch bench --contexts 2048 --budget 256 --repeats 3 --new-tokens 64 --compress chunk --methods snapkv,streamingllm \
+    --out $out/bench-shipped-chunk
+veloxpatch bench --random-model --contexts 2048 --budget 256 --repeats 2 --new-tokens 32 --out $out/bench-random
 python bench/results_md.py $out/eval/eval.json $out/eval-quantized/eval.json \
-    --bench $out/bench-shipped/bench.json $out/bench-random/bench.json
+    --bench $out/bench-shipped/bench.json $out/bench-shipped-chunk/bench.json $out/bench-random/bench.json

@@ -75,7 +75,9 @@ def main() -> None:
         data = json.loads(path.read_text())
         model = data["meta"]["model"]
         name = "the shipped model" if Path(model) == model_path() else model
-        print(f"**bench: {name}** ({data['meta']['machine']})\n")
+        mode = data["meta"]["spec"].get("compress")  # absent in runs made before the setting existed
+        setting = f", VELOX_COMPRESS={mode}" if mode else ""
+        print(f"**bench: {name}{setting}** ({data['meta']['machine']})\n")
         print(bench_table(data["rows"]))
 
 

@@ -31,6 +31,7 @@ class BenchSpec:
     new_tokens: int = 64
     repeats: int = 3
     prefill_step: int = 512
+    compress: str = "end"
 
 
 @dataclass
@@ -85,7 +86,7 @@ def run_bench(model: Any, spec: BenchSpec,
     try:
         for context, label, variant in steps:
             prompt = mx.random.randint(0, vocab, (context,), key=mx.random.key(context))
-            timing = median_timing(lambda: time_generation(model, prompt, variant.caches(model, context), spec),
+            timing = median_timing(lambda: time_generation(model, prompt, variant.caches(model, context, spec.compress), spec),
                                    spec.repeats)
             rows.append({"context": context, "variant": label, "budget": variant.budget(context), **vars(timing)})
     finally:

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 import click
 
 from ..assets import model_path
+from ..config import COMPRESS_MODES
 from . import report
 from .bench import LARGE_RANDOM, BenchSpec, run_bench
 from .harness import TASKS, EvalSpec, run_eval
@@ -117,11 +118,14 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
 @click.option("--new-tokens", default=64, show_default=True, help="Tokens generated per run.")
 @click.option("--repeats", default=3, show_default=True, help="Timed runs per case (median), after a warm-up.")
 @click.option("--prefill-step", default=512, show_default=True, help="mlx_lm prefill_step_size.")
+@click.option("--compress", default="end", show_default=True, type=click.Choice(COMPRESS_MODES),
+              help="VELOX_COMPRESS for our methods.")
 @click.option("--out", default="velox-bench", show_default=True, type=click.Path(path_type=Path), help="Output folder.")
-def bench_command(model, random_model, contexts, budget, methods, new_tokens, repeats, prefill_step, out) -> None:
+def bench_command(model, random_model, contexts, budget, methods, new_tokens, repeats, prefill_step, compress,
+                  out) -> None:
     """Speed and memory per method, side by side with unpatched mlx_lm."""
     chosen = [m for m in _methods(methods) if m != "quantized"]
-    spec = BenchSpec(_ints(contexts), budget, chosen, new_tokens, repeats, prefill_step)
+    spec = BenchSpec(_ints(contexts), budget, chosen, new_tokens, repeats, prefill_step, compress)
     if random_model:
         from .random_model import build, config_for
 
