@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from . import caches
+from . import caches, models
 from ._version import __version__
 from .config import ConfigError, VeloxConfig, all_settings, from_env
 from .eval.commands import COMMANDS
@@ -157,6 +157,23 @@ def _model_support(path: Path, config: VeloxConfig) -> None:
     width = max(map(len, caches.CACHE_CLASSES))
     for name in sorted(caches.CACHE_CLASSES):
         click.echo(f"  {name:<{width}}  {explain_patched(model, config.replace(kv=name))}")
+
+
+@main.command("fetch-model")
+@click.argument("name", type=click.Choice(sorted(models.MODELS)), metavar="NAME")
+@click.option("--quantized", is_flag=True,
+              help="Keep the GGUF's 4-bit matrices (smaller; fast on Metal) instead of dense float32 (fast on CPU).")
+def fetch_model(name: str, quantized: bool) -> None:
+    """Download model NAME once into the user cache and convert it to an mlx_lm folder.
+
+    The cache is $XDG_CACHE_HOME/veloxpatch (default ~/.cache/veloxpatch). The folder's path is
+    the last line of standard output, for --model or mlx_lm.load.
+    """
+    try:
+        folder = models.fetch_model(models.MODELS[name], quantized=quantized)
+    except models.DownloadError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(str(folder))
 
 
 for _command in COMMANDS:
