@@ -15,12 +15,19 @@ DISABLED = ("", "none")
 
 def strict_requested() -> bool:
     """``VELOX_STRICT`` read without the config registry (this module must stay light)."""
-    return os.environ.get("VELOX_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+    return _read("VELOX_STRICT") in ("1", "true", "yes", "on")
+
+
+def _read(name: str) -> str:
+    return os.environ.get(name, "").strip().lower()
 
 
 def install() -> None:
-    """Arrange for mlx_lm to be patched from ``VELOX_*`` when it is imported."""
-    if os.environ.get("VELOX_KV", "none").strip().lower() in DISABLED:
+    """Arrange for mlx_lm to be patched from ``VELOX_*`` when it is imported.
+
+    Without a KV method there is still ``VELOX_FLOAT32`` to apply, unless it is off.
+    """
+    if _read("VELOX_KV") in DISABLED and _read("VELOX_FLOAT32") == "off":
         return
     try:
         import wrapt

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from . import caches, models
+from . import caches, cpu, models
 from ._version import __version__
 from .config import ConfigError, VeloxConfig, all_settings, from_env
 from .eval.commands import COMMANDS
@@ -75,9 +75,23 @@ def run(module: str | None, argv: tuple[str, ...], **options: str | None) -> Non
         raise click.UsageError(str(error)) from None
     for warning in loaded.warnings:
         click.echo(f"veloxpatch: WARNING: {warning}", err=True)
+    env = _with_blas(env, loaded.config)
     target = ["-m", module] if module is not None else [argv[0]]
     rest = list(argv if module is not None else argv[1:])
     os.execve(sys.executable, [sys.executable, *target, *rest], env)
+
+
+def _with_blas(env: dict[str, str], config: VeloxConfig) -> dict[str, str]:
+    """The child's environment with the BLAS that ``VELOX_BLAS`` chooses preloaded (only at exec can it be)."""
+    try:
+        choice = cpu.choose_blas(config.blas)
+    except ConfigError as error:
+        raise click.UsageError(str(error)) from None
+    if choice.path is None:
+        return env
+    if config.log in ("DEBUG", "INFO"):
+        click.echo(f"veloxpatch: INFO: preloading {choice.path} ({choice.reason})", err=True)
+    return cpu.with_preload(env, choice.path)
 
 
 @main.command()
@@ -141,8 +155,26 @@ def info(model_path: str | None) -> None:
         click.echo(f"  {s.name:<22} {str(value):<10} ({loaded.sources[s.name]})")
     for warning in loaded.warnings:
         click.echo(f"warning: {warning}")
+    _cpu_speed(config)
     if model_path is not None:
         _model_support(Path(model_path), config)
+
+
+def _cpu_speed(config: VeloxConfig) -> None:
+    """Say what ``VELOX_BLAS`` and ``VELOX_FLOAT32`` do here (a missing explicit library exits 2)."""
+    try:
+        choice = cpu.choose_blas(config.blas)
+    except ConfigError as error:
+        click.echo(f"invalid configuration:\n  {error}")
+        raise SystemExit(2) from None
+    if choice.path is None:
+        click.echo(f"blas: `veloxpatch run` preloads nothing: {choice.reason}")
+    else:
+        now = "preloaded in this process" if cpu.is_preloaded(dict(os.environ), choice.path) else "not preloaded here"
+        click.echo(f"blas: `veloxpatch run` preloads {choice.path} ({choice.reason}; {now})")
+    effect = ("float16/bfloat16 weights loaded by mlx_lm run as float32" if cpu.float32_wanted(config.float32)
+              else "weights keep their dtype")
+    click.echo(f"float32: {config.float32} (default device {'cpu' if cpu.cpu_backend() else 'not cpu'}): {effect}")
 
 
 def _model_support(path: Path, config: VeloxConfig) -> None:

@@ -18,6 +18,8 @@ PREFIX = "VELOX_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 COMPRESS_MODES = ("end", "chunk")
 DRAFT_MODES = ("same", "none")
+FLOAT32_MODES = ("auto", "on", "off")
+BLAS_CHOICES = ("auto", "openblas", "none")
 
 
 class ConfigError(ValueError):
@@ -84,6 +86,16 @@ def _bool(text: str) -> bool:
     if value in ("0", "false", "no", "off", ""):
         return False
     raise ValueError
+
+
+def _blas(text: str) -> str:
+    """A choice, or the absolute path of a BLAS library (whether it exists is checked where it is used)."""
+    value = text.strip()
+    if value.lower() in BLAS_CHOICES or value == "":
+        return value.lower() or "auto"
+    if not os.path.isabs(value):
+        raise ValueError
+    return value
 
 
 def _method(text: str) -> str:
@@ -161,6 +173,10 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "When to compress the prompt: once at its end (best retrieval) or after each prefill chunk (bounded memory)."),
     Setting("VELOX_DRAFT_KV", _choice(DRAFT_MODES), "same", "one of " + ", ".join(DRAFT_MODES),
             "Speculative decoding: the draft model's cache is compressed like the main one, or stays mlx_lm's."),
+    Setting("VELOX_FLOAT32", _choice(FLOAT32_MODES), "auto", "one of " + ", ".join(FLOAT32_MODES),
+            "float16/bfloat16 weights loaded by mlx_lm run as float32 (`auto`: on the CPU backend, where that is faster)."),
+    Setting("VELOX_BLAS", _blas, "auto", "one of " + ", ".join(BLAS_CHOICES) + ", or an absolute path",
+            "`veloxpatch run` only: preload the system OpenBLAS (`auto`: on Linux when mlx runs on the CPU and it is found)."),
     Setting("VELOX_LOG", _choice(LOG_LEVELS, upper=True), "WARNING", "one of " + ", ".join(LOG_LEVELS),
             "Log level of veloxpatch's own messages (stderr)."),
     Setting("VELOX_STRICT", _bool, "0", "a boolean (1/0, true/false, yes/no, on/off)",
@@ -211,6 +227,8 @@ class VeloxConfig:
     window: int = 32
     compress: str = "end"
     draft_kv: str = "same"
+    float32: str = "auto"
+    blas: str = "auto"
     log: str = "WARNING"
     strict: bool = False
     stats: bool = False

@@ -14,7 +14,7 @@ from ..assets import model_path
 from ..config import COMPRESS_MODES
 from . import report
 from .bench import LARGE_RANDOM, BenchSpec, run_bench
-from .harness import TASKS, EvalSpec, run_eval
+from .harness import ALL_TASKS, TASKS, EvalSpec, Journal, run_eval
 from .variants import known_methods
 
 EVAL_COLUMNS = ("task", "context", "label", "value", "kv_bytes", "peak_bytes", "samples")
@@ -54,6 +54,20 @@ def _progress(label: str):
     return wrap
 
 
+def prefill_step(option: int | None, model: str | None) -> int:
+    """``--prefill-step`` if given; else mlx_lm's own default for a model folder (what an app gets), and 512
+    for the shipped model (two chunks of its 1024-token contexts, as in the README's results)."""
+    if option is not None:
+        return option
+    if model is None:
+        return 512
+    import inspect
+
+    from mlx_lm.generate import generate_step
+
+    return inspect.signature(generate_step).parameters["prefill_step_size"].default
+
+
 def load_model(model: str | None) -> tuple[Any, Any, str]:
     """The given mlx_lm folder, else the shipped model; errors say how to get one."""
     from mlx_lm import load
@@ -80,25 +94,31 @@ def finish(rows: list[dict[str, Any]], columns: tuple[str, ...], out: Path, stem
 
 @click.command("eval")
 @click.option("--model", default=None, help="mlx_lm model folder [default: the shipped model]")
-@click.option("--tasks", "task_list", default=",".join(TASKS), show_default=True, help="Comma-separated tasks.")
+@click.option("--tasks", "task_list", default=",".join(TASKS), show_default=True,
+              help=f"Comma-separated, of: {', '.join(ALL_TASKS)} (the niah_*, vt and trip ones are for a real model).")
 @click.option("--contexts", default="1024", show_default=True, help="Comma-separated context lengths (tokens).")
 @click.option("--budgets", default="100%,50%,25%,12.5%", show_default=True, help="KV budgets as shares of the context.")
 @click.option("--methods", default="all", show_default=True, help=f"Comma-separated: {', '.join(known_methods())}.")
 @click.option("--samples", default=20, show_default=True, help="Held-out examples per cell.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
               help="First held-out example: a cell uses seeds SEED .. SEED+SAMPLES-1.")
-@click.option("--prefill-step", default=512, show_default=True, help="mlx_lm prefill_step_size.")
+@click.option("--prefill-step", "prefill_step_option", default=None, type=int,
+              help="mlx_lm prefill_step_size [default: mlx_lm's own with --model, else 512].")
 @click.option("--out", default="velox-eval", show_default=True, type=click.Path(path_type=Path), help="Output folder.")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write PNG plots (needs matplotlib).")
-def eval_command(model, task_list, contexts, budgets, methods, samples, seed, prefill_step, out, plots) -> None:
-    """Quality per method and budget: passkey, multi-key retrieval and perplexity."""
+def eval_command(model, task_list, contexts, budgets, methods, samples, seed, prefill_step_option, out, plots) -> None:
+    """Quality per method and budget: passkey, multi-key retrieval and perplexity, or RULER-style tasks.
+
+    Finished cells go to OUT/eval.cells.jsonl as they finish; a rerun with the same arguments skips them."""
     chosen = [t.strip() for t in task_list.split(",") if t.strip()]
-    if any(t not in TASKS for t in chosen):
-        raise click.BadParameter(f"{chosen} not allowed: choose from {', '.join(TASKS)}", param_hint="--tasks")
-    spec = EvalSpec(chosen, _ints(contexts), _shares(budgets), _methods(methods), samples, prefill_step, seed)
+    if any(t not in ALL_TASKS for t in chosen):
+        raise click.BadParameter(f"{chosen} not allowed: choose from {', '.join(ALL_TASKS)}", param_hint="--tasks")
+    step = prefill_step(prefill_step_option, model)
+    spec = EvalSpec(chosen, _ints(contexts), _shares(budgets), _methods(methods), samples, step, seed)
     loaded, tokenizer, path = load_model(model)
+    journal = Journal(out / "eval.cells.jsonl", {"model": path, "samples": samples, "seed": seed, "prefill_step": step})
     started = time.time()
-    rows = [c.row() for c in run_eval(loaded, tokenizer, spec, _progress("eval"))]
+    rows = [c.row() for c in run_eval(loaded, tokenizer, spec, _progress("eval"), journal)]
     meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
     finish(rows, EVAL_COLUMNS, out, "eval", meta)
     if plots:
@@ -117,15 +137,17 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
 @click.option("--methods", default="all", show_default=True, help=f"Comma-separated: {', '.join(known_methods())}.")
 @click.option("--new-tokens", default=64, show_default=True, help="Tokens generated per run.")
 @click.option("--repeats", default=3, show_default=True, help="Timed runs per case (median), after a warm-up.")
-@click.option("--prefill-step", default=512, show_default=True, help="mlx_lm prefill_step_size.")
+@click.option("--prefill-step", "prefill_step_option", default=None, type=int,
+              help="mlx_lm prefill_step_size [default: mlx_lm's own with --model, else 512].")
 @click.option("--compress", default="end", show_default=True, type=click.Choice(COMPRESS_MODES),
               help="VELOX_COMPRESS for our methods.")
 @click.option("--out", default="velox-bench", show_default=True, type=click.Path(path_type=Path), help="Output folder.")
-def bench_command(model, random_model, contexts, budget, methods, new_tokens, repeats, prefill_step, compress,
+def bench_command(model, random_model, contexts, budget, methods, new_tokens, repeats, prefill_step_option, compress,
                   out) -> None:
     """Speed and memory per method, side by side with unpatched mlx_lm."""
     chosen = [m for m in _methods(methods) if m != "quantized"]
-    spec = BenchSpec(_ints(contexts), budget, chosen, new_tokens, repeats, prefill_step, compress)
+    step = prefill_step(prefill_step_option, model)
+    spec = BenchSpec(_ints(contexts), budget, chosen, new_tokens, repeats, step, compress)
     if random_model:
         from .random_model import build, config_for
 

@@ -98,7 +98,11 @@ def corpus(split: str) -> str:
 
 def filler(n_chars: int, rng: random.Random, split: str) -> str:
     """A run of whole lines of about ``n_chars`` characters starting at a random line of the split's corpus."""
-    text = corpus(split)
+    return excerpt(corpus(split), n_chars, rng)
+
+
+def excerpt(text: str, n_chars: int, rng: random.Random) -> str:
+    """Whole lines of ``text``, about ``n_chars`` characters, from a random line on (shared by every haystack)."""
     if n_chars <= 0:
         return ""
     start = rng.randrange(0, max(1, len(text) - n_chars - 1))

@@ -23,7 +23,8 @@ from ..caches import CACHE_CLASSES
 from ..config import ConfigError, VeloxConfig, from_env
 from ..log import configure as configure_logging
 from ..log import log
-from . import batched, version, wrappers
+from ..cpu import float32_wanted
+from . import batched, float32, version, wrappers
 from .state import STATE, Swap
 
 # defining module -> what it defines that we replace (a function, or Class.method), and the wrapper for each
@@ -37,11 +38,12 @@ TARGETS: dict[str, dict[str, Callable[[Any], Any]]] = {
         "BatchGenerator.insert_segments": batched.batch_insert_segments,
         "batch_generate": batched.batch_generate,
     },
+    "mlx_lm.utils": {"load_model": float32.load_model},
 }
 
 
 def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
-    """Switch compressed caches on for mlx_lm; returns True if mlx_lm is (or will be) patched.
+    """Switch compressed caches (and ``VELOX_FLOAT32``) on for mlx_lm; True if mlx_lm is (or will be) patched.
 
     ``config`` or keyword settings (``patch(kv="snapkv", budget="25%")``); neither means the
     ``VELOX_*`` environment. Calling it again only swaps the config. Outside the tested mlx_lm
@@ -105,7 +107,7 @@ def patch_from_env() -> bool:
     configure_logging(loaded.config.log)
     for warning in loaded.warnings:
         log.warning(warning)
-    if not loaded.config.enabled:
+    if not (loaded.config.enabled or float32_wanted(loaded.config.float32)):
         return False
     try:
         return patch(loaded.config)

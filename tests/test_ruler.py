@@ -1,0 +1,118 @@
+"""RULER-style tasks: prompt length, where the answer is, split hygiene, scoring rules, and eval resuming."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from veloxpatch.assets import model_path
+from veloxpatch.cli import main
+from veloxpatch.eval import harness, ruler
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path()))
+
+
+class ChatTokenizer:
+    """The shipped tokenizer with a stand-in chat template, to check the chat path without a real model."""
+
+    chat_template = "stand-in"
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **_: Any) -> str:
+        return "".join(f"<user>{m['content']}</user>" for m in messages) + "<assistant>"
+
+
+@pytest.mark.parametrize("task", ruler.TASKS)
+@pytest.mark.parametrize("context", [512, 2048])
+def test_prompts_fill_the_context_and_hold_the_answer(tokenizer: Any, task: str, context: int) -> None:
+    ex = ruler.example(task, tokenizer, context, seed=3)
+    n = len(tokenizer.encode(ex.prompt))
+    assert context * 0.97 <= n <= context, n
+    body, question = ex.prompt.rsplit("\n\n", 1)[0], ex.prompt.splitlines()[-2]
+    assert all(item in body for item in ex.wanted) and all(item in body for item in ex.unwanted)
+    assert not any(item in question for item in ex.wanted if item.isdigit() and task != "vt")
+    assert ex == ruler.example(task, tokenizer, context, seed=3), "deterministic by seed"
+    assert ex != ruler.example(task, tokenizer, context, seed=4)
+
+
+def test_needles_spread_and_keep_their_order(tokenizer: Any) -> None:
+    ex = ruler.trip(tokenizer, 2048, seed=0)
+    where = [ex.prompt.index(f"arrived in {city}.") for city in ex.wanted]
+    assert where == sorted(where) and where[-1] - where[0] > len(ex.prompt) / 3
+    vt = ruler.vt(tokenizer, 2048, seed=0)
+    value = vt.prompt.split("assigned the value ")[1].split()[0]
+    assert f"VAR {vt.wanted[0]} = {value}\n" in vt.prompt
+    assert all(f"VAR {b} = VAR {a}\n" in vt.prompt for a, b in zip(vt.wanted, vt.wanted[1:]))
+
+
+def test_question_goes_through_the_chat_template(tokenizer: Any) -> None:
+    ex = ruler.niah_single(ChatTokenizer(tokenizer), 400, seed=0)
+    assert ex.prompt.startswith("<user>" + ruler.INSTRUCTION)
+    assert "mentioned in the provided text?</user><assistant>The special magic number for" in ex.prompt
+    plain = ruler.niah_single(tokenizer, 400, seed=0)
+    assert plain.prompt.startswith(ruler.INSTRUCTION) and "<user>" not in plain.prompt
+
+
+def test_train_and_heldout_haystacks_do_not_overlap() -> None:
+    from pydoc_data.topics import topics
+
+    held = {k for k in topics if ruler.split_of(k) == "heldout"}
+    assert 0 < len(held) < len(topics) / 2
+    train_text, held_text = ruler.haystack_text("train"), ruler.haystack_text("heldout")
+    assert all(topics[k].strip("\n") in held_text and topics[k].strip("\n") not in train_text for k in held)
+    assert len(held_text) > 8192 * 5, "enough held-out text for an 8k prompt"
+    for cue in ("magic number", "VAR ", "the traveller"):
+        assert cue not in train_text + held_text
+
+
+def test_scoring_rules_accept_right_and_reject_wrong() -> None:
+    single = ruler.Example("", "1234567", ("1234567",))
+    assert ruler.score(" 1234567.", single) and not ruler.score(" 12345678", single)
+    assert not ruler.score(" 1234566", single)
+    multikey = ruler.Example("", "111", ("111",), ("222", "333"))
+    assert ruler.score("111", multikey) and not ruler.score("111, 222", multikey)
+    multivalue = ruler.Example("", "1, 2, 3", ("11", "22", "33"))
+    assert ruler.score("33, 11 and 22", multivalue) and not ruler.score("11, 22", multivalue)
+    vt = ruler.Example("", "ABCDE FGHIJ", ("ABCDE", "FGHIJ"), ("KLMNO",))
+    assert ruler.score("abcde, FGHIJ", vt) and not ruler.score("ABCDE FGHIJ KLMNO", vt)
+    trip = ruler.Example("", "Oslo, Lima", ("Oslo", "Lima"), ordered=True)
+    assert ruler.score(" Oslo, then Lima.", trip) and not ruler.score(" Lima, Oslo", trip)
+    assert not ruler.score(" Oslo", trip)
+
+
+def test_eval_runs_ruler_tasks_and_a_rerun_skips_finished_cells(model_dir: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "eval"
+    args = ["eval", "--model", str(model_dir), "--tasks", "niah_single,trip", "--contexts", "200",
+            "--samples", "1", "--budgets", "100%,50%", "--methods", "snapkv", "--out", str(out), "--no-plots"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    journal = [json.loads(line) for line in (out / "eval.cells.jsonl").read_text().splitlines()]
+    assert [(r["task"], r["label"]) for r in journal] == [("niah_single", "full"), ("niah_single", "snapkv@0.5"),
+                                                          ("trip", "full"), ("trip", "snapkv@0.5")]
+    assert journal[0]["key"]["prefill_step"] == 2048, "mlx_lm's default prefill step with --model"
+
+    def must_not_run(*_: Any) -> None:
+        raise AssertionError("a finished cell was measured again")
+
+    monkeypatch.setattr(harness, "measure", must_not_run)
+    second = CliRunner().invoke(main, args)
+    assert second.exit_code == 0, second.output
+    assert json.loads((out / "eval.json").read_text())["rows"] == [
+        {k: v for k, v in r.items() if k != "key"} for r in journal]
+    changed = CliRunner().invoke(main, args + ["--seed", "1"])
+    assert changed.exit_code != 0 and "measured again" in repr(changed.exception), "other arguments recompute"

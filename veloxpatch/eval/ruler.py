@@ -1,0 +1,217 @@
+"""RULER-style long-context tasks (ideas from arXiv 2404.06654) for a real, instruction-tuned model.
+
+The haystack is the English documentation that ships with CPython (``pydoc_data.topics``: the help texts of
+the language reference), so nothing is downloaded. Its topics are split into ``train`` / ``heldout`` by a hash
+of the topic name; evaluation uses the held-out topics by default. Needles are inserted at line boundaries and
+the question comes last, as a user would ask it, wrapped in the tokenizer's chat template when it has one.
+
+Tasks and how an answer is scored (greedy output, case-insensitive):
+
+    niah_single      one number hidden for one word; right when the output contains the number
+    niah_multikey    look-alike needles for several words, one asked; right when it contains the asked number
+                     and none of the distractors' numbers
+    niah_multivalue  one word with several numbers; right when every number is in the output
+    vt               variable tracking: VAR A = 12345, VAR B = VAR A, ... one chain among decoy chains;
+                     right when every variable of the asked chain is named and no decoy variable is
+    trip             a journey's stops told one per paragraph across the whole text; right when the output
+                     names every city in the order visited (aggregation over the context, not one fact)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable
+
+from .tasks import (
+    SPLITS,
+    TokenizerOrLenFn,
+    _fit,
+    _insert_at_depth,
+    _len_fn,
+    excerpt,
+    random_key,
+)
+
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "trip")
+HELDOUT_MOD = 4  # one topic in four (by name hash) is held out: about 120k characters, enough for 8k tokens
+
+INSTRUCTION = "Read the following text and answer the question after it.\n\n"
+NEEDLE = "One of the special magic numbers for {word} is: {number}.\n"
+WORDS = (
+    "amber anchor balcony bamboo beacon biscuit blossom cactus canvas carpet cedar chimney cobalt compass cricket "
+    "crimson dolphin ember falcon feather fountain galaxy ginger harbor hazel helmet indigo ivory jasmine kettle "
+    "lantern lemon lilac lobster maple meadow mosaic nectar nutmeg oasis orchid pepper pebble quartz raven saffron "
+    "sapphire scarlet sparrow tulip velvet walnut willow zephyr"
+).split()
+CITIES = (
+    "Lisbon Oslo Cairo Lima Dublin Vienna Nairobi Quito Hanoi Perth Riga Tunis Zagreb Bergen Dakar Kyoto Malmo "
+    "Porto Seville Tallinn Turin Valencia Warsaw Zurich"
+).split()
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+@dataclass(frozen=True)
+class Example:
+    """A prompt, the reference answer as text, and the items the scoring rule looks for."""
+
+    prompt: str
+    answer: str
+    wanted: tuple[str, ...]
+    unwanted: tuple[str, ...] = ()
+    ordered: bool = False
+
+
+def split_of(topic: str) -> str:
+    """Stable split of a documentation topic by its name, independent of dict order and Python build."""
+    return "heldout" if int(hashlib.sha1(topic.encode()).hexdigest(), 16) % HELDOUT_MOD == 0 else "train"
+
+
+@lru_cache(maxsize=2)
+def haystack_text(split: str) -> str:
+    """Every documentation topic of the split, in name order, as one English text."""
+    from pydoc_data.topics import topics
+
+    assert split in SPLITS, split
+    return "".join(topics[k].strip("\n") + "\n\n" for k in sorted(topics) if split_of(k) == split)
+
+
+def chat(tokenizer: Any, message: str, answer_prefix: str) -> str:
+    """The user's message through the tokenizer's chat template (plain text without one), then an answer start.
+
+    Starting the assistant's turn with the answer's first words is what makes a 135M instruct model answer
+    with the number instead of a preamble (measured: see README)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return f"{message}\n{answer_prefix}"
+    messages = [{"role": "user", "content": message}]
+    head = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return head + answer_prefix
+
+
+def _build(tokenizer: Any, context: int, split: str, seed_text: str, needles: list[tuple[str, float]],
+           question: str, answer_prefix: str) -> str:
+    """Fit haystack + needles (text, depth) + question into ``context`` tokens."""
+    fill_seed = str(random.Random(seed_text).getstate())
+    text = haystack_text(split)
+
+    def build(n_chars: int) -> str:
+        body = excerpt(text, n_chars, random.Random(fill_seed))
+        for needle, depth in sorted(needles, key=lambda nd: -nd[1]):  # back to front keeps depths meaningful
+            body = _insert_at_depth(body, needle, depth)
+        return chat(tokenizer, f"{INSTRUCTION}{body}\n{question}", answer_prefix)
+
+    return _fit(build, context, _len_fn(tokenizer))
+
+
+def _depths(rng: random.Random, n: int) -> list[float]:
+    """``n`` needle depths spread over the text (one per equal slice, jittered), so no two collide."""
+    return [(i + rng.uniform(0.1, 0.9)) / n for i in range(n)]
+
+
+def niah_single(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
+    """One needle at a random depth; the question asks for its number."""
+    rng = random.Random(f"niah_single/{split}/{seed}")
+    word, number = rng.choice(WORDS), random_key(rng, 7)
+    question = f"What is the special magic number for {word} mentioned in the provided text?"
+    prefix = f"The special magic number for {word} mentioned in the provided text is"
+    prompt = _build(tokenizer, context, split, f"{rng.random()}", [(NEEDLE.format(word=word, number=number),
+                                                                      rng.random())], question, prefix)
+    return Example(prompt, number, (number,))
+
+
+def niah_multikey(tokenizer: Any, context: int, seed: int, split: str = "heldout", n_keys: int = 4) -> Example:
+    """``n_keys`` needles of the same shape for different words; one word is asked."""
+    rng = random.Random(f"niah_multikey/{split}/{seed}")
+    words = rng.sample(WORDS, n_keys)
+    numbers = [random_key(rng, 7) for _ in words]
+    asked = rng.randrange(n_keys)
+    needles = [(NEEDLE.format(word=w, number=n), d) for w, n, d in zip(words, numbers, _depths(rng, n_keys))]
+    question = f"What is the special magic number for {words[asked]} mentioned in the provided text?"
+    prefix = f"The special magic number for {words[asked]} mentioned in the provided text is"
+    prompt = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
+    others = tuple(n for i, n in enumerate(numbers) if i != asked)
+    return Example(prompt, numbers[asked], (numbers[asked],), others)
+
+
+def niah_multivalue(tokenizer: Any, context: int, seed: int, split: str = "heldout", n_values: int = 4) -> Example:
+    """One word with ``n_values`` numbers spread over the text; all are asked for."""
+    rng = random.Random(f"niah_multivalue/{split}/{seed}")
+    word = rng.choice(WORDS)
+    numbers = [random_key(rng, 7) for _ in range(n_values)]
+    needles = [(NEEDLE.format(word=word, number=n), d) for n, d in zip(numbers, _depths(rng, n_values))]
+    question = f"What are all the special magic numbers for {word} mentioned in the provided text?"
+    prefix = f"The special magic numbers for {word} mentioned in the provided text are"
+    prompt = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
+    return Example(prompt, ", ".join(numbers), tuple(numbers))
+
+
+def _names(rng: random.Random, n: int) -> list[str]:
+    """``n`` distinct five-letter upper-case variable names."""
+    names: set[str] = set()
+    while len(names) < n:
+        names.add("".join(rng.choice(LETTERS) for _ in range(5)))
+    return sorted(names, key=lambda _: rng.random())
+
+
+def vt(tokenizer: Any, context: int, seed: int, split: str = "heldout", hops: int = 4, decoys: int = 1) -> Example:
+    """Variable tracking: chains ``VAR A = value``, ``VAR B = VAR A`` ...; the asked chain's variables are the answer.
+
+    Decoy chains start from other values, so copying every ``VAR`` name is wrong."""
+    rng = random.Random(f"vt/{split}/{seed}")
+    names = _names(rng, (hops + 1) * (decoys + 1))
+    chains = [names[i * (hops + 1):(i + 1) * (hops + 1)] for i in range(decoys + 1)]
+    values = [random_key(rng, 5) for _ in chains]
+    depths = iter(_depths(rng, len(names)))
+    needles = []
+    for chain, value in zip(chains, values):
+        links = [f"VAR {chain[0]} = {value}"] + [f"VAR {b} = VAR {a}" for a, b in zip(chain, chain[1:])]
+        needles += [(f"{link}\n", d) for link, d in zip(links, sorted(next(depths) for _ in links))]
+    question = f"Find all variables that are assigned the value {values[0]} in the text above."
+    prefix = f"The variables assigned the value {values[0]} are:"
+    prompt = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
+    return Example(prompt, " ".join(chains[0]), tuple(chains[0]), tuple(n for c in chains[1:] for n in c))
+
+
+def trip(tokenizer: Any, context: int, seed: int, split: str = "heldout", stops: int = 4) -> Example:
+    """A traveller's stops, one sentence each, spread front to back; the answer is the whole route in order.
+
+    No single sentence answers it: every stop must survive in the cache, and in its place."""
+    rng = random.Random(f"trip/{split}/{seed}")
+    traveller = rng.choice(WORDS).capitalize()
+    cities = rng.sample(CITIES, stops)
+    ordinals = ("first", "second", "third", "fourth", "fifth", "sixth")
+    needles = [(f"On the {ordinals[i]} day of the journey, the traveller {traveller} arrived in {city}.\n", d)
+               for i, (city, d) in enumerate(zip(cities, _depths(rng, stops)))]
+    question = f"List, in order, the cities the traveller {traveller} arrived in during the journey."
+    prefix = f"The traveller {traveller} arrived in these cities, in order:"
+    prompt = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
+    return Example(prompt, ", ".join(cities), tuple(cities), ordered=True)
+
+
+GENERATORS: dict[str, Callable[..., Example]] = {
+    "niah_single": niah_single, "niah_multikey": niah_multikey, "niah_multivalue": niah_multivalue,
+    "vt": vt, "trip": trip,
+}
+
+
+def example(task: str, tokenizer: TokenizerOrLenFn, context: int, seed: int, split: str = "heldout") -> Example:
+    """One example of a RULER-style task."""
+    return GENERATORS[task](tokenizer, context, seed, split)
+
+
+def score(generated: str, ex: Example) -> bool:
+    """The task's exact rule: every wanted item as a whole word (in order if ``ordered``), no unwanted item."""
+    found = [_position(generated, item) for item in ex.wanted]
+    if any(p < 0 for p in found) or any(_position(generated, item) >= 0 for item in ex.unwanted):
+        return False
+    return not ex.ordered or found == sorted(found)
+
+
+def _position(text: str, item: str) -> int:
+    """Where ``item`` first appears as a whole word (case-insensitive), -1 if it does not."""
+    match = re.search(rf"(?<![\w]){re.escape(item)}(?![\w])", text, flags=re.IGNORECASE)
+    return match.start() if match else -1
