@@ -61,3 +61,16 @@ def test_held_memory_after_decoding_is_far_below_vanilla() -> None:
         used, caches = held(generate(tokens, model, steps), model)
         assert used <= sum(c.nbytes for c in caches) + SLACK * len(caches)
         assert used < vanilla / 8, f"held {used} B, vanilla {vanilla} B"
+
+
+def test_a_mask_handed_to_the_model_is_not_kept_after_the_forward() -> None:
+    """Multi-head latent attention asks its first cache for an array mask (chunk x rows)."""
+    from veloxpatch.eval import zoo
+    from veloxpatch.eval.random_model import build
+
+    model = build(zoo.small_config("deepseek_v3"))
+    veloxpatch.patch(kv="streamingllm", budget=64, window=16)
+    caches = make_prompt_cache(model)
+    model(random_tokens(100, 32)[None], cache=caches)
+    assert type(caches[0]).__name__ == "StreamingLLMCache"
+    assert all(c.issued_mask is None for c in caches)

@@ -215,6 +215,7 @@ class CompressedKVCache(ABC):
         )
         if self.uses_queries:
             self._remember(queries)
+        self._forget_issued_masks()
         keep = self.target()
         if self._due(n, keep):
             self.compress(keep, scale)
@@ -303,6 +304,14 @@ class CompressedKVCache(ABC):
         """True if ``mask`` is one our caches handed the model (it carries nothing of its own)."""
         members = self.coordinator.members if self.coordinator is not None else [self]
         return any(mask is m.issued_mask for m in members)
+
+    def _forget_issued_masks(self) -> None:
+        """After the last layer of a forward has attended, drop the mask handed to the model for
+        it: kept, a prefill chunk's mask (chunk x rows) would stay alive until the next forward."""
+        members = self.coordinator.members if self.coordinator is not None else [self]
+        if self is members[-1]:
+            for member in members:
+                member.issued_mask = None
 
     def _remember(self, queries: mx.array) -> None:
         """Keep a copy of the most recent ``window`` queries (the observation window).
