@@ -33,10 +33,10 @@ def candidate_slots(caches: list[Any]) -> tuple[int, ...]:
 
 
 def mlx_caches(model: Any) -> list[Any]:
-    """The cache list mlx_lm's own ``make_prompt_cache`` makes for ``model`` (no size limit)."""
-    from mlx_lm.models.cache import KVCache
+    """The cache list mlx_lm's own ``make_prompt_cache`` makes for ``model``, patched or not."""
+    from mlx_lm.models.cache import make_prompt_cache
 
-    return model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
+    return getattr(make_prompt_cache, "__wrapped__", make_prompt_cache)(model)
 
 
 def explain(model: Any, config: VeloxConfig) -> str:

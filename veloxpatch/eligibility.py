@@ -67,7 +67,6 @@ def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], Compres
     for i in slots:
         if id(caches[i]) not in replaced:
             cache = replaced[id(caches[i])] = make()
-            cache.coordinator = coordinator
             coordinator.join(cache)
         out[i] = replaced[id(caches[i])]
     return out

@@ -261,9 +261,7 @@ class CompressedKVCache(ABC):
         hkv = keys.shape[1]
         q = self.queries.astype(mx.float32).reshape(b, hkv, hq // hkv, w, d) * scale
         logits = q @ mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)
-        query_pos = self.offset - w + mx.arange(w)
-        pos = positions[:, :, None, None, :]
-        visible = (pos >= 0) & (pos <= query_pos[:, None])
+        visible = self._visible(positions, w)[:, :, None]
         logits = mx.where(visible, logits, -mx.inf)
         return mx.softmax(logits, axis=-1).sum(axis=(2, 3))
 
@@ -292,23 +290,30 @@ class CompressedKVCache(ABC):
             return own & given
         return mx.where(own, given, mx.array(-mx.inf, given.dtype))
 
-    def _position_mask(self, queries: mx.array) -> mx.array:
-        """(B, query heads, n, rows): a row is visible when it is no hole and not in the future."""
-        b, hq, n, _ = queries.shape
-        positions = self.store.row_positions()
+    def _visible(self, positions: mx.array, n: int) -> mx.array:
+        """(B, kv_heads, n, rows): which rows the last ``n`` tokens see (no hole, not in the future)."""
         query_pos = self.offset - n + mx.arange(n)
-        visible = (positions[:, :, None, :] >= 0) & (positions[:, :, None, :] <= query_pos[:, None])
-        return mx.repeat(visible, hq // positions.shape[1], axis=1)
+        rows = positions[:, :, None, :]
+        return (rows >= 0) & (rows <= query_pos[:, None])
+
+    def _position_mask(self, queries: mx.array) -> mx.array:
+        """(B, query heads, n, rows): :meth:`_visible` repeated over the query heads of each KV head."""
+        positions = self.store.row_positions()
+        visible = self._visible(positions, queries.shape[2])
+        return mx.repeat(visible, queries.shape[1] // positions.shape[1], axis=1)
+
+    def _members(self) -> list["CompressedKVCache"]:
+        """The caches of this cache's list in layer order (just this one without a coordinator)."""
+        return self.coordinator.members if self.coordinator is not None else [self]
 
     def _issued(self, mask: mx.array) -> bool:
         """True if ``mask`` is one our caches handed the model (it carries nothing of its own)."""
-        members = self.coordinator.members if self.coordinator is not None else [self]
-        return any(mask is m.issued_mask for m in members)
+        return any(mask is m.issued_mask for m in self._members())
 
     def _forget_issued_masks(self) -> None:
         """After the last layer of a forward has attended, drop the mask handed to the model for
         it: kept, a prefill chunk's mask (chunk x rows) would stay alive until the next forward."""
-        members = self.coordinator.members if self.coordinator is not None else [self]
+        members = self._members()
         if self is members[-1]:
             for member in members:
                 member.issued_mask = None

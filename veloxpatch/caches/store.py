@@ -14,7 +14,7 @@ is then a (packed, scales, biases) triple); either way every stored array has ro
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import mlx.core as mx
 
@@ -103,9 +103,7 @@ class RowStore:
 
     def keep(self, index: mx.array, spare: int) -> None:
         """Compact to rows ``index`` (B, H, k), ascending per head, plus ``spare`` free rows."""
-        self.keys = _grow(_take(_head(self.keys, self.rows), index), spare)
-        self.values = _grow(_take(_head(self.values, self.rows), index), spare)
-        (self.positions,) = _grow(_take(_head((self.positions,), self.rows), index), spare)
+        self._rebuild(lambda parts: _grow(_take(_head(parts, self.rows), index), spare))
         self.rows = index.shape[-1]
         if self.holes:
             self.holes = bool((self.row_positions() < 0).any().item())
@@ -173,6 +171,9 @@ class RowStore:
             self.values = self.encode(mx.zeros((b, h, grow, values.shape[3]), values.dtype))
             self.positions = mx.zeros((b, h, grow, 1), mx.int32)
             return
-        self.keys = _grow(_head(self.keys, self.rows), grow)
-        self.values = _grow(_head(self.values, self.rows), grow)
-        (self.positions,) = _grow(_head((self.positions,), self.rows), grow)
+        self._rebuild(lambda parts: _grow(_head(parts, self.rows), grow))
+
+    def _rebuild(self, rebuild: Callable[[Parts], Parts]) -> None:
+        """Replace keys, values and positions alike (they share their rows axis)."""
+        self.keys, self.values = rebuild(self.keys), rebuild(self.values)
+        (self.positions,) = rebuild((self.positions,))

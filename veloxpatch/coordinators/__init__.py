@@ -33,8 +33,9 @@ class Coordinator:
         self.fresh = False  # reset, and no member has received rows since
 
     def join(self, cache: Any) -> None:
-        """Register a member cache (in layer order)."""
+        """Register a member cache (in layer order); it knows its coordinator from then on."""
         self.members.append(cache)
+        cache.coordinator = self
 
     def replace(self, old: Any, new: Any) -> None:
         """``new`` takes ``old``'s place (and layer order), e.g. its quantized copy."""

@@ -117,11 +117,10 @@ def _draft_caches(arguments: dict[str, Any]) -> None:
     if config is None or config.draft_kv != "none":
         return
     model, draft = arguments["model"], arguments["draft_model"]
-    make = sys.modules["mlx_lm.models.cache"].make_prompt_cache
-    plain = getattr(make, "__wrapped__", make)(draft)
+    plain = builder.mlx_caches(draft)
     caches = arguments.get("prompt_cache")
     if caches is None:
-        arguments["prompt_cache"] = make(model) + plain
+        arguments["prompt_cache"] = sys.modules["mlx_lm.models.cache"].make_prompt_cache(model) + plain
         return
     first = len(model.layers)
     for i, cache in enumerate(caches[first:], start=first):
@@ -138,14 +137,13 @@ def ours(caches: Any) -> list[CompressedKVCache]:
     return [c for c in caches if isinstance(c, CompressedKVCache)] if isinstance(caches, (list, tuple)) else []
 
 
-def _adopt(ours: list[CompressedKVCache]) -> None:
+def _adopt(caches: list[CompressedKVCache]) -> None:
     """Give caches without a coordinator one per method, shared, joined in list order.
 
     ``from_state`` (prompt-cache files) builds single caches, which cannot know their list.
     """
-    orphans = [c for c in ours if c.coordinator is None]
+    orphans = [c for c in caches if c.coordinator is None]
     for method in dict.fromkeys(c.method for c in orphans):
         coordinator = Coordinator(method)
         for cache in (c for c in orphans if c.method == method):
-            cache.coordinator = coordinator
             coordinator.join(cache)
