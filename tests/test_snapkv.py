@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
 from conftest import random_tokens, tiny
@@ -51,3 +53,23 @@ def test_both_modes_decode_within_the_budget(mode: str) -> None:
                                prefill_step_size=64))
     assert len(steps) == 30
     assert all(c.offset == 230 and c.size() < 40 + c.headroom(40) for c in caches)
+
+
+def test_end_mode_the_first_decode_step_already_sees_only_the_kept_rows() -> None:
+    """SnapKV compresses right after the prompt: the first decode step's logits are those over
+    the kept rows, not over the whole prompt (mlx_lm's generate feeds that step once the prompt
+    is in)."""
+    model = tiny("llama")
+    veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="end")
+    caches = make_prompt_cache(model)
+    prompt = random_tokens(300, 42)
+    model(prompt[None, :299], cache=caches)
+    compressed = [copy.deepcopy(c) for c in caches]
+    for cache in compressed:
+        cache.compress(cache.target(), model.layers[0].self_attn.scale)
+    full = [KVCache() for _ in caches]
+    model(prompt[None, :299], cache=full)
+    step = prompt[None, 299:]
+    got, over_kept, over_all = (model(step, cache=c) for c in (caches, compressed, full))
+    assert mx.allclose(got, over_kept, atol=1e-4).item()
+    assert not mx.allclose(got, over_all, atol=1e-2).item(), "the prompt was compressed: logits must move"

@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm import load, stream_generate
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
 from veloxpatch.assets import model_path
@@ -28,13 +28,19 @@ def models():
     return model, draft, tokenizer, tokenizer.encode(prompt), answer
 
 
-def speculate(models, **settings) -> tuple[list, list]:
-    """Greedy speculative generation; returns the responses and the main + draft caches."""
+def speculate(models, witness: bool = False, **settings) -> tuple[list, list]:
+    """Greedy speculative generation; returns the responses and the main + draft caches.
+
+    With ``witness`` the first layer of each model keeps mlx_lm's own ``KVCache``, whose offset
+    mlx_lm's rewind keeps right: every other cache must agree with it."""
     model, draft, tokenizer, prompt, _ = models
     veloxpatch.unpatch()
     if settings:
         veloxpatch.patch(**settings)
-    caches = make_prompt_cache(model) + make_prompt_cache(draft)
+    main, drafts = make_prompt_cache(model), make_prompt_cache(draft)
+    if witness:
+        main[0], drafts[0] = KVCache(), KVCache()
+    caches = main + drafts
     out = list(stream_generate(model, tokenizer, prompt, max_tokens=NEW_TOKENS, draft_model=draft,
                                prompt_cache=caches, num_draft_tokens=3))
     return out, caches
@@ -50,11 +56,13 @@ def test_with_a_big_budget_speculative_output_is_unpatched_output(models) -> Non
 
 
 def test_with_compression_every_offset_is_the_tokens_seen(models) -> None:
-    plain, plain_caches = speculate(models)
-    out, caches = speculate(models, kv="snapkv", budget=128, window=16)
-    assert all(type(c).__name__ == "SnapKVCache" for c in caches)
-    assert [c.offset for c in caches] == [c.offset for c in plain_caches], "no drift after rewinds"
-    for cache in caches:
+    out, caches = speculate(models, witness=True, kv="snapkv", budget=128, window=16)
+    layers = len(models[0].layers)
+    for part in (caches[:layers], caches[layers:]):
+        witness, ours = part[0], part[1:]
+        assert type(witness) is KVCache and all(type(c).__name__ == "SnapKVCache" and c.evicted for c in ours)
+        assert [c.offset for c in ours] == [witness.offset] * len(ours), "no drift after rewinds"
+    for cache in caches[1:layers] + caches[layers + 1 :]:
         newest = cache.store.row_positions().max().item()
         assert newest == cache.offset - 1 and cache.size() < 128 + cache.headroom(128)
     assert tasks.is_correct(models[2].decode([r.token for r in out]), models[4])

@@ -61,12 +61,13 @@ def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], Compres
 
     A cache object that fills several slots (layers sharing their KV) gets one replacement.
     """
-    coordinator = Coordinator(method)
     out = list(caches)
     replaced: dict[int, CompressedKVCache] = {}
+    coordinator: Coordinator | None = None
     for i in slots:
         if id(caches[i]) not in replaced:
             cache = replaced[id(caches[i])] = make()
+            coordinator = coordinator or type(cache).coordinator_class(method)
             coordinator.join(cache)
         out[i] = replaced[id(caches[i])]
     return out

@@ -47,6 +47,7 @@ class CompressedKVCache(ABC):
     method: ClassVar[str] = ""
     max_headroom: ClassVar[int] = 64
     uses_queries: ClassVar[bool] = True
+    coordinator_class: ClassVar[type[Coordinator]] = Coordinator
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
         self.budget = budget
@@ -59,6 +60,7 @@ class CompressedKVCache(ABC):
         self.evicted = False
         self.issued_mask: mx.array | None = None
         self.coordinator: Coordinator | None = None
+        self.layer = 0  # index in the coordinator's members (set when it joins)
         stats.track(self)
 
     # ----------------------------------------------------------------- what a method provides
@@ -72,6 +74,23 @@ class CompressedKVCache(ABC):
     def knob_values(self) -> dict[str, Any]:
         """The method's own knobs, saved with the cache so it loads back the same."""
         return {}
+
+    def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
+        """Called with every step's real queries and the keys they attended, one per stored row in
+        storage order, before the step compresses; methods that accumulate evidence over time
+        (H2O) or report to their coordinator override it."""
+
+    def select(self, keep: int, scale: float) -> mx.array:
+        """Row indexes to keep, (B, kv_heads, keep), ascending per head: the ``keep`` best by
+        :meth:`score`, sink and recent window always, holes never. Cross-layer methods override
+        it (e.g. to apply a leader layer's choice)."""
+        keys, _ = self.store.fetch()
+        positions = self.store.row_positions()
+        scores = self.score(keys, positions, scale).astype(mx.float32)
+        scores = mx.where(self.protected(positions), mx.inf, scores)
+        scores = mx.where(positions < 0, -mx.inf, scores)
+        order = mx.argpartition(-scores, kth=keep - 1, axis=-1)[..., :keep]
+        return mx.sort(order, axis=-1)
 
     # ----------------------------------------------------------------- mlx_lm cache protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -210,14 +229,19 @@ class CompressedKVCache(ABC):
         """Attention of this step over our rows with our mask (and the model's, if it has one
         of its own), then compress if due."""
         n = queries.shape[2]
-        out = mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=self._mask(queries, mask), sinks=sinks
-        )
+        keep = self.target()
+        own = self._mask(queries, mask)
+        kept = self.select(keep, scale) if self._prompt_pending(n, keep) else None
+        if kept is not None:
+            own = self._only(kept, queries, own)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=own, sinks=sinks)
+        self.observe(queries, keys, scale)
         if self.uses_queries:
             self._remember(queries)
         self._forget_issued_masks()
-        keep = self.target()
-        if self._due(n, keep):
+        if kept is not None:
+            self.keep_rows(kept)
+        elif self._due(n, keep):
             self.compress(keep, scale)
         return out
 
@@ -230,14 +254,8 @@ class CompressedKVCache(ABC):
         return max(self.budget.resolve(self.offset), self.sink + self.window)
 
     def compress(self, keep: int, scale: float) -> None:
-        """Keep the ``keep`` best rows per head (sink and recent window always), in time order."""
-        keys, _ = self.store.fetch()
-        positions = self.store.row_positions()
-        scores = self.score(keys, positions, scale).astype(mx.float32)
-        scores = mx.where(self.protected(positions), mx.inf, scores)
-        scores = mx.where(positions < 0, -mx.inf, scores)
-        order = mx.argpartition(-scores, kth=keep - 1, axis=-1)[..., :keep]
-        self.keep_rows(mx.sort(order, axis=-1))
+        """Keep the rows :meth:`select` picks."""
+        self.keep_rows(self.select(keep, scale))
 
     def keep_rows(self, index: mx.array) -> None:
         """Compact storage to the rows ``index`` (B, kv_heads, keep), ascending per head."""
@@ -274,6 +292,29 @@ class CompressedKVCache(ABC):
         if n > room:  # a prefill chunk
             return self.mode == "chunk"
         return self.store.rows >= keep + room
+
+    def _prompt_pending(self, n: int, keep: int) -> bool:
+        """A decode-sized step arrives over a prompt left uncompressed (``end`` mode): the prompt
+        is compressed as the paper does, before this step attends, scored by the prompt's window."""
+        return n <= self.headroom(keep) and self.store.rows - n >= keep + self.headroom(keep)
+
+    def _only(self, kept: mx.array, queries: mx.array, given: Any) -> mx.array:
+        """``given`` restricted to the rows ``kept`` (B, kv_heads, keep) and this step's own rows.
+
+        The step's keys came from the store before compression (or were derived from it by the
+        model), so the rows about to go are masked instead of removed for this one step."""
+        rows = self.store.rows
+        n = queries.shape[2]
+        keep = mx.zeros(kept.shape[:2] + (rows,), mx.bool_)
+        keep = mx.put_along_axis(keep, kept, mx.array(True), axis=-1) | (mx.arange(rows) >= rows - n)
+        keep = mx.repeat(keep, queries.shape[1] // keep.shape[1], axis=1)[:, :, None, :]
+        if given is None:
+            return keep
+        if isinstance(given, str):
+            given = mx.arange(rows)[None] <= mx.arange(rows - n, rows)[:, None]
+        if given.dtype == mx.bool_:
+            return keep & given
+        return mx.where(keep, given, mx.array(-mx.inf, given.dtype))
 
     def _mask(self, queries: mx.array, given: Any) -> Any:
         """Our mask for this step, combined with the model's when it carries its own information."""

@@ -1,10 +1,14 @@
 """Cross-layer state for one cache list.
 
 The builder makes one coordinator per list returned by ``make_prompt_cache`` and hands it to
-every member cache. Single-layer methods only use it to be found and reset; cross-layer methods
-(ChunkKV index reuse, xKV, SqueezeAttention, MiniCache, XQuant) subclass it to exchange
-``mx.array``s between layers. Layers run in order within a forward pass, so a leader layer always
-publishes before its followers read.
+every member cache, in layer order; a member knows its index (``cache.layer``) and the list's
+size (``len(coordinator.members)``). A method that shares state across layers names its
+coordinator class on its cache class (``coordinator_class``); the builder stays generic.
+
+Layers run in order within a forward pass, so a member earlier in the list always runs before a
+later one in the same forward. The coordinator counts forwards (``step``: the first member's
+store starts one), and every publication is stamped with the step it was made in, so a
+follower never applies a stale one (:meth:`Coordinator.publish`, :meth:`Coordinator.latest`).
 
 When a new sequence starts, cross-layer state from the previous one must go. Two signals say so:
 
@@ -30,10 +34,13 @@ class Coordinator:
         self.method = method
         self.members: list[Any] = []
         self.generations = 0
+        self.step = 0  # forwards begun since the last reset
         self.fresh = False  # reset, and no member has received rows since
+        self.published: dict[Any, tuple[int, Any]] = {}
 
     def join(self, cache: Any) -> None:
-        """Register a member cache (in layer order); it knows its coordinator from then on."""
+        """Register a member cache (in layer order); it knows its coordinator and index from then on."""
+        cache.layer = len(self.members)
         self.members.append(cache)
         cache.coordinator = self
 
@@ -46,16 +53,30 @@ class Coordinator:
         """Forget per-generation cross-layer state; a new sequence or generation starts."""
         self.generations += 1
         self.fresh = True
+        self.step = 0
+        self.published.clear()
 
     def on_update(self, cache: Any) -> None:
-        """A member is about to store rows: at offset 0 on the first member, a new sequence starts.
+        """A member is about to store rows. On the first member a forward starts (``step``), and
+        at offset 0 a new sequence.
 
         A reset just made by the generation start is not repeated (``fresh``), so one generation
         counts once whichever signal sees it first.
         """
-        if cache.offset == 0 and self.members and cache is self.members[0] and not self.fresh:
-            self.reset()
+        if self.members and cache is self.members[0]:
+            if cache.offset == 0 and not self.fresh:
+                self.reset()
+            self.step += 1
         self.fresh = False
+
+    def publish(self, topic: Any, value: Any) -> None:
+        """Make ``value`` available under ``topic`` to the members that run later in this forward."""
+        self.published[topic] = (self.step, value)
+
+    def latest(self, topic: Any) -> Any:
+        """What was published under ``topic`` in the current forward, or None (never a stale value)."""
+        step, value = self.published.get(topic, (-1, None))
+        return value if step == self.step else None
 
 
 def coordinators_of(caches: Any) -> list[Coordinator]:

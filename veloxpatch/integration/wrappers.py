@@ -25,7 +25,7 @@ import wrapt
 
 from .. import builder, stats
 from ..caches.base import CompressedKVCache
-from ..coordinators import Coordinator, coordinators_of
+from ..coordinators import coordinators_of
 from ..log import once
 from .state import STATE, in_batched_generation
 
@@ -144,6 +144,7 @@ def _adopt(caches: list[CompressedKVCache]) -> None:
     """
     orphans = [c for c in caches if c.coordinator is None]
     for method in dict.fromkeys(c.method for c in orphans):
-        coordinator = Coordinator(method)
-        for cache in (c for c in orphans if c.method == method):
+        members = [c for c in orphans if c.method == method]
+        coordinator = type(members[0]).coordinator_class(method)
+        for cache in members:
             coordinator.join(cache)
