@@ -1,10 +1,11 @@
-"""Every entry into mlx_lm's batched generation works under the patch and gives mlx_lm's own tokens.
+"""Every entry into mlx_lm's batched generation works under the patch and gives the right tokens.
 
 mlx_lm's ``BatchGenerator`` merges per-sequence caches into its batch caches, which ours cannot
 join. Caches it makes itself stay mlx_lm's own; compressed caches a caller hands in are turned into
-mlx_lm's (exactly, or by re-reading their tokens) or, handed straight to ``insert`` without their
-tokens, refused before anything changes. ``batch_generate`` never meets that refusal: it serves
-such caches one sequence at a time through ``generate_step``.
+mlx_lm's exactly, by re-reading their tokens, or, handed to ``insert`` without their tokens, with
+the rows they kept at their true positions: such a sequence gives the tokens the compressed cache
+gives on its own (eviction frozen) and comes back out as a compressed cache. ``batch_generate``
+serves such caches one sequence at a time through ``generate_step``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm import batch_generate, load
 from mlx_lm.generate import BatchGenerator, BatchResponse, BatchStats, generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
 from conftest import random_tokens
+from veloxpatch.caches.base import CompressedKVCache
+from veloxpatch.config import Budget
 
 BUDGET = dict(kv="snapkv", budget=40, window=8, compress="chunk")  # prefills evict
 
@@ -56,6 +59,20 @@ def stepped(model, tokenizer, prompt: list[int], caches: list, limit: int) -> tu
         tokens.append(token)
         logprobs.append(vector[token].item())
     return tokens, logprobs
+
+
+def frozen(caches: list) -> list:
+    """A copy of ``caches`` whose compressed caches evict nothing more (a batch keeps every new row)."""
+    caches = copy.deepcopy(caches)
+    for cache in caches:
+        if isinstance(cache, CompressedKVCache):
+            cache.budget = Budget(tokens=1 << 20)
+    return caches
+
+
+def alone(model, prompt: list[int], caches: list, limit: int) -> list[int]:
+    """``limit`` greedy tokens from ``generate_step`` on ``caches`` itself (no stop token)."""
+    return [token for token, _ in generate_step(mx.array(prompt), model, prompt_cache=caches, max_tokens=limit)]
 
 
 def segments_tokens(model, segments: list[list[list[int]]], **insert) -> list[list[int]]:
@@ -112,15 +129,123 @@ def test_compressed_history_with_its_tokens_is_read_again(loaded) -> None:
     assert got == expected
 
 
-def test_compressed_history_without_its_tokens_is_refused_before_any_change(loaded) -> None:
+def test_compressed_history_without_its_tokens_joins_at_its_true_positions(loaded) -> None:
+    """No tokens to re-read: the batch attends over the rows the cache kept, at their positions."""
     model, _ = loaded
     veloxpatch.patch(**BUDGET)
     evicted = prefilled(model, random_tokens(90, 13).tolist())
+    assert evicted[0].evicted and evicted[0].size() < evicted[0].offset
+    prompt = random_tokens(5, 14).tolist()
+    reference = frozen(evicted)
+    expected = alone(model, prompt, reference, 6)
+    assert all(r.size() - e.size() == r.offset - e.offset for r, e in zip(reference, evicted)), "nothing evicted"
+    state = [(c.offset, c.size()) for c in evicted]
+    gen = BatchGenerator(model, max_tokens=6)
+    assert run(gen, gen.insert([prompt], caches=[evicted])) == [expected]
+    assert [(c.offset, c.size()) for c in evicted] == state, "the caller's caches are not updated"
+
+
+def test_joined_sequence_batches_with_plain_ones_first_in_the_call(loaded) -> None:
+    """A plain history first in the call (mlx_lm merges with the first sequence's cache), a fresh
+    prompt, and an evicted cache: left padding and right-padded prefill, each as it would alone."""
+    model, _ = loaded
+    history = prefilled(model, random_tokens(60, 20).tolist())  # unpatched: mlx_lm's KVCache
+    prompts = [random_tokens(7, 21).tolist(), random_tokens(30, 22).tolist(), random_tokens(4, 23).tolist()]
+    expected = [alone(model, prompts[0], copy.deepcopy(history), 5),
+                alone(model, prompts[1], make_prompt_cache(model), 5)]
+    veloxpatch.patch(**BUDGET)
+    evicted = prefilled(model, random_tokens(90, 24).tolist())
+    assert evicted[0].evicted
+    expected.append(alone(model, prompts[2], frozen(evicted), 5))
+    gen = BatchGenerator(model, max_tokens=5)
+    assert run(gen, gen.insert(prompts, caches=[history, None, evicted])) == expected
+    assert type(history[0]) is KVCache and history[0].offset == 60, "the caller's caches stay as they were"
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["plain-waiting", "plain-running"])
+def test_joined_sequence_comes_back_as_a_compressed_cache(loaded, started: bool) -> None:
+    """Inserted after a plain sequence (still waiting, or already in a running batch), the evicted
+    cache's sequence comes back out as a compressed cache holding its rows at their positions."""
+    model, _ = loaded
+    plain = random_tokens(20, 30).tolist()
+    plain_expected = alone(model, plain, make_prompt_cache(model), 4)
+    veloxpatch.patch(**BUDGET)
+    evicted = prefilled(model, random_tokens(90, 31).tolist())
+    prompt = random_tokens(6, 32).tolist()
+    expected = alone(model, prompt, frozen(evicted), 4)
+    gen = BatchGenerator(model, max_tokens=4, prefill_step_size=8)
+    (first,) = gen.insert([plain])
+    if started:
+        gen.next()  # the plain sequence's prefill has begun: a batch cache of mlx_lm's runs
+    (joined,) = gen.insert([prompt], caches=[evicted])
+    tokens: dict[int, list[int]] = {first: [], joined: []}
+    finished = {}
+    while responses := gen.next_generated():
+        for r in responses:
+            tokens[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                finished[r.uid] = r
+    gen.close()
+    assert tokens == {first: plain_expected, joined: expected}
+
+    back, seen = finished[joined].prompt_cache, finished[joined].all_tokens
+    assert seen == prompt + expected
+    reference = frozen(evicted)
+    model(mx.array(seen)[None], cache=reference)
+    for got, want in zip(back, reference):
+        assert type(got) is type(want) and got.offset == want.offset == 90 + len(seen)
+        assert mx.array_equal(got.store.row_positions(), want.store.row_positions())
+        assert mx.allclose(got.keys, want.keys, atol=1e-4) and mx.allclose(got.values, want.values, atol=1e-4)
+    more = random_tokens(3, 33).tolist()
+    assert alone(model, more, frozen(back), 4) == alone(model, more, reference, 4), "it continues right"
+    plain_back = finished[first].prompt_cache
+    assert type(plain_back[0]) is KVCache and plain_back[0].offset == len(finished[first].all_tokens)
+
+
+def test_joined_sequence_given_back_before_its_prefill_can_be_inserted_again(loaded) -> None:
+    model, _ = loaded
+    veloxpatch.patch(**BUDGET)
+    evicted = prefilled(model, random_tokens(90, 40).tolist())
+    prompts = [random_tokens(9, 41).tolist(), random_tokens(5, 42).tolist()]
+    expected = [alone(model, prompts[0], make_prompt_cache(model), 4), alone(model, prompts[1], frozen(evicted), 4)]
+    gen = BatchGenerator(model, max_tokens=4)
+    (uid,) = gen.insert([prompts[1]], caches=[evicted])
+    waiting, _ = gen.remove([uid], return_prompt_caches=True)[uid]
+    with pytest.raises(ValueError, match="insert them into a BatchGenerator again"):
+        alone(model, prompts[1], copy.deepcopy(waiting), 1)
+    again = BatchGenerator(model, max_tokens=4)
+    assert run(again, again.insert(prompts, caches=[None, waiting])) == expected
+
+
+def test_evicted_cache_with_holes_without_its_tokens_is_refused_before_any_change(loaded) -> None:
+    """A trim left heads with different numbers of rows: no batch cache can mask them per head."""
+    model, _ = loaded
+    veloxpatch.patch(**BUDGET)
+    evicted = prefilled(model, random_tokens(90, 13).tolist())
+    for cache in evicted:
+        cache.trim(9)
+    assert any(bool((c.store.row_positions() < 0).any().item()) for c in evicted), "the trim left holes"
+    state = [(c.offset, c.size()) for c in evicted]
     gen = BatchGenerator(model, max_tokens=3)
-    with pytest.raises(ValueError, match="evicted"):
+    with pytest.raises(ValueError, match="holes"):
         gen.insert([random_tokens(5, 14).tolist(), [1, 2, 3]], caches=[None, evicted])
+    assert [(c.offset, c.size()) for c in evicted] == state
     uids = gen.insert([[1, 2, 3]])
     assert uids == [0] and len(run(gen, uids)[0]) == 3, "the generator is untouched and still works"
+
+
+def test_evicted_layers_with_different_rows_without_tokens_are_refused(loaded) -> None:
+    """One mask serves every layer of a batch, so every layer must bring as many rows."""
+    model, _ = loaded
+    tokens = random_tokens(90, 13).tolist()
+    plain = prefilled(model, tokens)
+    veloxpatch.patch(**BUDGET)
+    mixed = prefilled(model, tokens)
+    mixed[1] = plain[1]
+    gen = BatchGenerator(model, max_tokens=3)
+    with pytest.raises(ValueError, match="different numbers of rows"):
+        gen.insert([[1, 2, 3]], caches=[mixed])
+    assert len(run(gen, gen.insert([[1, 2, 3]]))[0]) == 3
 
 
 def test_batch_generate_serves_evicted_caches_one_at_a_time(loaded) -> None:

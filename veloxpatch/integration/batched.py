@@ -1,22 +1,41 @@
-"""mlx_lm's batched generation, which merges caches into batch caches that ours cannot join.
+"""mlx_lm's batched generation, which merges per-sequence caches into its batch caches.
 
 * ``BatchGenerator.insert_segments`` (``insert`` goes through it): batched generation runs on
   mlx_lm's own caches (logged once). Caches it makes stay mlx_lm's; compressed caches a caller hands in (the server's
-  prompt-cache reuse, ``batch_generate(prompt_caches=...)``) become mlx_lm's: empty or lossless
-  ones as exact copies, evicted ones by re-reading the tokens they saw, which the caller gives as
-  ``all_tokens`` (the server does). An evicted cache without its tokens is refused before anything
-  changes: its evicted rows are gone, and a batch cache cannot hold a history with gaps, so any
-  tokens it produced would be wrong.
-* ``batch_generate``: it hands ``insert`` no tokens, so a call whose prompt caches have evicted rows
-  would meet that refusal. Such a call runs one sequence at a time through ``generate_step`` on
-  copies of the caller's caches (logged once) and returns mlx_lm's ``BatchResponse``; every other
-  call is mlx_lm's own. A failure there has no fall-back: mlx_lm's own would refuse the call.
+  prompt-cache reuse, ``batch_generate(prompt_caches=...)``, direct calls) join as mlx_lm's:
+
+  - empty or lossless ones as exact copies (``KVCache``);
+  - evicted ones whose tokens the caller gives as ``all_tokens`` (the server does) by re-reading those tokens, so
+    the batch continues exactly as mlx_lm's own would;
+  - evicted ones without their tokens with the rows they kept, at their true positions (:class:`_Joined`).
+    mlx_lm's ``BatchKVCache`` keeps each sequence's RoPE position (``offset``, one per sequence) apart from
+    the rows it stores (``_idx``, masked on the left by ``left_padding``); only ``merge`` equates the two.
+    Each kept row is already rotated at its own position and lies in the past of every new token, so the
+    sequence's batch offset is set to the tokens the cache has seen and the batch attends over exactly the
+    rows the cache would attend over on its own, at the same positions. Every row the sequence adds in the
+    batch is kept (eviction is frozen while it is batched); a finished sequence comes back from ``extract``
+    as a compressed cache of its own method holding those rows, each with its position, and its true offset.
+
+  mlx_lm merges a prefill group with the ``merge`` of the group's first sequence, so when such a sequence
+  is inserted every ``KVCache`` waiting in that generator becomes a :class:`_JoiningRows` and every batch
+  cache it runs a :class:`_PositionedBatch`: both behave exactly as mlx_lm's own for every other sequence,
+  and every batch cache that will hold the sequence keeps its positions.
+  Refused before anything changes (a ValueError naming what works instead), because no batch cache can hold
+  them exactly: a cache whose heads hold different numbers of rows (*holes*, left by a trim) and a sequence
+  whose layers hold different numbers of rows; a batch masks rows per sequence, for every head and layer.
+* ``batch_generate``: a call whose prompt caches have evicted rows runs one sequence at a time through
+  ``generate_step`` on copies of the caller's caches (logged once) and returns mlx_lm's ``BatchResponse``:
+  it has no tokens to re-read such caches from, and one at a time they keep compressing as they would in
+  ``generate`` (in a batch every new row is kept). Every other call is mlx_lm's own. A failure there has no
+  fall-back.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import json
 import logging
 import sys
 import time
@@ -40,8 +59,8 @@ def batch_insert_segments(wrapped: Callable, instance: Any, args: tuple, kwargs:
 
 @wrapt.decorator
 def batch_generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Prompt caches with evicted rows cannot join a batch, and ``batch_generate`` has no tokens to
-    re-read them from, so such a call runs one sequence at a time; any other call is mlx_lm's own."""
+    """Prompt caches with evicted rows run one sequence at a time, where they keep compressing and
+    ``batch_generate`` has no tokens to re-read them from; any other call is mlx_lm's own."""
     try:
         call = inspect.signature(wrapped).bind(*args, **kwargs)
     except TypeError:
@@ -59,10 +78,11 @@ def _own_caches(generator: Any, arguments: dict[str, Any]) -> None:
     """Swap the compressed caches a caller handed to ``insert_segments`` for mlx_lm's own.
 
     New lists only (the caller's stay as they were), written back only once every sequence is
-    done, so a refusal leaves the generator and the caller untouched.
+    done, so a refusal leaves the generator and the caller untouched. A sequence joining with its
+    kept rows then has the generator's caches made to keep positions (:func:`_keep_positions`).
     """
     caches = arguments.get("caches")
-    if not caches or not any(ours(c) for c in caches):
+    if not caches or not any(ours(c) or _joining(c) for c in caches):
         return
     segments = list(arguments["segments"])
     seen = list(arguments.get("all_tokens") or [[] for _ in segments])
@@ -71,6 +91,8 @@ def _own_caches(generator: Any, arguments: dict[str, Any]) -> None:
     caches = list(caches)
     for i, cache_list in enumerate(caches):
         caches[i], segments[i], seen[i] = _own_sequence(generator, cache_list, segments[i], seen[i])
+    if any(_joining(c) for c in caches):
+        caches = _keep_positions(generator, caches)
     arguments.update(caches=caches, segments=segments, all_tokens=seen)
 
 
@@ -82,18 +104,17 @@ def _own_sequence(generator: Any, caches: Any, segments: list, seen: list) -> tu
     if not any(_lost_rows(c) for c in found):
         once("batched copy", logging.INFO, "compressed caches that lost nothing join mlx_lm's batch as exact copies")
         return [_dense_copy(c) if isinstance(c, CompressedKVCache) else c for c in caches], segments, seen
-    if len(seen) != found[0].offset:
-        raise ValueError(
-            f"a compressed cache that has evicted rows ({found[0].size()} kept of {found[0].offset} tokens) cannot "
-            "join mlx_lm's batched generation: pass the tokens it has seen as all_tokens (they are read again), "
-            "or generate this sequence with generate, stream_generate or batch_generate (which runs such caches "
-            "one sequence at a time)"
-        )
-    once("batched reread", logging.INFO,
-         "a compressed cache with evicted rows joins mlx_lm's batch by re-reading the tokens it saw")
-    fresh = sys.modules["mlx_lm.models.cache"].make_prompt_cache(generator.model, generator.max_kv_size)
-    first = list(segments[0]) if segments else []
-    return fresh, [list(seen) + first, *segments[1:]], []
+    if len(seen) == found[0].offset:
+        once("batched reread", logging.INFO,
+             "a compressed cache with evicted rows joins mlx_lm's batch by re-reading the tokens it saw")
+        fresh = sys.modules["mlx_lm.models.cache"].make_prompt_cache(generator.model, generator.max_kv_size)
+        first = list(segments[0]) if segments else []
+        return fresh, [list(seen) + first, *segments[1:]], []
+    joining = _joining_list(caches)
+    once("batched join", logging.INFO,
+         "a compressed cache with evicted rows and without its tokens joins mlx_lm's batch with the rows it kept, "
+         "at their true positions")
+    return joining, segments, seen
 
 
 def _dense_copy(cache: CompressedKVCache) -> Any:
@@ -112,6 +133,202 @@ def _lost_rows(cache: Any) -> bool:
     if not isinstance(cache, CompressedKVCache) or cache.empty():
         return False
     return cache.evicted or cache.size() != cache.offset
+
+
+# --------------------------------------------------------------------- joining with the kept rows
+class _Joined(NamedTuple):
+    """What a batch keeps of a compressed cache that joined it with its kept rows, to give the
+    sequence back as such a cache: its class, its settings (``meta_state``, decoded), the positions
+    of the rows it brought, (1, kv_heads, rows), and the tokens it had seen then."""
+
+    cls: type
+    meta: dict[str, Any]
+    positions: mx.array
+    offset: int
+
+    def rebuild(self, keys: mx.array, values: mx.array, offset: int) -> CompressedKVCache:
+        """The compressed cache of the sequence's ``keys``/``values`` rows (the ones it brought, then
+        one per token since) after ``offset`` tokens: a batch keeps every new row, so the rows after
+        the brought ones are the last tokens, contiguous."""
+        brought = self.positions.shape[2]
+        added = keys.shape[2] - brought
+        if added < 0:
+            raise ValueError("a batch trimmed a sequence below the rows it joined with; its positions are lost")
+        tail = mx.broadcast_to(mx.arange(offset - added, offset, dtype=mx.int32), (*self.positions.shape[:2], added))
+        positions = mx.concatenate([self.positions.astype(mx.int32), tail], axis=2)
+        meta = json.dumps({**self.meta, "offset": offset, "evicted": True, "bits": None})
+        return self.cls.from_state(((keys,), (values,), positions, None, meta))
+
+
+def _joined_rows(cache: CompressedKVCache) -> Any:
+    """A :class:`_JoiningRows` holding ``cache``'s kept rows, which know their positions.
+
+    Quantized rows join decoded, as attention uses them; the rows a batch adds stay unquantized.
+
+    A hole (position -1, left by a trim where heads lost different numbers of rows) is refused: the
+    heads then hold different numbers of real rows, and a batch cache masks rows per sequence, the
+    same for every head (and layer), so no layout attends over exactly the real rows of each head;
+    a row given a key cannot be made to get no attention from every query.
+    """
+    positions = cache.store.row_positions()
+    if bool((positions < 0).any().item()):
+        raise ValueError(
+            "a compressed cache with evicted rows whose heads hold different numbers of rows (a trim left holes) "
+            "cannot join mlx_lm's batched generation without its tokens: a batch masks rows per sequence, not per "
+            "head. Pass the tokens it has seen as all_tokens (they are read again), or generate this sequence with "
+            "generate, stream_generate or batch_generate (which runs such caches one sequence at a time)"
+        )
+    joined = _Joined(type(cache), json.loads(cache.meta_state), positions, cache.offset)
+    return _batch_classes()[0].holding(cache.keys, cache.values, cache.size(), joined)
+
+
+def _joining_list(caches: list) -> list:
+    """A sequence's cache list with every compressed cache as a :class:`_JoiningRows`.
+
+    A model's layers share one mask per forward, built by one layer's cache, so every cache that
+    becomes a ``BatchKVCache`` (ours and mlx_lm's ``KVCache``) must hold as many rows as the others.
+    """
+    from mlx_lm.models.cache import KVCache
+
+    joining = [_joined_rows(c) if isinstance(c, CompressedKVCache) else c for c in caches]
+    rows = {c.size() for c in joining if isinstance(c, KVCache)}
+    if len(rows) > 1:
+        raise ValueError(
+            f"a compressed cache list with evicted rows whose layers hold different numbers of rows ({sorted(rows)}) "
+            "cannot join mlx_lm's batched generation without its tokens: a batch masks every layer with one mask. "
+            "Pass the tokens it has seen as all_tokens (they are read again), or generate this sequence with "
+            "generate, stream_generate or batch_generate (which runs such caches one sequence at a time)"
+        )
+    return joining
+
+
+def _joining(caches: Any) -> bool:
+    """True for a cache list holding a compressed cache's kept rows on their way into a batch."""
+    return isinstance(caches, (list, tuple)) and any(getattr(c, "joined", None) is not None for c in caches)
+
+
+def _keep_positions(generator: Any, caches: list) -> list:
+    """Make every merge and batch cache that will hold a joining sequence keep positions.
+
+    mlx_lm merges a prefill group with its first sequence's ``merge`` and extends a running batch
+    cache with the next group's, so every ``KVCache`` waiting in ``generator`` (this call's too, a
+    missing list made now as mlx_lm would) becomes a :class:`_JoiningRows`, and every batch cache
+    already running a :class:`_PositionedBatch`. For any other sequence both behave as mlx_lm's
+    own. Sequences inserted later queue behind this one, so its prefill group always merges with ours.
+    """
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    joining_rows, positioned = _batch_classes()
+
+    def mergeable(cache_list: Any) -> Any:
+        if not isinstance(cache_list, (list, tuple)):
+            return cache_list
+        return [joining_rows.holding(c.keys, c.values, c.offset) if type(c) is KVCache else c for c in cache_list]
+
+    try:
+        waiting = generator._unprocessed_sequences
+        running = [generator._prompt_batch.prompt_cache, generator._generation_batch.prompt_cache]
+    except AttributeError as error:  # not mlx_lm 0.32's BatchGenerator
+        raise ValueError(f"this BatchGenerator cannot take a compressed cache with evicted rows without its tokens "
+                         f"({error}); pass them as all_tokens") from error
+    make = sys.modules["mlx_lm.models.cache"].make_prompt_cache
+    caches = [mergeable(c if c is not None else make(generator.model, generator.max_kv_size)) for c in caches]
+    for k in range(len(waiting)):
+        sequence = waiting[k]
+        waiting[k] = (*sequence[:3], mergeable(sequence[3]), *sequence[4:])
+    for batch in running:
+        batch[:] = [positioned.adopt(c) if type(c) is BatchKVCache else c for c in batch]
+    return caches
+
+
+class _JoiningRowsMixin:
+    """One sequence's rows waiting to be merged into a batch: mlx_lm's ``KVCache`` (mixed in),
+    whose ``merge`` makes a :class:`_PositionedBatch`. ``joined`` says where a compressed cache's
+    kept rows came from (None: mlx_lm's own rows, which start at position 0).
+
+    mlx_lm only reads these (``merge``). A joined one given back before its prefill began
+    (``extract_cache``, ``remove``) can be inserted again, and refuses to store rows anywhere else:
+    as a ``KVCache`` its positions would restart after its kept rows.
+    """
+
+    joined: _Joined | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.joined is not None:
+            raise ValueError("these are a compressed cache's kept rows waiting to join a BatchGenerator (given back "
+                             "before its prefill began): insert them into a BatchGenerator again; on their own their "
+                             "positions would be wrong")
+        return super().update_and_fetch(keys, values)  # type: ignore[misc]
+
+    @classmethod
+    def holding(cls, keys: Any, values: Any, rows: int, joined: _Joined | None = None) -> Any:
+        cache = cls()
+        cache.keys, cache.values, cache.offset, cache.joined = keys, values, rows, joined
+        return cache
+
+    @classmethod
+    def merge(cls, caches: list) -> Any:
+        return _batch_classes()[1].merge(caches)
+
+
+class _PositionedBatchMixin:
+    """mlx_lm's ``BatchKVCache`` (mixed in) that also knows, per sequence, the :class:`_Joined` it
+    came from (None for mlx_lm's own): ``merge`` sets a joined sequence's offset to its true token
+    count, ``filter`` and ``extend`` carry the records along, and ``extract`` gives a joined sequence
+    back as the compressed cache it is. A sequence's offset is right everywhere else already:
+    mlx_lm moves offsets and rows together from then on.
+    """
+
+    joined: list
+
+    @classmethod
+    def adopt(cls, batch: Any) -> Any:
+        """``batch`` (a ``BatchKVCache``) as this class, same arrays, no joined sequence."""
+        if isinstance(batch, cls):
+            return batch
+        positioned = cls.__new__(cls)
+        vars(positioned).update(vars(batch))
+        positioned.joined = [None] * batch.offset.shape[0]
+        return positioned
+
+    @classmethod
+    def merge(cls, caches: list) -> Any:
+        batch = cls.adopt(super().merge(caches))  # type: ignore[misc]
+        batch.joined = [getattr(c, "joined", None) for c in caches]
+        shift = [0 if j is None else j.offset - c.size() for j, c in zip(batch.joined, caches)]
+        if any(shift):
+            batch.offset = batch.offset + mx.array(shift, dtype=batch.offset.dtype)
+        return batch
+
+    def filter(self, batch_indices: Any) -> None:
+        keep = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        super().filter(batch_indices)  # type: ignore[misc]
+        self.joined = [self.joined[i] for i in keep]
+
+    def extend(self, other: Any) -> None:
+        joined = self.joined + list(getattr(other, "joined", None) or [None] * other.offset.shape[0])
+        super().extend(other)  # type: ignore[misc]
+        self.joined = joined
+
+    def extract(self, idx: int) -> Any:
+        cache = super().extract(idx)  # type: ignore[misc]
+        joined = self.joined[idx]
+        if joined is None:
+            return cache
+        return joined.rebuild(cache.keys, cache.values, int(self.offset[idx].item()))
+
+
+@functools.cache
+def _batch_classes() -> tuple[type, type]:
+    """``_JoiningRows`` and ``_PositionedBatch``: the mixins on mlx_lm's classes, made on first use
+    (importing veloxpatch does not import mlx_lm)."""
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    def make(name: str, mixin: type, base: type) -> type:
+        return type(name, (mixin, base), {"__doc__": mixin.__doc__, "__module__": __name__})
+
+    return (make("_JoiningRows", _JoiningRowsMixin, KVCache),
+            make("_PositionedBatch", _PositionedBatchMixin, BatchKVCache))
 
 
 class _Finished(NamedTuple):
