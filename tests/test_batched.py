@@ -23,6 +23,7 @@ import veloxpatch
 from conftest import random_tokens
 from veloxpatch.caches.base import CompressedKVCache
 from veloxpatch.config import Budget
+from veloxpatch.integration import batched
 
 BUDGET = dict(kv="snapkv", budget=40, window=8, compress="chunk")  # prefills evict
 
@@ -217,25 +218,33 @@ def test_joined_sequence_given_back_before_its_prefill_can_be_inserted_again(loa
     assert run(again, again.insert(prompts, caches=[None, waiting])) == expected
 
 
-def test_evicted_cache_with_holes_without_its_tokens_is_refused_before_any_change(loaded) -> None:
-    """A trim left heads with different numbers of rows: no batch cache can mask them per head."""
+@pytest.mark.parametrize("uneven", ["holes", "layers"])
+def test_uneven_rows_join_compressed_to_the_fewest(loaded, uneven: str) -> None:
+    """A batch masks every head and layer of a sequence alike: heads left uneven by a trim (holes),
+    or layers with different budgets, join as copies compressed to the fewest rows any holds, and
+    the batch gives the tokens those copies give on their own."""
     model, _ = loaded
     veloxpatch.patch(**BUDGET)
     evicted = prefilled(model, random_tokens(90, 13).tolist())
-    for cache in evicted:
-        cache.trim(9)
-    assert any(bool((c.store.row_positions() < 0).any().item()) for c in evicted), "the trim left holes"
+    if uneven == "holes":
+        for cache in evicted:
+            cache.trim(9)
+        assert any(bool((c.store.row_positions() < 0).any().item()) for c in evicted), "the trim left holes"
+    else:
+        evicted[1].compress(evicted[1].size() - 6, 0.25)
     state = [(c.offset, c.size()) for c in evicted]
+    equal = batched._equal_rows(evicted)
+    fewest = min(c.size() for c in equal)
+    assert all(c.size() == fewest and not bool((c.store.row_positions() < 0).any().item()) for c in equal)
+    prompt = random_tokens(5, 14).tolist()
+    expected = alone(model, prompt, frozen(equal), 3)
     gen = BatchGenerator(model, max_tokens=3)
-    with pytest.raises(ValueError, match="holes"):
-        gen.insert([random_tokens(5, 14).tolist(), [1, 2, 3]], caches=[None, evicted])
-    assert [(c.offset, c.size()) for c in evicted] == state
-    uids = gen.insert([[1, 2, 3]])
-    assert uids == [0] and len(run(gen, uids)[0]) == 3, "the generator is untouched and still works"
+    assert run(gen, gen.insert([prompt], caches=[evicted])) == [expected]
+    assert [(c.offset, c.size()) for c in evicted] == state, "the caller's caches are not changed"
 
 
-def test_evicted_layers_with_different_rows_without_tokens_are_refused(loaded) -> None:
-    """One mask serves every layer of a batch, so every layer must bring as many rows."""
+def test_compressed_and_plain_layers_with_different_rows_without_tokens_are_refused(loaded) -> None:
+    """One mask serves every layer of a batch; mlx_lm's own cache cannot be compressed to match."""
     model, _ = loaded
     tokens = random_tokens(90, 13).tolist()
     plain = prefilled(model, tokens)

@@ -20,9 +20,10 @@
   is inserted every ``KVCache`` waiting in that generator becomes a :class:`_JoiningRows` and every batch
   cache it runs a :class:`_PositionedBatch`: both behave exactly as mlx_lm's own for every other sequence,
   and every batch cache that will hold the sequence keeps its positions.
-  Refused before anything changes (a ValueError naming what works instead), because no batch cache can hold
-  them exactly: a cache whose heads hold different numbers of rows (*holes*, left by a trim) and a sequence
-  whose layers hold different numbers of rows; a batch masks rows per sequence, for every head and layer.
+  A batch masks rows per sequence, for every head and layer, so heads that hold different numbers of rows
+  (*holes*, left by a trim) and layers that do (per-layer budgets) join as copies compressed further to the
+  fewest rows any of them holds. Refused before anything changes (a ValueError naming what works instead):
+  a list mixing mlx_lm's own caches with compressed ones of different lengths.
 * ``batch_generate``: a call whose prompt caches have evicted rows runs one sequence at a time through
   ``generate_step`` on copies of the caller's caches (logged once) and returns mlx_lm's ``BatchResponse``:
   it has no tokens to re-read such caches from, and one at a time they keep compressing as they would in
@@ -161,25 +162,46 @@ class _Joined(NamedTuple):
 
 
 def _joined_rows(cache: CompressedKVCache) -> Any:
-    """A :class:`_JoiningRows` holding ``cache``'s kept rows, which know their positions.
-
-    Quantized rows join decoded, as attention uses them; the rows a batch adds stay unquantized.
-
-    A hole (position -1, left by a trim where heads lost different numbers of rows) is refused: the
-    heads then hold different numbers of real rows, and a batch cache masks rows per sequence, the
-    same for every head (and layer), so no layout attends over exactly the real rows of each head;
-    a row given a key cannot be made to get no attention from every query.
-    """
-    positions = cache.store.row_positions()
-    if bool((positions < 0).any().item()):
-        raise ValueError(
-            "a compressed cache with evicted rows whose heads hold different numbers of rows (a trim left holes) "
-            "cannot join mlx_lm's batched generation without its tokens: a batch masks rows per sequence, not per "
-            "head. Pass the tokens it has seen as all_tokens (they are read again), or generate this sequence with "
-            "generate, stream_generate or batch_generate (which runs such caches one sequence at a time)"
-        )
-    joined = _Joined(type(cache), json.loads(cache.meta_state), positions, cache.offset)
+    """A :class:`_JoiningRows` holding ``cache``'s kept rows, which know their positions (no holes:
+    :func:`_equal_rows` has removed them). Quantized rows join decoded, as attention uses them; the
+    rows a batch adds stay unquantized."""
+    joined = _Joined(type(cache), json.loads(cache.meta_state), cache.store.row_positions(), cache.offset)
     return _batch_classes()[0].holding(cache.keys, cache.values, cache.size(), joined)
+
+
+def _equal_rows(caches: list) -> list:
+    """``caches`` with its compressed caches replaced by copies that hold the same number of real rows
+    in every head and layer: the fewest any of them holds.
+
+    A batch cache masks rows per sequence, the same for every head and (one mask per forward) every
+    layer. Heads differ after a trim left *holes*; layers differ under per-layer budgets (PyramidKV,
+    SqueezeAttention). Compressing the fuller ones a little further, by their own method (by recency
+    when they remember no queries), is a valid compressed cache that a batch can hold exactly.
+    """
+    found = [c for c in caches if isinstance(c, CompressedKVCache)]
+    real = [(c.store.row_positions() >= 0).sum(axis=-1) for c in found]
+    fewest = min(int(r.min().item()) for r in real)
+    if all(int(r.max().item()) == fewest == c.size() for r, c in zip(real, found)):
+        return caches
+    once("batched equalise", logging.INFO,
+         f"a compressed cache list joins mlx_lm's batch with {fewest} rows in every head and layer "
+         "(a batch masks them alike); fuller heads and layers are compressed further")
+    copies = copy.deepcopy(caches)
+    for cache in copies:
+        if isinstance(cache, CompressedKVCache) and (cache.size() != fewest or cache.store.holes):
+            _shrink(cache, fewest)
+    return copies
+
+
+def _shrink(cache: CompressedKVCache, keep: int) -> None:
+    """Compress ``cache`` to ``keep`` real rows per head, by its method or by recency without queries."""
+    if cache.queries is not None or not cache.uses_queries:
+        scale = cache.queries.shape[-1] ** -0.5 if cache.queries is not None else 1.0
+        cache.compress(keep, scale)
+        return
+    positions = cache.store.row_positions()
+    newest = mx.argpartition(-positions, kth=keep - 1, axis=-1)[..., :keep]
+    cache.keep_rows(mx.sort(newest, axis=-1))
 
 
 def _joining_list(caches: list) -> list:
@@ -190,14 +212,15 @@ def _joining_list(caches: list) -> list:
     """
     from mlx_lm.models.cache import KVCache
 
-    joining = [_joined_rows(c) if isinstance(c, CompressedKVCache) else c for c in caches]
+    joining = [_joined_rows(c) if isinstance(c, CompressedKVCache) else c for c in _equal_rows(caches)]
     rows = {c.size() for c in joining if isinstance(c, KVCache)}
     if len(rows) > 1:
         raise ValueError(
-            f"a compressed cache list with evicted rows whose layers hold different numbers of rows ({sorted(rows)}) "
-            "cannot join mlx_lm's batched generation without its tokens: a batch masks every layer with one mask. "
-            "Pass the tokens it has seen as all_tokens (they are read again), or generate this sequence with "
-            "generate, stream_generate or batch_generate (which runs such caches one sequence at a time)"
+            f"a cache list with evicted rows whose layers hold different numbers of rows ({sorted(rows)}: mlx_lm's "
+            "own caches among compressed ones) cannot join mlx_lm's batched generation without its tokens: a batch "
+            "masks every layer with one mask. Pass the tokens it has seen as all_tokens (they are read again), or "
+            "generate this sequence with generate, stream_generate or batch_generate (which runs such caches one "
+            "sequence at a time)"
         )
     return joining
 
