@@ -3,7 +3,8 @@
     python bench/results_md.py velox-eval/eval.json [more eval.json ...] --bench velox-bench/bench.json ...
 
 Eval rows become one table per (task, context): a row per variant, a column per KV budget share, each cell the
-measured value and its sample count. Several eval files are merged (e.g. a slower variant run with fewer samples);
+measured value and its sample count; an accuracy also shows its 95% Wilson interval (``0.80 [0.49, 0.94] n=10``), so
+a claim that one method beats another can be checked against the noise of n examples. Several eval files are merged (e.g. a slower variant run with fewer samples);
 where two files hold the same cell (task, context, method, share, sample count), the later file wins. A method
 measured with different sample counts (each run measures the full cache as its own baseline) gets one row per count,
 so every row still has a baseline measured on the same prompts: the largest count keeps the method's name, a smaller
@@ -17,7 +18,7 @@ import json
 from pathlib import Path
 
 from veloxpatch.assets import model_path
-from veloxpatch.eval.report import markdown
+from veloxpatch.eval.report import accuracy_text, markdown
 
 
 def eval_tables(rows: list[dict]) -> str:
@@ -32,12 +33,19 @@ def eval_tables(rows: list[dict]) -> str:
             line = {"method": labels[method, samples]}
             for share in shares:
                 hit = [r for r in cells if (r["method"], r["samples"], r["share"]) == (method, samples, share)]
-                line[f"{share:.3g}"] = f"{hit[0]['value']:.3g} (n={hit[0]['samples']})" if hit else ""
+                line[f"{share:.3g}"] = cell_text(task, hit[0]) if hit else ""
             table.append(line)
         metric = "perplexity (lower is better)" if task == "perplexity" else "accuracy"
         out.append(f"**{task}, context {context} tokens** ({metric}; columns: KV budget as a share of the context)\n")
         out.append(markdown(table, ["method"] + [f"{s:.3g}" for s in shares]) + "\n")
     return "\n".join(out)
+
+
+def cell_text(task: str, row: dict) -> str:
+    """An accuracy with its 95% Wilson interval and n; a perplexity with n."""
+    if task == "perplexity":
+        return f"{row['value']:.3g} (n={row['samples']})"
+    return accuracy_text(row["value"], row["samples"])
 
 
 def row_labels(methods: list[tuple[str, int]]) -> dict[tuple[str, int], str]:

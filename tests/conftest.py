@@ -1,24 +1,33 @@
-"""Shared fixtures: patch state is process-wide, so every test leaves mlx_lm unpatched."""
+"""Shared fixtures and helpers: patch state is process-wide, so every test leaves mlx_lm unpatched."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.models.cache import (
+    KVCache, can_trim_prompt_cache, load_prompt_cache, make_prompt_cache, save_prompt_cache, trim_prompt_cache,
+)
 
 import veloxpatch
+from veloxpatch.coordinators import coordinators_of
 from veloxpatch.eval.random_model import ARCHS, build, config_for, write_model_dir
 
 VOCAB = 97
 
 
-def tiny(arch: str, seed: int = 0):
-    """A 3-4 layer random-weight model of ``arch`` (mlx_lm's own class)."""
-    return build(config_for(arch), seed)
+def tiny(arch: str, seed: int = 0, layers: int | None = None):
+    """A 3-4 layer random-weight model of ``arch`` (mlx_lm's own class); ``layers`` sets the depth."""
+    return build(config_for(arch, **({} if layers is None else {"num_hidden_layers": layers})), seed)
 
 
 def random_tokens(n: int, seed: int) -> mx.array:
@@ -38,7 +47,11 @@ def model_dir(tmp_path_factory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("tiny") / "model", hidden_size=128, intermediate_size=192)
 
 
-__all__ = ["ARCHS", "random_tokens", "run_python", "tiny"]
+__all__ = [
+    "ARCHS", "assert_a_rejected_draft_leaves_no_trace", "assert_round_trip", "assert_within_budget", "decoded",
+    "feed", "greedy", "prefill", "random_case", "random_rows", "random_tokens", "run_python", "softmax",
+    "speculated", "tiny",
+]
 
 
 def run_python(code: str, env: dict[str, str] | None = None, cwd: Path | None = None,
@@ -48,3 +61,142 @@ def run_python(code: str, env: dict[str, str] | None = None, cwd: Path | None = 
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code, *(args or [])], env=full_env, cwd=cwd,
                           capture_output=True, text=True, timeout=120)
+
+
+# --------------------------------------------------------------------- driving a model
+def greedy(model, prompt: mx.array, caches=None, steps: int = 12, chunk: int = 32) -> list[int]:
+    """mlx_lm's greedy tokens for ``prompt`` (prefilled in ``chunk``-token steps) with ``caches``
+    as the prompt cache (mlx_lm makes its own when None)."""
+    return [t for t, _ in generate_step(prompt, model, max_tokens=steps, prefill_step_size=chunk,
+                                        prompt_cache=caches)]
+
+
+def prefill(model, caches, tokens: mx.array, chunk: int) -> None:
+    """Feed ``tokens`` through the model in ``chunk``-token forwards, as a prefill does."""
+    for start in range(0, tokens.size, chunk):
+        model(tokens[None, start : start + chunk], cache=caches)
+        mx.eval([c.state for c in caches])
+
+
+# --------------------------------------------------------------------- driving one cache directly
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def random_rows(seed: int, batch: int, kv_heads: int, ratio: int, total: int,
+                dim: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Random keys (B, kv_heads, total, dim) and queries (B, kv_heads * ratio, total, dim)."""
+    rng = np.random.default_rng(seed)
+    keys = rng.standard_normal((batch, kv_heads, total, dim)).astype(np.float32)
+    return keys, rng.standard_normal((batch, kv_heads * ratio, total, dim)).astype(np.float32)
+
+
+def random_case(seed: int) -> dict:
+    """A random configuration: batch 1-2, GQA ratio 1/2/4, budget, sinks, window, and a prompt
+    cut into random chunks followed by decode-sized steps (1-3 tokens, as speculative ones)."""
+    rng = np.random.default_rng(seed)
+    sink, window = int(rng.integers(0, 4)), int(rng.integers(1, 7))
+    prefill_steps = rng.integers(1, 41, size=int(rng.integers(1, 5))).tolist()
+    chunks = prefill_steps + rng.integers(1, 4, size=int(rng.integers(5, 40))).tolist()
+    batch, kv_heads, ratio = int(rng.integers(1, 3)), int(rng.integers(1, 3)), int(rng.choice([1, 2, 4]))
+    keys, queries = random_rows(seed, batch, kv_heads, ratio, sum(chunks))
+    return {"chunks": chunks, "sink": sink, "window": window, "budget": int(rng.integers(sink + window, 48)),
+            "keys": keys, "queries": queries}
+
+
+def feed(cache, keys: np.ndarray, queries: np.ndarray, chunks: list[int], scale: float):
+    """Steps of the real update + attend path (the keys double as values); yields the kept
+    positions, (B, kv_heads, rows), after each."""
+    for n in chunks:
+        start = cache.offset
+        step = mx.array(keys[:, :, start : start + n])
+        k, v = cache.update_and_fetch(step, step)
+        cache.attend(mx.array(queries[:, :, start : start + n]), k, v, scale=scale)
+        yield np.array(cache.store.row_positions())
+
+
+# --------------------------------------------------------------------- the cache contracts
+def assert_within_budget(caches, offset: int) -> None:
+    """Every cache has seen ``offset`` tokens, has evicted, still holds the newest token and holds
+    fewer rows than its own budget (``target()``: per-layer methods give each layer its own) plus
+    its decode headroom."""
+    for layer, cache in enumerate(caches):
+        keep = cache.target()
+        assert (cache.offset, cache.evicted) == (offset, True), f"layer {layer}"
+        assert cache.size() < keep + cache.headroom(keep), f"layer {layer}: {cache.size()} rows, budget {keep}"
+        assert cache.store.row_positions().max().item() == offset - 1, f"layer {layer} lost the newest token"
+
+
+@functools.cache
+def _decoded(method: str, mode: str, knobs: tuple) -> tuple[list[int], list]:
+    model = tiny("qwen3", seed=2, layers=4)
+    veloxpatch.patch(kv=method, budget=40, window=8, compress=mode, knobs=dict(knobs))
+    try:
+        caches = make_prompt_cache(model)
+        return greedy(model, random_tokens(200, 41), caches, steps=30, chunk=64), caches
+    finally:
+        veloxpatch.unpatch()
+
+
+def decoded(method: str, mode: str, **knobs) -> tuple[list[int], list]:
+    """The tokens and caches of 30 greedy steps after a 200-token prompt (chunks of 64) on a 4-layer
+    qwen3, budget 40, window 8. Run once per set of arguments and shared by the tests that look at
+    it (the generic contract and a method's own checks): read them, do not feed them."""
+    return _decoded(method, mode, tuple(sorted(knobs.items())))
+
+
+@functools.cache
+def speculated(method: str, witness: bool = True) -> tuple[list, list, list]:
+    """mlx_lm's speculative decoding (40 tokens after a 120-token prompt, 3 draft tokens a step, the
+    draft a copy of the model) with ``method`` at budget 40, window 8: the steps, the main model's
+    caches and the draft's.
+
+    With ``witness`` the first slot of each list is mlx_lm's own ``KVCache``, whose offset mlx_lm's
+    rewinds keep right (the compressed cache it replaces is left out of the list). Run once per set
+    of arguments and shared: read the results, do not feed them."""
+    model, draft = tiny("llama", seed=1), tiny("llama", seed=1)  # the draft's caches evict on their own schedule
+    veloxpatch.patch(kv=method, budget=40, window=8)
+    try:
+        main, drafts = make_prompt_cache(model), make_prompt_cache(draft)
+        if witness:
+            main[0], drafts[0] = KVCache(), KVCache()
+        steps = list(speculative_generate_step(random_tokens(120, 7), model, draft, num_draft_tokens=3,
+                                               max_tokens=40, prompt_cache=main + drafts))
+    finally:
+        veloxpatch.unpatch()
+    return steps, main, drafts
+
+
+def assert_a_rejected_draft_leaves_no_trace(model, caches, steps: int) -> None:
+    """Speculative decoding's rewind through mlx_lm's own gate: four draft tokens fed, then trimmed
+    with ``trim_prompt_cache``; the caches continue ``steps`` tokens exactly as an untrimmed copy
+    taken before the draft (compressions after the rewind included)."""
+    offsets = [c.offset for c in caches]
+    reference = greedy(model, mx.array([9]), copy.deepcopy(caches), steps=steps)
+    model(mx.array([[9, 1, 2, 3]]), cache=caches)  # four draft tokens, then rejected
+    assert can_trim_prompt_cache(caches) and trim_prompt_cache(caches, 4) == 4
+    assert [c.offset for c in caches] == offsets
+    assert all(c.store.row_positions().max().item() < c.offset for c in caches), "no row of the draft is left"
+    assert greedy(model, mx.array([9]), caches, steps=steps) == reference
+
+
+def assert_round_trip(path: str, model, caches, steps: int = 6) -> list:
+    """Save ``caches`` with mlx_lm's ``save_prompt_cache`` and load them back: the same classes,
+    settings, knobs, rows and remembered state (every array of ``state``), the same budgets, one
+    coordinator of the same kind again, and the same next ``steps`` greedy tokens. Returns the
+    loaded list (both lists have then generated ``steps`` more tokens)."""
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path)
+    assert [type(c) for c in loaded] == [type(c) for c in caches]
+    assert [c.meta_state for c in loaded] == [c.meta_state for c in caches], "offset, eviction, settings, knobs"
+    for layer, (ours, theirs) in enumerate(zip(loaded, caches)):
+        arrays, expected = tree_flatten(ours.state[:-1]), tree_flatten(theirs.state[:-1])
+        assert [k for k, _ in arrays] == [k for k, _ in expected], f"layer {layer}"
+        assert all((a is None and b is None) or mx.array_equal(a, b).item()
+                   for (_, a), (_, b) in zip(arrays, expected)), f"layer {layer}'s state differs"
+    assert [c.target() for c in loaded] == [c.target() for c in caches]
+    (restored,), (original,) = coordinators_of(loaded), coordinators_of(caches)
+    assert type(restored) is type(original) and restored.members == loaded
+    assert greedy(model, mx.array([7]), loaded, steps=steps) == greedy(model, mx.array([7]), caches, steps=steps)
+    return loaded

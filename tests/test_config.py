@@ -20,7 +20,7 @@ def test_defaults_pass_through() -> None:
 
 
 @pytest.mark.parametrize("name,value,allowed", [
-    ("VELOX_KV", "snapk", "one of none, snapkv, streamingllm"),
+    ("VELOX_KV", "snapk", "one of none, " + ", ".join(sorted(METHODS))),
     ("VELOX_BUDGET", "0", "an integer >= 1 or a percentage"),
     ("VELOX_BUDGET", "150%", "an integer >= 1 or a percentage"),
     ("VELOX_BUDGET", "1k", "an integer >= 1 or a percentage"),

@@ -6,14 +6,16 @@ import copy
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import (
-    can_trim_prompt_cache, load_prompt_cache, make_prompt_cache, save_prompt_cache, trim_prompt_cache,
-)
+from mlx_lm.models import llama
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 import veloxpatch
-from conftest import random_tokens, tiny
-from veloxpatch.caches import CompressedKVCache
+from conftest import (
+    assert_a_rejected_draft_leaves_no_trace, assert_round_trip, assert_within_budget, decoded, greedy, prefill,
+    random_tokens, speculated, tiny,
+)
+from veloxpatch.caches import METHODS, CompressedKVCache
 from veloxpatch.caches.snapkv import SnapKVCache, pool_rows
 from veloxpatch.caches.store import RowStore
 from veloxpatch.caches.streamingllm import StreamingLLMCache
@@ -22,35 +24,25 @@ from veloxpatch.config import Budget
 SCALE = 0.25
 
 
-def prefill(model, caches, tokens: mx.array, chunk: int) -> list[int]:
-    """Feed ``tokens`` in chunks; return the largest row count any layer held after a chunk."""
-    peaks = []
-    for start in range(0, tokens.size, chunk):
-        model(tokens[None, start : start + chunk], cache=caches)
-        mx.eval([c.state for c in caches])
-        peaks.append(max(c.size() for c in caches))
-    return peaks
-
-
 def continue_greedy(model, caches, first: int, steps: int = 6) -> list[int]:
-    prompt = mx.array([first])
-    return [t for t, _ in generate_step(prompt, model, max_tokens=steps, prompt_cache=caches)]
+    return greedy(model, mx.array([first]), caches, steps=steps)
 
 
-@pytest.mark.parametrize("method", ["snapkv", "streamingllm"])
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_offset_counts_tokens_and_rows_stay_bounded(method: str) -> None:
     model = tiny("qwen3")
     veloxpatch.patch(compress="chunk", kv=method, budget=48, window=8)
     caches = make_prompt_cache(model)
     tokens = random_tokens(300, 3)
-    peaks = prefill(model, caches, tokens, chunk=20)
+    prefill(model, caches, tokens, chunk=20)
     assert all(c.offset == 300 for c in caches)
-    assert max(peaks) == 48, "rows are compressed back to the budget after every chunk"
+    assert all(c.size() == c.target() for c in caches), "rows are compressed back to each layer's budget"
+    assert sum(c.target() for c in caches) == 48 * len(caches), "per-layer budgets share the total"
     capacity = max(c.store.capacity for c in caches)
-    assert capacity <= 48 + CompressedKVCache.max_headroom + RowStore.step
+    assert capacity <= max(c.target() for c in caches) + CompressedKVCache.max_headroom + RowStore.step
     continue_greedy(model, caches, first=5, steps=100)
     assert all(c.offset == 300 + 100 + 1 for c in caches), "generate_step runs one token ahead"
-    assert all(c.size() < 48 + c.headroom(48) for c in caches) and caches[0].headroom(48) == 8
+    assert all(c.size() < c.target() + c.headroom(c.target()) for c in caches) and caches[0].headroom(48) == 8
 
 
 def test_physical_bytes_do_not_grow_with_context() -> None:
@@ -121,20 +113,28 @@ def test_pooling() -> None:
     assert pool_rows(scores, 3, "max").tolist() == [[0.0, 3.0, 3.0, 3.0, 6.0, 6.0]]
 
 
-@pytest.mark.parametrize("method", ["snapkv", "streamingllm"])
-def test_prompt_cache_file_round_trip(tmp_path, method: str) -> None:
-    model = tiny("qwen2")
-    veloxpatch.patch(compress="chunk", kv=method, budget=40, window=8, knobs={"snapkv_kernel": 5})
+# non-default knobs, so that each is seen to load back
+ROUND_TRIP_KNOBS = {"chunkkv": {"chunkkv_chunk": 5, "chunkkv_reuse": 2}, "pyramidkv": {"pyramidkv_beta": 3},
+                    "snapkv": {"snapkv_kernel": 5}, "squeeze": {"squeeze_strength": 0.6}}
+
+
+@pytest.mark.parametrize("mode", ["chunk", "end"])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_prompt_cache_file_round_trip(tmp_path, method: str, mode: str) -> None:
+    """``chunk``: saved after a few decode steps (H2O's queued queries not yet accounted); ``end``:
+    saved with the prompt left whole, which the loaded caches compress as they continue."""
+    model = tiny("qwen3", seed=2, layers=4)
+    knobs = ROUND_TRIP_KNOBS.get(method, {})
+    veloxpatch.patch(compress=mode, kv=method, budget=40, window=8, knobs=knobs)
     caches = make_prompt_cache(model)
-    prefill(model, caches, random_tokens(120, 12), chunk=30)
-    path = str(tmp_path / "prompt.safetensors")
-    save_prompt_cache(path, caches)
-    loaded = load_prompt_cache(path)
-    assert [type(c) for c in loaded] == [type(c) for c in caches]
-    assert [(c.offset, c.size(), c.evicted) for c in loaded] == [(c.offset, c.size(), c.evicted) for c in caches]
-    if method == "snapkv":
-        assert all(c.kernel == 5 for c in loaded)
-    assert continue_greedy(model, loaded, 7) == continue_greedy(model, caches, 7)
+    if mode == "chunk":
+        greedy(model, random_tokens(120, 12), caches, steps=4, chunk=30)
+    else:
+        model(random_tokens(120, 12)[None], cache=caches)
+    assert all(c.evicted == (mode == "chunk") for c in caches)
+    loaded = assert_round_trip(str(tmp_path / "prompt.safetensors"), model, caches)
+    assert all(c.evicted for c in loaded)
+    assert all(c.knob_values()[k.removeprefix(method + "_")] == v for c in loaded for k, v in knobs.items())
 
 
 def test_deepcopy_is_independent_and_keeps_one_coordinator() -> None:
@@ -161,18 +161,59 @@ def first_layer_keys(model, tokens: mx.array) -> mx.array:
     return caches[0].keys[..., : tokens.size, :]
 
 
-def test_trim_of_the_newest_rows_after_eviction_is_exact_through_mlx_lm() -> None:
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_trim_of_the_newest_rows_after_eviction_is_exact_through_mlx_lm(method: str) -> None:
     """Speculative decoding's rewind: through mlx_lm's own gate, after evictions, exactly."""
     model = tiny("llama")
-    veloxpatch.patch(compress="chunk", kv="snapkv", budget=48, window=8)
+    veloxpatch.patch(compress="chunk", kv=method, budget=48, window=8)
     caches = make_prompt_cache(model)
     prefill(model, caches, random_tokens(200, 14), chunk=50)
-    assert all(c.evicted for c in caches)
-    reference = continue_greedy(model, copy.deepcopy(caches), 9)
-    model(mx.array([[9, 1, 2, 3]]), cache=caches)  # four draft tokens, then rejected
-    assert can_trim_prompt_cache(caches) and trim_prompt_cache(caches, 4) == 4
-    assert [c.offset for c in caches] == [200] * 3
-    assert continue_greedy(model, caches, 9) == reference
+    assert all(c.evicted and c.offset == 200 for c in caches)
+    assert_a_rejected_draft_leaves_no_trace(model, caches, steps=20)  # compressions after the rewind too
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_speculative_decoding_keeps_offsets_and_bounds(method: str) -> None:
+    """mlx_lm's speculative decoding rewinds rejected drafts: every compressed cache, the main model's
+    and the draft's, ends at the offset of mlx_lm's own cache beside it, within its budget."""
+    steps, main, drafts = speculated(method)
+    accepted = sum(from_draft for _, _, from_draft in steps)
+    assert len(steps) == 40 and 0 < accepted < 40, "drafts are accepted and rejected"
+    for caches in (main, drafts):
+        assert type(caches[0]) is KVCache
+        assert_within_budget(caches[1:], caches[0].offset)
+
+
+@pytest.mark.parametrize("mode", ["chunk", "end"])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_both_modes_decode_within_each_layers_budget(method: str, mode: str) -> None:
+    tokens, caches = decoded(method, mode)
+    assert len(tokens) == 30
+    assert sum(c.target() for c in caches) == 40 * len(caches), "per-layer budgets share the total"
+    assert_within_budget(caches, 230)
+
+
+@pytest.mark.parametrize("method,knobs,distinct", [("pyramidkv", {"pyramidkv_beta": 4}, 4),
+                                                   ("squeeze", {"squeeze_strength": 0.9}, 2)])
+def test_multi_token_steps_over_layers_of_uneven_sizes_attend_over_their_own_rows(monkeypatch, method: str,
+                                                                                 knobs: dict, distinct: int) -> None:
+    """The model builds its mask from the first layer's cache (here always as an array): layers with
+    budgets of their own hold other numbers of rows, and multi-token steps must still attend over
+    their own."""
+    monkeypatch.setattr(llama, "create_attention_mask",
+                        lambda h, cache=None, window_size=None, return_array=False:
+                        create_attention_mask(h, cache, window_size, return_array=True))
+    model = tiny("llama", seed=4, layers=4)
+    veloxpatch.patch(kv=method, budget=40, window=8, compress="chunk", knobs=knobs)
+    caches = make_prompt_cache(model)
+    tokens = random_tokens(160, 5)
+    prefill(model, caches, tokens[:100], chunk=50)
+    for start in range(100, 160, 3):
+        logits = model(tokens[None, start : start + 3], cache=caches)
+        mx.eval(logits)
+        assert logits.shape == (1, 3, 97)
+    assert len({c.size() for c in caches}) >= distinct, "layers hold their own numbers of rows"
+    assert_within_budget(caches, 160)
 
 
 def test_trim_into_evicted_history_leaves_the_compressed_cache_of_the_prefix() -> None:

@@ -44,6 +44,34 @@ def test_bench_compares_every_method_with_vanilla(model_dir: Path, tmp_path: Pat
     assert rows["vanilla"]["decode_vs_vanilla"] == 1.0
     assert rows["snapkv"]["kv_bytes"] < rows["vanilla"]["kv_bytes"]
     assert all(r["prefill_s"] > 0 and r["decode_tok_s"] > 0 for r in rows.values())
+    assert rows["snapkv"]["prefill"] == "shared:snapkv" and rows["rotating"]["prefill"] == "own"
+    assert "peak_bytes:" in result.output
+
+
+def test_shared_bench_matches_the_plain_bench(model_dir: Path) -> None:
+    """Shared prefills change what is timed, not what runs: per case the same greedy tokens and KV bytes as
+    a plain run (two prompt chunks, each longer than any decode headroom); a short last chunk runs plain."""
+    from mlx_lm import load
+
+    from veloxpatch.caches import METHODS
+    from veloxpatch.eval.bench import BenchSpec, cases, measure, run_bench
+
+    model, _ = load(str(model_dir))
+    spec = BenchSpec([200], 48, sorted(METHODS) + ["rotating"], new_tokens=6, repeats=1, prefill_step=100)
+    shared = {m.index: m for m in measure(model, spec)}
+    plain = {m.index: m for m in measure(model, BenchSpec(**{**vars(spec), "share_prefill": False}))}
+    assert sorted(shared) == sorted(plain) == list(range(len(cases(spec))))
+    for i, m in shared.items():
+        assert (m.label, m.tokens, m.timing.kv_bytes) == (plain[i].label, plain[i].tokens, plain[i].timing.kv_bytes)
+        assert plain[i].prefill == "plain" and len(m.tokens) == 6
+    how = {m.label: m.prefill for m in shared.values()}
+    assert how == {"vanilla@ctx=48": "plain", "vanilla": "own", "rotating": "own", "h2o": "own", "squeeze": "own",
+                   "tova": "own", **{k: "shared:snapkv" for k in ("chunkkv", "pyramidkv", "snapkv", "streamingllm")}}
+    # 199 = 3 x 64 + 7: a chunk short enough to be a decode step, so the shared methods run plain
+    rows = run_bench(model, BenchSpec([200], 48, ["snapkv", "h2o"], new_tokens=3, repeats=1, prefill_step=64))
+    assert [(r["variant"], r["prefill"]) for r in rows] == [("vanilla@ctx=48", "plain"), ("vanilla", "own"),
+                                                            ("snapkv", "plain"), ("h2o", "own")]
+    assert all(r["peak_bytes"] == max(r["prefill_peak_bytes"], r["decode_peak_bytes"]) > 0 for r in rows)
 
 
 def test_bad_arguments_are_refused(model_dir: Path) -> None:

@@ -25,3 +25,14 @@ def test_each_run_keeps_its_own_baseline_row_with_a_distinct_name() -> None:
     names = [line.split("|")[1].strip() for line in load_script().eval_tables(rows).splitlines()
              if line.startswith("| ") and not line.startswith("| method")]
     assert names == ["full", "full (quantized run)", "quantized", "snapkv"]
+
+
+def test_accuracy_cells_show_their_interval_and_n_and_knob_variants_get_their_own_rows() -> None:
+    rows = [row("full", 1.0, 10, 0.8), row("snapkv", 0.5, 10, 1.0), row("snapkv[kernel=15]", 0.5, 10, 0.0),
+            {**row("full", 1.0, 10, 12.5), "task": "perplexity"}]
+    text = load_script().eval_tables(rows)
+    accuracy = text.split("**perplexity")[0]
+    lines = {line.split("|")[1].strip(): line for line in accuracy.splitlines() if line.startswith("| ")}
+    assert "0.80 [0.49, 0.94] n=10" in lines["full"]
+    assert "1.00 [0.72, 1.00] n=10" in lines["snapkv"] and "0.00 [0.00, 0.28] n=10" in lines["snapkv[kernel=15]"]
+    assert "12.5 (n=10)" in text and "[" not in text.split("**perplexity")[1]

@@ -59,7 +59,7 @@ class Budget:
         return f"{self.fraction * 100:g}%"
 
 
-def _int_range(lo: int, hi: int | None) -> Callable[[str], int]:
+def int_range(lo: int, hi: int | None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text)
         if value < lo or (hi is not None and value > hi):
@@ -165,9 +165,9 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "KV-cache compression method; unset or `none` passes every cache through."),
     Setting("VELOX_BUDGET", Budget.parse, "1024", "an integer >= 1 or a percentage in (0, 100]",
             "KV rows kept per layer: tokens (`1024`) or a share of the tokens seen (`25%`)."),
-    Setting("VELOX_SINK", _int_range(0, None), "4", "an integer >= 0",
+    Setting("VELOX_SINK", int_range(0, None), "4", "an integer >= 0",
             "First tokens of the context that are never evicted (attention sinks)."),
-    Setting("VELOX_WINDOW", _int_range(1, None), "32", "an integer >= 1",
+    Setting("VELOX_WINDOW", int_range(1, None), "32", "an integer >= 1",
             "Most recent tokens that are never evicted; query-aware methods score with them."),
     Setting("VELOX_COMPRESS", _choice(COMPRESS_MODES), "end", "one of " + ", ".join(COMPRESS_MODES),
             "When to compress the prompt: once at its end (best retrieval) or after each prefill chunk (bounded memory)."),

@@ -40,6 +40,7 @@ def make_cache(config: VeloxConfig) -> CompressedKVCache:
     return cls(config.budget, config.sink, config.window, config.compress, **knobs)
 
 
-from . import snapkv, streamingllm  # noqa: E402  (registers the methods)
+from . import chunkkv, h2o, pyramidkv, snapkv, squeeze, streamingllm, tova  # noqa: E402  (registers the methods)
 
-__all__ = ["CACHE_CLASSES", "METHODS", "CompressedKVCache", "make_cache", "method", "snapkv", "streamingllm"]
+__all__ = ["CACHE_CLASSES", "METHODS", "CompressedKVCache", "make_cache", "method", "chunkkv", "h2o", "pyramidkv",
+           "snapkv", "squeeze", "streamingllm", "tova"]

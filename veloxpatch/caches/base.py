@@ -56,6 +56,7 @@ class CompressedKVCache(ABC):
         self.mode = mode
         self.store = RowStore()
         self.queries: mx.array | None = None
+        self.queries_end = 0  # tokens seen when the last remembered query attended
         self.offset = 0
         self.evicted = False
         self.issued_mask: mx.array | None = None
@@ -145,9 +146,10 @@ class CompressedKVCache(ABC):
             return 0
         self.offset -= n
         self.store.trim_to(self.offset)
-        if self.queries is not None:
-            kept = self.queries.shape[2] - n
+        if self.queries is not None and self.queries_end > self.offset:
+            kept = self.queries.shape[2] - (self.queries_end - self.offset)
             self.queries = self.queries[..., :kept, :] if kept > 0 else None
+        self.queries_end = min(self.queries_end, self.offset)
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "CompressedKVCache":
@@ -191,7 +193,7 @@ class CompressedKVCache(ABC):
         return json.dumps({
             "offset": self.offset, "evicted": self.evicted, "budget": str(self.budget),
             "sink": self.sink, "window": self.window, "mode": self.mode, "bits": self.store.bits,
-            "group_size": self.store.group_size, "knobs": self.knob_values(),
+            "group_size": self.store.group_size, "knobs": self.knob_values(), "queries_end": self.queries_end,
         })
 
     @property
@@ -207,6 +209,7 @@ class CompressedKVCache(ABC):
         self.store.load(tuple(rows))
         self.queries = queries
         self.offset, self.evicted = info["offset"], info["evicted"]
+        self.queries_end = info.get("queries_end", self.offset)
 
     @classmethod
     def from_state(cls, state: tuple[Any, ...]) -> "CompressedKVCache":
@@ -272,14 +275,19 @@ class CompressedKVCache(ABC):
     def window_attention(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         """Attention mass each row gets from the remembered recent queries, (B, kv_heads, rows).
 
-        The queries are those of the last ``w`` tokens; a row is visible to a query when its
-        position is not later (holes never). Summed over the query heads of each KV head (GQA).
+        The queries are those of the ``w`` tokens before ``queries_end``; a row is visible to a
+        query when its position is not later (holes never), so rows stored since (the step that
+        compresses an ``end``-mode prompt) get nothing. Summed over the query heads of each KV head
+        (GQA). With no query remembered (a trim took the window, or a cache rebuilt without one) the
+        newest rows score highest.
         """
+        if self.queries is None:
+            return positions.astype(mx.float32)
         b, hq, w, d = self.queries.shape
         hkv = keys.shape[1]
         q = self.queries.astype(mx.float32).reshape(b, hkv, hq // hkv, w, d) * scale
         logits = q @ mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)
-        visible = self._visible(positions, w)[:, :, None]
+        visible = self._visible(positions, w, self.queries_end)[:, :, None]
         logits = mx.where(visible, logits, -mx.inf)
         return mx.softmax(logits, axis=-1).sum(axis=(2, 3))
 
@@ -331,9 +339,10 @@ class CompressedKVCache(ABC):
             return own & given
         return mx.where(own, given, mx.array(-mx.inf, given.dtype))
 
-    def _visible(self, positions: mx.array, n: int) -> mx.array:
-        """(B, kv_heads, n, rows): which rows the last ``n`` tokens see (no hole, not in the future)."""
-        query_pos = self.offset - n + mx.arange(n)
+    def _visible(self, positions: mx.array, n: int, end: int | None = None) -> mx.array:
+        """(B, kv_heads, n, rows): which rows the ``n`` tokens before ``end`` (default: the last ``n``
+        seen) see: no hole, nothing in their future."""
+        query_pos = (self.offset if end is None else end) - n + mx.arange(n)
         rows = positions[:, :, None, :]
         return (rows >= 0) & (rows <= query_pos[:, None])
 
@@ -369,3 +378,4 @@ class CompressedKVCache(ABC):
         if old is not None and queries.shape[2] < self.window and old.shape[-1] == queries.shape[-1]:
             queries = mx.concatenate([old, queries], axis=2)
         self.queries = mx.contiguous(queries[..., -self.window :, :])
+        self.queries_end = self.offset

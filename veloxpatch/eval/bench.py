@@ -4,10 +4,36 @@ Everything is measured in one process, on one model, one run after another, thro
 ``generate_step`` (the path a user's app takes), so the ratios compare like with like. Besides
 vanilla at each context it runs vanilla at a context equal to the budget: the decode speed a
 compressed cache holding that many rows should approach.
+
+Shared prefills (``--share-prefill``, the default, with ``--compress end``). A long prefill dominates a
+bench on a CPU, and in ``end`` mode it is the same work for many methods (``eval/sharing.py`` says why and
+checks it), so each context times a prompt's prefill (``prompt[:-1]``) once per *prefill group* and each
+case then decodes, from the last prompt token on, on a fresh copy of that group's caches:
+
+* vanilla: mlx_lm's own ``KVCache`` list, prefilled once (an honest vanilla prefill), copied per decode;
+* *shared*: the methods keeping no prefill state of their own (``sharing.SHARED``), prefilled once by the
+  source method at a budget no prompt reaches, each decode on a fresh list of the case's method with the
+  prefill moved in (``sharing.transplant``);
+* *own*: a method that keeps prefill state of its own (H2O, SqueezeAttention, TOVA) and mlx_lm's rotating
+  cache: one prefill of that case at its budget (exactly a plain run's), copied (``copy.deepcopy``) per decode.
+
+Only the decode is repeated (a warm-up, then ``repeats`` timed runs, each on a fresh copy: the median); the
+prefill is timed once. A case's ``prefill_s`` is its group's prefill time plus its own first decode step
+(the last prompt token, where ``end`` mode compresses the prompt): the time to the first token a plain run
+has. A shared method the check refuses (``sharing.modes``: tokens, log-probabilities, bytes and cache state
+against plain runs on a short prompt, once per method) gets its own prefill, or runs plain; a shared case whose
+prompt has a chunk short enough to be a decode step (``sharing.untouched``) runs plain.
+
+Plain (``--no-share-prefill``, ``--compress chunk``, vanilla at the budget's context, fallbacks): each run
+is a whole ``generate_step`` run, one warm-up then ``repeats`` timed runs, medians.
+
+The rows' ``prefill`` field says how a case was timed: ``plain``, ``own`` or ``shared:<source method>``.
 """
 
 from __future__ import annotations
 
+import copy
+import gc
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -16,11 +42,20 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 
 import veloxpatch
+from veloxpatch.caches import METHODS
 
+from . import sharing
 from .variants import Variant
 
 LARGE_RANDOM = dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=2816, num_attention_heads=16,
                     num_key_value_heads=4, head_dim=64, vocab_size=4096)
+
+PLAIN, OWN, SHARED = "plain", "own", "shared"
+
+PEAK_NOTE = ("peak_bytes: the most memory mlx held during the case's run (model weights included): with a shared "
+             "or own prefill, the larger of its prefill group's peak (prompt[:-1]) and its own decode's peak (from "
+             "the last prompt token, less the group's prefill kept aside for the other cases); both are in the "
+             "JSON/CSV as prefill_peak_bytes and decode_peak_bytes. prefill_s: time to the first token.")
 
 
 @dataclass
@@ -32,6 +67,13 @@ class BenchSpec:
     repeats: int = 3
     prefill_step: int = 512
     compress: str = "end"
+    share_prefill: bool = True
+
+    @property
+    def shares(self) -> bool:
+        """Whether prefills are shared: asked for, and exact (``end`` mode: chunk mode's prefill differs
+        per method)."""
+        return self.share_prefill and self.compress == "end"
 
 
 @dataclass
@@ -40,58 +82,195 @@ class Timing:
     decode_tok_s: float
     kv_bytes: int
     peak_bytes: int
+    prefill_peak_bytes: int
+    decode_peak_bytes: int
 
 
-def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: BenchSpec) -> Timing:
-    """Time to the first token (prefill) and the decode rate of the remaining new tokens."""
+@dataclass
+class Measured:
+    """One case's figures, the greedy tokens it generated and how its prefill was timed."""
+
+    index: int  # in :func:`cases`
+    context: int
+    label: str
+    variant: Variant
+    timing: Timing
+    tokens: list[int]
+    prefill: str
+
+    def row(self) -> dict[str, Any]:
+        return {"context": self.context, "variant": self.label, "budget": self.variant.budget(self.context),
+                **vars(self.timing), "prefill": self.prefill}
+
+
+def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: BenchSpec,
+                    held: int = 0) -> tuple[Timing, list[int]]:
+    """A whole run: time to the first token (prefill) and the decode rate of the remaining new tokens;
+    peaks less ``held`` (memory kept by others meanwhile)."""
     from mlx_lm.generate import generate_step
 
+    gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
+    tokens: list[int] = []
     start = time.perf_counter()
-    first = None
-    for n, _ in enumerate(generate_step(prompt, model, max_tokens=spec.new_tokens, prompt_cache=caches,
-                                        prefill_step_size=spec.prefill_step)):
+    first, prefill_peak = start, 0
+    for n, (token, _) in enumerate(generate_step(prompt, model, max_tokens=spec.new_tokens, prompt_cache=caches,
+                                                 prefill_step_size=spec.prefill_step)):
         if n == 0:
             first = time.perf_counter()
+            prefill_peak = mx.get_peak_memory()
+            mx.reset_peak_memory()
+        tokens.append(token)
     end = time.perf_counter()
-    return Timing(first - start, (spec.new_tokens - 1) / (end - first),
-                  sum(c.nbytes for c in caches), mx.get_peak_memory())
+    prefill_peak, decode_peak = max(prefill_peak - held, 0), max(mx.get_peak_memory() - held, 0)
+    return Timing(first - start, (spec.new_tokens - 1) / (end - first), sum(c.nbytes for c in caches),
+                  max(prefill_peak, decode_peak), prefill_peak, decode_peak), tokens
 
 
-def median_timing(run: Callable[[], Timing], repeats: int) -> Timing:
-    """Median of each figure over ``repeats`` runs, after one warm-up run."""
+def median(timings: list[Timing]) -> Timing:
+    return Timing(*(statistics.median(getattr(t, f) for t in timings) for f in vars(timings[0])))
+
+
+def median_timing(run: Callable[[], tuple[Timing, list[int]]], repeats: int) -> tuple[Timing, list[int]]:
+    """Median of each figure over ``repeats`` runs, after one warm-up run; the last run's tokens."""
     run()
-    runs = [run() for _ in range(repeats)]
-    return Timing(*(statistics.median(getattr(r, f) for r in runs)
-                    for f in ("prefill_s", "decode_tok_s", "kv_bytes", "peak_bytes")))
+    runs = [run() for _ in range(max(repeats, 1))]
+    return median([t for t, _ in runs]), runs[-1][1]
 
 
 def cases(spec: BenchSpec) -> list[tuple[int, str, Variant]]:
-    """(context, label, variant) in run order: vanilla at the budget, then per context vanilla and each method."""
+    """(context, label, variant) in row order: vanilla at the budget, then per context vanilla and each method."""
     out = [(spec.budget, f"vanilla@ctx={spec.budget}", Variant("full"))]
     for context in spec.contexts:
         out.append((context, "vanilla", Variant("full")))
-        out += [(context, m, Variant(m, spec.budget / context)) for m in spec.methods]
+        out += [(context, m, Variant.of(m, spec.budget / context)) for m in spec.methods]
     return out
+
+
+def prompt_for(model: Any, context: int) -> mx.array:
+    return mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(context))
+
+
+def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
+    """Every case of :func:`cases`, yielded as it finishes (not in row order when prefills are shared)."""
+    all_cases = [(i, *case) for i, case in enumerate(cases(spec))]
+    if not spec.shares:
+        for case in all_cases:
+            yield _plain(model, *case, spec)
+        return
+    # a shared candidate is first checked against plain runs on a short prompt (see sharing); an own prefill
+    # needs no check: it is the case's own plain prefill, and a deep copy of any cache list replays it
+    candidates = [v for *_, v in all_cases if v.method in METHODS and sharing.candidate(v) == sharing.SHARED]
+    modes = sharing.modes(model, candidates) if candidates else {}
+
+    def how(variant: Variant) -> str:
+        found = modes.get(variant, sharing.OWN)
+        return {sharing.SHARED: SHARED, sharing.OWN: OWN}.get(found, PLAIN)
+
+    yield _plain(model, *all_cases[0], spec)  # vanilla at the budget's context: cheap
+    for context in spec.contexts:
+        here = [case for case in all_cases[1:] if case[1] == context]
+        prompt = prompt_for(model, context)
+        shared = [case for case in here if how(case[3]) == SHARED]
+        own = [case for case in here if how(case[3]) == OWN]  # vanilla first
+        for case in own[:1]:
+            yield from _group(model, prompt, case[3].caches(model, context, spec.compress), [case], OWN, spec)
+        if shared:
+            source = Variant(sharing.source_method())
+            base = source.caches(model, context, spec.compress, budget=sharing.HUGE)
+            yield from _group(model, prompt, base, shared, f"{SHARED}:{source.method}", spec)
+            del base
+        for case in own[1:]:
+            yield from _group(model, prompt, case[3].caches(model, context, spec.compress), [case], OWN, spec)
+        for case in here:
+            if how(case[3]) == PLAIN:
+                yield _plain(model, *case, spec)
+
+
+def _plain(model: Any, index: int, context: int, label: str, variant: Variant, spec: BenchSpec,
+           held: int = 0) -> Measured:
+    prompt = prompt_for(model, context)
+    timing, tokens = median_timing(
+        lambda: time_generation(model, prompt, variant.caches(model, context, spec.compress), spec, held),
+        spec.repeats)
+    return Measured(index, context, label, variant, timing, tokens, PLAIN)
+
+
+def _group(model: Any, prompt: mx.array, base: list[Any], members: list[tuple[int, int, str, Variant]],
+           how: str, spec: BenchSpec) -> Iterator[Measured]:
+    """One timed prefill of ``prompt[:-1]`` into ``base``, then each member's decodes, each on its own copy:
+    a fresh list of the member's method with the prefill moved in (shared), or a deep copy of ``base``."""
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    chunks = sharing.prefill(model, prompt, base, spec.prefill_step)
+    prefill_s = time.perf_counter() - start
+    prefill_peak = mx.get_peak_memory()
+    held = sharing.kv_bytes(base)  # kept aside while a copy decodes: not the case's own
+    last = prompt[-1:]
+    for index, context, label, variant in members:
+        def fresh() -> list[Any] | None:
+            if how == OWN:
+                return copy.deepcopy(base)  # coordinators included (one deepcopy of the whole list)
+            return sharing.transplant(base, variant.caches(model, context, spec.compress))
+
+        caches = fresh()
+        if caches is None or (how != OWN and not sharing.untouched(caches, base, chunks)):
+            del caches  # a prompt chunk short enough to be a decode step, or lists that do not line up
+            yield _plain(model, index, context, label, variant, spec, held)
+            continue
+        _decode(model, last, caches, spec, held)  # warm-up
+        del caches
+        runs = []
+        for _ in range(max(spec.repeats, 1)):
+            caches = fresh()
+            runs.append(_decode(model, last, caches, spec, held))
+            del caches
+        first_s, tok_s, kv, decode_peak = (statistics.median(r[k] for r in runs) for k in range(4))
+        timing = Timing(prefill_s + first_s, tok_s, kv, max(prefill_peak, decode_peak), prefill_peak, decode_peak)
+        yield Measured(index, context, label, variant, timing, runs[-1][4], how)
+
+
+def _decode(model: Any, last: mx.array, caches: list[Any], spec: BenchSpec,
+            held: int) -> tuple[float, float, int, int, list[int]]:
+    """Greedy decoding from the last prompt token by mlx_lm's ``generate_step`` (unwrapped: no generation
+    starts here, see ``sharing``): (seconds to the first token, decode tok/s of the rest, KV bytes after,
+    peak bytes less ``held``, tokens)."""
+    from mlx_lm.generate import generate_step
+
+    raw = getattr(generate_step, "__wrapped__", generate_step)
+    mx.eval([c.state for c in caches])  # the copy is made before the clock starts
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    tokens: list[int] = []
+    start = time.perf_counter()
+    first = start
+    for n, (token, _) in enumerate(raw(last, model, max_tokens=spec.new_tokens, prompt_cache=caches,
+                                       prefill_step_size=spec.prefill_step)):
+        if n == 0:
+            first = time.perf_counter()
+        tokens.append(token)
+    end = time.perf_counter()
+    return (first - start, (spec.new_tokens - 1) / (end - first), sharing.kv_bytes(caches),
+            max(mx.get_peak_memory() - held, 0), tokens)
 
 
 def run_bench(model: Any, spec: BenchSpec,
               progress: Callable[[Iterator[Any], int], Iterator[Any]] | None = None) -> list[dict[str, Any]]:
-    """One row per case, with decode speed relative to vanilla at the same context."""
-    all_cases = cases(spec)
-    steps = progress(iter(all_cases), len(all_cases)) if progress else iter(all_cases)
-    rows: list[dict[str, Any]] = []
-    vocab = model.args.vocab_size
+    """One row per case (in :func:`cases` order), with decode speed and KV bytes relative to vanilla at the
+    same context."""
+    total = len(cases(spec))
+    found: dict[int, Measured] = {}
     try:
-        for context, label, variant in steps:
-            prompt = mx.random.randint(0, vocab, (context,), key=mx.random.key(context))
-            timing = median_timing(lambda: time_generation(model, prompt, variant.caches(model, context, spec.compress), spec),
-                                   spec.repeats)
-            rows.append({"context": context, "variant": label, "budget": variant.budget(context), **vars(timing)})
+        steps = measure(model, spec)
+        for m in progress(steps, total) if progress else steps:
+            found[m.index] = m
     finally:
         veloxpatch.unpatch()
-    return with_ratios(rows)
+    return with_ratios([found[i].row() for i in sorted(found)])
 
 
 def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -13,13 +13,13 @@ import click
 from ..assets import model_path
 from ..config import COMPRESS_MODES
 from . import report
-from .bench import LARGE_RANDOM, BenchSpec, run_bench
+from .bench import LARGE_RANDOM, PEAK_NOTE, BenchSpec, run_bench
 from .harness import ALL_TASKS, TASKS, EvalSpec, Journal, run_eval
-from .variants import known_methods
+from .variants import known_methods, parse_spec, split_specs
 
-EVAL_COLUMNS = ("task", "context", "label", "value", "kv_bytes", "peak_bytes", "samples")
+EVAL_COLUMNS = ("task", "context", "label", "result", "kv_bytes", "peak_bytes")
 BENCH_COLUMNS = ("context", "variant", "budget", "prefill_s", "decode_tok_s", "decode_vs_vanilla",
-                 "kv_bytes", "kv_vs_vanilla", "peak_bytes")
+                 "kv_bytes", "kv_vs_vanilla", "peak_bytes", "prefill")
 
 
 def _ints(text: str) -> list[int]:
@@ -38,9 +38,14 @@ def _shares(text: str) -> list[float]:
 
 
 def _methods(text: str) -> list[str]:
+    """``all``, or methods, each with knob overrides if wanted: ``snapkv,snapkv[kernel=15],streamingllm``."""
     allowed = known_methods()
-    chosen = allowed if text == "all" else [m.strip() for m in text.split(",") if m.strip()]
-    unknown = [m for m in chosen if m not in allowed]
+    chosen = allowed if text == "all" else split_specs(text)
+    try:
+        parsed = [parse_spec(m)[0] for m in chosen]
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--methods") from None
+    unknown = [m for m, method in zip(chosen, parsed) if method not in allowed]
     if unknown:
         raise click.BadParameter(f"{unknown} not allowed: choose from all, {', '.join(allowed)}", param_hint="--methods")
     return chosen
@@ -98,7 +103,9 @@ def finish(rows: list[dict[str, Any]], columns: tuple[str, ...], out: Path, stem
               help=f"Comma-separated, of: {', '.join(ALL_TASKS)} (the niah_*, vt and trip ones are for a real model).")
 @click.option("--contexts", default="1024", show_default=True, help="Comma-separated context lengths (tokens).")
 @click.option("--budgets", default="100%,50%,25%,12.5%", show_default=True, help="KV budgets as shares of the context.")
-@click.option("--methods", default="all", show_default=True, help=f"Comma-separated: {', '.join(known_methods())}.")
+@click.option("--methods", default="all", show_default=True,
+              help=f"Comma-separated: {', '.join(known_methods())}; a method's knobs as METHOD[KNOB=VALUE,...], "
+                   f"e.g. snapkv[kernel=15].")
 @click.option("--samples", default=20, show_default=True, help="Held-out examples per cell.")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
               help="First held-out example: a cell uses seeds SEED .. SEED+SAMPLES-1.")
@@ -106,21 +113,27 @@ def finish(rows: list[dict[str, Any]], columns: tuple[str, ...], out: Path, stem
               help="mlx_lm prefill_step_size [default: mlx_lm's own with --model, else 512].")
 @click.option("--out", default="velox-eval", show_default=True, type=click.Path(path_type=Path), help="Output folder.")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write PNG plots (needs matplotlib).")
-def eval_command(model, task_list, contexts, budgets, methods, samples, seed, prefill_step_option, out, plots) -> None:
+@click.option("--share-prefill/--no-share-prefill", default=True, show_default=True,
+              help="Retrieval: one prompt prefill for the full cache and our methods at every budget, where exact.")
+def eval_command(model, task_list, contexts, budgets, methods, samples, seed, prefill_step_option, out, plots,
+                 share_prefill) -> None:
     """Quality per method and budget: passkey, multi-key retrieval and perplexity, or RULER-style tasks.
 
-    Finished cells go to OUT/eval.cells.jsonl as they finish; a rerun with the same arguments skips them."""
+    Accuracies show their 95% Wilson interval and sample count. Finished cells go to OUT/eval.cells.jsonl and
+    finished examples to OUT/eval.samples.jsonl as they finish; a rerun with the same arguments skips them."""
     chosen = [t.strip() for t in task_list.split(",") if t.strip()]
     if any(t not in ALL_TASKS for t in chosen):
         raise click.BadParameter(f"{chosen} not allowed: choose from {', '.join(ALL_TASKS)}", param_hint="--tasks")
     step = prefill_step(prefill_step_option, model)
-    spec = EvalSpec(chosen, _ints(contexts), _shares(budgets), _methods(methods), samples, step, seed)
+    spec = EvalSpec(chosen, _ints(contexts), _shares(budgets), _methods(methods), samples, step, seed, share_prefill)
     loaded, tokenizer, path = load_model(model)
     journal = Journal(out / "eval.cells.jsonl", {"model": path, "samples": samples, "seed": seed, "prefill_step": step})
     started = time.time()
     rows = [c.row() for c in run_eval(loaded, tokenizer, spec, _progress("eval"), journal)]
     meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
-    finish(rows, EVAL_COLUMNS, out, "eval", meta)
+    click.echo(report.table([{**r, "result": report.result_text(r)} for r in rows], EVAL_COLUMNS))
+    for written in report.write_files(rows, out, "eval", meta):
+        click.echo(f"wrote {written}", err=True)
     if plots:
         pngs = report.plot_eval(rows, out)
         for png in pngs:
@@ -136,26 +149,39 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
 @click.option("--budget", default=256, show_default=True, help="KV rows each method keeps per layer.")
 @click.option("--methods", default="all", show_default=True, help=f"Comma-separated: {', '.join(known_methods())}.")
 @click.option("--new-tokens", default=64, show_default=True, help="Tokens generated per run.")
-@click.option("--repeats", default=3, show_default=True, help="Timed runs per case (median), after a warm-up.")
+@click.option("--repeats", default=3, show_default=True,
+              help="Timed runs per case (median), after a warm-up; with shared prefills, timed decodes (each on a "
+                   "fresh copy of a prefill timed once).")
 @click.option("--prefill-step", "prefill_step_option", default=None, type=int,
               help="mlx_lm prefill_step_size [default: mlx_lm's own with --model, else 512].")
 @click.option("--compress", default="end", show_default=True, type=click.Choice(COMPRESS_MODES),
               help="VELOX_COMPRESS for our methods.")
+@click.option("--share-prefill/--no-share-prefill", default=True, show_default=True,
+              help="With --compress end: time one prompt prefill per group of cases whose prefill is the same "
+                   "(vanilla; our methods without prefill state; each other method), then decode each case on "
+                   "its own copy, where exact.")
 @click.option("--out", default="velox-bench", show_default=True, type=click.Path(path_type=Path), help="Output folder.")
 def bench_command(model, random_model, contexts, budget, methods, new_tokens, repeats, prefill_step_option, compress,
-                  out) -> None:
-    """Speed and memory per method, side by side with unpatched mlx_lm."""
-    chosen = [m for m in _methods(methods) if m != "quantized"]
+                  share_prefill, out) -> None:
+    """Speed and memory per method, side by side with unpatched mlx_lm.
+
+    prefill_s is the time to the first token; peak_bytes the most memory mlx held during a case (weights
+    included): with a shared or own prefill (the prefill column), the larger of the prefill group's peak and
+    the case's own decode peak (less the prefill kept aside for other cases)."""
+    chosen = [m for m in _methods(methods) if parse_spec(m)[0] != "quantized"]
     step = prefill_step(prefill_step_option, model)
-    spec = BenchSpec(_ints(contexts), budget, chosen, new_tokens, repeats, step, compress)
+    spec = BenchSpec(_ints(contexts), budget, chosen, new_tokens, repeats, step, compress, share_prefill)
     if random_model:
         from .random_model import build, config_for
 
         loaded, path = build(config_for("llama", **LARGE_RANDOM, max_position_embeddings=1 << 16)), "random llama 8x1024"
     else:
         loaded, _, path = load_model(model)
+    started = time.time()
     rows = run_bench(loaded, spec, _progress("bench"))
-    finish(rows, BENCH_COLUMNS, out, "bench", {"model": path, "spec": vars(spec), "machine": machine()})
+    meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
+    finish(rows, BENCH_COLUMNS, out, "bench", meta)
+    click.echo(PEAK_NOTE)
 
 
 def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, seed: int) -> tuple[list[dict], str]:

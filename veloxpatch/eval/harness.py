@@ -1,13 +1,17 @@
 """``veloxpatch eval``: retrieval accuracy and perplexity per method, context length and budget.
 
 Retrieval runs through mlx_lm's own ``generate_step`` with the variant's cache list (the path
-a user's app takes). Perplexity feeds held-out text in steps of ``PPL_STEP`` tokens through
-the same caches, so compression happens between steps as it would in a long chat, and scores
-the second half of the text, where the context the cache holds has been compressed.
+a user's app takes). A prompt is prefilled once for the full cache and every method at every budget
+where that is exact (``sharing``: our caches in ``VELOX_COMPRESS=end`` mode hold the same prompt state
+whatever the budget until the last prompt token; each variant then decodes on its own copy through
+``generate_step``); mlx_lm's rotating and quantized caches run on their own. Perplexity feeds held-out
+text in steps of ``PPL_STEP`` tokens through the same caches, so compression happens between steps as
+it would in a long chat, and scores the second half of the text, where the context the cache holds has
+been compressed.
 
 The RULER-style tasks of ``ruler`` (for a real model) run the same way and are scored by their own rules.
-Every finished cell is appended to a JSONL journal as it finishes, so a killed run keeps it and a rerun
-with the same arguments skips it.
+Every (example, variant) result is appended to a JSONL journal of samples and every finished cell to a
+journal of cells, so a killed run keeps them and a rerun with the same arguments skips them.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 import veloxpatch
 
-from . import ruler, tasks
+from . import ruler, sharing, tasks
+from .report import wilson
 from .variants import KVLayout, Variant, variants
 
 TASKS = ("passkey", "multikey", "perplexity")  # the default list, made for the shipped tiny model
@@ -40,6 +45,16 @@ class EvalSpec:
     samples: int = 20
     prefill_step: int = 512
     seed: int = 0  # a cell uses held-out seeds seed .. seed + samples - 1
+    share_prefill: bool = True  # False: every (example, variant) runs its own prefill (the same results, slower)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One variant on one example: the task's metric, KV bytes at the end, peak memory of the run."""
+
+    value: float
+    kv_bytes: float
+    peak_bytes: float
 
 
 @dataclass
@@ -54,60 +69,124 @@ class Cell:
     peak_bytes: float
     samples: int
 
+    @classmethod
+    def of(cls, task: str, context: int, variant: Variant, samples: list[Sample]) -> "Cell":
+        """The mean of a variant's samples."""
+        n = len(samples)
+        return cls(task, context, variant, sum(s.value for s in samples) / n, sum(s.kv_bytes for s in samples) / n,
+                   sum(s.peak_bytes for s in samples) / n, n)
+
     def row(self) -> dict[str, Any]:
+        """The cell as JSON; an accuracy carries its 95% Wilson interval over the cell's samples."""
+        accuracy = self.task != "perplexity"
+        low, high = wilson(self.metric * self.samples, self.samples) if accuracy else (None, None)
         return {
-            "task": self.task, "context": self.context, "method": self.variant.method,
+            "task": self.task, "context": self.context, "method": self.variant.name,
             "share": self.variant.share, "label": self.variant.label(),
-            "metric": "accuracy" if self.task != "perplexity" else "perplexity",
-            "value": self.metric, "kv_bytes": self.kv_bytes, "peak_bytes": self.peak_bytes,
-            "samples": self.samples,
+            "metric": "accuracy" if accuracy else "perplexity",
+            "value": self.metric, "ci95_low": low, "ci95_high": high,
+            "kv_bytes": self.kv_bytes, "peak_bytes": self.peak_bytes, "samples": self.samples,
         }
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "Cell":
-        """The cell a journal line describes."""
-        return cls(row["task"], row["context"], Variant(row["method"], row["share"]), row["value"],
+        """The cell a journal line describes (``method`` carries a variant's knobs: ``snapkv[kernel=15]``)."""
+        return cls(row["task"], row["context"], Variant.of(row["method"], row["share"]), row["value"],
                    row["kv_bytes"], row["peak_bytes"], row["samples"])
 
 
 @dataclass
 class Journal:
     """Finished cells as JSON lines; ``key`` holds what else must match for a line to count as done
-    (model, samples, seed, prefill step), so changing an argument recomputes instead of reusing."""
+    (model, samples, seed, prefill step), so changing an argument recomputes instead of reusing.
+
+    Beside it (``eval.samples.jsonl`` for ``eval.cells.jsonl``), each (example, variant) result as it
+    finishes: a cell of many examples is long at 8k tokens, and a rerun resumes inside it. An example
+    is named by its seed, so its result counts for any sample count and first seed (a run stopped
+    after 5 of 10 examples is reported with ``--samples 5``)."""
 
     path: Path
     key: dict[str, Any]
 
+    @property
+    def samples_path(self) -> Path:
+        return self.path.with_name(self.path.name.split(".")[0] + ".samples.jsonl")
+
     def done(self) -> dict[tuple[str, int, str], Cell]:
         """Cells already measured under this key, by (task, context, label)."""
-        if not self.path.exists():
-            return {}
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        return {(r["task"], r["context"], r["label"]): Cell.from_row(r) for r in rows if r.get("key") == self.key}
+        return {(r["task"], r["context"], r["label"]): Cell.from_row(r) for r in self._rows(self.path)}
+
+    def samples(self) -> dict[tuple[str, int, str, int], Sample]:
+        """Examples already measured under this key, by (task, context, label, seed)."""
+        return {(r["task"], r["context"], r["label"], r["seed"]): Sample(r["value"], r["kv_bytes"], r["peak_bytes"])
+                for r in self._rows(self.samples_path, ignore=("samples", "seed"))}
 
     def add(self, cell: Cell) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as handle:
-            handle.write(json.dumps({**cell.row(), "key": self.key}) + "\n")
+        self._write(self.path, cell.row())
+
+    def add_sample(self, task: str, context: int, label: str, seed: int, sample: Sample) -> None:
+        self._write(self.samples_path, {"task": task, "context": context, "label": label, "seed": seed,
+                                        "value": sample.value, "kv_bytes": sample.kv_bytes,
+                                        "peak_bytes": sample.peak_bytes})
+
+    def _rows(self, path: Path, ignore: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+        """The lines of ``path`` written under this key (its ``ignore`` fields aside)."""
+        if not path.exists():
+            return []
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        key = {k: v for k, v in self.key.items() if k not in ignore}
+        return [r for r in rows if {k: v for k, v in r.get("key", {}).items() if k not in ignore} == key]
+
+    def _write(self, path: Path, row: dict[str, Any]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as handle:
+            handle.write(json.dumps({**row, "key": self.key}) + "\n")
 
 
 def retrieval(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec,
               quant: dict[str, Any]) -> tuple[float, int]:
-    """Greedy answer under the variant's cache: (1.0 if right else 0.0, KV bytes at the end).
+    """Greedy answer under the variant's cache, on its own prefill: (1.0 if right else 0.0, KV bytes at the end).
 
-    ``quant`` is the variant's kv_bits arguments for mlx_lm (empty unless it is the quantized one).
-    RULER answers get a few tokens of slack for separators and a model's own phrasing."""
-    from mlx_lm.generate import generate_step
-
-    prompt, answer = (item.prompt, item.answer) if isinstance(item, ruler.Example) else item
-    tokens = mx.array(tokenizer.encode(prompt))
+    ``quant`` is the variant's kv_bits arguments for mlx_lm (empty unless it is the quantized one)."""
+    tokens, steps = _prompt(tokenizer, item)
     caches = variant.caches(model, tokens.size)
-    steps = len(tokenizer.encode(answer)) + (8 if isinstance(item, ruler.Example) else 2)
-    out = [t for t, _ in generate_step(tokens, model, max_tokens=steps, prompt_cache=caches,
-                                       prefill_step_size=spec.prefill_step, **quant)]
+    out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, **quant)]
+    return _right(tokenizer, out, item), sum(c.nbytes for c in caches)
+
+
+def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, spec: EvalSpec,
+               layout: KVLayout) -> dict[Variant, Sample]:
+    """Every chosen variant on one example, sharing prefills where that is exact (``sharing``)."""
+    tokens, steps = _prompt(tokenizer, item)
+    out: dict[Variant, Sample] = {}
+    requests = []
+    modes = sharing.plan(model, chosen) if spec.share_prefill else {v: sharing.PLAIN for v in chosen}
+    for variant in chosen:
+        mode = modes[variant]
+        if mode == sharing.PLAIN:
+            mx.clear_cache()
+            mx.reset_peak_memory()
+            value, nbytes = retrieval(model, tokenizer, variant, item, spec, variant.generate_kwargs(layout))
+            out[variant] = Sample(value, nbytes, mx.get_peak_memory())
+        else:
+            budget = sharing.HUGE if variant.method == "full" else variant.budget(tokens.size)
+            requests.append(sharing.Request(variant, budget, mode))
+    for result in sharing.run(model, tokens, requests, steps, spec.prefill_step):
+        out[result.request.variant] = Sample(_right(tokenizer, result.tokens, item), result.kv_bytes,
+                                             result.peak_bytes)
+    return {v: out[v] for v in chosen}
+
+
+def _prompt(tokenizer: Any, item: Item) -> tuple[mx.array, int]:
+    """The prompt's tokens and how many to generate: the answer's, and a few tokens of slack for separators
+    (RULER answers get more, for a model's own phrasing)."""
+    prompt, answer = (item.prompt, item.answer) if isinstance(item, ruler.Example) else item
+    return mx.array(tokenizer.encode(prompt)), len(tokenizer.encode(answer)) + (8 if isinstance(item, ruler.Example) else 2)
+
+
+def _right(tokenizer: Any, out: list[int], item: Item) -> float:
     text = tokenizer.decode(out)
-    right = ruler.score(text, item) if isinstance(item, ruler.Example) else tasks.is_correct(text, answer)
-    return float(right), sum(c.nbytes for c in caches)
+    return float(ruler.score(text, item) if isinstance(item, ruler.Example) else tasks.is_correct(text, item[1]))
 
 
 def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: EvalSpec,
@@ -148,47 +227,57 @@ def examples(task: str, tokenizer: Any, context: int, spec: EvalSpec) -> list[It
     return [(tasks.longtext_sample(tokenizer, context, seed), "") for seed in seeds]
 
 
-def measure(model: Any, tokenizer: Any, task: str, context: int, variant: Variant,
-            items: list[Item], spec: EvalSpec, layout: KVLayout) -> Cell:
-    """Average one variant over the task's examples, with KV bytes and peak memory."""
-    quant = variant.generate_kwargs(layout)
-    values, kv, peaks = [], [], []
-    for item in items:
+def measure(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Variant], spec: EvalSpec,
+            layout: KVLayout) -> dict[Variant, Sample]:
+    """The chosen variants on one of the task's examples, with KV bytes and peak memory."""
+    if task != "perplexity":
+        return retrievals(model, tokenizer, chosen, item, spec, layout)
+    out = {}
+    for variant in chosen:
         mx.clear_cache()
         mx.reset_peak_memory()
-        if task == "perplexity":
-            value, nbytes = perplexity(model, tokenizer, variant, item[0], spec, quant)  # type: ignore[index]
-        else:
-            value, nbytes = retrieval(model, tokenizer, variant, item, spec, quant)
-        values.append(value)
-        kv.append(nbytes)
-        peaks.append(mx.get_peak_memory())
-    n = len(values)
-    return Cell(task, context, variant, sum(values) / n, sum(kv) / n, sum(peaks) / n, n)
+        value, nbytes = perplexity(model, tokenizer, variant, item[0], spec, variant.generate_kwargs(layout))  # type: ignore[index]
+        out[variant] = Sample(value, nbytes, mx.get_peak_memory())
+    return out
 
 
 def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
              progress: Callable[[Iterator[Any], int], Iterator[Any]] | None = None,
              journal: Journal | None = None) -> list[Cell]:
-    """Every cell of the grid, reusing the journal's finished cells and adding new ones as they finish;
-    leaves mlx_lm unpatched afterwards."""
-    grid = [(task, context, v) for task in spec.tasks for context in spec.contexts
-            for v in variants(spec.methods, spec.shares)]
+    """Every cell of the grid, reusing the journal's finished cells and examples and adding new ones as they
+    finish; leaves mlx_lm unpatched afterwards. The work goes example by example (progress counts them): all
+    variants of a (task, context) on one example, so they can share its prefill."""
+    grid = variants(spec.methods, spec.shares)
     done = journal.done() if journal else {}
-    cache: dict[tuple[str, int], list[Item]] = {}
+    measured = journal.samples() if journal else {}
+    items: dict[tuple[str, int], list[Item]] = {}
     layout = KVLayout.of(model)
+    units = [(task, context, i) for task in spec.tasks for context in spec.contexts for i in range(spec.samples)]
     cells = []
-    steps = progress(iter(grid), len(grid)) if progress else iter(grid)
+    steps = progress(iter(units), len(units)) if progress else iter(units)
     try:
-        for task, context, variant in steps:
-            if (task, context, variant.label()) in done:
-                cells.append(done[task, context, variant.label()])
+        for task, context, i in steps:
+            seed = spec.seed + i
+            todo = [v for v in grid if (task, context, v.label()) not in done
+                    and (task, context, v.label(), seed) not in measured]
+            if todo:
+                if (task, context) not in items:
+                    items[task, context] = examples(task, tokenizer, context, spec)
+                for variant, sample in measure(model, tokenizer, task, items[task, context][i], todo, spec,
+                                               layout).items():
+                    measured[task, context, variant.label(), seed] = sample
+                    if journal:
+                        journal.add_sample(task, context, variant.label(), seed, sample)
+            if i < spec.samples - 1:
                 continue
-            if (task, context) not in cache:
-                cache[task, context] = examples(task, tokenizer, context, spec)
-            cells.append(measure(model, tokenizer, task, context, variant, cache[task, context], spec, layout))
-            if journal:
-                journal.add(cells[-1])
+            for variant in grid:
+                key = (task, context, variant.label())
+                if key not in done:
+                    got = [measured[(*key, s)] for s in range(spec.seed, spec.seed + spec.samples)]
+                    done[key] = Cell.of(task, context, variant, got)
+                    if journal:
+                        journal.add(done[key])
+                cells.append(done[key])
     finally:
         veloxpatch.unpatch()
     return cells

@@ -4,8 +4,39 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 from typing import Any, Sequence
+
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
+
+
+def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval (95% by default) for ``successes`` out of ``n`` Bernoulli trials.
+
+    Unlike the normal approximation it stays inside [0, 1] and is not empty at 0/n or n/n, which is where
+    small-sample accuracies often sit."""
+    if n <= 0:
+        return 0.0, 1.0
+    k = round(successes)  # a mean of 0/1 outcomes times n: undo the float rounding
+    p = k / n
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return (0.0 if k == 0 else centre - half), (1.0 if k == n else centre + half)  # exact at the ends
+
+
+def accuracy_text(value: float, n: int) -> str:
+    """``0.80 [0.49, 0.94] n=10``: an accuracy, its 95% Wilson interval and its sample count."""
+    low, high = wilson(value * n, n)
+    return f"{value:.2f} [{low:.2f}, {high:.2f}] n={n}"
+
+
+def result_text(row: dict[str, Any]) -> str:
+    """An eval row's value as a reader should see it: accuracies with their interval, all with n."""
+    if row.get("metric", "accuracy") == "accuracy" and row["task"] != "perplexity":
+        return accuracy_text(row["value"], row["samples"])
+    return f"{row['value']:.4g} n={row['samples']}"
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -59,7 +90,14 @@ def plot_eval(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
         for method, series in _groups([r for r in group if r["method"] != "full"], ("method",)).items():
             series = sorted(series, key=lambda r: r["share"])
             x_key = "share" if task != "perplexity" else "kv_bytes"
-            ax.plot([r[x_key] for r in series], [r["value"] for r in series], marker="o", label=method[0])
+            x, y = [r[x_key] for r in series], [r["value"] for r in series]
+            if task == "perplexity":
+                ax.plot(x, y, marker="o", label=method[0])
+            else:  # 95% Wilson intervals: is a gap between methods more than noise?
+                bounds = [wilson(r["value"] * r["samples"], r["samples"]) for r in series]
+                errors = [[max(0.0, v - lo) for v, (lo, _) in zip(y, bounds)],
+                          [max(0.0, hi - v) for v, (_, hi) in zip(y, bounds)]]
+                ax.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=method[0])
         if full:
             ax.axhline(full[0]["value"], color="black", linestyle="--", label="full cache")
         ax.set_xlabel("KV budget (share of context)" if task != "perplexity" else "KV bytes")

@@ -6,16 +6,23 @@ alternatives as mlx_lm builds them. mlx_lm ignores ``max_kv_size`` for models th
 ``make_cache`` (llama does), so the rotating variant builds the ``RotatingKVCache(max_size,
 keep=4)`` list mlx_lm would have built; quantization goes through mlx_lm's own
 ``maybe_quantize_kv_cache`` (``kv_bits`` in ``generate_step``) from the first token on.
+
+A method may carry knob overrides, written ``snapkv[kernel=15]`` (several: ``snapkv[kernel=15,pool=max]``,
+knob names without the method prefix); they reach ``veloxpatch.patch`` as the method's knobs and show in
+the variant's name and label (``snapkv[kernel=15]@0.25``). A variant without knobs keeps its plain label.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import veloxpatch
 from veloxpatch.caches import METHODS
 from veloxpatch.config import setting
+
+Knobs = tuple[tuple[str, Any], ...]  # (knob name without the method prefix, value), sorted by name
 
 # a token budget may not be smaller than the rows every method protects (default sink + window)
 PROTECTED = int(setting("VELOX_SINK").default) + int(setting("VELOX_WINDOW").default)
@@ -56,12 +63,60 @@ class KVLayout:
         return min(QUANT_BITS, key=lambda b: abs(self.share(b) - share))
 
 
+def split_specs(text: str) -> list[str]:
+    """``"snapkv,snapkv[kernel=15,pool=max],full"`` -> its items: commas inside brackets do not split."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(text[start:i].strip())
+            start = i + 1
+    return [item for item in items if item]
+
+
+def parse_spec(spec: str) -> tuple[str, Knobs]:
+    """``"snapkv[kernel=15]"`` -> ("snapkv", (("kernel", 15),)); knobs are checked against the method's
+    settings and parsed by them. ValueError (a ConfigError for a bad value) names what is wrong."""
+    found = re.fullmatch(r"\s*([\w-]+)\s*(?:\[(.*)\])?\s*", spec)
+    if not found:
+        raise ValueError(f"{spec!r} is not METHOD or METHOD[knob=value,...]")
+    method, body = found.group(1), found.group(2)
+    if body is None:
+        return method, ()
+    if method not in METHODS:
+        raise ValueError(f"{spec!r}: only compression methods have knobs")
+    settings = {k.key[len(method) + 1:]: k for k in METHODS[method].knobs}
+    knobs: dict[str, Any] = {}
+    for part in body.split(","):
+        name, equals, value = (x.strip() for x in part.partition("="))
+        if not equals or name not in settings:
+            raise ValueError(f"{spec!r}: {part.strip()!r} is not KNOB=VALUE with a knob of {method} "
+                             f"({', '.join(sorted(settings)) or 'it has none'})")
+        knobs[name] = settings[name].convert(value)
+    return method, tuple(sorted(knobs.items()))
+
+
 @dataclass(frozen=True)
 class Variant:
-    """A cache configuration: ``method`` is a registry id, ``full``, ``rotating`` or ``quantized``."""
+    """A cache configuration: ``method`` is a registry id, ``full``, ``rotating`` or ``quantized``;
+    ``knobs`` overrides some of a registry method's knobs."""
 
     method: str
     share: float = 1.0
+    knobs: Knobs = ()
+
+    @classmethod
+    def of(cls, spec: str, share: float = 1.0) -> "Variant":
+        """The variant a ``--methods`` item names (``snapkv``, ``snapkv[kernel=15]``) at ``share``."""
+        method, knobs = parse_spec(spec)
+        return cls(method, share, knobs)
+
+    @property
+    def name(self) -> str:
+        """The method with its knob overrides, as written on the command line: ``snapkv[kernel=15]``."""
+        if not self.knobs:
+            return self.method
+        return f"{self.method}[{','.join(f'{k}={v}' for k, v in self.knobs)}]"
 
     def budget(self, context: int) -> int:
         """Rows this variant may keep for a context of ``context`` tokens (all for the full cache,
@@ -71,16 +126,21 @@ class Variant:
         return max(round(self.share * context), PROTECTED)
 
     def label(self) -> str:
-        return "full" if self.method == "full" else f"{self.method}@{self.share:g}"
+        return "full" if self.method == "full" else f"{self.name}@{self.share:g}"
 
-    def caches(self, model: Any, context: int, compress: str | None = None) -> list[Any]:
+    def settings(self, budget: int, compress: str | None = None) -> dict[str, Any]:
+        """``veloxpatch.patch`` keyword arguments for this registry method at ``budget`` rows."""
+        extra = {} if compress is None else {"compress": compress}
+        knobs = {f"{self.method}_{k}": v for k, v in self.knobs}
+        return {"kv": self.method, "budget": budget, "knobs": knobs, **extra}
+
+    def caches(self, model: Any, context: int, compress: str | None = None, budget: int | None = None) -> list[Any]:
         """The cache list for one run (patching or unpatching mlx_lm as the variant needs);
-        ``compress`` overrides ``VELOX_COMPRESS`` for our methods."""
+        ``compress`` overrides ``VELOX_COMPRESS`` and ``budget`` the rows for our methods."""
         import mlx_lm.models.cache as mlx_cache  # looked up after (un)patching, as an app's call would be
 
         if self.method in METHODS:
-            extra = {} if compress is None else {"compress": compress}
-            veloxpatch.patch(kv=self.method, budget=self.budget(context), **extra)
+            veloxpatch.patch(**self.settings(self.budget(context) if budget is None else budget, compress))
             return mlx_cache.make_prompt_cache(model)
         veloxpatch.unpatch()
         caches = mlx_cache.make_prompt_cache(model)
@@ -98,10 +158,11 @@ class Variant:
 
 
 def variants(methods: list[str], shares: list[float]) -> list[Variant]:
-    """The full cache once, then each method (registry ids, ``rotating``, ``quantized``) at each share < 1."""
+    """The full cache once, then each method (registry ids, ``rotating``, ``quantized``, each registry id
+    possibly with knobs: ``snapkv[kernel=15]``) at each share < 1."""
     out = [Variant("full")]
-    for method in methods:
-        out += [Variant(method, s) for s in shares if s < 1.0]
+    for spec in methods:
+        out += [Variant.of(spec, s) for s in shares if s < 1.0]
     return out
 
 

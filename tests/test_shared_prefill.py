@@ -1,0 +1,232 @@
+"""The eval's shared prefills are exact: every method at two budgets, and the full cache, decode the same tokens
+into the same final cache as a fresh list through mlx_lm's generate_step on the whole prompt; a method whose
+prefill cannot be shared is caught by the check, not measured wrongly. Also knob variants and intervals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+
+from veloxpatch.caches import CACHE_CLASSES, METHODS, method
+from veloxpatch.caches.snapkv import SnapKVCache
+from veloxpatch.cli import main
+from veloxpatch.eval import harness, sharing, tasks
+from veloxpatch.eval.report import accuracy_text, wilson
+from veloxpatch.eval.variants import Variant, parse_spec, split_specs
+
+STEP = 100  # the prompt's tokens before the last go in as chunks of 100, 100 and over 64: all prefill-sized
+BUDGETS = (48, 96)
+DECODE = 10
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir: Path) -> tuple[Any, mx.array]:
+    """The tests' tiny random model (byte tokens) and a passkey prompt of about 290 tokens."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(model_dir))
+    prompt, _ = tasks.passkey_example(tokenizer, 294, 3, "heldout")
+    tokens = mx.array(tokenizer.encode(prompt))
+    assert (tokens.size - 1) % STEP > 64, "all chunks longer than the decode headroom"
+    return model, tokens
+
+
+def plain(model: Any, tokens: mx.array, variant: Variant, budget: int, step: int) -> tuple[list[int], list[Any]]:
+    """A fresh cache list through mlx_lm's generate_step on the whole prompt (the eval's old path)."""
+    from mlx_lm.generate import generate_step
+
+    caches = variant.caches(model, tokens.size, budget=budget)
+    out = [t for t, _ in generate_step(tokens, model, max_tokens=DECODE, prompt_cache=caches, prefill_step_size=step)]
+    return out, caches
+
+
+def check_exact(model: Any, tokens: mx.array, variant: Variant, budgets: tuple[int, ...], step: int = STEP) -> str:
+    """The harness's path for ``variant`` (the mode the rule and the check give it) equals the plain path."""
+    mode = sharing.mode(model, variant)
+    if mode == sharing.PLAIN:
+        return mode
+    got = list(sharing.run(model, tokens, [sharing.Request(variant, b, mode) for b in budgets], DECODE, step))
+    assert [g.request.budget for g in sorted(got, key=lambda g: g.request.budget)] == sorted(budgets)
+    for result in got:
+        expected, caches = plain(model, tokens, variant, result.request.budget, step)
+        assert result.tokens == expected, (variant, result.request.budget)
+        assert result.kv_bytes == sum(c.nbytes for c in caches), "final KV bytes"
+        if variant.method != "full":
+            assert all(sharing._state_equal(a.state, b.state) for a, b in zip(result.caches, caches)), "final KV"
+        if step == STEP:
+            assert result.shared, "every chunk is prefill-sized: the prefill really was shared"
+    return mode
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_decodes_the_same_from_a_shared_prefill(loaded: tuple[Any, mx.array], name: str) -> None:
+    model, tokens = loaded
+    mode = check_exact(model, tokens, Variant(name, 0.25), BUDGETS)
+    assert mode in (sharing.SHARED, sharing.OWN, sharing.PLAIN)
+    if name in ("snapkv", "streamingllm"):
+        assert mode == sharing.SHARED, "no prefill state of their own: they take over the source's prefill"
+
+
+def test_the_full_cache_is_the_source_prefill_never_evicting(loaded: tuple[Any, mx.array]) -> None:
+    model, tokens = loaded
+    assert check_exact(model, tokens, Variant("full"), (sharing.HUGE,)) == sharing.SHARED
+    assert check_exact(model, tokens, Variant.of("snapkv[kernel=15]", 0.25), BUDGETS) == sharing.SHARED
+
+
+def test_a_short_last_chunk_runs_plain_and_stays_exact(loaded: tuple[Any, mx.array]) -> None:
+    """Two long chunks and one of 1 or 2 tokens: that one is decode-sized, so a plain run compresses mid-prompt."""
+    model, tokens = loaded
+    step = (tokens.size - 2) // 2
+    check_exact(model, tokens, Variant("snapkv", 0.25), BUDGETS, step=step)
+    got = list(sharing.run(model, tokens, [sharing.Request(Variant("snapkv"), 48, sharing.SHARED)], DECODE, step))
+    assert not got[0].shared
+
+
+@pytest.fixture
+def hidden_state_methods() -> Iterator[None]:
+    """Two methods the static rule calls shareable though their prompt leaves state the base does not hold."""
+
+    @method("hidden", "test: counts its forwards in target()")
+    class Hidden(SnapKVCache):
+        seen = 0
+
+        def target(self) -> int:
+            self.seen += 1
+            return super().target()
+
+        def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+            return positions.astype(mx.float32) * (1 if self.seen > 1 else -1)  # a prompt chunk came first
+
+    @method("budgetmemo", "test: remembers the budget its prompt's first chunk saw")
+    class BudgetMemo(SnapKVCache):
+        seen: tuple[int, ...] = ()
+
+        def target(self) -> int:
+            self.seen += (self.budget.resolve(self.offset),)
+            return super().target()
+
+        def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+            return positions.astype(mx.float32) * (1 if self.seen[0] < 1000 and len(self.seen) > 1 else -1)
+
+    yield
+    for name in ("hidden", "budgetmemo"):
+        METHODS.pop(name, None)
+        CACHE_CLASSES.pop(name, None)
+
+
+def test_a_method_the_rule_misjudges_is_caught(loaded: tuple[Any, mx.array], hidden_state_methods: None) -> None:
+    model, tokens = loaded
+    assert sharing.candidate(Variant("hidden")) == sharing.SHARED == sharing.candidate(Variant("budgetmemo"))
+    assert check_exact(model, tokens, Variant("hidden", 0.25), BUDGETS) == sharing.OWN, "state travels in a copy"
+    assert check_exact(model, tokens, Variant("budgetmemo", 0.25), BUDGETS) == sharing.PLAIN, "state needs its budget"
+
+
+def test_the_rule_sends_observers_to_their_own_prefill() -> None:
+    from veloxpatch.coordinators import Coordinator
+
+    class Counting(Coordinator):
+        def on_update(self, cache: Any) -> None:
+            super().on_update(cache)
+
+    class Helping(Coordinator):
+        def helper(self) -> None:
+            pass
+
+    class Observer(SnapKVCache):
+        def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
+            pass
+
+    assert sharing.keeps_no_prefill_state(SnapKVCache) and not sharing.keeps_no_prefill_state(Observer)
+    assert not sharing.keeps_no_prefill_state(type("Own", (SnapKVCache,), {"coordinator_class": Counting}))
+    assert sharing.keeps_no_prefill_state(type("Helped", (SnapKVCache,), {"coordinator_class": Helping}))
+    assert sharing.candidate(Variant("rotating", 0.5)) == sharing.PLAIN == sharing.candidate(Variant("quantized", 0.5))
+    assert sharing.source_method() == "snapkv"
+
+
+# ----------------------------------------------------------------------------- knobs
+def test_knob_variants_parse_label_and_reach_the_caches(loaded: tuple[Any, mx.array]) -> None:
+    assert split_specs("snapkv, snapkv[kernel=15,pool=max],streamingllm") == [
+        "snapkv", "snapkv[kernel=15,pool=max]", "streamingllm"]
+    assert parse_spec("snapkv[pool=max, kernel=15]") == ("snapkv", (("kernel", 15), ("pool", "max")))
+    variant = Variant.of("snapkv[kernel=15]", 0.25)
+    assert variant.label() == "snapkv[kernel=15]@0.25" and Variant.of("snapkv", 0.25).label() == "snapkv@0.25"
+    assert Variant.of("snapkv", 0.25) == Variant("snapkv", 0.25), "old labels and variants unchanged"
+    model, _ = loaded
+    caches = variant.caches(model, 1000)
+    assert {c.kernel for c in caches} == {15} and {str(c.budget) for c in caches} == {"250"}
+    for bad, why in (("snapkv[kernal=15]", "kernel"), ("snapkv[kernel=8]", "odd"), ("rotating[keep=4]", "knobs")):
+        with pytest.raises(ValueError, match=why):
+            parse_spec(bad)
+
+
+def test_cells_keep_old_journal_lines_and_add_knobs_and_intervals() -> None:
+    old = {"task": "passkey", "context": 1024, "method": "snapkv", "share": 0.25, "label": "snapkv@0.25",
+           "metric": "accuracy", "value": 0.8, "kv_bytes": 1.0, "peak_bytes": 2.0, "samples": 10}
+    cell = harness.Cell.from_row(old)
+    assert cell.variant == Variant("snapkv", 0.25) and cell.row()["label"] == "snapkv@0.25"
+    assert (round(cell.row()["ci95_low"], 2), round(cell.row()["ci95_high"], 2)) == (0.49, 0.94)
+    knobbed = harness.Cell.from_row({**old, "method": "snapkv[kernel=15]", "label": "snapkv[kernel=15]@0.25"})
+    assert knobbed.variant == Variant("snapkv", 0.25, (("kernel", 15),))
+    assert knobbed.row()["method"] == "snapkv[kernel=15]" and knobbed.row()["label"] == "snapkv[kernel=15]@0.25"
+
+
+def test_wilson_intervals() -> None:
+    assert tuple(round(x, 3) for x in wilson(8, 10)) == (0.490, 0.943)
+    low, high = wilson(0, 10)
+    assert low == 0 and round(high, 3) == 0.278
+    assert wilson(10, 10)[1] == 1 and round(wilson(10, 10)[0], 3) == 0.722
+    assert accuracy_text(0.8, 10) == "0.80 [0.49, 0.94] n=10"
+    assert accuracy_text(2 / 3, 3) == "0.67 [0.21, 0.94] n=3"
+
+
+# ----------------------------------------------------------------------------- the eval end to end
+def test_eval_shares_prefills_with_the_same_results_and_resumes_inside_a_cell(model_dir: Path, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    args = ["eval", "--model", str(model_dir), "--tasks", "passkey", "--contexts", "160", "--samples", "2",
+            "--budgets", "100%,50%,25%", "--methods", "snapkv,snapkv[kernel=3],streamingllm,rotating", "--no-plots"]
+    shared = CliRunner().invoke(main, args + ["--out", str(tmp_path / "shared")])
+    assert shared.exit_code == 0, shared.output
+    assert "snapkv[kernel=3]@0.25" in shared.output and "] n=2" in shared.output
+    alone = CliRunner().invoke(main, args + ["--out", str(tmp_path / "alone"), "--no-share-prefill"])
+    assert alone.exit_code == 0, alone.output
+
+    def rows(name: str) -> list[dict]:
+        return json.loads((tmp_path / name / "eval.json").read_text())["rows"]
+
+    keep = ("label", "value", "kv_bytes", "samples", "ci95_low", "ci95_high")
+    assert [{k: r[k] for k in keep} for r in rows("shared")] == [{k: r[k] for k in keep} for r in rows("alone")]
+    samples = (tmp_path / "shared" / "eval.samples.jsonl").read_text().splitlines()
+    assert len(samples) == 2 * 9, "one line per (example, variant)"
+
+    (tmp_path / "shared" / "eval.cells.jsonl").unlink()  # killed after its examples, before its cells
+
+    def must_not_run(*_: Any) -> None:
+        raise AssertionError("a finished example was measured again")
+
+    monkeypatch.setattr(harness, "measure", must_not_run)
+    again = CliRunner().invoke(main, args + ["--out", str(tmp_path / "shared")])
+    assert again.exit_code == 0, again.output
+    assert [{k: r[k] for k in keep} for r in rows("shared")] == [{k: r[k] for k in keep} for r in rows("alone")]
+    fewer = [a if a != "2" else "1" for a in args]  # a run stopped after its first example, reported as such
+    once = CliRunner().invoke(main, fewer + ["--out", str(tmp_path / "shared")])
+    assert once.exit_code == 0 and "] n=1" in once.output, once.output
+
+
+def test_bad_knobs_are_refused_on_the_command_line(model_dir: Path) -> None:
+    result = CliRunner().invoke(main, ["eval", "--model", str(model_dir), "--methods", "snapkv[kernal=3]"])
+    assert result.exit_code == 2 and "kernel" in result.output and "pool" in result.output
+
+
+def test_a_variant_alone_in_its_group_runs_plain(loaded: tuple[Any, mx.array]) -> None:
+    model, _ = loaded
+    found = sharing.plan(model, [Variant("full"), Variant("rotating", 0.5), Variant("h2o", 0.5)]
+                         if "h2o" in METHODS else [Variant("full"), Variant("rotating", 0.5)])
+    assert set(found.values()) == {sharing.PLAIN}, "nothing to share a prefill with"
+    found = sharing.plan(model, [Variant("full"), Variant("snapkv", 0.5), Variant("rotating", 0.5)])
+    assert found == {Variant("full"): sharing.SHARED, Variant("snapkv", 0.5): sharing.SHARED,
+                     Variant("rotating", 0.5): sharing.PLAIN}

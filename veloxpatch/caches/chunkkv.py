@@ -1,0 +1,181 @@
+"""ChunkKV (Liu et al., arXiv 2502.00299): keep whole chunks of consecutive tokens, not single tokens.
+
+A token's meaning lives in its neighbours, so a row kept without the rows around it is worth little.
+ChunkKV scores rows as SnapKV does (the attention the last ``VELOX_WINDOW`` real queries pay them,
+summed over the query heads of each KV head) and then ranks *chunks* of ``VELOX_CHUNKKV_CHUNK``
+consecutive tokens by their summed score, keeping the best chunks whole. The paper's default chunk
+size, 10, is the default here. Because whole chunks survive, neighbouring layers keep very similar
+positions, so the paper's *layer-wise index reuse* lets one layer choose for the next few: with
+``VELOX_CHUNKKV_REUSE=N`` the first layer of each block of N (a leader: ``layer % N == 0``) selects
+and publishes the positions it keeps, and the other layers of the block keep exactly those rows
+without scoring (``ChunkKVIndexReuseCoordinator``).
+
+Where this deviates from the paper, and why:
+
+* Chunks are fixed by token position (``position // chunk``), not by row index: after earlier
+  evictions the stored rows are no longer contiguous, and positions keep a chunk the same chunk
+  across compressions, trims and layers.
+* The sink and the recent window are kept anyway (the paper keeps the observation window; the sink
+  is this package's contract); their rows add nothing to a chunk's score, so the window's
+  attention to itself does not promote the chunk it starts in.
+* The budget counts rows, not chunks (the paper keeps ``budget // chunk`` chunks): chunks are
+  taken best first until the budget is full, and the one chunk the budget cuts keeps its earliest
+  rows (a contiguous span). So every head keeps exactly the budget, as every cache here does.
+* Selection is per KV head, as SnapKV and the PyramidKV-style implementations of ChunkKV do
+  (NVIDIA kvpress's port sums the scores over heads and shares one choice per layer). Per head,
+  chunk size 1 is exactly SnapKV without pooling, and GQA heads keep what their own queries need.
+* Reuse applies during decode too (the paper compresses once, after the prompt): the leader
+  publishes every time it compresses, and a follower that finds no usable publication for this
+  forward (its leader did not compress, or chose positions the follower does not hold) selects on
+  its own, said once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+
+from ..config import Setting, int_range
+from ..coordinators import Coordinator
+from ..log import once
+from . import method
+from .base import CompressedKVCache
+
+
+KNOBS = (
+    Setting("VELOX_CHUNKKV_CHUNK", int_range(1, 1024), "10", "an integer in [1, 1024]",
+            "ChunkKV: tokens per chunk; chunks are kept or evicted whole.", method="chunkkv"),
+    Setting("VELOX_CHUNKKV_REUSE", int_range(1, 1024), "1", "an integer in [1, 1024]",
+            "ChunkKV: layers per index-reuse block; the block's first layer chooses the positions all of "
+            "them keep (1: every layer chooses).", method="chunkkv"),
+)
+
+HOLE_LAST = 2**30
+
+
+def keep_order(scores: mx.array, positions: mx.array, protected: mx.array, chunk: int, seen: int) -> mx.array:
+    """(B, H, rows) int32 sort key: rows are kept lowest key first.
+
+    Protected rows first, then the rows of the chunk with the most score, then the next chunk,
+    and so on; within a chunk the earlier positions first, so the one chunk the budget cuts keeps
+    a contiguous span. Holes last. ``seen`` (the tokens seen) bounds the chunk ids.
+    """
+    b, h, rows = scores.shape
+    valid = positions >= 0
+    ids = mx.where(valid, positions // chunk, 0)
+    chunks = seen // chunk + 1
+    mass = mx.where(valid & ~protected, scores, 0.0)
+    slots = (mx.arange(b * h, dtype=mx.int32).reshape(b, h, 1) * chunks + ids).reshape(-1)
+    totals = mx.zeros((b * h * chunks,), mx.float32).at[slots].add(mass.reshape(-1)).reshape(b, h, chunks)
+    rank = mx.argsort(mx.argsort(-totals, axis=-1), axis=-1).astype(mx.int32)
+    key = mx.take_along_axis(rank, ids, axis=-1) * chunk + mx.where(valid, positions % chunk, 0)
+    key = mx.where(protected, -1, key)
+    return mx.where(valid, key, HOLE_LAST)
+
+
+class ChunkKVIndexReuseCoordinator(Coordinator):
+    """Carries the positions a block's leader layer keeps to the other layers of its block.
+
+    One per cache list, so two generations never see each other's choices; a publication counts
+    only in the forward it was made in (:meth:`Coordinator.latest`).
+    """
+
+    @staticmethod
+    def topic(layer: int, block: int) -> tuple[str, int, int]:
+        """The name a block's choice is published under: layers ``block * k .. block * k + block - 1``."""
+        return ("chunkkv kept positions", block, layer // block)
+
+    def share(self, layer: int, block: int, positions: mx.array) -> None:
+        """The leader ``layer`` keeps ``positions`` (B, kv_heads, keep) in this forward."""
+        self.publish(self.topic(layer, block), positions)
+
+    def shared(self, layer: int, block: int) -> mx.array | None:
+        """The positions ``layer``'s leader kept in this forward, or None."""
+        return self.latest(self.topic(layer, block))
+
+
+@method("chunkkv", "Window attention summed over chunks of consecutive tokens; whole chunks kept, per KV head.",
+        KNOBS)
+class ChunkKVCache(CompressedKVCache):
+    """Keeps the chunks of consecutive tokens the recent queries attend to most."""
+
+    coordinator_class = ChunkKVIndexReuseCoordinator
+
+    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", chunk: int = 10,
+                 reuse: int = 1) -> None:
+        super().__init__(budget, sink, window, mode)
+        self.chunk = chunk
+        self.reuse = reuse
+
+    def knob_values(self) -> dict[str, object]:
+        return {"chunk": self.chunk, "reuse": self.reuse}
+
+    def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+        """Window attention per row; protected rows score nothing (they are kept anyway, and the
+        window's attention to itself would otherwise promote the chunk it starts in)."""
+        scores = self.window_attention(keys, positions, scale)
+        return mx.where(self.protected(positions), 0.0, scores)
+
+    def select(self, keep: int, scale: float) -> mx.array:
+        """A follower applies its leader's choice when it can; a leader publishes its own."""
+        if self._follower():
+            kept = self._leaders_rows(keep)
+            return kept if kept is not None else self.choose(keep, scale)
+        index = self.choose(keep, scale)
+        if self.reuse > 1 and isinstance(self.coordinator, ChunkKVIndexReuseCoordinator):
+            positions = mx.take_along_axis(self.store.row_positions(), index, axis=-1)
+            self.coordinator.share(self.layer, self.reuse, positions)
+        return index
+
+    def choose(self, keep: int, scale: float) -> mx.array:
+        """This layer's own choice, (B, kv_heads, keep) ascending: the best whole chunks per head."""
+        keys, _ = self.store.fetch()
+        positions = self.store.row_positions()
+        scores = self.score(keys, positions, scale).astype(mx.float32)
+        order = keep_order(scores, positions, self.protected(positions), self.chunk, self.offset)
+        return mx.sort(mx.argpartition(order, kth=keep - 1, axis=-1)[..., :keep], axis=-1)
+
+    def _follower(self) -> bool:
+        return self.reuse > 1 and self.layer % self.reuse != 0
+
+    def _leaders_rows(self, keep: int) -> mx.array | None:
+        """The rows holding the positions this block's leader kept in this forward, or None (said
+        once) when there is no such choice or it does not fit this layer."""
+        coordinator = self.coordinator
+        shared = isinstance(coordinator, ChunkKVIndexReuseCoordinator)
+        chosen = coordinator.shared(self.layer, self.reuse) if shared else None
+        positions = self.store.row_positions()
+        if chosen is None:
+            return self._fallback("its leader layer did not compress in this forward")
+        if tuple(chosen.shape) != (*positions.shape[:2], keep):
+            return self._fallback("its leader's choice has another shape (batch, KV heads or budget differ)")
+        rows = self._rows_of(positions, chosen)
+        if not bool((rows >= 0).all().item()):
+            return self._fallback("its leader kept positions it does not hold")
+        return rows
+
+    def _rows_of(self, positions: mx.array, wanted: mx.array) -> mx.array:
+        """Rows holding the positions ``wanted`` (B, H, k), ascending; -1 where this layer has none.
+
+        A lookup table by position (one entry per token seen) avoids comparing every pair. Where
+        a trim left fewer rows than the budget the leader kept holes (-1); the follower keeps its
+        own, the j-th hole wanted taking its j-th hole row, so the two layers stay alike.
+        """
+        b, h, rows = positions.shape
+        index = mx.broadcast_to(mx.arange(rows, dtype=mx.int32), (b, h, rows))
+        table = mx.full((b, h, self.offset + 1), -1, mx.int32)
+        table = mx.put_along_axis(table, mx.where(positions >= 0, positions, self.offset), index, axis=-1)
+        seen = (wanted >= 0) & (wanted < self.offset)
+        found = mx.take_along_axis(table, mx.where(seen, wanted, self.offset), axis=-1)
+        hole = wanted < 0
+        nth = mx.cumsum(hole.astype(mx.int32), axis=-1) - 1
+        holes = mx.argsort(mx.where(positions < 0, index, rows + index), axis=-1).astype(mx.int32)
+        own_hole = mx.take_along_axis(holes, mx.clip(nth, 0, rows - 1), axis=-1)
+        enough = nth < (positions < 0).sum(axis=-1, keepdims=True)
+        return mx.sort(mx.where(hole, mx.where(enough, own_hole, -1), found), axis=-1)
+
+    def _fallback(self, reason: str) -> None:
+        once(f"chunkkv reuse: {reason}", logging.INFO,
+             f"chunkkv: a follower layer chose its own chunks because {reason} (said once)")
+        return None

@@ -1,0 +1,273 @@
+"""SqueezeAttention (Wang et al., arXiv 2404.04793): the budget moved between layers by how much
+each layer's attention matters, with any method picking the rows inside a layer.
+
+The paper measures, while the prompt is read, how much each layer's self-attention changes the
+hidden state (the cosine similarity of the hidden state before and after attention), clusters the
+layers by it into three groups with k-means, and gives the group whose attention changes the hidden
+state least a fraction ``p`` of the budget; what that saves is shared evenly by the other layers, so
+the list holds as many rows as with a uniform budget. A sequence-wise method (the paper pairs it
+with H2O, a sliding window and StreamingLLM) picks the rows inside each layer with its own budget.
+
+Here ``p = 1 - VELOX_SQUEEZE_STRENGTH`` (0: uniform) and ``VELOX_SQUEEZE_POLICY`` names the method
+inside the layers. Where this deviates from the paper, and why:
+
+* The signal. Our attention route sees queries and keys, never the hidden states, so a layer's
+  importance is how widely its attention spreads: the normalised entropy (1: spread evenly over
+  every row a query sees, 0: all on one row) of the real attention the last ``VELOX_WINDOW``
+  queries of each prompt chunk pay the stored rows, averaged over batch, heads, those queries and
+  the prompt's chunks. The group that concentrates its attention most is squeezed: attention
+  parked on a few rows (most often the sink) changes the hidden state least, the paper's
+  high-similarity layers, and a few rows serve it.
+* When. Every prompt chunk (a step longer than the headroom of the configured budget) reports,
+  accumulating over the whole prompt rather than the first report winning; the first decode-sized
+  step after a reported chunk ends reporting, so decode (speculative verification steps and later
+  chunks included) runs on a schedule fixed by the prompt. The schedule is recomputed at most once
+  per forward, at its first layer, from the reports of the forwards before: in ``chunk`` mode the
+  first chunk compresses with uniform budgets and later chunks with the schedule so far.
+* The clustering is exact 1-D k-means (the best split of the sorted scores into three runs, not
+  Lloyd's iterations from a random start), so the schedule is deterministic.
+* ``p`` applies to the evictable part of the budget, above ``VELOX_SINK + VELOX_WINDOW``, as in
+  :mod:`.pyramidkv`: every layer keeps its sink and window. No layer gets more rows than the tokens
+  it has seen (what it cannot use goes to the others), so a budget at or above the context evicts
+  nothing; budgets are integers summing to exactly layers x budget.
+* What is frozen is each layer's share, not a number of rows: the rows are the share of the budget
+  of the moment (``budget.resolve(offset)``, the total being layers x budget), so a percentage
+  budget keeps growing with the context, and setting ``cache.budget`` on every member after an
+  ``end``-mode prefill and before decoding gives the schedule of that budget (the evaluation
+  harness shares one prefill across budgets this way).
+* A list where some layer never reports (it does not attend through us) runs on uniform budgets,
+  said once; a prompt too short to report at all keeps the shares it had, or uniform budgets.
+
+The shares are saved with each cache (``knob_values``), so a restored list keeps its budgets. A new
+sequence (``coordinator.reset``) forgets the reports; members that hold no rows forget their
+shares, while a continued one (a chat's next turn, a restored cache) keeps the shares its rows were
+compressed with until its new prompt's reports replace them.
+
+The policy is the chosen method's cache class: a squeeze cache of policy ``h2o`` is an instance of
+a class deriving from both :class:`SqueezeCache` and ``H2OCache`` (made once per policy, under the
+name mlx_lm saves and looks up), so the policy's scores, hooks and per-row state (H2O's accumulated
+attention following compactions and trims) work unchanged. Its own knobs keep their defaults and are
+saved with the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import Setting
+from ..coordinators import Coordinator
+from ..log import once
+from . import CACHE_CLASSES, method
+from .base import CompressedKVCache
+from .pyramidkv import layer_budgets
+
+POLICIES = ("snapkv", "h2o", "streamingllm", "tova")
+GROUPS = 3  # the paper's k-means clusters
+
+
+def _policy(text: str) -> str:
+    value = text.strip().lower()
+    if value not in POLICIES:
+        raise ValueError(text)
+    return value
+
+
+def _strength(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise ValueError(text)
+    return value
+
+
+KNOBS = (
+    Setting("VELOX_SQUEEZE_POLICY", _policy, "snapkv", "one of " + ", ".join(POLICIES),
+            "SqueezeAttention: the method that picks the rows inside each layer.", method="squeeze"),
+    Setting("VELOX_SQUEEZE_STRENGTH", _strength, "0.5", "a number in [0, 1]",
+            "SqueezeAttention: the part of its budget above sink + window that the least important group of "
+            "layers gives to the others (the paper's 1 - p; 0: uniform).", method="squeeze"),
+)
+
+
+def kmeans_1d(values: Sequence[float], groups: int) -> list[int]:
+    """Exact 1-D k-means: each value's group, numbered by ascending mean, for the split of the sorted
+    values into ``groups`` runs with the least within-group sum of squares (the first on a tie)."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranked = [values[i] for i in order]
+    sums = list(itertools.accumulate(ranked, initial=0.0))
+    squares = list(itertools.accumulate((v * v for v in ranked), initial=0.0))
+
+    def cost(a: int, b: int) -> float:
+        return squares[b] - squares[a] - (sums[b] - sums[a]) ** 2 / (b - a)
+
+    def total(cuts: tuple[int, ...]) -> float:
+        bounds = (0, *cuts, len(ranked))
+        return sum(cost(a, b) for a, b in itertools.pairwise(bounds))
+
+    best = min(itertools.combinations(range(1, len(ranked)), groups - 1), key=total)
+    labels = [0] * len(values)
+    for group, (a, b) in enumerate(itertools.pairwise((0, *best, len(ranked)))):
+        for i in order[a:b]:
+            labels[i] = group
+    return labels
+
+
+def squeeze_shares(importance: Sequence[float], strength: float) -> tuple[float, ...]:
+    """Each layer's share of the budget (mean 1): the least important k-means group gets
+    ``1 - strength``, the others evenly what it gives up; uniform when nothing tells layers apart."""
+    layers = len(importance)
+    uniform = (1.0,) * layers
+    if strength == 0 or layers < 2 or max(importance) - min(importance) <= 0:
+        return uniform
+    squeezed = [label == 0 for label in kmeans_1d(importance, min(GROUPS, layers))]
+    count = sum(squeezed)
+    raised = 1 + strength * count / (layers - count)
+    return tuple(1 - strength if low else raised for low in squeezed)
+
+
+class SqueezeCoordinator(Coordinator):
+    """Collects each layer's importance over the prompt and sets the members' shares from it."""
+
+    def __init__(self, method: str) -> None:
+        super().__init__(method)
+        self.reports: dict[int, tuple[mx.array, int]] = {}  # layer -> (sum of chunk scores, chunks)
+        self.closed = False  # decoding has started: the prompt's reports are all in
+        self.stale = False  # reports arrived since the shares were set
+        self.considered = -1  # the forward whose first layer last looked at the reports
+        self.current: tuple[float, ...] | None = None  # the members' shares as of that forward
+
+    def reset(self) -> None:
+        """A new sequence: forget the reports; members that hold no rows forget their shares."""
+        super().reset()
+        self.reports.clear()
+        self.closed = self.stale = False
+        self.considered = -1
+        for member in self.members:
+            if member.offset == 0:
+                member.share = None
+
+    def report(self, cache: Any, score: mx.array) -> None:
+        """A prompt chunk's importance for ``cache``'s layer (ignored once decoding has started)."""
+        if self.closed:
+            return
+        total, chunks = self.reports.get(cache.layer, (0.0, 0))
+        self.reports[cache.layer] = (total + score, chunks + 1)
+        self.stale = True
+
+    def close(self) -> None:
+        """A decode-sized step: once a prompt chunk has reported, the schedule stays as the prompt
+        set it (a short step before any chunk, e.g. a prompt's first few tokens, closes nothing)."""
+        self.closed = self.closed or bool(self.reports)
+
+    def schedule(self) -> tuple[float, ...] | None:
+        """The members' shares (None while any is unset), looked at once per forward, at its first
+        layer: the shares are set from the reports first if new ones came in."""
+        if self.considered != self.step:
+            self.considered = self.step
+            if self.stale:
+                self._allocate()
+            self.current = shares_of(self.members)
+        return self.current
+
+    def _allocate(self) -> None:
+        """Set every member's share from the reports (none if some layer has not reported)."""
+        self.stale = False
+        layers = len(self.members)
+        missing = sum(i not in self.reports for i in range(layers))
+        if not layers:
+            return
+        if missing:
+            once("squeeze partial", logging.INFO,
+                 f"squeeze: {missing} of {layers} layers report no prompt attention "
+                 "(they do not attend through veloxpatch); their list runs on uniform budgets")
+            shares: Sequence[float | None] = [None] * layers
+        else:
+            means = mx.stack([total / chunks for total, chunks in (self.reports[i] for i in range(layers))])
+            shares = squeeze_shares(means.tolist(), self.members[0].strength)
+        for member, share in zip(self.members, shares):
+            member.share = share
+
+
+def shares_of(members: Sequence[Any]) -> tuple[float, ...] | None:
+    """Every member's share, or None while any is unset (or the list has one member)."""
+    shares = tuple(getattr(member, "share", None) for member in members)
+    return None if len(shares) < 2 or None in shares else shares
+
+
+@functools.cache
+def with_policy(policy: str) -> type[SqueezeCache]:
+    """The squeeze cache class whose rows are picked by ``policy``'s cache class.
+
+    Named like :class:`SqueezeCache`, which is what mlx_lm saves and looks up on load (the policy
+    travels in the knobs)."""
+    return type(SqueezeCache.__name__, (SqueezeCache, CACHE_CLASSES[policy]),
+                {"__doc__": SqueezeCache.__doc__, "__module__": __name__,
+                 "__qualname__": f"{SqueezeCache.__qualname__}[{policy}]"})
+
+
+@method("squeeze", "Layer budgets set by each layer's prompt attention (k-means groups); rows by a policy.", KNOBS)
+class SqueezeCache(CompressedKVCache):
+    """Per-layer budgets from :class:`SqueezeCoordinator`; the rows are picked by the policy's class."""
+
+    coordinator_class = SqueezeCoordinator
+
+    def __new__(cls, *args: Any, policy: str = "snapkv", **kwargs: Any) -> SqueezeCache:
+        """``SqueezeCache(...)`` builds an instance of its class for ``policy``; copies, which call
+        ``__new__`` on that class without arguments, stay in it."""
+        return super().__new__(with_policy(policy) if cls is SqueezeCache else cls)
+
+    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", policy: str = "snapkv",
+                 strength: float = 0.5, share: float | None = None, **knobs: Any) -> None:
+        super().__init__(budget, sink, window, mode, **knobs)
+        self.policy = policy
+        self.strength = strength
+        self.share = share  # this layer's share of the budget (mean 1 over the list), None: not set
+
+    def knob_values(self) -> dict[str, Any]:
+        return {**super().knob_values(), "policy": self.policy, "strength": self.strength, "share": self.share}
+
+    def target(self) -> int:
+        """This layer's share of layers x budget, or the plain budget while the list has no shares."""
+        budget = self.budget.resolve(self.offset)
+        floor = self.sink + self.window
+        shares = self._shares()
+        if shares is None:
+            return max(budget, floor)
+        return layer_budgets(shares, budget, floor, self.offset)[self.layer]
+
+    def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
+        """The policy's hook; then a prompt chunk reports its importance, a decode-sized step after
+        the prompt's chunks ends reporting."""
+        super().observe(queries, keys, scale)
+        coordinator = self.coordinator
+        if not isinstance(coordinator, SqueezeCoordinator):
+            return
+        if queries.shape[2] > self.headroom(max(self.budget.resolve(self.offset), self.sink + self.window)):
+            coordinator.report(self, self.dispersion(queries, keys, scale))
+        else:
+            coordinator.close()
+
+    def dispersion(self, queries: mx.array, keys: mx.array, scale: float) -> mx.array:
+        """How widely the step's last ``window`` queries spread their attention over the stored rows:
+        entropy over the rows each sees, divided by its most (log of their count), averaged (scalar)."""
+        b, hq, n, d = queries.shape
+        w = min(self.window, n)
+        hkv = keys.shape[1]
+        q = (queries[..., -w:, :].astype(mx.float32) * scale).reshape(b, hkv, hq // hkv, w, d)
+        logits = q @ mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)
+        visible = self._visible(self.store.row_positions(), w)[:, :, None]
+        probs = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+        entropy = -(probs * mx.log(mx.maximum(probs, 1e-30))).sum(axis=-1)
+        seen = visible.sum(axis=-1)
+        return mx.where(seen > 1, entropy / mx.log(mx.maximum(seen, 2)), 0.0).mean()
+
+    def _shares(self) -> tuple[float, ...] | None:
+        """The list's shares (from the coordinator's schedule), or None if this layer has none."""
+        coordinator = self.coordinator
+        shares = coordinator.schedule() if isinstance(coordinator, SqueezeCoordinator) else shares_of(self._members())
+        return shares if shares is not None and self.layer < len(shares) else None

@@ -1,0 +1,66 @@
+"""TOVA, Token Omission Via Attention (Oren et al., arXiv 2401.06104): keep the rows the newest
+query attends to most.
+
+The paper reads a decoder as a multi-state RNN whose states are the KV rows; bounding the states
+turns it into a finite one, and the policy that works best is the plainest: when the cache is over
+its size, drop the rows the current query pays the least attention, averaged over the layer's
+heads. One score per token, so a layer keeps the same tokens in every head (the authors' code
+averages over heads and gathers every KV head with the same indexes). Here the score is the
+newest remembered query's attention: softmax over the rows it saw, averaged over all query heads
+(grouped-query attention included), and every KV head keeps the same rows, so a row index names
+the same token in every head (appends, compactions and trims keep them aligned).
+
+Where this deviates from the paper, and why:
+
+* The paper evicts one row per decode step; like every method here, a cache grows ``headroom`` rows
+  above the budget and then evicts them together by the newest query's attention, so a
+  compaction's copy is amortised.
+* The paper protects nothing (the newest token's high self-attention keeps it). The base keeps the
+  first ``VELOX_SINK`` tokens and the last ``VELOX_WINDOW`` tokens whatever their scores;
+  ``VELOX_SINK=0`` and ``VELOX_WINDOW=1`` give the paper's policy, the newest token aside.
+* Only the newest query is remembered (``VELOX_WINDOW`` is just the protected window here).
+  In ``end`` mode the prompt is compressed by its last token's attention, as the authors'
+  code does once the prompt has been read; ``chunk`` uses each chunk's last token.
+* Attention sinks passed to attention (``sinks``, an extra logit per head) are left out of the
+  probabilities: they hold no row.
+"""
+
+from __future__ import annotations
+
+
+import mlx.core as mx
+
+from . import method
+from .base import CompressedKVCache
+
+
+@method("tova", "The newest query's attention averaged over heads; one set of rows per layer.")
+class TOVACache(CompressedKVCache):
+    """Ranks rows by the newest query's attention, the same ranking for every head of the layer."""
+
+    def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+        """Mean over all query heads of the newest query's attention over the rows it saw; with no
+        query to go by (a trim took it back, or the cache was rebuilt without one), recency."""
+        if self.queries is None:
+            return positions.astype(mx.float32)
+        b, hq, _, d = self.queries.shape
+        hkv = keys.shape[1]
+        q = (self.queries.astype(mx.float32) * scale).reshape(b, hkv, hq // hkv, 1, d)
+        logits = (q @ mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2))[..., 0, :]
+        seen = (positions >= 0) & (positions < self.queries_end)
+        logits = mx.where(seen[:, :, None], logits, -mx.inf)
+        mean = mx.softmax(logits, axis=-1, precise=True).mean(axis=(1, 2))
+        return mx.broadcast_to(mean[:, None], positions.shape)
+
+    def select(self, keep: int, scale: float) -> mx.array:
+        """One set of rows for every KV head: the scores, protection and holes are the same in
+        every head, so the first head's choice is every head's."""
+        index = super().select(keep, scale)
+        return mx.broadcast_to(index[:, :1], index.shape)
+
+    def _remember(self, queries: mx.array) -> None:
+        """Keep the newest query only (a copy out of a chunk, which a slice would keep alive), and
+        how much it saw: a prompt compressed in ``end`` mode is scored by it when the next step's
+        rows are already stored."""
+        self.queries = queries if queries.shape[2] == 1 else mx.contiguous(queries[..., -1:, :])
+        self.queries_end = self.offset
