@@ -74,3 +74,26 @@ def test_a_mask_handed_to_the_model_is_not_kept_after_the_forward() -> None:
     model(random_tokens(100, 32)[None], cache=caches)
     assert type(caches[0]).__name__ == "StreamingLLMCache"
     assert all(c.issued_mask is None for c in caches)
+
+
+def test_the_prompt_peak_is_vanilla_s_while_nothing_is_evicted() -> None:
+    """The window copy is computed as soon as its chunk's queries are: left to the end of the
+    forward, every layer's whole query tensor stays alive until then (the peak of a prefill chunk
+    grew by chunk x query heads x head_dim x 4 bytes per layer)."""
+    model = tiny("llama", seed=1)
+    tokens = random_tokens(2048, 33)
+
+    def peak() -> int:
+        caches = make_prompt_cache(model)
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        mx.eval(model(tokens[None], cache=caches))
+        mx.eval([c.state for c in caches])
+        return mx.get_peak_memory() - before
+
+    vanilla = peak()
+    veloxpatch.patch(kv="snapkv", budget=1 << 20, window=16)
+    queries = len(model.layers) * tokens.size * model.args.hidden_size * 4  # query heads x head_dim = hidden
+    assert peak() - vanilla < queries / 4, f"vanilla {vanilla} B; every layer's queries {queries} B"

@@ -371,11 +371,16 @@ class CompressedKVCache(ABC):
     def _remember(self, queries: mx.array) -> None:
         """Keep a copy of the most recent ``window`` queries (the observation window).
 
-        A copy, not a slice: a slice would keep the whole chunk's query tensor alive. Queries of
-        a different width (models that attend in another space when decoding) start afresh.
+        A copy, not a slice: a slice would keep the whole chunk's query tensor alive. After a
+        prompt chunk the copy is scheduled at once (``async_eval``): left lazy, it would be computed
+        only when the forward's results are, keeping every layer's whole query tensor alive until
+        then and raising the prompt's peak memory above mlx_lm's. Queries of a different width
+        (models that attend in another space when decoding) start afresh.
         """
         old = self.queries
         if old is not None and queries.shape[2] < self.window and old.shape[-1] == queries.shape[-1]:
             queries = mx.concatenate([old, queries], axis=2)
         self.queries = mx.contiguous(queries[..., -self.window :, :])
         self.queries_end = self.offset
+        if queries.shape[2] > self.window:
+            mx.async_eval(self.queries)
