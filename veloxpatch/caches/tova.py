@@ -64,3 +64,5 @@ class TOVACache(CompressedKVCache):
         rows are already stored."""
         self.queries = queries if queries.shape[2] == 1 else mx.contiguous(queries[..., -1:, :])
         self.queries_end = self.offset
+        if queries.shape[2] > 1:
+            mx.async_eval(self.queries)  # left lazy, the chunk's whole query tensor lives to the forward's end
