@@ -316,13 +316,7 @@ class CompressedKVCache(ABC):
         keep = mx.zeros(kept.shape[:2] + (rows,), mx.bool_)
         keep = mx.put_along_axis(keep, kept, mx.array(True), axis=-1) | (mx.arange(rows) >= rows - n)
         keep = mx.repeat(keep, queries.shape[1] // keep.shape[1], axis=1)[:, :, None, :]
-        if given is None:
-            return keep
-        if isinstance(given, str):
-            given = mx.arange(rows)[None] <= mx.arange(rows - n, rows)[:, None]
-        if given.dtype == mx.bool_:
-            return keep & given
-        return mx.where(keep, given, mx.array(-mx.inf, given.dtype))
+        return _combined(keep, given, rows, n)
 
     def _mask(self, queries: mx.array, given: Any) -> Any:
         """Our mask for this step, combined with the model's when it carries its own information."""
@@ -330,14 +324,9 @@ class CompressedKVCache(ABC):
         own = self._position_mask(queries) if self.store.holes else (None if n == 1 else "causal")
         if not isinstance(given, mx.array) or self._issued(given):
             return own
-        if isinstance(own, str):
-            rows = self.store.rows
-            own = mx.arange(rows)[None] <= mx.arange(rows - n, rows)[:, None]
         if own is None:
             return given
-        if given.dtype == mx.bool_:
-            return own & given
-        return mx.where(own, given, mx.array(-mx.inf, given.dtype))
+        return _combined(own, given, self.store.rows, n)
 
     def _visible(self, positions: mx.array, n: int, end: int | None = None) -> mx.array:
         """(B, kv_heads, n, rows): which rows the ``n`` tokens before ``end`` (default: the last ``n``
@@ -377,10 +366,29 @@ class CompressedKVCache(ABC):
         then and raising the prompt's peak memory above mlx_lm's. Queries of a different width
         (models that attend in another space when decoding) start afresh.
         """
+        window = self.remembered()
         old = self.queries
-        if old is not None and queries.shape[2] < self.window and old.shape[-1] == queries.shape[-1]:
+        if old is not None and queries.shape[2] < window and old.shape[-1] == queries.shape[-1]:
             queries = mx.concatenate([old, queries], axis=2)
-        self.queries = mx.contiguous(queries[..., -self.window :, :])
+        self.queries = mx.contiguous(queries[..., -window:, :])
         self.queries_end = self.offset
-        if queries.shape[2] > self.window:
+        if queries.shape[2] > window:
             mx.async_eval(self.queries)
+
+    def remembered(self) -> int:
+        """How many of the most recent queries to remember: the observation window."""
+        return self.window
+
+
+def _combined(visible: mx.array | str, given: Any, rows: int, n: int) -> Any:
+    """Boolean ``visible`` (or ``"causal"``) combined with a mask ``given`` for ``n`` queries over
+    ``rows`` rows: None, ``"causal"``, a boolean array, or an additive one (-inf where hidden)."""
+    if isinstance(visible, str):
+        visible = mx.arange(rows)[None] <= mx.arange(rows - n, rows)[:, None]
+    if given is None:
+        return visible
+    if isinstance(given, str):
+        given = mx.arange(rows)[None] <= mx.arange(rows - n, rows)[:, None]
+    if given.dtype == mx.bool_:
+        return visible & given
+    return mx.where(visible, given, mx.array(-mx.inf, given.dtype))

@@ -58,11 +58,7 @@ class TOVACache(CompressedKVCache):
         index = super().select(keep, scale)
         return mx.broadcast_to(index[:, :1], index.shape)
 
-    def _remember(self, queries: mx.array) -> None:
-        """Keep the newest query only (a copy out of a chunk, which a slice would keep alive), and
-        how much it saw: a prompt compressed in ``end`` mode is scored by it when the next step's
-        rows are already stored."""
-        self.queries = queries if queries.shape[2] == 1 else mx.contiguous(queries[..., -1:, :])
-        self.queries_end = self.offset
-        if queries.shape[2] > 1:
-            mx.async_eval(self.queries)  # left lazy, the chunk's whole query tensor lives to the forward's end
+    def remembered(self) -> int:
+        """The newest query only; its ``queries_end`` says what it saw (a prompt compressed in
+        ``end`` mode is scored by it when the next step's rows are already stored)."""
+        return 1

@@ -53,7 +53,7 @@ from .variants import PROTECTED, Variant
 HUGE = 1 << 30  # a budget no prompt reaches: the cache never evicts
 SHARED, OWN, PLAIN = "shared", "own", "plain"
 # the hooks a prompt chunk runs through in end mode: a method overriding one may keep state of its own
-PREFILL_HOOKS = ("update_and_fetch", "attend", "observe", "_remember", "_due")
+PREFILL_HOOKS = ("update_and_fetch", "attend", "observe", "_remember", "remembered", "_due")
 # a coordinator class overriding none of these holds nothing but the base's state (it may add helpers)
 COORDINATOR_HOOKS = ("__init__", "join", "replace", "reset", "on_update", "publish", "latest")
 # the check: a prompt of 1 + 2 chunks longer than any default headroom (64), budgets that evict (headroom 8 and
