@@ -19,10 +19,15 @@ from mlx_lm.models.cache import (
 )
 
 import veloxpatch
+from veloxpatch.caches import CACHE_CLASSES
+from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.coordinators import coordinators_of
 from veloxpatch.eval.random_model import ARCHS, build, config_for, write_model_dir
 
 VOCAB = 97
+# methods that evict rows to a budget, and those that fold rows across layers instead (no budget)
+EVICTING = sorted(name for name, cls in CACHE_CLASSES.items() if not issubclass(cls, CrossLayerCache))
+CROSS_LAYER = sorted(name for name, cls in CACHE_CLASSES.items() if issubclass(cls, CrossLayerCache))
 
 
 def tiny(arch: str, seed: int = 0, layers: int | None = None):
@@ -200,3 +205,49 @@ def assert_round_trip(path: str, model, caches, steps: int = 6) -> list:
     assert type(restored) is type(original) and restored.members == loaded
     assert greedy(model, mx.array([7]), loaded, steps=steps) == greedy(model, mx.array([7]), caches, steps=steps)
     return loaded
+
+
+# --------------------------------------------------------------------- cross-layer caches, driven directly
+def feed_layers(caches: list, rows: list[tuple[mx.array, mx.array]], steps: list[int], heads_q: int = 4,
+                scale: float = 0.25, between=None) -> list[mx.array]:
+    """Feed each layer its (keys, values) in steps, layer by layer as a model does (``between(layer)`` after
+    each layer's attention); the last step's attention outputs per layer."""
+    rng = np.random.default_rng(1)
+    outs, start = [], 0
+    for n in steps:
+        outs = []
+        queries = mx.array(rng.standard_normal((1, heads_q, n, rows[0][0].shape[-1])).astype(np.float32))
+        for layer, (cache, (keys, values)) in enumerate(zip(caches, rows)):
+            k, v = cache.update_and_fetch(keys[..., start : start + n, :], values[..., start : start + n, :])
+            outs.append(cache.attend(queries, k, v, scale))
+            if between is not None:
+                between(layer)
+        start += n
+    return outs
+
+
+class KVCacheRoute:
+    """mlx_lm's KVCache with plain attention: the uncompressed reference for :func:`feed_layers`."""
+
+    def __init__(self) -> None:
+        self.cache = KVCache()
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self.cache.update_and_fetch(keys, values)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        mask = "causal" if queries.shape[2] > 1 else None
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def count_joints(monkeypatch, cls) -> list[int]:
+    """Make ``cls.joint`` record how many parts each call got; returns the record."""
+    calls: list[int] = []
+    joint = cls.joint
+
+    def counted(self, parts):
+        calls.append(len(parts))
+        return joint(self, parts)
+
+    monkeypatch.setattr(cls, "joint", counted)
+    return calls

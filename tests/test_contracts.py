@@ -12,10 +12,10 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 import veloxpatch
 from conftest import (
-    assert_a_rejected_draft_leaves_no_trace, assert_round_trip, assert_within_budget, decoded, greedy, prefill,
-    random_tokens, speculated, tiny,
+    EVICTING, assert_a_rejected_draft_leaves_no_trace, assert_round_trip, assert_within_budget, decoded, greedy,
+    prefill, random_tokens, speculated, tiny,
 )
-from veloxpatch.caches import METHODS, CompressedKVCache
+from veloxpatch.caches import CompressedKVCache
 from veloxpatch.caches.snapkv import SnapKVCache, pool_rows
 from veloxpatch.caches.store import RowStore
 from veloxpatch.caches.streamingllm import StreamingLLMCache
@@ -28,7 +28,7 @@ def continue_greedy(model, caches, first: int, steps: int = 6) -> list[int]:
     return greedy(model, mx.array([first]), caches, steps=steps)
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", EVICTING)
 def test_offset_counts_tokens_and_rows_stay_bounded(method: str) -> None:
     model = tiny("qwen3")
     veloxpatch.patch(compress="chunk", kv=method, budget=48, window=8)
@@ -119,7 +119,7 @@ ROUND_TRIP_KNOBS = {"chunkkv": {"chunkkv_chunk": 5, "chunkkv_reuse": 2}, "pyrami
 
 
 @pytest.mark.parametrize("mode", ["chunk", "end"])
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", EVICTING)
 def test_prompt_cache_file_round_trip(tmp_path, method: str, mode: str) -> None:
     """``chunk``: saved after a few decode steps (H2O's queued queries not yet accounted); ``end``:
     saved with the prompt left whole, which the loaded caches compress as they continue."""
@@ -161,7 +161,7 @@ def first_layer_keys(model, tokens: mx.array) -> mx.array:
     return caches[0].keys[..., : tokens.size, :]
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", EVICTING)
 def test_trim_of_the_newest_rows_after_eviction_is_exact_through_mlx_lm(method: str) -> None:
     """Speculative decoding's rewind: through mlx_lm's own gate, after evictions, exactly."""
     model = tiny("llama")
@@ -172,7 +172,7 @@ def test_trim_of_the_newest_rows_after_eviction_is_exact_through_mlx_lm(method: 
     assert_a_rejected_draft_leaves_no_trace(model, caches, steps=20)  # compressions after the rewind too
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", EVICTING)
 def test_speculative_decoding_keeps_offsets_and_bounds(method: str) -> None:
     """mlx_lm's speculative decoding rewinds rejected drafts: every compressed cache, the main model's
     and the draft's, ends at the offset of mlx_lm's own cache beside it, within its budget."""
@@ -185,7 +185,7 @@ def test_speculative_decoding_keeps_offsets_and_bounds(method: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["chunk", "end"])
-@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("method", EVICTING)
 def test_both_modes_decode_within_each_layers_budget(method: str, mode: str) -> None:
     tokens, caches = decoded(method, mode)
     assert len(tokens) == 30

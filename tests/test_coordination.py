@@ -120,3 +120,61 @@ def test_a_quantized_copy_takes_its_place_among_the_members() -> None:
     coordinator.replace(caches[1], replacement)
     assert coordinator.members == [caches[0], replacement, caches[2]]
     assert replacement.coordinator is coordinator and isinstance(replacement, CompressedKVCache)
+
+
+def _group_of(size: int) -> tuple[Coordinator, list[Member]]:
+    coordinator = Coordinator("test")
+    members = [Member() for _ in range(size)]
+    for member in members:
+        coordinator.join(member)
+    return coordinator, members
+
+
+def test_a_fan_in_completes_once_per_group_and_every_member_gets_the_same_result() -> None:
+    coordinator, members = _group_of(4)
+    calls: list[list[int]] = []
+
+    def joint(parts: list[int]) -> dict[str, int]:
+        calls.append(parts)
+        return {"sum": sum(parts)}
+
+    group = [1, 2, 3]
+    assert coordinator.contribute("g", members[1], 10, group, joint) is None
+    assert coordinator.contribute("g", members[2], 20, group, joint) is None
+    assert coordinator.missing("g", group) == [3] and coordinator.joint("g") is None
+    result = coordinator.contribute("g", members[3], 30, group, joint)
+    assert result == {"sum": 60} and calls == [[10, 20, 30]], "computed once, parts in layer order"
+    assert coordinator.joint("g") is result, "earlier members pick up the identical object"
+    assert coordinator.contribute("g", members[1], 99, group, joint) is result and len(calls) == 1
+    assert coordinator.missing("g", group) == []
+    coordinator.reset()
+    assert coordinator.joint("g") is None and coordinator.missing("g", group) == group, "a generation starts empty"
+    for member, part in zip(members[1:], (1, 2, 3)):
+        coordinator.contribute("g", member, part, group, joint)
+    assert coordinator.joint("g") == {"sum": 6} and len(calls) == 2
+
+
+def test_an_incomplete_group_never_blocks_and_two_lists_never_share() -> None:
+    coordinator, members = _group_of(2)
+    other, _ = _group_of(2)
+    coordinator.contribute("g", members[0], 1, [0, 1], sum)
+    assert coordinator.joint("g") is None and coordinator.missing("g", [0, 1]) == [1]
+    assert other.joint("g") is None and other.missing("g", [0, 1]) == [0, 1]
+
+
+def test_shared_storage_counts_once_in_the_first_live_holders_bytes() -> None:
+    """A sum of nbytes over the list is what is held: a shared array counts at its first live holder."""
+    model = tiny("llama")
+    veloxpatch.patch(kv="snapkv", budget=64)
+    caches = make_prompt_cache(model)
+    model(random_tokens(40, 3)[None], cache=caches)
+    before = [c.nbytes for c in caches]
+    basis = {"u": mx.zeros((40, 16)), "s": mx.zeros((16,))}
+    held: dict[int, list] = {1: [basis], 2: [basis, basis]}
+    for cache in caches:
+        cache.shared_parts = lambda layer=cache.layer: held.get(layer, [])
+    extra = [c.nbytes - b for c, b in zip(caches, before)]
+    assert extra[1] == 40 * 16 * 4 + 16 * 4 and sum(extra) == extra[1]
+    held.pop(1)  # the first holder lets go: the next one counts it
+    extra = [c.nbytes - b for c, b in zip(caches, before)]
+    assert extra[2] == 40 * 16 * 4 + 16 * 4 and sum(extra) == extra[2]

@@ -14,8 +14,12 @@ from conftest import ARCHS, greedy, random_tokens, tiny
 from veloxpatch.caches import METHODS, CompressedKVCache
 
 # every method with its defaults (and snapkv with a fractional budget) on every architecture ...
-EXACT = [(arch, method, 4096, {}) for arch in sorted(ARCHS) for method in sorted(METHODS)]
+# (cross-layer methods at full rank: their folds keep every dimension)
+FULL = {"xkv": {"xkv_rank": "100%"},
+        "minicache": {"minicache_start": 0.0, "minicache_gamma": 1.0}}  # every layer paired, every token kept
+EXACT = [(arch, method, 4096, FULL.get(method, {})) for arch in sorted(ARCHS) for method in sorted(METHODS)]
 EXACT += [(arch, "snapkv", "100%", {}) for arch in sorted(ARCHS)]
+EXACT += [(arch, "xkv", 4096, {}) for arch in ("gemma3_text", "llama")]  # auto rank: nothing to save, no fold
 # ... and the budgets and knobs with a path of their own: per-layer budgets from a percentage (with
 # the most uneven squeeze schedule), chunkkv's layer-wise index reuse
 EXACT += [(arch, method, budget, knobs) for arch in ("gemma3_text", "llama", "qwen3") for method, budget, knobs in (

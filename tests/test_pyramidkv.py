@@ -88,7 +88,7 @@ class ReferenceLayer:
     over rows already at keep + headroom, e.g. an ``end``-mode prompt; after a decode step that
     reaches keep + headroom), with SnapKV picking."""
 
-    def __init__(self, sink: int, window: int, mode: str, kernel: int = 7) -> None:
+    def __init__(self, sink: int, window: int, mode: str, kernel: int) -> None:
         self.sink, self.window, self.mode, self.kernel = sink, window, mode, kernel
         self.keys = self.pos = self.queries = None
         self.offset = self.queries_end = 0
@@ -168,12 +168,13 @@ def test_kept_positions_equal_the_numpy_reference(seed: int) -> None:
     """Random chunkings, budgets, GQA ratios, batch sizes, depths and both modes."""
     config = random_config(seed)
     beta = [20.0, 2.0, 5.0][seed % 3]
+    kernel = [31, 7, 3, 1][seed % 4]
     coordinator = Coordinator("pyramidkv")
     caches = [PyramidKVCache(Budget(tokens=config["budget"]), config["sink"], config["window"], config["mode"],
-                             beta=beta) for _ in range(config["layers"])]
+                             beta=beta, kernel=kernel) for _ in range(config["layers"])]
     for cache in caches:
         coordinator.join(cache)
-    references = [ReferenceLayer(config["sink"], config["window"], config["mode"]) for _ in caches]
+    references = [ReferenceLayer(config["sink"], config["window"], config["mode"], kernel) for _ in caches]
     shares = paper_pyramid(config["layers"], beta)
     floor = config["sink"] + config["window"]
 

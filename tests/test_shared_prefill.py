@@ -12,9 +12,10 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from veloxpatch.caches import CACHE_CLASSES, METHODS, method
+from veloxpatch.caches import CACHE_CLASSES, METHODS, make_cache, method
 from veloxpatch.caches.snapkv import SnapKVCache
 from veloxpatch.cli import main
+from veloxpatch.config import from_env
 from veloxpatch.eval import harness, sharing, tasks
 from veloxpatch.eval.report import accuracy_text, wilson
 from veloxpatch.eval.variants import Variant, parse_spec, split_specs
@@ -162,6 +163,34 @@ def test_knob_variants_parse_label_and_reach_the_caches(loaded: tuple[Any, mx.ar
     for bad, why in (("snapkv[kernal=15]", "kernel"), ("snapkv[kernel=8]", "odd"), ("rotating[keep=4]", "knobs")):
         with pytest.raises(ValueError, match=why):
             parse_spec(bad)
+
+
+def test_methods_built_on_snapkv_take_its_knobs(loaded: tuple[Any, mx.array]) -> None:
+    """pyramidkv is SnapKV with other budgets, squeeze's snapkv policy is SnapKV's class: the kernel reaches
+    both, from a variant and from the environment; under another policy it is refused, naming what is."""
+    model, _ = loaded
+    for spec in ("pyramidkv[kernel=5]", "squeeze[kernel=5]"):
+        assert {c.kernel for c in Variant.of(spec, 0.25).caches(model, 1000)} == {5}, spec
+    config = from_env({"VELOX_KV": "pyramidkv", "VELOX_SNAPKV_KERNEL": "9"}).config
+    assert make_cache(config).kernel == 9
+    assert Variant.of("squeeze[policy=h2o]", 0.25).knob_values() == {"policy": "h2o", "signal": "cosine",
+                                                                      "strength": 0.5}
+    with pytest.raises(ValueError, match=r"kernel is not a knob of squeeze here \(policy, signal, strength\)"):
+        parse_spec("squeeze[policy=h2o,kernel=31]")
+
+
+def test_a_journal_line_counts_for_the_same_knobs_under_any_spelling(tmp_path: Path) -> None:
+    """A line names its knob values: ``snapkv[kernel=31]`` measured counts for ``snapkv`` while 31 is the
+    default, a line measured under another default (or before knobs were kept) counts for nothing."""
+    journal = harness.Journal(tmp_path / "eval.cells.jsonl", {"model": "m"})
+    sample = harness.Sample(1.0, 10, 20)
+    journal.add_sample("niah_single", 2048, Variant.of("snapkv[kernel=31]", 0.25), 0, sample)
+    journal.add_sample("niah_single", 2048, Variant.of("snapkv[kernel=7]", 0.25), 1, sample)
+    with journal.samples_path.open("a") as handle:
+        handle.write(json.dumps({"task": "niah_single", "context": 2048, "label": "snapkv@0.25", "seed": 2,
+                                 "value": 1.0, "kv_bytes": 10, "peak_bytes": 20, "key": {"model": "m"}}) + "\n")
+    plain = Variant.of("snapkv", 0.25).identity()
+    assert {seed for (_, _, ident, seed) in journal.samples() if ident == plain} == {0}
 
 
 def test_cells_keep_old_journal_lines_and_add_knobs_and_intervals() -> None:

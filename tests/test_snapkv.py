@@ -58,5 +58,6 @@ def test_end_mode_the_first_decode_step_already_sees_only_the_kept_rows() -> Non
     model(prompt[None, :299], cache=full)
     step = prompt[None, 299:]
     got, over_kept, over_all = (model(step, cache=c) for c in (caches, compressed, full))
-    assert mx.allclose(got, over_kept, atol=1e-4).item()
-    assert not mx.allclose(got, over_all, atol=1e-2).item(), "the prompt was compressed: logits must move"
+    # ``compressed`` kept one row the step does not (its window ends a token earlier), so it is close, not equal
+    off_kept, off_all = (mx.abs(got - other).max().item() for other in (over_kept, over_all))
+    assert off_kept < 1e-3 and off_kept < off_all / 20, (off_kept, off_all)

@@ -17,12 +17,17 @@ from conftest import (
     assert_a_rejected_draft_leaves_no_trace, assert_round_trip, assert_within_budget, decoded, greedy, prefill,
     random_tokens, speculated, tiny,
 )
+from test_memory import SLACK, held
+from test_memory import prefill as one_chunk
 from test_pyramidkv import SCALE, ReferenceLayer, drive, random_config, reference_budgets
 from veloxpatch.caches import CACHE_CLASSES
 from veloxpatch.caches.pyramidkv import layer_budgets
-from veloxpatch.caches.squeeze import POLICIES, SqueezeCache, SqueezeCoordinator, kmeans_1d, squeeze_shares
-from veloxpatch.config import Budget
+from veloxpatch.caches.squeeze import (
+    POLICIES, SqueezeCache, SqueezeCoordinator, attention_change, kmeans_1d, squeeze_shares,
+)
+from veloxpatch.config import Budget, ConfigError, VeloxConfig
 from veloxpatch.coordinators import Coordinator, coordinators_of
+from veloxpatch.integration.state import STATE
 
 
 # ----------------------------------------------------------------- the paper's definitions, in numpy
@@ -68,6 +73,14 @@ def reference_dispersion(keys: np.ndarray, pos: np.ndarray, queries: np.ndarray,
     return float(np.mean(values))
 
 
+def reference_change(hidden: np.ndarray, output: np.ndarray) -> float:
+    """The paper's signal as an importance: 1 - the cosine similarity of each token's hidden state before
+    (h) and after self-attention (h + o), averaged over the tokens and the batch."""
+    before, after = hidden.astype(np.float64), (hidden + output).astype(np.float64)
+    cosine = (before * after).sum(-1) / (np.linalg.norm(before, axis=-1) * np.linalg.norm(after, axis=-1))
+    return float(1 - cosine.mean())
+
+
 def squeeze_list(layers: int, budget, sink: int, window: int, mode: str, **knobs) -> list[SqueezeCache]:
     coordinator = SqueezeCoordinator("squeeze")
     caches = [SqueezeCache(budget, sink, window, mode, **knobs) for _ in range(layers)]
@@ -85,8 +98,8 @@ def test_kept_positions_and_budgets_equal_the_numpy_reference(seed: int) -> None
     strength = [0.3, 0.5, 0.8, 1.0][seed % 4]
     sink, window, budget, mode = config["sink"], config["window"], config["budget"], config["mode"]
     floor, layers, room = sink + window, config["layers"], min(64, max(8, budget // 8))
-    caches = squeeze_list(layers, Budget(tokens=budget), sink, window, mode, strength=strength)
-    references = [ReferenceLayer(sink, window, mode) for _ in caches]
+    caches = squeeze_list(layers, Budget(tokens=budget), sink, window, mode, strength=strength, signal="entropy")
+    references = [ReferenceLayer(sink, window, mode, caches[0].kernel) for _ in caches]
     reports: list[list[float]] = [[] for _ in caches]
     shares, closed, stale = np.ones(layers), False, False
 
@@ -158,11 +171,127 @@ def test_the_importance_is_the_normalised_entropy_of_the_windows_attention() -> 
     assert flat == pytest.approx(1.0, abs=1e-5), "uniform attention has the largest dispersion"
 
 
+def test_the_cosine_importance_is_one_minus_the_similarity_before_and_after_attention() -> None:
+    rng = np.random.default_rng(8)
+    hidden = rng.standard_normal((2, 7, 16)).astype(np.float32)
+    output = rng.standard_normal((2, 7, 16)).astype(np.float32) * 0.3
+    got = attention_change(mx.array(hidden), mx.array(output)).item()
+    assert got == pytest.approx(reference_change(hidden, output), abs=1e-6)
+    assert attention_change(mx.array(hidden), mx.zeros((2, 7, 16))).item() == pytest.approx(0, abs=1e-6)
+    assert attention_change(mx.array(hidden), mx.array(5 * output)).item() > got, "a larger change matters more"
+
+
+def test_a_bad_signal_is_refused_naming_the_setting_the_value_and_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"VELOX_SQUEEZE_SIGNAL='attention' is not allowed: expected one of "
+                                          r"cosine, entropy"):
+        VeloxConfig(kv="squeeze", knobs={"squeeze_signal": "attention"})
+    assert VeloxConfig(kv="squeeze", knobs={"squeeze_signal": " Entropy "}).knob("squeeze_signal") == "entropy"
+
+
+def test_without_the_hooks_the_cosine_signal_reports_the_entropy_one_said_once(caplog, monkeypatch) -> None:
+    """Caches driven directly get no layer input/output: each prompt chunk reports its dispersion."""
+    caches = squeeze_list(2, Budget(tokens=16), 2, 4, "chunk")
+    logger = logging.getLogger("veloxpatch")
+    monkeypatch.setattr(logger, "propagate", False)  # records reach caplog once, through its handler
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="veloxpatch")
+    log._said.discard("squeeze signal")  # said once per process
+    rng = np.random.default_rng(9)
+    expected: list[list[float]] = [[], []]
+    try:
+        for n in (40, 40, 1):
+            for cache, values in zip(caches, expected):
+                keys = mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32))
+                queries = mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32))
+                k, v = cache.update_and_fetch(keys, keys)
+                if n > 1:
+                    values.append(cache.dispersion(queries, k, SCALE).item())
+                cache.attend(queries, k, v, scale=SCALE)
+    finally:
+        logger.removeHandler(caplog.handler)
+    reports = caches[0].coordinator.reports
+    assert [float(total / chunks) for total, chunks in (reports[0], reports[1])] == pytest.approx(
+        [np.mean(values) for values in expected], abs=1e-6)
+    lines = [r.getMessage() for r in caplog.records if "entropy signal" in r.getMessage()]
+    assert len(lines) == 1 and "no layer input/output reached a squeeze cache" in lines[0]
+
+
 # ----------------------------------------------------------------- on models
 # (the contracts every method keeps, each layer within its own budget, are in test_contracts.py and
 # test_exactness.py; here the policies and the schedule)
 def four_layers(arch: str = "llama", seed: int = 2):
     return tiny(arch, seed=seed, layers=4)
+
+
+def spied(caches: list) -> list[list[list[np.ndarray]]]:
+    """Per layer, each step's [block input, attention output] as the layer hooks hand them to the cache."""
+    seen: list[list[list[np.ndarray]]] = [[] for _ in caches]
+    for cache, steps in zip(caches, seen):
+        def block(hidden, cache=cache, steps=steps):
+            steps.append([np.array(hidden)])
+            type(cache).see_block_input(cache, hidden)
+
+        def attention(normed, output, cache=cache, steps=steps):
+            steps[-1].append(np.array(output))
+            type(cache).see_attention(cache, normed, output)
+
+        cache.see_block_input, cache.see_attention = block, attention
+    return seen
+
+
+def test_the_cosine_signal_is_the_similarity_of_the_hidden_state_before_and_after_attention() -> None:
+    """The default signal on a model: each layer reports 1 - cos(h, h + o) of every prompt chunk (the
+    paper's definition, in numpy on the h and o the hooks captured); the layers whose attention changes
+    the hidden state least give budget away, and the budgets still sum to layers x budget."""
+    model = four_layers("qwen3")
+    veloxpatch.patch(kv="squeeze", budget=40, window=8, knobs={"squeeze_strength": 0.75})
+    caches = make_prompt_cache(model)
+    seen = spied(caches)
+    prompt = random_tokens(241, 17)
+    prefill(model, caches, prompt[:240], chunk=60)
+    (coordinator,) = coordinators_of(caches)
+    expected = np.array([np.mean([reference_change(h, o) for h, o in steps]) for steps in seen])
+    got = [float(total / chunks) for total, chunks in (coordinator.reports[i] for i in range(4))]
+    assert all(len(steps) == 4 for steps in seen) and got == pytest.approx(list(expected), abs=1e-5)
+    model(prompt[None, 240:], cache=caches)  # the first decode step sets the shares
+    assert [c.share for c in caches] == pytest.approx(list(reference_shares(expected, 0.75)))
+    assert caches[int(np.argmin(expected))].share == pytest.approx(0.25)
+    assert sum(c.target() for c in caches) == 4 * 40 and all(c.block_input is None for c in caches)
+
+
+def test_the_entropy_signal_reports_the_attention_dispersion_with_the_hooks_in_place() -> None:
+    model = four_layers()
+    veloxpatch.patch(kv="squeeze", budget=40, window=8, knobs={"squeeze_signal": "entropy"})
+    caches = make_prompt_cache(model)
+    assert any(swap.owner is type(model.layers[0].self_attn) for swap in STATE.swaps.values())
+    reported: list[list[float]] = [[] for _ in caches]
+    for cache, values in zip(caches, reported):
+        def dispersion(queries, keys, scale, cache=cache, values=values):
+            value = type(cache).dispersion(cache, queries, keys, scale)
+            values.append(value.item())
+            return value
+
+        cache.dispersion = dispersion
+    greedy(model, random_tokens(200, 18), caches, steps=4, chunk=64)
+    (coordinator,) = coordinators_of(caches)
+    assert [coordinator.reports[i][1] for i in range(4)] == [len(values) for values in reported]
+    got = [float(total / chunks) for total, chunks in (coordinator.reports[i] for i in range(4))]
+    assert got == pytest.approx([np.mean(values) for values in reported], abs=1e-6)
+    assert all(c.block_input is None for c in caches) and sum(c.target() for c in caches) == 4 * 40
+
+
+@pytest.mark.parametrize("signal", ["cosine", "entropy"])
+def test_a_chunks_report_keeps_nothing_of_the_chunk_alive(signal: str) -> None:
+    """The importance is computed at once: left lazy until the schedule reads it at the next forward, it
+    kept each layer's h and o (or its queries and stored keys) alive until then."""
+    model = tiny("llama", seed=1)
+    tokens = random_tokens(2048, 33)
+    veloxpatch.patch(kv="snapkv", budget=1 << 20, window=16)
+    snapkv, _ = held(one_chunk(tokens, model), model)
+    veloxpatch.patch(kv="squeeze", budget=1 << 20, window=16, knobs={"squeeze_signal": signal})
+    used, caches = held(one_chunk(tokens, model), model)
+    assert len(caches[0].coordinator.reports) == len(caches)
+    assert used - snapkv < SLACK, f"held {used} B, snapkv {snapkv} B"
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -263,12 +392,13 @@ def test_a_rewind_keeps_the_shares_and_the_policys_own_row_state() -> None:
     model = tiny("llama", seed=1)
     veloxpatch.patch(kv="squeeze", budget=36, window=8, compress="chunk", knobs={"squeeze_policy": "h2o"})
     caches = make_prompt_cache(model)
-    greedy(model, random_tokens(150, 6), caches, steps=20)
+    greedy(model, random_tokens(150, 6), caches, steps=16)
     shares = [c.share for c in caches]
     assert None not in shares
+    assert all(c.size() + 4 < c.target() + c.headroom(c.target()) for c in caches), "the draft compresses nothing"
     assert_a_rejected_draft_leaves_no_trace(model, caches, steps=20)  # the h2o mass followed the trim
     assert [c.share for c in caches] == shares
-    assert_within_budget(caches, 170 + 21)  # 20 more tokens, generate_step one ahead
+    assert_within_budget(caches, 166 + 21)  # 20 more tokens, generate_step one ahead
 
 
 def test_speculative_decoding_keeps_every_layers_share_and_budget() -> None:
@@ -283,11 +413,12 @@ def test_speculative_decoding_keeps_every_layers_share_and_budget() -> None:
 def test_a_restored_list_keeps_each_layers_budget_under_the_h2o_policy(tmp_path) -> None:
     """The snapkv policy is restored in test_contracts.py's round trip of every method."""
     model = four_layers("qwen3")
-    veloxpatch.patch(kv="squeeze", budget=40, window=8, knobs={"squeeze_policy": "h2o", "squeeze_strength": 0.6})
+    veloxpatch.patch(kv="squeeze", budget=40, window=8,
+                     knobs={"squeeze_policy": "h2o", "squeeze_strength": 0.6, "squeeze_signal": "entropy"})
     caches = make_prompt_cache(model)
     greedy(model, random_tokens(150, 8), caches, steps=4, chunk=50)
     loaded = assert_round_trip(str(tmp_path / "prompt.safetensors"), model, caches, steps=20)
-    assert isinstance(loaded[0].coordinator, SqueezeCoordinator)
+    assert isinstance(loaded[0].coordinator, SqueezeCoordinator) and {c.signal for c in loaded} == {"entropy"}
     assert None not in [c.share for c in loaded] and len({c.target() for c in loaded}) > 1
 
 

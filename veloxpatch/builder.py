@@ -3,7 +3,9 @@
 Only plain full-attention ``KVCache`` slots are candidates. Sliding-window, SSM/linear, quantized,
 ``CacheList`` and any other slot stays exactly as the model made it. Which candidates really get
 our caches is decided by probing what the model does with them (:mod:`veloxpatch.eligibility`);
-a model that fails the probe runs on mlx_lm's own caches, said once at INFO with the reason.
+a model that fails the probe runs on mlx_lm's own caches, said once at INFO with the reason. When
+the method's caches read layer inputs and outputs, the model's attention modules and decoder blocks
+are hooked first (:mod:`veloxpatch.integration.layer_io`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 from typing import Any
 
 from . import eligibility
-from .caches import make_cache
+from .caches import cache_class, make_cache
 from .config import VeloxConfig
 from .log import log, once
 
@@ -45,6 +47,7 @@ def explain(model: Any, config: VeloxConfig) -> str:
     slots = candidate_slots(caches)
     if not slots:
         return NO_SLOT
+    capture_layer_io(model, config)
     return eligibility.verdict(model, caches, slots, config).describe(len(slots))
 
 
@@ -55,6 +58,7 @@ def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
     if not slots:
         once(name, logging.INFO, f"{name}: {NO_SLOT}")
         return caches
+    capture_layer_io(model, config)
     found = eligibility.verdict(model, caches, slots, config)
     if not found.slots or found.left:
         once(f"{name} {config.kv}", logging.INFO, f"{name} with {config.kv}: {found.describe(len(slots))}")
@@ -62,3 +66,13 @@ def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
         return caches
     log.debug("%s: %s on %d of %d cache slots", name, config.kv, len(found.slots), len(caches))
     return eligibility.assemble(caches, found.slots, lambda: make_cache(config), config.kv)
+
+
+def capture_layer_io(model: Any, config: VeloxConfig) -> None:
+    """Hook ``model``'s attention modules and decoder blocks when the method's caches ask for their
+    inputs and outputs (``wants_layer_io``). Before the probe, so the probe checks the model with the
+    hooks in place and its caches see what the method's caches will."""
+    if cache_class(config.kv, config.knobs).wants_layer_io:
+        from .integration import layer_io  # at call time: the integration layer imports the builder
+
+        layer_io.install(model)

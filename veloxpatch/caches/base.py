@@ -25,6 +25,7 @@ import copy
 import json
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -48,6 +49,7 @@ class CompressedKVCache(ABC):
     max_headroom: ClassVar[int] = 64
     uses_queries: ClassVar[bool] = True
     coordinator_class: ClassVar[type[Coordinator]] = Coordinator
+    wants_layer_io: ClassVar[bool] = False  # see_block_input / see_attention are called (layer_io)
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
         self.budget = budget
@@ -65,6 +67,12 @@ class CompressedKVCache(ABC):
         stats.track(self)
 
     # ----------------------------------------------------------------- what a method provides
+    @classmethod
+    def built_as(cls, knobs: Mapping[str, Any]) -> type["CompressedKVCache"]:
+        """The class whose instances this class builds under these knobs (by full key); which other
+        methods' knobs reach the constructor follows from its bases (``caches.knob_settings``)."""
+        return cls
+
     @abstractmethod
     def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         """Importance of each stored row, shape (B, kv_heads, rows); higher is kept.
@@ -76,10 +84,25 @@ class CompressedKVCache(ABC):
         """The method's own knobs, saved with the cache so it loads back the same."""
         return {}
 
+    def shared_parts(self) -> list[Any]:
+        """Arrays (or trees of them) this layer uses together with other layers of its list; they
+        count once over the list, in the first holder's ``nbytes``. Cross-layer methods list theirs."""
+        return []
+
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
         """Called with every step's real queries and the keys they attended, one per stored row in
         storage order, before the step compresses; methods that accumulate evidence over time
         (H2O) or report to their coordinator override it."""
+
+    def see_block_input(self, hidden: mx.array) -> None:
+        """The decoder block's input (the residual stream, (B, n, hidden)) at every step, before the
+        block runs; called only when the class sets ``wants_layer_io``. The attention route sees
+        rotated queries and keys only: methods whose signal is the hidden state override this."""
+
+    def see_attention(self, normed: mx.array, output: mx.array) -> None:
+        """What the attention module received (the normed block input) and returned, at every step,
+        after it has run (and so after :meth:`observe`); called only when the class sets
+        ``wants_layer_io``. For methods that compare or keep the attention's input and output."""
 
     def select(self, keep: int, scale: float) -> mx.array:
         """Row indexes to keep, (B, kv_heads, keep), ascending per head: the ``keep`` best by
@@ -121,8 +144,8 @@ class CompressedKVCache(ABC):
             return None
         if window_size is None and not return_array:
             return "causal"
-        rows = mx.arange(self.store.rows + n)
-        query_rows = mx.arange(self.store.rows, self.store.rows + n)[:, None]
+        rows = mx.arange(self.size() + n)
+        query_rows = mx.arange(self.size(), self.size() + n)[:, None]
         mask = query_rows >= rows[None]
         if window_size is not None:
             mask = mask & (query_rows < rows[None] + window_size)
@@ -130,6 +153,7 @@ class CompressedKVCache(ABC):
         return mask
 
     def size(self) -> int:
+        """Rows attention runs over: the stored ones (cross-layer caches add their folded rows)."""
         return self.store.rows
 
     def empty(self) -> bool:
@@ -176,8 +200,10 @@ class CompressedKVCache(ABC):
 
     @property
     def nbytes(self) -> int:
-        """Physical bytes held: stored rows (with unused capacity), positions, remembered queries."""
-        return self.store.nbytes + (0 if self.queries is None else self.queries.nbytes)
+        """Physical bytes held: stored rows (with unused capacity), positions, remembered queries, and
+        storage shared across layers that this layer is the first holder of (counted once per list)."""
+        shared = 0 if self.coordinator is None else self.coordinator.owned_nbytes(self)
+        return self.store.nbytes + (0 if self.queries is None else self.queries.nbytes) + shared
 
     def dense_nbytes(self) -> int:
         """Bytes a plain KVCache would need for the same tokens (for statistics)."""
@@ -326,7 +352,7 @@ class CompressedKVCache(ABC):
             return own
         if own is None:
             return given
-        return _combined(own, given, self.store.rows, n)
+        return _combined(own, given, self.size(), n)
 
     def _visible(self, positions: mx.array, n: int, end: int | None = None) -> mx.array:
         """(B, kv_heads, n, rows): which rows the ``n`` tokens before ``end`` (default: the last ``n``

@@ -113,7 +113,7 @@ class PyramidKVCache(SnapKVCache):
     """SnapKV with a budget set by the layer's depth in its list."""
 
     def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", beta: float = 20.0,
-                 kernel: int = 7, pool: str = "avg") -> None:
+                 kernel: int = 31, pool: str = "avg") -> None:
         super().__init__(budget, sink, window, mode, kernel, pool)
         self.beta = beta
 

@@ -11,15 +11,24 @@ with H2O, a sliding window and StreamingLLM) picks the rows inside each layer wi
 Here ``p = 1 - VELOX_SQUEEZE_STRENGTH`` (0: uniform) and ``VELOX_SQUEEZE_POLICY`` names the method
 inside the layers. Where this deviates from the paper, and why:
 
-* The signal. Our attention route sees queries and keys, never the hidden states, so a layer's
-  importance is how widely its attention spreads: the normalised entropy (1: spread evenly over
-  every row a query sees, 0: all on one row) of the real attention the last ``VELOX_WINDOW``
-  queries of each prompt chunk pay the stored rows, averaged over batch, heads, those queries and
-  the prompt's chunks. The group that concentrates its attention most is squeezed: attention
-  parked on a few rows (most often the sink) changes the hidden state least, the paper's
-  high-similarity layers, and a few rows serve it.
+* The signal (``VELOX_SQUEEZE_SIGNAL``). ``cosine``, the default, is the paper's: the cosine
+  similarity of each token's hidden state before self-attention (the decoder block's input ``h``)
+  and after it (``h + o``, ``o`` what the attention module returns), averaged over the chunk's
+  tokens and the batch, reported as the importance ``1 - similarity``, so a layer whose attention
+  changes the hidden state little is the least important and is squeezed. The attention route sees
+  only queries and keys, so these come from the layer input/output hooks
+  (:mod:`veloxpatch.integration.layer_io`). Where they are missing (no attention module found in
+  the model, a cache driven directly) a chunk reports the ``entropy`` signal instead, said once.
+  ``entropy`` reads the attention itself: how widely the real attention of the last
+  ``VELOX_WINDOW`` queries of each prompt chunk spreads over the stored rows, as a normalised
+  entropy (1: evenly over every row a query sees, 0: all on one row), averaged over batch, heads
+  and those queries. Attention parked on a few rows (most often the sink) changes the hidden state
+  little, so the most concentrated layers are squeezed; it needs no hook, at the price of a proxy.
+  In models whose block normalises the attention output before adding it (Gemma's sandwich norm),
+  ``h + o`` is the paper's formula, not the block's next hidden state.
 * When. Every prompt chunk (a step longer than the headroom of the configured budget) reports,
-  accumulating over the whole prompt rather than the first report winning; the first decode-sized
+  accumulating over the whole prompt rather than the first report winning (under ``cosine`` once
+  the attention module has returned, as the output is part of the signal); the first decode-sized
   step after a reported chunk ends reporting, so decode (speculative verification steps and later
   chunks included) runs on a schedule fixed by the prompt. The schedule is recomputed at most once
   per forward, at its first layer, from the reports of the forwards before: in ``chunk`` mode the
@@ -55,7 +64,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -68,14 +77,20 @@ from .base import CompressedKVCache
 from .pyramidkv import layer_budgets
 
 POLICIES = ("snapkv", "h2o", "streamingllm", "tova")
+SIGNALS = ("cosine", "entropy")
 GROUPS = 3  # the paper's k-means clusters
 
 
-def _policy(text: str) -> str:
-    value = text.strip().lower()
-    if value not in POLICIES:
-        raise ValueError(text)
-    return value
+def _one_of(options: tuple[str, ...]) -> Callable[[str], str]:
+    """A parser taking one of ``options`` (any case); the Setting turns its ValueError into the message."""
+
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in options:
+            raise ValueError(text)
+        return value
+
+    return parse
 
 
 def _strength(text: str) -> float:
@@ -86,11 +101,15 @@ def _strength(text: str) -> float:
 
 
 KNOBS = (
-    Setting("VELOX_SQUEEZE_POLICY", _policy, "snapkv", "one of " + ", ".join(POLICIES),
+    Setting("VELOX_SQUEEZE_POLICY", _one_of(POLICIES), "snapkv", "one of " + ", ".join(POLICIES),
             "SqueezeAttention: the method that picks the rows inside each layer.", method="squeeze"),
     Setting("VELOX_SQUEEZE_STRENGTH", _strength, "0.5", "a number in [0, 1]",
             "SqueezeAttention: the part of its budget above sink + window that the least important group of "
             "layers gives to the others (the paper's 1 - p; 0: uniform).", method="squeeze"),
+    Setting("VELOX_SQUEEZE_SIGNAL", _one_of(SIGNALS), "cosine", "one of " + ", ".join(SIGNALS),
+            "SqueezeAttention: how a layer's importance is measured: `cosine` (the paper's: how much self-attention "
+            "changes the hidden state) or `entropy` (how widely its attention spreads over the rows).",
+            method="squeeze"),
 )
 
 
@@ -115,6 +134,17 @@ def kmeans_1d(values: Sequence[float], groups: int) -> list[int]:
         for i in order[a:b]:
             labels[i] = group
     return labels
+
+
+def attention_change(hidden: mx.array, output: mx.array) -> mx.array:
+    """The paper's signal as an importance: 1 - the cosine similarity of each token's hidden state
+    before self-attention (``hidden``, the block input h) and after it (h + ``output``), averaged
+    over the tokens and the batch (scalar). Larger for a layer whose attention matters more, as
+    :meth:`SqueezeCache.dispersion` is."""
+    before = hidden.astype(mx.float32)
+    after = before + output.astype(mx.float32)
+    norms = mx.linalg.norm(before, axis=-1) * mx.linalg.norm(after, axis=-1)
+    return 1 - ((before * after).sum(axis=-1) / mx.maximum(norms, 1e-30)).mean()
 
 
 def squeeze_shares(importance: Sequence[float], strength: float) -> tuple[float, ...]:
@@ -210,26 +240,37 @@ def with_policy(policy: str) -> type[SqueezeCache]:
                  "__qualname__": f"{SqueezeCache.__qualname__}[{policy}]"})
 
 
-@method("squeeze", "Layer budgets set by each layer's prompt attention (k-means groups); rows by a policy.", KNOBS)
+@method("squeeze", "Layer budgets set by how much each layer's attention changes the hidden state over the prompt "
+        "(k-means groups); rows by a policy.", KNOBS)
 class SqueezeCache(CompressedKVCache):
     """Per-layer budgets from :class:`SqueezeCoordinator`; the rows are picked by the policy's class."""
 
     coordinator_class = SqueezeCoordinator
+    wants_layer_io = True  # the cosine signal compares the block input with the attention output
 
     def __new__(cls, *args: Any, policy: str = "snapkv", **kwargs: Any) -> SqueezeCache:
         """``SqueezeCache(...)`` builds an instance of its class for ``policy``; copies, which call
         ``__new__`` on that class without arguments, stay in it."""
         return super().__new__(with_policy(policy) if cls is SqueezeCache else cls)
 
+    @classmethod
+    def built_as(cls, knobs: Mapping[str, Any]) -> type[CompressedKVCache]:
+        """The policy's class: its knobs (``VELOX_SNAPKV_KERNEL`` under the snapkv policy) reach it."""
+        return with_policy(knobs.get("squeeze_policy", "snapkv")) if cls is SqueezeCache else cls
+
     def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", policy: str = "snapkv",
-                 strength: float = 0.5, share: float | None = None, **knobs: Any) -> None:
+                 strength: float = 0.5, signal: str = "cosine", share: float | None = None, **knobs: Any) -> None:
         super().__init__(budget, sink, window, mode, **knobs)
         self.policy = policy
         self.strength = strength
+        self.signal = signal
         self.share = share  # this layer's share of the budget (mean 1 over the list), None: not set
+        self.block_input: mx.array | None = None  # this step's block input, until the attention output comes
+        self.awaiting = False  # this step is a prompt chunk whose cosine report waits for the attention output
 
     def knob_values(self) -> dict[str, Any]:
-        return {**super().knob_values(), "policy": self.policy, "strength": self.strength, "share": self.share}
+        return {**super().knob_values(), "policy": self.policy, "strength": self.strength, "signal": self.signal,
+                "share": self.share}
 
     def target(self) -> int:
         """This layer's share of layers x budget, or the plain budget while the list has no shares."""
@@ -241,16 +282,33 @@ class SqueezeCache(CompressedKVCache):
         return layer_budgets(shares, budget, floor, self.offset)[self.layer]
 
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
-        """The policy's hook; then a prompt chunk reports its importance, a decode-sized step after
-        the prompt's chunks ends reporting."""
+        """The policy's hook; then a prompt chunk reports its importance (under ``cosine`` once the
+        attention output is in, :meth:`see_attention`; without the block input, by ``entropy``), and
+        a decode-sized step after the prompt's chunks ends reporting."""
         super().observe(queries, keys, scale)
         coordinator = self.coordinator
         if not isinstance(coordinator, SqueezeCoordinator):
             return
-        if queries.shape[2] > self.headroom(max(self.budget.resolve(self.offset), self.sink + self.window)):
-            coordinator.report(self, self.dispersion(queries, keys, scale))
-        else:
+        if queries.shape[2] <= self.headroom(max(self.budget.resolve(self.offset), self.sink + self.window)):
             coordinator.close()
+        elif self.block_input is not None:
+            self.awaiting = True
+        else:
+            self._without_hidden_states()
+            self._report(self.dispersion(queries, keys, scale))
+
+    def see_block_input(self, hidden: mx.array) -> None:
+        """Under ``cosine``, keep the block input (h) until the attention output comes."""
+        if self.signal == "cosine":
+            self.block_input = hidden
+
+    def see_attention(self, normed: mx.array, output: mx.array) -> None:
+        """A prompt chunk waiting for the attention output reports :func:`attention_change`. The block
+        input is let go at every step (kept, it would hold the step's activations alive)."""
+        hidden, self.block_input = self.block_input, None
+        if self.awaiting:
+            self.awaiting = False
+            self._report(attention_change(hidden, output))
 
     def dispersion(self, queries: mx.array, keys: mx.array, scale: float) -> mx.array:
         """How widely the step's last ``window`` queries spread their attention over the stored rows:
@@ -265,6 +323,21 @@ class SqueezeCache(CompressedKVCache):
         entropy = -(probs * mx.log(mx.maximum(probs, 1e-30))).sum(axis=-1)
         seen = visible.sum(axis=-1)
         return mx.where(seen > 1, entropy / mx.log(mx.maximum(seen, 2)), 0.0).mean()
+
+    def _report(self, importance: mx.array) -> None:
+        """Report a prompt chunk's importance, computed at once: left lazy until the schedule reads it at
+        the next forward, it would keep what it is computed from (each layer's h and o, or its queries
+        and stored keys) alive until then, above what mlx_lm's own caches hold."""
+        mx.async_eval(importance)
+        self.coordinator.report(self, importance)
+
+    def _without_hidden_states(self) -> None:
+        """Say once when the cosine signal has to fall back to the entropy one."""
+        if self.signal == "cosine":
+            once("squeeze signal", logging.INFO,
+                 "no layer input/output reached a squeeze cache for a prompt chunk (the model's attention modules "
+                 "are not called with a `cache` argument, or the cache is driven directly): such chunks report the "
+                 "entropy signal")
 
     def _shares(self) -> tuple[float, ...] | None:
         """The list's shares (from the coordinator's schedule), or None if this layer has none."""

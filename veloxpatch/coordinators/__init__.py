@@ -10,6 +10,20 @@ later one in the same forward. The coordinator counts forwards (``step``: the fi
 store starts one), and every publication is stamped with the step it was made in, so a
 follower never applies a stale one (:meth:`Coordinator.publish`, :meth:`Coordinator.latest`).
 
+Methods that act on several layers at once (a joint SVD over a group's keys, a merge of two
+layers' states) use a **fan-in**: each member of a group contributes its part as it runs
+(:meth:`Coordinator.contribute`); the contribution that completes the group computes the joint
+result once, and every member, earlier ones on their next call, gets that same object
+(:meth:`Coordinator.joint`). Layer i runs before layer i+1 has produced anything, so an earlier
+member holds its rows exactly until it picks the result up; a group whose members never all
+contribute (layers that differ) stays incomplete and :meth:`Coordinator.missing` says which are
+absent: the method degrades to per-layer behaviour, nothing waits.
+
+Storage held for several layers (a shared basis, a merged direction) is referenced by each member
+that uses it (a member lists it in ``shared_parts()``) and counts once, in the ``nbytes`` of its
+first live holder (:meth:`Coordinator.owned_nbytes`), so a sum of ``nbytes`` over the list is what
+the process holds.
+
 When a new sequence starts, cross-layer state from the previous one must go. Two signals say so:
 
 * a generation starts on the list (the integration resets every coordinator of the list handed to
@@ -24,7 +38,11 @@ When a new sequence starts, cross-layer state from the previous one must go. Two
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
 
 
 class Coordinator:
@@ -37,6 +55,8 @@ class Coordinator:
         self.step = 0  # forwards begun since the last reset
         self.fresh = False  # reset, and no member has received rows since
         self.published: dict[Any, tuple[int, Any]] = {}
+        self.parts: dict[Hashable, dict[int, Any]] = {}  # fan-in: group -> layer -> contribution
+        self.results: dict[Hashable, Any] = {}  # fan-in: group -> its joint result
 
     def join(self, cache: Any) -> None:
         """Register a member cache (in layer order); it knows its coordinator and index from then on."""
@@ -55,6 +75,8 @@ class Coordinator:
         self.fresh = True
         self.step = 0
         self.published.clear()
+        self.parts.clear()
+        self.results.clear()
 
     def on_update(self, cache: Any) -> None:
         """A member is about to store rows. On the first member a forward starts (``step``), and
@@ -77,6 +99,47 @@ class Coordinator:
         """What was published under ``topic`` in the current forward, or None (never a stale value)."""
         step, value = self.published.get(topic, (-1, None))
         return value if step == self.step else None
+
+
+    # ----------------------------------------------------------------- fan-in and joint steps
+    def contribute(self, group: Hashable, member: Any, part: Any, layers: Sequence[int],
+                   compute: Callable[[list[Any]], Any]) -> Any:
+        """Add ``member``'s ``part`` to ``group`` (whose members are ``layers``); the contribution that
+        completes it runs ``compute`` on the parts in layer order, once per group per generation.
+        Returns the joint result, or None while the group is incomplete. A second contribution from
+        the same member before completion replaces its first (a later prompt chunk)."""
+        if group not in self.results:
+            parts = self.parts.setdefault(group, {})
+            parts[member.layer] = part
+            if set(layers) <= set(parts):
+                self.results[group] = compute([parts[layer] for layer in layers])
+                del self.parts[group]
+        return self.results.get(group)
+
+    def joint(self, group: Hashable) -> Any:
+        """``group``'s joint result (the same object for every member), or None if not complete yet."""
+        return self.results.get(group)
+
+    def missing(self, group: Hashable, layers: Sequence[int]) -> list[int]:
+        """The layers of ``group`` that have not contributed (empty once it is complete)."""
+        if group in self.results:
+            return []
+        return [layer for layer in layers if layer not in self.parts.get(group, {})]
+
+    # ----------------------------------------------------------------- storage held for several layers
+    def owned_nbytes(self, member: Any) -> int:
+        """Bytes of the storage shared across layers (each member's ``shared_parts()``) that ``member``
+        is the first live holder of: in a sum over the list each shared array counts once, and it still
+        counts when the layer that made it has let go (a trim, a new sequence)."""
+        mine = {id(part): part for part in member.shared_parts()}
+        if not mine:
+            return 0
+        for other in self.members:
+            if other is member:
+                break
+            for part in other.shared_parts():
+                mine.pop(id(part), None)
+        return sum(a.nbytes for part in mine.values() for _, a in tree_flatten(part) if isinstance(a, mx.array))
 
 
 def coordinators_of(caches: Any) -> list[Coordinator]:

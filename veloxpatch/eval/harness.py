@@ -17,7 +17,7 @@ journal of cells, so a killed run keeps them and a rerun with the same arguments
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -26,7 +26,7 @@ import veloxpatch
 
 from . import ruler, sharing, tasks
 from .report import wilson
-from .variants import KVLayout, Variant, variants
+from .variants import KVLayout, Variant, identity, variants
 
 TASKS = ("passkey", "multikey", "perplexity")  # the default list, made for the shipped tiny model
 ALL_TASKS = TASKS + ruler.TASKS
@@ -82,7 +82,7 @@ class Cell:
         low, high = wilson(self.metric * self.samples, self.samples) if accuracy else (None, None)
         return {
             "task": self.task, "context": self.context, "method": self.variant.name,
-            "share": self.variant.share, "label": self.variant.label(),
+            "share": self.variant.share, "label": self.variant.label(), "knobs": self.variant.knob_values(),
             "metric": "accuracy" if accuracy else "perplexity",
             "value": self.metric, "ci95_low": low, "ci95_high": high,
             "kv_bytes": self.kv_bytes, "peak_bytes": self.peak_bytes, "samples": self.samples,
@@ -113,21 +113,23 @@ class Journal:
         return self.path.with_name(self.path.name.split(".")[0] + ".samples.jsonl")
 
     def done(self) -> dict[tuple[str, int, str], Cell]:
-        """Cells already measured under this key, by (task, context, label)."""
-        return {(r["task"], r["context"], r["label"]): Cell.from_row(r) for r in self._rows(self.path)}
+        """Cells already measured under this key, by (task, context, variant identity)."""
+        return {(r["task"], r["context"], identity(r["label"], r.get("knobs"))): Cell.from_row(r)
+                for r in self._rows(self.path)}
 
     def samples(self) -> dict[tuple[str, int, str, int], Sample]:
-        """Examples already measured under this key, by (task, context, label, seed)."""
-        return {(r["task"], r["context"], r["label"], r["seed"]): Sample(r["value"], r["kv_bytes"], r["peak_bytes"])
+        """Examples already measured under this key, by (task, context, variant identity, seed)."""
+        return {(r["task"], r["context"], identity(r["label"], r.get("knobs")), r["seed"]):
+                Sample(r["value"], r["kv_bytes"], r["peak_bytes"])
                 for r in self._rows(self.samples_path, ignore=("samples", "seed"))}
 
     def add(self, cell: Cell) -> None:
         self._write(self.path, cell.row())
 
-    def add_sample(self, task: str, context: int, label: str, seed: int, sample: Sample) -> None:
-        self._write(self.samples_path, {"task": task, "context": context, "label": label, "seed": seed,
-                                        "value": sample.value, "kv_bytes": sample.kv_bytes,
-                                        "peak_bytes": sample.peak_bytes})
+    def add_sample(self, task: str, context: int, variant: Variant, seed: int, sample: Sample) -> None:
+        self._write(self.samples_path, {"task": task, "context": context, "label": variant.label(),
+                                        "knobs": variant.knob_values(), "seed": seed, "value": sample.value,
+                                        "kv_bytes": sample.kv_bytes, "peak_bytes": sample.peak_bytes})
 
     def _rows(self, path: Path, ignore: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """The lines of ``path`` written under this key (its ``ignore`` fields aside)."""
@@ -258,26 +260,26 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
     try:
         for task, context, i in steps:
             seed = spec.seed + i
-            todo = [v for v in grid if (task, context, v.label()) not in done
-                    and (task, context, v.label(), seed) not in measured]
+            todo = [v for v in grid if (task, context, v.identity()) not in done
+                    and (task, context, v.identity(), seed) not in measured]
             if todo:
                 if (task, context) not in items:
                     items[task, context] = examples(task, tokenizer, context, spec)
                 for variant, sample in measure(model, tokenizer, task, items[task, context][i], todo, spec,
                                                layout).items():
-                    measured[task, context, variant.label(), seed] = sample
+                    measured[task, context, variant.identity(), seed] = sample
                     if journal:
-                        journal.add_sample(task, context, variant.label(), seed, sample)
+                        journal.add_sample(task, context, variant, seed, sample)
             if i < spec.samples - 1:
                 continue
             for variant in grid:
-                key = (task, context, variant.label())
+                key = (task, context, variant.identity())
                 if key not in done:
                     got = [measured[(*key, s)] for s in range(spec.seed, spec.seed + spec.samples)]
                     done[key] = Cell.of(task, context, variant, got)
                     if journal:
                         journal.add(done[key])
-                cells.append(done[key])
+                cells.append(replace(done[key], variant=variant))  # as asked, if measured under another name
     finally:
         veloxpatch.unpatch()
     return cells

@@ -63,12 +63,14 @@ def _fmt(value: Any) -> str:
 
 
 def write_files(rows: Sequence[dict[str, Any]], out_dir: Path, stem: str, meta: dict[str, Any]) -> list[Path]:
-    """``stem.json`` (rows + how they were made) and ``stem.csv``; returns the paths."""
+    """``stem.json`` (rows + how they were made) and ``stem.csv`` (the scalar columns: a variant's knob
+    values are in the JSON); returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, csv_path = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
     json_path.write_text(json.dumps({"meta": meta, "rows": list(rows)}, indent=2))
     with csv_path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        columns = [k for k, v in rows[0].items() if not isinstance(v, (dict, list))]
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     return [json_path, csv_path]

@@ -53,7 +53,8 @@ from .variants import PROTECTED, Variant
 HUGE = 1 << 30  # a budget no prompt reaches: the cache never evicts
 SHARED, OWN, PLAIN = "shared", "own", "plain"
 # the hooks a prompt chunk runs through in end mode: a method overriding one may keep state of its own
-PREFILL_HOOKS = ("update_and_fetch", "attend", "observe", "_remember", "remembered", "_due")
+PREFILL_HOOKS = ("update_and_fetch", "attend", "observe", "_remember", "remembered", "_due", "see_block_input",
+                 "see_attention")
 # a coordinator class overriding none of these holds nothing but the base's state (it may add helpers)
 COORDINATOR_HOOKS = ("__init__", "join", "replace", "reset", "on_update", "publish", "latest")
 # the check: a prompt of 1 + 2 chunks longer than any default headroom (64), budgets that evict (headroom 8 and
@@ -354,6 +355,8 @@ def _same(a: Result, b: Result) -> bool:
 
 
 def _state_equal(x: Any, y: Any) -> bool:
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_state_equal(x[k], y[k]) for k in x)
     if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
         return len(x) == len(y) and all(_state_equal(a, b) for a, b in zip(x, y))
     if isinstance(x, mx.array) and isinstance(y, mx.array):

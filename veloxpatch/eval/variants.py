@@ -14,13 +14,14 @@ the variant's name and label (``snapkv[kernel=15]@0.25``). A variant without kno
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
 import veloxpatch
-from veloxpatch.caches import METHODS
-from veloxpatch.config import setting
+from veloxpatch.caches import METHODS, knob_settings
+from veloxpatch.config import Setting, setting
 
 Knobs = tuple[tuple[str, Any], ...]  # (knob name without the method prefix, value), sorted by name
 
@@ -63,6 +64,14 @@ class KVLayout:
         return min(QUANT_BITS, key=lambda b: abs(self.share(b) - share))
 
 
+def identity(label: str, knobs: dict[str, Any] | None) -> str:
+    """What a variant measures: its method and share with every knob value, however the label spells the
+    knobs (``snapkv[kernel=31]@0.25`` is ``snapkv@0.25`` once 31 is the default). None: a journal line
+    written before knobs were kept, which matches nothing."""
+    base = re.sub(r"\[.*\]", "", label)
+    return f"{base} {json.dumps(knobs, sort_keys=True)}"
+
+
 def split_specs(text: str) -> list[str]:
     """``"snapkv,snapkv[kernel=15,pool=max],full"`` -> its items: commas inside brackets do not split."""
     items, depth, start = [], 0, 0
@@ -74,9 +83,18 @@ def split_specs(text: str) -> list[str]:
     return [item for item in items if item]
 
 
+def _settings(method: str, given: dict[str, str]) -> dict[str, Setting]:
+    """The knobs that reach ``method``'s caches (those of the methods it builds on too), resolved with the
+    method's own knobs among ``given`` (squeeze's policy decides whether snapkv's apply)."""
+    own = {k.key[len(method) + 1:]: k for k in METHODS[method].knobs}
+    chosen = {own[n].key: own[n].convert(v) for n, v in given.items() if n in own}
+    return knob_settings(method, chosen)
+
+
 def parse_spec(spec: str) -> tuple[str, Knobs]:
-    """``"snapkv[kernel=15]"`` -> ("snapkv", (("kernel", 15),)); knobs are checked against the method's
-    settings and parsed by them. ValueError (a ConfigError for a bad value) names what is wrong."""
+    """``"snapkv[kernel=15]"`` -> ("snapkv", (("kernel", 15),)); knobs are checked against the settings that
+    reach the method (``pyramidkv[kernel=31]`` is SnapKV's kernel) and parsed by them. ValueError (a
+    ConfigError for a bad value) names what is wrong."""
     found = re.fullmatch(r"\s*([\w-]+)\s*(?:\[(.*)\])?\s*", spec)
     if not found:
         raise ValueError(f"{spec!r} is not METHOD or METHOD[knob=value,...]")
@@ -85,15 +103,18 @@ def parse_spec(spec: str) -> tuple[str, Knobs]:
         return method, ()
     if method not in METHODS:
         raise ValueError(f"{spec!r}: only compression methods have knobs")
-    settings = {k.key[len(method) + 1:]: k for k in METHODS[method].knobs}
-    knobs: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for part in body.split(","):
         name, equals, value = (x.strip() for x in part.partition("="))
-        if not equals or name not in settings:
-            raise ValueError(f"{spec!r}: {part.strip()!r} is not KNOB=VALUE with a knob of {method} "
-                             f"({', '.join(sorted(settings)) or 'it has none'})")
-        knobs[name] = settings[name].convert(value)
-    return method, tuple(sorted(knobs.items()))
+        if not equals:
+            raise ValueError(f"{spec!r}: {part.strip()!r} is not KNOB=VALUE")
+        given[name] = value
+    settings = _settings(method, given)
+    unknown = sorted(set(given) - set(settings))
+    if unknown:
+        raise ValueError(f"{spec!r}: {', '.join(unknown)} is not a knob of {method} here "
+                         f"({', '.join(sorted(settings)) or 'it has none'})")
+    return method, tuple(sorted((n, settings[n].convert(v)) for n, v in given.items()))
 
 
 @dataclass(frozen=True)
@@ -125,13 +146,27 @@ class Variant:
             return context
         return max(round(self.share * context), PROTECTED)
 
+    def knob_values(self) -> dict[str, Any]:
+        """Every knob that reaches this variant's caches, defaults included (empty for mlx_lm's own): what
+        a journal matches besides the label, so a changed default is measured again."""
+        if self.method not in METHODS:
+            return {}
+        settings = _settings(self.method, {k: str(v) for k, v in self.knobs})
+        chosen = dict(self.knobs)
+        return {n: chosen.get(n, k.convert(k.default)) for n, k in sorted(settings.items())}
+
+    def identity(self) -> str:
+        """The label and every knob value: two variants measure the same thing only if these are equal."""
+        return identity(self.label(), self.knob_values())
+
     def label(self) -> str:
         return "full" if self.method == "full" else f"{self.name}@{self.share:g}"
 
     def settings(self, budget: int, compress: str | None = None) -> dict[str, Any]:
         """``veloxpatch.patch`` keyword arguments for this registry method at ``budget`` rows."""
         extra = {} if compress is None else {"compress": compress}
-        knobs = {f"{self.method}_{k}": v for k, v in self.knobs}
+        settings = _settings(self.method, {k: str(v) for k, v in self.knobs})
+        knobs = {settings[k].key: v for k, v in self.knobs}
         return {"kv": self.method, "budget": budget, "knobs": knobs, **extra}
 
     def caches(self, model: Any, context: int, compress: str | None = None, budget: int | None = None) -> list[Any]:

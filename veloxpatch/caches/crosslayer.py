@@ -1,0 +1,245 @@
+"""Caches that fold their older rows into a form built jointly with other layers (xKV, MiniCache).
+
+A cross-layer cache evicts nothing. It keeps its recent rows exact in the row store and *folds*
+older ones: rows ``[start, end)`` of every member of a layer group go through the coordinator's
+fan-in into one joint step (a shared basis, a merged direction), which returns what each layer keeps
+alone (``own``) and what the group keeps once (``shared``, the same object in every member, counted
+once over the list). Attention runs over the folded rows, rebuilt by the method, then the exact ones.
+
+When rows fold. The last ``VELOX_WINDOW`` tokens always stay exact: the next tokens attend to them
+most. Older rows fold once at least :meth:`CrossLayerCache.min_fold` of them are exact: after any
+step in ``chunk`` mode (each prefill chunk, so the prompt's memory stays bounded), after decode-sized
+steps only in ``end`` mode (the whole prompt folds at the first decode step, as the papers compress
+a finished prefill). Decode tokens stay exact until that many have gathered, then fold as a new
+segment.
+
+Order within a forward. Layer i runs before layer i+1 has its rows, so the member that completes a
+group folds at once and earlier members pick the result up on their next call, attending over exact
+rows until then. A group that never completes (a member whose layer differs) leaves each member to
+fold on its own at that next call, said once in the log: no member ever waits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import abstractmethod
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..config import Budget
+from ..log import once
+from .base import CompressedKVCache
+from .store import RowStore
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Rows ``[start, end)`` of one layer, folded: what the layer holds alone and with its group."""
+
+    start: int
+    end: int
+    own: Any
+    shared: Any
+    group: tuple[int, ...]  # the layers that folded these rows together (just this one when alone)
+
+
+class CrossLayerCache(CompressedKVCache):
+    """Exact recent rows in the store, older rows in folds made with the layer's group."""
+
+    uses_queries: ClassVar[bool] = False
+
+    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
+        super().__init__(budget, sink, window, mode)
+        self.folds: list[Fold] = []
+        self.pending: list[tuple[Hashable, tuple[int, ...], int, int]] = []  # contributed, not yet folded
+        self.linked = True  # False after loading from a file: shared parts are still per-layer copies
+
+    # ----------------------------------------------------------------- what a method provides
+    @abstractmethod
+    def group(self) -> tuple[int, ...]:
+        """The member layers (``cache.layer``) whose rows fold together with this layer's."""
+
+    @abstractmethod
+    def joint(self, parts: list[tuple[mx.array, mx.array]]) -> tuple[list[Any], Any]:
+        """The joint step over the group's (keys, values) rows of one range, in layer order:
+        each member's own part (same order) and the part the group shares."""
+
+    @abstractmethod
+    def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
+        """The fold's rows as attention uses them: keys and values (B, kv_heads, end - start, head_dim)."""
+
+    def min_fold(self) -> int:
+        """Exact rows (beyond the window) worth folding at once."""
+        return 1
+
+    # ----------------------------------------------------------------- nothing is evicted
+    def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+        """Recency: the base's selection only runs when a caller compresses the exact rows itself."""
+        return positions.astype(mx.float32)
+
+    def target(self) -> int:
+        """More rows than the layer holds: nothing is evicted (a method may size its folds by the budget)."""
+        return self.offset + 1
+
+    def shared_parts(self) -> list[Any]:
+        return [fold.shared for fold in self.folds]
+
+    @property
+    def nbytes(self) -> int:
+        """The base's bytes (exact rows, and the shared parts this layer is first to hold) and the
+        folds' own parts."""
+        own = sum(a.nbytes for fold in self.folds for _, a in tree_flatten(fold.own) if isinstance(a, mx.array))
+        return super().nbytes + own
+
+    # ----------------------------------------------------------------- the cache protocol
+    def size(self) -> int:
+        return self.folded_rows() + self.store.rows
+
+    def folded_rows(self) -> int:
+        return sum(fold.end - fold.start for fold in self.folds)
+
+    def empty(self) -> bool:
+        return super().empty() and not self.folds
+
+    @property
+    def meta_state(self) -> str:
+        """The base's settings, and each fold's range and group (its arrays are in ``state``)."""
+        info = json.loads(super().meta_state)
+        info["folds"] = [[fold.start, fold.end, list(fold.group)] for fold in self.folds]
+        return json.dumps(info)
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """The base's state with the folds' arrays before the meta string (None when nothing is folded:
+        an empty list would vanish from a prompt-cache file). Every holder saves what it shares; loading
+        links them again (:meth:`_relink`)."""
+        *rows, meta = super().state
+        folds = [{"own": fold.own, "shared": fold.shared} for fold in self.folds] or None
+        return (*rows, folds, meta)
+
+    @state.setter
+    def state(self, value: tuple[Any, ...]) -> None:
+        *rows, folds, meta = value
+        CompressedKVCache.state.fset(self, (*rows, meta))
+        ranges = json.loads(meta).get("folds", [])
+        self.folds = [Fold(start, end, arrays["own"], arrays["shared"], tuple(group))
+                      for (start, end, group), arrays in zip(ranges, folds or [])]
+        self.pending = []
+        self.linked = False
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Pick up folds completed since the last call, store the new rows, return folded + exact rows."""
+        if not self.linked:
+            self._relink()
+        self._pick_up()
+        keys, values = super().update_and_fetch(keys, values)
+        if not self.folds:
+            return keys, values
+        rebuilt = [self.unfold(fold) for fold in self.folds]
+        return (mx.concatenate([k for k, _ in rebuilt] + [keys], axis=2).astype(keys.dtype),
+                mx.concatenate([v for _, v in rebuilt] + [values], axis=2).astype(values.dtype))
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
+               sinks: mx.array | None = None) -> mx.array:
+        """Attention over folded + exact rows, then fold what is due."""
+        out = super().attend(queries, keys, values, scale, mask, sinks)
+        self._fold_if_due(queries.shape[2])
+        return out
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens; a fold cut by the new end becomes exact rows of its prefix."""
+        n = min(n, self.offset)
+        if n <= 0:
+            return 0
+        prefix = self.offset - n
+        self.pending.clear()
+        cut = next((i for i, fold in enumerate(self.folds) if fold.end > prefix), None)
+        if cut is None:
+            return super().trim(n)
+        fold = self.folds[cut]
+        keys, values = self.unfold(fold)
+        del self.folds[cut:]
+        self.store = RowStore(self.store.bits, self.store.group_size)
+        if prefix > fold.start:
+            rows = prefix - fold.start
+            self.store.append(keys[..., :rows, :], values[..., :rows, :], fold.start)
+        self.offset = prefix
+        return n
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "CrossLayerCache":
+        """The base's quantized copy (exact rows quantized, folds as they are), with lists of its own."""
+        out = super().to_quantized(group_size, bits)
+        if out is not self:
+            out.folds, out.pending = list(self.folds), list(self.pending)
+        return out
+
+    def _position_mask(self, queries: mx.array) -> mx.array:
+        """Folded rows are all in the past: visible to every query, before the exact rows' own mask."""
+        exact = super()._position_mask(queries)
+        folded = mx.ones((*exact.shape[:3], self.folded_rows()), mx.bool_)
+        return mx.concatenate([folded, exact], axis=-1)
+
+    # ----------------------------------------------------------------- folding
+    def _fold_if_due(self, n: int) -> None:
+        """Contribute the exact rows older than the window to the group's fan-in when due."""
+        decode = n <= self.max_headroom
+        start = self.folds[-1].end if self.folds else 0
+        end = self.offset - self.window
+        if (self.mode != "chunk" and not decode) or end - start < self.min_fold() or self.store.holes:
+            return
+        if any(p_start == start for _, _, p_start, _ in self.pending):
+            return
+        group = self.group()
+        key = ("fold", group, start, end)
+        part = self._exact(start, end)
+        if self.coordinator is None or len(group) == 1:
+            self._apply(start, end, (self.layer,), self.joint([part]), 0)
+            return
+        self.pending.append((key, group, start, end))
+        result = self.coordinator.contribute(key, self, part, group, self.joint)
+        if result is not None:
+            self._pick_up()
+
+    def _pick_up(self) -> None:
+        """Apply completed folds; a group that did not complete folds this layer alone."""
+        for key, group, start, end in self.pending:
+            result = self.coordinator.joint(key) if self.coordinator is not None else None
+            if result is None:
+                missing = self.coordinator.missing(key, group) if self.coordinator is not None else []
+                once(f"{self.method} fold alone", logging.INFO,
+                     f"{self.method}: layers {missing} of group {list(group)} did not fold rows {start}-{end} "
+                     f"with the others; each layer folds alone")
+                self._apply(start, end, (self.layer,), self.joint([self._exact(start, end)]), 0)
+            else:
+                self._apply(start, end, group, result, group.index(self.layer))
+        self.pending.clear()
+
+    def _apply(self, start: int, end: int, group: tuple[int, ...], result: tuple[list[Any], Any], at: int) -> None:
+        """Replace the exact rows ``[start, end)`` by this layer's fold."""
+        owns, shared = result
+        self.folds.append(Fold(start, end, owns[at], shared, group))
+        rows = self.store.rows
+        first = end - start  # exact rows begin at ``start`` (no holes: checked before contributing)
+        index = mx.broadcast_to(mx.arange(first, rows), (*self.store.row_positions().shape[:2], rows - first))
+        self.store.keep(index, 0)
+
+    def _relink(self) -> None:
+        """After loading, use the shared part an earlier member of the same fold holds, so the group
+        holds it once again (the file kept a copy per layer)."""
+        self.linked = True
+        if self.coordinator is None:
+            return
+        held = {(f.start, f.end, f.group): f.shared for m in self.coordinator.members[: self.layer]
+                for f in getattr(m, "folds", ())}
+        self.folds = [Fold(f.start, f.end, f.own, held.get((f.start, f.end, f.group), f.shared), f.group)
+                      for f in self.folds]
+
+    def _exact(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """The exact rows of positions ``[start, end)`` (the store's first rows)."""
+        keys, values = self.store.fetch()
+        return keys[..., : end - start, :], values[..., : end - start, :]

@@ -1,0 +1,180 @@
+"""Layer input and output: what each attention module receives and returns, and its decoder block's input.
+
+The attention route sees rotated queries, keys and values only. Some methods need the hidden states
+around it: SqueezeAttention's paper signal compares the residual stream before and after
+self-attention, XQuant keeps the attention input and recomputes K and V from it. A cache class asks
+for them with ``wants_layer_io``; the builder then calls :func:`install` on the model.
+
+mlx_lm's models name their modules differently (``self_attn``, ``attention``, ``attn``, ...) but every
+one hands the layer's cache down to its attention, so the modules are found by signature: the
+attention module is an innermost module whose ``__call__`` takes a ``cache`` parameter, its decoder
+block the nearest ancestor whose ``__call__`` takes one too. Python looks ``__call__`` up on the type,
+so it is the classes (each class that defines the ``__call__`` they run, once) that are wrapped, and
+every wrap is recorded in ``STATE.swaps`` so ``unpatch`` restores the original exactly. A call whose
+cache is not one of ours asking for these calls goes straight to the original after one isinstance
+check; for one of ours the block hands its input to ``cache.see_block_input`` and the attention
+module, once it has run, its input and output to ``cache.see_attention``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+from ..builder import model_type
+from ..caches.base import CompressedKVCache
+from ..log import once
+from .state import STATE, Swap
+from .wrappers import fall_back
+
+POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
+
+
+@dataclass(frozen=True)
+class Parameters:
+    """Where a ``__call__`` takes its input (the first argument after ``self``) and its cache.
+
+    Read once from the signature: binding every call with ``inspect`` would cost more, at every
+    layer of every forward, than the isinstance check a call that is not ours pays.
+    """
+
+    input_name: str
+    cache_index: int | None  # position among the arguments after self; None: keyword only
+
+    @classmethod
+    def of(cls, function: Callable[..., Any]) -> Parameters | None:
+        """The parameters of an unbound ``__call__``; None when it takes no cache or no positional input."""
+        try:
+            params = list(inspect.signature(function).parameters.values())[1:]
+        except (TypeError, ValueError):  # a call with no signature Python can read (compiled)
+            return None
+        names = [p.name for p in params]
+        if "cache" not in names or params[0].kind not in POSITIONAL:
+            return None
+        index = names.index("cache")
+        positional = all(p.kind in POSITIONAL for p in params[: index + 1])
+        return cls(params[0].name, index if positional else None)
+
+    def cache(self, args: tuple, kwargs: dict) -> Any:
+        """The cache this call got (None if left to its default)."""
+        if "cache" in kwargs:
+            return kwargs["cache"]
+        index = self.cache_index
+        return args[index] if index is not None and index < len(args) else None
+
+    def input(self, args: tuple, kwargs: dict) -> Any:
+        """The call's input: the hidden state it runs on."""
+        return args[0] if args else kwargs[self.input_name]
+
+
+def install(model: Any) -> bool:
+    """Capture layer inputs and outputs on ``model``'s classes (each wrapped once, undone by ``unpatch``);
+    False, said once at INFO, when no attention module and decoder block can be found."""
+    found = hooked_classes(model)
+    if not found:
+        name = model_type(model)
+        once(f"layer io {name}", logging.INFO,
+             f"{name}: no attention module with a decoder block takes a `cache` argument; "
+             "methods that read layer inputs and outputs run without them")
+        return False
+    with STATE.lock:
+        for owner, wrapper in found.items():
+            _wrap(owner, wrapper)
+    return True
+
+
+def hooked_classes(model: Any) -> dict[type, Wrapper]:
+    """The classes to wrap, each with its wrapper: those defining the ``__call__`` of every attention
+    module (innermost module taking a cache) and of its decoder block (nearest ancestor taking one)."""
+    takers = _cache_takers(model)
+    block_of = {name: next((a for a in _ancestors(name) if a in takers), None) for name in takers}
+    enclosing = set(block_of.values())
+    found: dict[type, Wrapper] = {}
+    for name, block in block_of.items():
+        if name not in enclosing and block is not None:
+            found.setdefault(takers[name][0], _attention_wrapper(takers[name][1]))
+            found.setdefault(takers[block][0], _block_wrapper(takers[block][1]))
+    return found
+
+
+def _cache_takers(model: Any) -> dict[str, tuple[type, Parameters]]:
+    """Dotted module path -> (class defining its ``__call__``, that call's parameters), for every
+    module of ``model`` whose ``__call__`` takes a cache (signatures read once per class)."""
+    per_class: dict[type, tuple[type, Parameters] | None] = {}
+    takers = {}
+    for name, module in model.named_modules():
+        cls = type(module)
+        if cls not in per_class:
+            per_class[cls] = _defined_call(cls)
+        if per_class[cls] is not None:
+            takers[name] = per_class[cls]
+    return takers
+
+
+def _defined_call(cls: type) -> tuple[type, Parameters] | None:
+    """The class in ``cls``'s MRO that defines the ``__call__`` it runs, and its parameters (None if it
+    takes no cache): wrapping that class once serves every subclass that inherits it."""
+    owner = next((c for c in cls.__mro__ if "__call__" in vars(c)), None)
+    params = None if owner is None else Parameters.of(vars(owner)["__call__"])
+    return None if params is None else (owner, params)
+
+
+def _ancestors(name: str) -> Iterator[str]:
+    """The dotted paths above a module's, nearest first (``a.b.c``: ``a.b``, ``a``, the root ``''``)."""
+    while name:
+        name = name.rpartition(".")[0]
+        yield name
+
+
+def _wrap(owner: type, wrapper: Wrapper) -> None:
+    """Bind ``wrapper`` around ``owner.__call__`` once, recorded for ``unpatch``."""
+    key = f"layer io {owner.__module__}.{owner.__qualname__} at {id(owner):#x}"
+    if key not in STATE.swaps:
+        original = vars(owner)["__call__"]
+        STATE.swaps[key] = Swap("__call__", original, wrapt.FunctionWrapper(original, wrapper), owner)
+        owner.__call__ = STATE.swaps[key].replacement
+
+
+def _listener(params: Parameters, args: tuple, kwargs: dict) -> CompressedKVCache | None:
+    """The call's cache when it is one of ours that wants layer inputs and outputs."""
+    cache = params.cache(args, kwargs)
+    return cache if isinstance(cache, CompressedKVCache) and cache.wants_layer_io else None
+
+
+def _block_wrapper(params: Parameters) -> Wrapper:
+    """A decoder block's ``__call__``: its input (the residual stream) goes to the cache first."""
+
+    def block(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        cache = _listener(params, args, kwargs)
+        if cache is not None:
+            _tell(cache.see_block_input, params.input(args, kwargs))
+        return wrapped(*args, **kwargs)
+
+    return block
+
+
+def _attention_wrapper(params: Parameters) -> Wrapper:
+    """An attention module's ``__call__``: once it has run, its input and output go to the cache."""
+
+    def attention(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        output = wrapped(*args, **kwargs)
+        cache = _listener(params, args, kwargs)
+        if cache is not None:
+            _tell(cache.see_attention, params.input(args, kwargs), output[0] if isinstance(output, tuple) else output)
+        return output
+
+    return attention
+
+
+def _tell(hook: Callable[..., None], *arrays: Any) -> None:
+    """Call a cache's hook; a failure there leaves the model's own computation untouched."""
+    try:
+        hook(*arrays)
+    except Exception as error:  # the host app must keep running
+        fall_back(f"layer input/output hook {hook.__qualname__}", error)
