@@ -107,6 +107,23 @@ def test_batch_generate_with_compressed_caches_that_hold_history(loaded) -> None
     assert got.token_ids == expected
 
 
+def test_batch_generate_with_folded_cross_layer_caches_attends_over_their_rebuilt_rows(loaded) -> None:
+    """A cross-layer cache evicts nothing: it joins as a copy of the rows attention runs over, the folds'
+    rebuilt rows first. At full rank those are the rows, so the tokens are mlx_lm's own."""
+    model, tokenizer = loaded
+    prefixes = [random_tokens(300, 3).tolist(), random_tokens(280, 4).tolist()]  # longer than the rank (256)
+    prompts = [random_tokens(12, 5).tolist(), random_tokens(9, 6).tolist()]
+    own = [prefilled(model, p) for p in prefixes]
+    expected = batch_generate(model, tokenizer, prompts, prompt_caches=own, max_tokens=5,
+                              return_token_ids=True).token_ids
+    veloxpatch.patch(kv="xkv", window=8, compress="chunk", knobs={"xkv_rank": "100%"})
+    ours = [prefilled(model, p) for p in prefixes]
+    # earlier layers of a group fold on their next call: pending until then
+    assert all((c.folds or c.pending) and c.size() == c.offset for caches in ours for c in caches)
+    got = batch_generate(model, tokenizer, prompts, prompt_caches=ours, max_tokens=5, return_token_ids=True)
+    assert got.token_ids == expected
+
+
 def test_insert_segments_called_directly_makes_mlx_lms_caches(loaded) -> None:
     """The server calls insert_segments, not insert."""
     model, _ = loaded

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 
 import mlx.core as mx
@@ -188,3 +189,20 @@ def test_the_builder_hooks_a_model_only_for_a_method_that_asks() -> None:
     make_prompt_cache(model)
     assert {type(model.layers[0]), type(model.layers[0].self_attn)} == {swap.owner for swap in STATE.swaps.values()
                                                                         if swap.name == "__call__"}
+
+
+def test_a_generation_on_a_list_loaded_from_a_file_hooks_the_model(tmp_path) -> None:
+    """A list from ``load_prompt_cache`` never went through ``make_prompt_cache``: the generation's start
+    installs the hooks for caches that ask."""
+    generation = importlib.import_module("mlx_lm.generate")  # generate_step looked up when called, as an app does
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    model = tiny("llama")
+    veloxpatch.patch(kv="squeeze", budget=4096)
+    save_prompt_cache(str(tmp_path / "c.safetensors"), make_prompt_cache(model))
+    veloxpatch.unpatch()
+    veloxpatch.patch(kv="squeeze", budget=4096)
+    assert not hooked(), "nothing built yet in this patch"
+    caches = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    list(generation.generate_step(random_tokens(20, 5), model, max_tokens=2, prompt_cache=caches))
+    assert hooked(), "the generation installed them"

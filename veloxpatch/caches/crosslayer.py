@@ -137,7 +137,20 @@ class CrossLayerCache(CompressedKVCache):
         if not self.linked:
             self._relink()
         self._pick_up()
-        keys, values = super().update_and_fetch(keys, values)
+        return self._with_folds(*super().update_and_fetch(keys, values))
+
+    @property
+    def keys(self) -> mx.array | None:
+        """Every row attention runs over: the folds' rebuilt rows, then the exact ones (what a copy into
+        mlx_lm's own cache takes, e.g. joining a batch)."""
+        return None if self.empty() else self._with_folds(*self.store.fetch())[0]
+
+    @property
+    def values(self) -> mx.array | None:
+        return None if self.empty() else self._with_folds(*self.store.fetch())[1]
+
+    def _with_folds(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The folds' rebuilt rows followed by the exact rows ``keys``/``values``."""
         if not self.folds:
             return keys, values
         rebuilt = [self.unfold(fold) for fold in self.folds]

@@ -70,7 +70,7 @@ def scaled_dot_product_attention(wrapped: Callable, instance: Any, args: tuple, 
 def generation_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """For ``generate_step`` and ``speculative_generate_step`` (``prompt_cache`` is keyword-only)."""
     try:
-        _start_generation(kwargs.get("prompt_cache"))
+        _start_generation(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
     except Exception as error:
         fall_back("starting a generation", error)
     return wrapped(*args, **kwargs)
@@ -83,7 +83,7 @@ def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
     call = inspect.signature(wrapped).bind(*args, **kwargs)
     try:
         _draft_caches(call.arguments)
-        _start_generation(call.arguments.get("prompt_cache"))
+        _start_generation(call.arguments.get("prompt_cache"), call.arguments.get("model"))
     except Exception as error:
         fall_back("starting a speculative generation", error)
     return wrapped(*call.args, **call.kwargs)
@@ -96,8 +96,15 @@ def load_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
     return loaded
 
 
-def _start_generation(caches: Any) -> None:
+def _start_generation(caches: Any, model: Any) -> None:
+    """A generation starts on ``caches``: restored caches get their coordinator, every coordinator is
+    reset, and a model whose caches read layer inputs and outputs gets its hooks (a list loaded from a
+    file never went through ``make_prompt_cache``, where they are installed otherwise)."""
     found = ours(caches)
+    if model is not None and any(c.wants_layer_io for c in found):
+        from . import layer_io  # at call time: layer_io imports this module
+
+        layer_io.install(model)
     _adopt(found)
     for cache in found:
         stats.track(cache, built=False)
