@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import mlx.core as mx
@@ -13,6 +14,7 @@ import veloxpatch
 from conftest import (
     KVCacheRoute, count_joints, feed_layers, greedy, random_tokens, tiny,
 )
+from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.caches.xkv import XKVCache
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.coordinators import Coordinator
@@ -81,3 +83,38 @@ def test_a_fold_longer_than_the_limit_is_an_error_naming_the_setting() -> None:
     caches = make_prompt_cache(model)
     with pytest.raises(ConfigError, match="VELOX_XKV_MAX_CTX=50 is exceeded: a fold of 92 tokens"):
         greedy(model, random_tokens(100, 2), caches, steps=2, chunk=100)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_decode_steps_attend_in_the_rank_space_as_over_the_rebuilt_rows(n: int) -> None:
+    """The latent path (logits (q B^T) A^T, output (p A) B) gives what attention over ``A B`` gives, for a
+    decode step and a speculative verification step of 4 tokens; a prompt chunk takes the rebuilt path."""
+    caches = xkv_list(layers=3, group=3, rank="6")
+    rows = low_rank_rows(3, 200, rank=6, noise=0.05)
+    feed_layers(caches, rows, [80, 70, 1])
+    assert len(caches[-1].folds) == 1 and all(c.pending for c in caches[:-1]), "the others fold on their next call"
+    rng = np.random.default_rng(3)
+    queries = mx.array(rng.standard_normal((1, 4, n, 8)).astype(np.float32))
+    for cache, (keys, _) in zip(caches, rows):
+        chunk = keys[..., 151 : 151 + n, :]
+        rebuilt = copy.deepcopy(cache)
+        k, v = cache.update_and_fetch(chunk, chunk)
+        k2, v2 = rebuilt.update_and_fetch(chunk, chunk)
+        assert len(cache.folds) == 1
+        latent = cache.attend(queries, k, v, 0.25, mask="causal" if n > 1 else None)
+        over_rows = CrossLayerCache.attend(rebuilt, queries, k2, v2, 0.25, mask="causal" if n > 1 else None)
+        assert mx.allclose(latent, over_rows, atol=1e-4).item(), float(mx.abs(latent - over_rows).max())
+
+
+def test_the_latent_path_is_taken_for_decode_steps_only(monkeypatch) -> None:
+    taken: list[int] = []
+    latent = XKVCache._latent_attention
+
+    def counted(self, queries, scale):
+        taken.append(queries.shape[2])
+        return latent(self, queries, scale)
+
+    monkeypatch.setattr(XKVCache, "_latent_attention", counted)
+    caches = xkv_list(layers=2, group=2, rank="6")
+    feed_layers(caches, low_rank_rows(2, 300, rank=6), [80, 70, 1, 1, 100])
+    assert taken == [1, 1], "the second decode step, in both layers (the first folded after attending); no chunk"

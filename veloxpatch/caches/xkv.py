@@ -25,8 +25,9 @@ Where the shim's position makes this deviate from the paper, and why:
   matrix, and mlx has ``eigh`` but no thin SVD.
 * The last ``VELOX_WINDOW`` tokens stay exact, and so do decode tokens until ``rank`` of them have
   gathered beyond the window (a shorter fold would take more bytes than its exact rows): then they
-  fold as a segment of their own. Attention runs on the rebuilt rows (``A B_l``), not in the latent
-  space (the paper's Selective Reconstruction is a GPU kernel).
+  fold as a segment of their own. Decode steps attend in the rank space (``(q B_l^T) A^T``, then
+  ``(p A) B_l``) without rebuilding the rows; prompt chunks attend over the rebuilt rows. (The paper's
+  Selective Reconstruction, rebuilding only the rows a step needs, is a GPU kernel.)
 * A fold longer than ``VELOX_XKV_MAX_CTX`` tokens is refused with an error naming the setting
   (the Gram matrix is small, but ``A`` and the group's side-by-side rows are tokens long).
 """
@@ -34,6 +35,7 @@ Where the shim's position makes this deviate from the paper, and why:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import mlx.core as mx
 
@@ -82,6 +84,7 @@ class XKVCache(CrossLayerCache):
         self.energy = energy
         self.max_ctx = max_ctx
         self.width = 0
+        self.handed: mx.array | None = None  # the keys the last store handed out (to tell them in ``attend``)
 
     def knob_values(self) -> dict[str, object]:
         return {"group": self.group_layers, "rank": self.rank, "energy": self.energy, "max_ctx": self.max_ctx}
@@ -94,7 +97,27 @@ class XKVCache(CrossLayerCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.width = keys.shape[1] * keys.shape[3]  # kv heads x head dim, for the rank of a percentage
-        return super().update_and_fetch(keys, values)
+        fetched = super().update_and_fetch(keys, values)
+        self.handed = fetched[0]
+        return fetched
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
+               sinks: mx.array | None = None) -> mx.array:
+        """A decode-sized step over folded rows attends in the rank-r space: logits ``(q B_l^T) A^T`` and
+        output ``(p A) B_l``, a few rank x tokens products per head instead of rebuilding ``A B_l``
+        (tokens x rank x width; mlx is lazy, so the rebuilt rows handed out are never computed). Any
+        other step (a prompt chunk, a mask of the model's own, sinks, holes, keys the model changed)
+        goes the base's way over the rebuilt rows."""
+        handed, self.handed = self.handed, None
+        latent = (self.folds and keys is handed and sinks is None and not self.store.holes
+                  and queries.shape[2] <= self.max_headroom
+                  and (not isinstance(mask, mx.array) or self._issued(mask)))
+        if not latent:
+            return super().attend(queries, keys, values, scale, mask, sinks)
+        out = self._latent_attention(queries, scale)
+        self._forget_issued_masks()
+        self._fold_if_due(queries.shape[2])
+        return out
 
     def min_fold(self) -> int:
         """A fold shorter than the rank would take more bytes than its exact rows; with ``auto`` and a
@@ -113,6 +136,28 @@ class XKVCache(CrossLayerCache):
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
         """``A B_l`` for keys and values: (B, 1, T, r) @ (B, heads, r, head_dim)."""
         return tuple(mx.expand_dims(fold.shared[x], 1) @ fold.own[x] for x in ("k", "v"))
+
+    def _latent_attention(self, queries: mx.array, scale: float) -> mx.array:
+        """Attention of ``queries`` (B, q_heads, n, dim) over the folds, in their rank space, and the exact
+        rows (the step's own last, causal among themselves)."""
+        exact_keys, exact_values = self.store.fetch()
+        b, heads_q, n, dim = queries.shape
+        heads = exact_keys.shape[1]
+        q = (queries.astype(mx.float32) * scale).reshape(b, heads, heads_q // heads, n, dim)
+        logits = [(q @ mx.expand_dims(f.own["k"], 2).swapaxes(-1, -2)) @ f.shared["k"][:, None, None].swapaxes(-1, -2)
+                  for f in self.folds]
+        exact = q @ mx.expand_dims(exact_keys, 2).swapaxes(-1, -2)
+        rows = exact_keys.shape[2]
+        if n > 1:
+            exact = mx.where(mx.arange(rows)[None] <= mx.arange(rows - n, rows)[:, None], exact, -mx.inf)
+        probs = mx.softmax(mx.concatenate([*logits, exact], axis=-1), axis=-1, precise=True)
+        out, at = 0, 0
+        for f in self.folds:
+            p = probs[..., at : at + f.end - f.start]
+            out = out + (p @ f.shared["v"][:, None, None]) @ mx.expand_dims(f.own["v"], 2)
+            at += f.end - f.start
+        out = out + probs[..., at:] @ mx.expand_dims(exact_values, 2)
+        return out.reshape(b, heads_q, n, -1).astype(queries.dtype)
 
     def _factor(self, rows: list[mx.array]) -> tuple[list[mx.array], mx.array]:
         """Rows (B, heads_l, T, dim_l) of each layer -> per layer (B, heads_l, r, dim_l), shared (B, T, r)."""
