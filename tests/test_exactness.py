@@ -16,7 +16,8 @@ from veloxpatch.caches import METHODS, CompressedKVCache
 # every method with its defaults (and snapkv with a fractional budget) on every architecture ...
 # (cross-layer methods at full rank: their folds keep every dimension)
 FULL = {"xkv": {"xkv_rank": "100%"},
-        "minicache": {"minicache_start": 0.0, "minicache_gamma": 1.0}}  # every layer paired, every token kept
+        "minicache": {"minicache_start": 0.0, "minicache_gamma": 1.0},  # every layer paired, every token kept
+        "xquant": {"xquant_bits": 16, "xquant_cl_bits": 16}}  # X and deltas unquantized: K, V are the model's
 EXACT = [(arch, method, 4096, FULL.get(method, {})) for arch in sorted(ARCHS) for method in sorted(METHODS)]
 EXACT += [(arch, "snapkv", "100%", {}) for arch in sorted(ARCHS)]
 EXACT += [(arch, "xkv", 4096, {}) for arch in ("gemma3_text", "llama")]  # auto rank: nothing to save, no fold

@@ -62,7 +62,8 @@ def make_cache(config: VeloxConfig) -> CompressedKVCache:
     return CACHE_CLASSES[config.kv](config.budget, config.sink, config.window, config.compress, **knobs)
 
 
-from . import chunkkv, h2o, minicache, pyramidkv, snapkv, squeeze, streamingllm, tova, xkv  # noqa: E402  (registers the methods)
+from . import chunkkv, h2o, minicache, pyramidkv, snapkv, squeeze, streamingllm, tova, xkv, xquant  # noqa: E402  (registers the methods)
 
 __all__ = ["CACHE_CLASSES", "METHODS", "CompressedKVCache", "cache_class", "knob_settings", "make_cache", "method",
-           "chunkkv", "h2o", "minicache", "pyramidkv", "snapkv", "squeeze", "streamingllm", "tova", "xkv"]
+           "chunkkv", "h2o", "minicache", "pyramidkv", "snapkv", "squeeze", "streamingllm", "tova", "xkv",
+           "xquant"]

@@ -49,14 +49,15 @@ class CompressedKVCache(ABC):
     max_headroom: ClassVar[int] = 64
     uses_queries: ClassVar[bool] = True
     coordinator_class: ClassVar[type[Coordinator]] = Coordinator
-    wants_layer_io: ClassVar[bool] = False  # see_block_input / see_attention are called (layer_io)
+    store_step: ClassVar[int] = 256  # rows the store grows by (KVCache's step)
+    wants_layer_io: ClassVar[bool] = False  # see_block_input / see_attention(_input) are called (layer_io)
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
         self.budget = budget
         self.sink = sink
         self.window = window
         self.mode = mode
-        self.store = RowStore()
+        self.store = RowStore(step=self.store_step)
         self.queries: mx.array | None = None
         self.queries_end = 0  # tokens seen when the last remembered query attended
         self.offset = 0
@@ -98,6 +99,12 @@ class CompressedKVCache(ABC):
         """The decoder block's input (the residual stream, (B, n, hidden)) at every step, before the
         block runs; called only when the class sets ``wants_layer_io``. The attention route sees
         rotated queries and keys only: methods whose signal is the hidden state override this."""
+
+    def see_attention_input(self, normed: mx.array, module: Any) -> None:
+        """What the attention module is about to receive (the normed block input) and the module itself,
+        at every step, before it runs (so before :meth:`update_and_fetch`); called only when the class
+        sets ``wants_layer_io``. For methods that keep the attention's input instead of its keys and
+        values and recompute them with the module's own projections (XQuant)."""
 
     def see_attention(self, normed: mx.array, output: mx.array) -> None:
         """What the attention module received (the normed block input) and returned, at every step,
@@ -231,7 +238,7 @@ class CompressedKVCache(ABC):
     def state(self, value: tuple[Any, ...]) -> None:
         *rows, queries, meta = value
         info = json.loads(meta)
-        self.store = RowStore(info["bits"], info["group_size"])
+        self.store = RowStore(info["bits"], info["group_size"], self.store_step)
         self.store.load(tuple(rows))
         self.queries = queries
         self.offset, self.evicted = info["offset"], info["evicted"]

@@ -52,6 +52,7 @@ class CrossLayerCache(CompressedKVCache):
     """Exact recent rows in the store, older rows in folds made with the layer's group."""
 
     uses_queries: ClassVar[bool] = False
+    store_step: ClassVar[int] = 32  # the exact rows stay few (window + one fold's worth): little spare room
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
         super().__init__(budget, sink, window, mode)
@@ -177,7 +178,7 @@ class CrossLayerCache(CompressedKVCache):
         fold = self.folds[cut]
         keys, values = self.unfold(fold)
         del self.folds[cut:]
-        self.store = RowStore(self.store.bits, self.store.group_size)
+        self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
         if prefix > fold.start:
             rows = prefix - fold.start
             self.store.append(keys[..., :rows, :], values[..., :rows, :], fold.start)

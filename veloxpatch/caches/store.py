@@ -14,7 +14,7 @@ is then a (packed, scales, biases) triple); either way every stored array has ro
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 import mlx.core as mx
 
@@ -42,11 +42,10 @@ def _take(parts: Parts, index: mx.array) -> Parts:
 class RowStore:
     """Keys, values and positions of the rows one layer keeps, with spare capacity like KVCache."""
 
-    step: ClassVar[int] = 256
-
-    def __init__(self, bits: int | None = None, group_size: int = 64) -> None:
+    def __init__(self, bits: int | None = None, group_size: int = 64, step: int = 256) -> None:
         self.bits = bits
         self.group_size = group_size
+        self.step = step  # rows added at a time when full (KVCache's 256; fewer for a store that stays small)
         self.keys: Parts | None = None
         self.values: Parts | None = None
         self.positions: mx.array | None = None  # (B, H, capacity, 1) int32
@@ -131,7 +130,7 @@ class RowStore:
 
         Raises ValueError (mlx's own message) for a format mlx cannot store these rows in.
         """
-        out = RowStore(bits, group_size)
+        out = RowStore(bits, group_size, self.step)
         out.rows, out.holes = self.rows, self.holes
         if self.positions is None:
             out.encode(mx.zeros((1, group_size)))  # checks the format before any row arrives

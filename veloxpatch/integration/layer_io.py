@@ -12,8 +12,9 @@ block the nearest ancestor whose ``__call__`` takes one too. Python looks ``__ca
 so it is the classes (each class that defines the ``__call__`` they run, once) that are wrapped, and
 every wrap is recorded in ``STATE.swaps`` so ``unpatch`` restores the original exactly. A call whose
 cache is not one of ours asking for these calls goes straight to the original after one isinstance
-check; for one of ours the block hands its input to ``cache.see_block_input`` and the attention
-module, once it has run, its input and output to ``cache.see_attention``.
+check; for one of ours the block hands its input to ``cache.see_block_input``, and the attention
+module its input and itself to ``cache.see_attention_input`` before it runs and, once it has run, its
+input and output to ``cache.see_attention``.
 """
 
 from __future__ import annotations
@@ -160,11 +161,14 @@ def _block_wrapper(params: Parameters) -> Wrapper:
 
 
 def _attention_wrapper(params: Parameters) -> Wrapper:
-    """An attention module's ``__call__``: once it has run, its input and output go to the cache."""
+    """An attention module's ``__call__``: before it runs, its input and the module itself go to the cache
+    (so the cache has them when it stores the step's rows); once it has run, its input and output."""
 
     def attention(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        output = wrapped(*args, **kwargs)
         cache = _listener(params, args, kwargs)
+        if cache is not None:
+            _tell(cache.see_attention_input, params.input(args, kwargs), instance)
+        output = wrapped(*args, **kwargs)
         if cache is not None:
             _tell(cache.see_attention, params.input(args, kwargs), output[0] if isinstance(output, tuple) else output)
         return output

@@ -1,0 +1,402 @@
+"""XQuant (Tomar et al., arXiv 2508.10395): cache the quantized layer input X and rematerialise K and V from it.
+
+A layer's keys and values are two projections of one input, the attention module's X (the block input
+after its norm): ``K = rope(k_norm(X W_k))`` and ``V = X W_v``. XQuant keeps X, quantized, instead of K
+and V, and computes K and V again with the layer's own projections whenever attention needs them:
+more arithmetic for fewer bytes. Where X is as wide as K (multi-head attention) it is one tensor in
+place of two. Here X is stored with mlx's affine quantization (``mx.quantize``) at
+``VELOX_XQUANT_BITS`` in groups of ``VELOX_XQUANT_GROUP`` along the hidden dimension; ``16`` keeps it
+unquantized in the model's dtype.
+
+XQuant-CL: successive layers' inputs differ by residual updates, so ``VELOX_XQUANT_CL`` consecutive
+layers form a group whose first layer (the anchor) keeps its X at ``VELOX_XQUANT_BITS``, held once for
+the group (``shared_parts``), and whose other layers keep only ``X_l - X̂_anchor`` at
+``VELOX_XQUANT_CL_BITS``, taken against the anchor's reconstruction so a layer's error is its own
+delta's alone. The anchor runs first in every forward and publishes its rows of the step through the
+coordinator (``publish``/``latest``); a layer that finds no publication of its forward (its anchor
+keeps exact rows, or runs elsewhere) leaves the group and keeps its own X from then on.
+
+Measured on SmolLM2-135M (float32; perplexity of 640 tokens of README text after 384 more, fed in
+128-token chunks with ``VELOX_COMPRESS=chunk`` and window 32; bytes per token and layer with bfloat16
+scales): mlx_lm's cache 17.53 (768 B), mlx_lm's ``kv_bits=4`` 20.60 (216 B); X alone at 4, 3 and 2 bits
+17.80 (324 B), 18.75 (252 B), 23.05 (180 B); XQuant-CL in groups of 2 with 2-bit deltas 17.95 (252 B),
+of 4 with 2-bit deltas 18.58 (216 B), of 4 with 3-bit deltas 17.70 (270 B). So XQuant-CL is on by
+default, in groups of 4 with 3-bit deltas: 4-bit X's perplexity in 17% fewer bytes. (One model, one
+text: a few tenths of perplexity are within its noise.) Where a list's members are not adjacent layers
+(sliding-window or hybrid models, whose other layers keep mlx_lm's caches) the premise is weaker.
+
+How it sits in the shim. The cache class asks for the layer inputs (``wants_layer_io``); the attention
+module's hook hands the cache each step's X and the module itself before the module runs
+(:meth:`XQuantCache.see_attention_input`), so the step's X is encoded when its rows arrive. Every
+token's X is kept from then on, in one fold per layer; the token's exact K and V stay beside it in
+the row store until they are released (:mod:`veloxpatch.caches.crosslayer`'s schedule: the last
+``VELOX_WINDOW`` tokens always stay, the rows older than that go after each prefill chunk with
+``VELOX_COMPRESS=chunk``, and at the first decode step with ``end``, so the prompt's later chunks
+attend over its exact rows). Attention runs over K and V rebuilt from the X of the released rows,
+then the exact rows. The module is kept by weak reference and handed over again by the hook after a
+copy or a load. At the first step the cache rebuilds the step's own K and V from X and compares them
+with the ones the model handed over; a module without ``k_proj``, ``v_proj``, ``rope`` and
+``n_kv_heads`` (fused projections, latent attention, ...) or one that computes K and V otherwise
+leaves the layer with exact rows, as mlx_lm's cache keeps them, said once in the log.
+
+Where the shim's position makes this deviate from the paper, and why:
+
+* The last ``VELOX_WINDOW`` tokens keep their exact K and V beside their X: the next tokens attend to
+  them most, and rows kept exact cost no recomputation. Rows are released in segments of at least a
+  window, so the store is not compacted at every decode step.
+* Nothing is evicted and ``VELOX_BUDGET`` does not apply: every token's X is kept.
+* X is stored as it is, also for grouped-query attention; the paper's GQA variant (caching X projected
+  onto the singular vectors of ``W_k`` and ``W_v``) is not implemented. Where the hidden size exceeds
+  ``2 x kv_heads x head_dim`` (SmolLM2-135M: 576 against 384), X at b bits takes more bytes than K and
+  V at b bits.
+* K and V of every released row are recomputed at every step (dequantize, project, rotate at the
+  true positions ``0 .. T-1``) in plain mlx: there is no fused kernel.
+* XQuant-CL's X is the attention input, after each layer's norm (the only X the projections take), not
+  the residual stream between layers, whose updates are the small part: on SmolLM2 adjacent layers'
+  normed inputs differ by 0.3-0.4 of their norm, the residual stream by 0.04-0.3 past the first layers.
+  Each delta is taken against its group's anchor, not accumulated layer after layer from the first
+  layer as the paper describes, so errors never add up along the stack and a group needs no layer
+  outside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import weakref
+from dataclasses import replace
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import Budget, Setting, int_range
+from ..log import once
+from . import method
+from .base import CompressedKVCache
+from .crosslayer import CrossLayerCache, Fold
+from .store import RowStore
+
+BITS = (2, 3, 4, 5, 6, 8, 16)  # 16: unquantized, in the model's dtype
+GROUPS = (32, 64, 128)
+K_NORMS = ("k_norm", "k_layernorm")  # the key norms of qwen3, gemma3, olmo2 / lfm2
+
+Parts = tuple[mx.array, ...]
+
+
+def _one_of(options: tuple[int, ...]):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value not in options:
+            raise ValueError(text)
+        return value
+
+    return parse
+
+
+def _allowed(options: tuple[int, ...]) -> str:
+    return "one of " + ", ".join(map(str, options))
+
+
+KNOBS = (
+    Setting("VELOX_XQUANT_BITS", _one_of(BITS), "4", _allowed(BITS),
+            "XQuant: bits per element of the cached layer input X (mlx's affine quantization; 16 keeps X "
+            "unquantized).", method="xquant"),
+    Setting("VELOX_XQUANT_GROUP", _one_of(GROUPS), "64", _allowed(GROUPS),
+            "XQuant: elements of X per quantization group (one scale and bias each).", method="xquant"),
+    Setting("VELOX_XQUANT_CL", int_range(1, 64), "4", "an integer in [1, 64]",
+            "XQuant-CL: consecutive layers whose first keeps X and the others their delta from it (1: off).",
+            method="xquant"),
+    Setting("VELOX_XQUANT_CL_BITS", _one_of(BITS), "3", _allowed(BITS),
+            "XQuant-CL: bits per element of a layer's delta from its group's first layer.", method="xquant"),
+)
+
+
+@method("xquant", "Caches each layer's quantized attention input X and recomputes K and V from it with the "
+                   "layer's own projections; XQuant-CL keeps deltas from a group's first layer (deviation: X "
+                   "as it is for GQA, no SVD latent; the window stays exact).", KNOBS)
+class XQuantCache(CrossLayerCache):
+    """Every token's X in one fold; K and V of the released rows are rebuilt from it when attention runs.
+
+    The fold's range ``[0, end)`` is the released rows; its X covers every token seen (the exact rows'
+    too). A layer that cannot rebuild keeps its released rows' exact K and V in the fold instead."""
+
+    wants_layer_io = True
+
+    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end", bits: int = 4,
+                 group: int = 64, cl: int = 4, cl_bits: int = 3) -> None:
+        super().__init__(budget, sink, window, mode)
+        self.bits, self.group_size, self.cl, self.cl_bits = bits, group, cl, cl_bits
+        self.grouped = cl > 1  # False once the layer has left its XQuant-CL group
+        self.module: weakref.ref | None = None  # the attention module whose input this layer sees
+        self.incoming: mx.array | None = None  # this step's X, until its rows arrive
+        self.exact = False  # K and V cannot be rebuilt here: released rows stay exact (mlx_lm's bytes)
+        self.checked = False  # the rebuild was compared with the model's own K and V once
+
+    def knob_values(self) -> dict[str, Any]:
+        return {"bits": self.bits, "group": self.group_size, "cl": self.cl, "cl_bits": self.cl_bits}
+
+    # ----------------------------------------------------------------- the layer's input
+    def see_attention_input(self, normed: mx.array, module: Any) -> None:
+        """Keep the step's X and the module that will project it (found again after a copy or a load)."""
+        self.module = weakref.ref(module)
+        self.incoming = normed
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store and fetch (the step's rows are exact), then encode the step's X, or go exact if it did not
+        come with the rows. After storing: the coordinator counts the forward there, and publishes in it."""
+        x, self.incoming = self.incoming, None
+        fetched = super().update_and_fetch(keys, values)
+        if not self.exact:
+            self._take(x, keys, values)
+        return fetched
+
+    def _take(self, x: mx.array | None, keys: mx.array, values: mx.array) -> None:
+        """Add ``x`` as the X of the new rows, checking the rebuild against them the first time."""
+        if x is None or x.shape[:2] != (keys.shape[0], keys.shape[2]):
+            self._go_exact("no layer input reached it with its keys and values")
+            return
+        if not self.checked:
+            self.checked = True
+            why = self._mismatch(x, keys, values)
+            if why:
+                self._go_exact(why)
+                return
+        group = self.group()
+        if len(group) == 1:
+            self._add_alone(x)
+        elif self.layer == group[0]:
+            self._add_anchor(x)
+        else:
+            self._add_delta(x)
+
+    def _mismatch(self, x: mx.array, keys: mx.array, values: mx.array) -> str:
+        """Why K and V rebuilt from ``x`` (the rows just stored) are not the model's own ('' when they are)."""
+        if x.shape[-1] % self.group_size and {self.bits, self.cl_bits if self.cl > 1 else 16} != {16}:
+            return f"its input width {x.shape[-1]} is not a multiple of VELOX_XQUANT_GROUP={self.group_size}"
+        try:
+            rebuilt = self._remat(x, self.offset - keys.shape[2])
+        except (AttributeError, TypeError, ValueError) as error:
+            return f"its attention's k_proj, v_proj, key norm, rope and n_kv_heads cannot rebuild K and V ({error})"
+        if not all(a.shape == b.shape and _close(a, b) for a, b in zip(rebuilt, (keys, values))):
+            return "K and V computed from its input with its projections differ from the model's own"
+        return ""
+
+    def _go_exact(self, why: str) -> None:
+        """From now on released rows stay exact: the layer holds what mlx_lm's cache holds. Rows already
+        released are rebuilt once from their X."""
+        if self.folds and self.folded_rows():
+            keys, values = self.unfold(self.folds[0])
+            self.folds = [Fold(0, self.folded_rows(), {"k": keys, "v": values}, None, (self.layer,))]
+        else:
+            self.folds = []
+        self.exact, self.grouped = True, False
+        module = None if self.module is None else self.module()
+        name = "a layer" if module is None else type(module).__module__.rpartition(".")[2]
+        once(f"xquant exact {name} {why}", logging.INFO,
+             f"xquant: {name} keeps exact K and V, as mlx_lm's cache does: {why}")
+
+    # ----------------------------------------------------------------- encoding X
+    def joint(self, parts: list[mx.array]) -> tuple[list[Any], Any]:
+        """One step's X of this layer encoded, as its fold holds it: alone (``[x]``), X at
+        ``VELOX_XQUANT_BITS``; in a group (``[the anchor's reconstructed rows, x]``), the delta at
+        ``VELOX_XQUANT_CL_BITS``. (The anchor's own rows are the group's shared part, published through
+        the coordinator within the forward: no layer waits for a fan-in.)"""
+        if len(parts) == 1:
+            return [{"x": self._encode(parts[0], self.bits)}], None
+        anchor, x = parts
+        return [None, {"d": self._encode(x - anchor, self.cl_bits)}], None
+
+    def _add_alone(self, x: mx.array) -> None:
+        """A layer alone: its X joins its own."""
+        (own,), _ = self.joint([x])
+        self._set_fold({"x": _joined(self._held("x"), own["x"])}, None)
+
+    def _add_anchor(self, x: mx.array) -> None:
+        """The group's first layer: its X joins the shared part, and the step's rows are published."""
+        step = self._encode(x, self.bits)
+        shared = {"x": _joined(self._held("x", shared=True), step)}
+        self._set_fold(None, shared)
+        self.coordinator.publish(("xquant", self.layer), (shared, self._decode(step, self.bits), self.offset))
+
+    def _add_delta(self, x: mx.array) -> None:
+        """A later layer of a group: its delta from the anchor's rows of this forward (or it leaves)."""
+        found = self.coordinator.latest(("xquant", self.group()[0])) if self.coordinator is not None else None
+        if found is None or found[2] != self.offset or found[1].shape != x.shape:
+            self._leave_group()
+            self._add_alone(x)
+            return
+        shared, anchor, _ = found
+        (_, own), _ = self.joint([anchor, x])
+        self._set_fold({"d": _joined(self._held("d"), own["d"])}, shared)
+
+    def _leave_group(self) -> None:
+        """Keep this layer's own X from now on (its rows so far rebuilt from the anchor's and the delta)."""
+        self.grouped = False
+        if self.folds:
+            x = self._x_hat(self.folds[0], None)
+            self.folds = [Fold(0, self.folded_rows(), {"x": self._encode(x, self.bits)}, None, (self.layer,))]
+        once(f"xquant leaves {self.layer}", logging.INFO,
+             f"xquant: layer {self.layer} found no rows of its XQuant-CL anchor in this forward; it keeps its own X")
+
+    def _held(self, key: str, shared: bool = False) -> Parts | None:
+        """The encoded X this layer holds under ``key`` (None before its first step)."""
+        if not self.folds:
+            return None
+        part = self.folds[0].shared if shared else self.folds[0].own
+        return None if part is None else part.get(key)
+
+    def _set_fold(self, own: Any, shared: Any) -> None:
+        """The layer's fold with new parts (its range unchanged; a new object, so copies share nothing)."""
+        fold = self.folds[0] if self.folds else Fold(0, 0, None, None, self.group())
+        self.folds = [replace(fold, own=own, shared=shared, group=self.group())]
+
+    def _encode(self, x: mx.array, bits: int) -> Parts:
+        return (x,) if bits == 16 else tuple(mx.quantize(x, group_size=self.group_size, bits=bits))
+
+    def _decode(self, parts: Parts, bits: int, rows: int | None = None) -> mx.array:
+        """Rows ``[0, rows)`` of encoded X (every row when None), dequantized."""
+        parts = [p[:, :rows] for p in parts]
+        if bits == 16:
+            return parts[0]
+        return mx.dequantize(*parts, group_size=self.group_size, bits=bits).astype(parts[1].dtype)
+
+    def _x_hat(self, fold: Fold, rows: int | None) -> mx.array:
+        """The fold's X, rows ``[0, rows)``, as dequantized: its own, or the anchor's plus this layer's delta."""
+        own = fold.own or {}
+        if "x" in own:
+            return self._decode(own["x"], self.bits, rows)
+        anchor = self._decode(fold.shared["x"], self.bits, rows)
+        return anchor + self._decode(own["d"], self.cl_bits, rows) if "d" in own else anchor
+
+    # ----------------------------------------------------------------- rebuilding K and V
+    def _remat(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        """K and V of rows whose input is ``x`` (B, n, hidden), the first at position ``offset``, with the
+        module's own projections, key norm and rotary embedding."""
+        module = self._attention()
+        b, n, _ = x.shape
+        keys = _key_normed(module, module.k_proj(x).reshape(b, n, module.n_kv_heads, -1))
+        keys = module.rope(keys.transpose(0, 2, 1, 3), offset=offset)
+        values = module.v_proj(x).reshape(b, n, module.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return keys, values
+
+    def _attention(self) -> Any:
+        module = None if self.module is None else self.module()
+        if module is None:
+            raise RuntimeError("xquant: rows kept as X need their layer's attention module, which is found when "
+                               "the model runs with veloxpatch's layer hooks (make_prompt_cache or a generation's "
+                               "start installs them); run the model through one first")
+        return module
+
+    def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
+        """The released rows ``[0, end)``: rebuilt from their X, or as kept (a layer that cannot rebuild)."""
+        if "k" in (fold.own or {}):
+            return fold.own["k"], fold.own["v"]
+        return self._remat(self._x_hat(fold, fold.end), 0)
+
+    def _with_folds(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The released rows, then the exact ones ``keys``/``values``."""
+        if not self.folded_rows():
+            return keys, values
+        return super()._with_folds(keys, values)
+
+    # ----------------------------------------------------------------- releasing exact rows
+    def group(self) -> tuple[int, ...]:
+        """XQuant-CL's block of consecutive members (this layer alone when off, left or exact)."""
+        if not self.grouped:
+            return (self.layer,)
+        size = len(self._members())
+        first = self.layer // self.cl * self.cl
+        return tuple(range(first, min(first + self.cl, size)))
+
+    def shared_parts(self) -> list[Any]:
+        """The group's X, held with the anchor (nothing for a layer alone)."""
+        return [fold.shared for fold in self.folds if fold.shared is not None]
+
+    def min_fold(self) -> int:
+        """Release in segments of at least a window: the store is not compacted at every decode step."""
+        return max(self.window, 1)
+
+    def _fold_if_due(self, n: int) -> None:
+        """Release the exact rows older than the window when due (crosslayer's schedule): their X is held
+        already, so releasing is dropping them from the store (an exact layer moves them to its fold)."""
+        start, end = self.folded_rows(), self.offset - self.window
+        if (self.mode != "chunk" and n > self.max_headroom) or end - start < self.min_fold():
+            return
+        if self.exact:
+            rows = dict(zip("kv", self._exact(start, end)))
+            if self.folds:
+                rows = {k: mx.concatenate([self.folds[0].own[k], x], axis=2) for k, x in rows.items()}
+            self.folds = [Fold(0, end, rows, None, (self.layer,))]
+        else:
+            self.folds = [replace(self.folds[0], end=end)]
+        rows, gone = self.store.rows, end - start
+        index = mx.broadcast_to(mx.arange(gone, rows), (*self.store.row_positions().shape[:2], rows - gone))
+        self.store.keep(index, self.min_fold())
+
+    # ----------------------------------------------------------------- the cache protocol
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens. Their X goes; when the new end falls among the released rows, the
+        prefix's released rows become exact rows again (rebuilt, as crosslayer's contract says), their X kept."""
+        n = min(n, self.offset)
+        if n <= 0:
+            return 0
+        prefix = self.offset - n
+        if prefix < self.folded_rows():
+            keys, values = self.unfold(self.folds[0])
+            self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
+            if prefix:
+                self.store.append(keys[..., :prefix, :], values[..., :prefix, :], 0)
+            self.folds = [] if self.exact or not prefix else [replace(self.folds[0], end=0)]
+            self.offset = prefix
+        else:
+            CompressedKVCache.trim(self, n)
+        if self.folds and not self.exact:
+            own, shared = (_cut(part, prefix) for part in (self.folds[0].own, self.folds[0].shared))
+            self.folds = [replace(self.folds[0], own=own, shared=shared)]
+            self.linked = False  # a group's layers cut copies of the shared X: linked again at the next step
+        return n
+
+    @property
+    def meta_state(self) -> str:
+        info = json.loads(super().meta_state)
+        info["exact"], info["grouped"] = self.exact, self.grouped
+        return json.dumps(info)
+
+    @CrossLayerCache.state.setter
+    def state(self, value: tuple[Any, ...]) -> None:
+        """The cross-layer state (the module is not saved: the hook hands it over again at the next step)."""
+        CrossLayerCache.state.fset(self, value)
+        info = json.loads(value[-1])
+        self.exact, self.grouped = info["exact"], info["grouped"]
+
+
+def _key_normed(module: Any, keys: mx.array) -> mx.array:
+    """Keys (B, n, heads, head_dim) through the module's key norm: over each head (qwen3, gemma3, lfm2) or
+    over all heads at once (olmo2), as its width says; unchanged without one (the first step's check
+    catches a norm applied otherwise)."""
+    norm = next((getattr(module, name) for name in K_NORMS if hasattr(module, name)), None)
+    width = getattr(norm, "weight", mx.zeros((0,))).shape[-1]
+    if width == keys.shape[-1]:
+        return norm(keys)
+    if width == keys.shape[-2] * keys.shape[-1]:
+        return norm(keys.reshape(*keys.shape[:2], -1)).reshape(keys.shape)
+    return keys
+
+
+def _joined(held: Parts | None, step: Parts) -> Parts:
+    """Encoded rows ``held`` followed by ``step`` (``step`` alone when nothing is held yet)."""
+    return step if held is None else tuple(mx.concatenate([a, b], axis=1) for a, b in zip(held, step))
+
+
+def _cut(part: dict[str, Parts] | None, rows: int) -> dict[str, Parts] | None:
+    """Encoded X keeping its first ``rows`` rows (copies: a slice would hold the whole buffer)."""
+    if part is None:
+        return None
+    return {key: tuple(mx.contiguous(p[:, :rows]) for p in parts) for key, parts in part.items()}
+
+
+def _close(a: mx.array, b: mx.array) -> bool:
+    """Equal up to rounding: the same projections on the same input, batched differently."""
+    tolerance = 1e-4 if b.dtype == mx.float32 else 2e-2
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return bool(mx.abs(a - b).max() <= tolerance * (1 + mx.abs(b).max()))
