@@ -178,3 +178,36 @@ def test_shared_storage_counts_once_in_the_first_live_holders_bytes() -> None:
     held.pop(1)  # the first holder lets go: the next one counts it
     extra = [c.nbytes - b for c, b in zip(caches, before)]
     assert extra[2] == 40 * 16 * 4 + 16 * 4 and sum(extra) == extra[2]
+
+
+def test_two_generations_in_two_threads_keep_their_own_coordinators() -> None:
+    """No global state: each cache list has its coordinator, so two generations of a cross-layer method (squeeze's
+    schedule, ChunkKV's shared positions) running at once in two threads give what each gives alone."""
+    import threading
+
+    from mlx_lm.generate import generate_step
+
+    model = tiny("llama", layers=4)
+    prompts = [random_tokens(160, 21), random_tokens(140, 22)]
+    for method, knobs in (("squeeze", {"squeeze_strength": 1.0}), ("chunkkv", {"chunkkv_reuse": 2})):
+        veloxpatch.patch(kv=method, budget=48, window=8, knobs=knobs)
+
+        def run(prompt: mx.array, caches: list) -> list[int]:
+            return [int(t) for t, _ in generate_step(prompt, model, max_tokens=12, prompt_cache=caches,
+                                                     prefill_step_size=64)]
+
+        alone = [run(p, make_prompt_cache(model)) for p in prompts]
+        lists = [make_prompt_cache(model) for _ in prompts]
+        got: list[list[int] | None] = [None, None]
+
+        def worker(i: int) -> None:
+            got[i] = run(prompts[i], lists[i])
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert got == alone, method
+        assert lists[0][0].coordinator is not lists[1][0].coordinator
+        veloxpatch.unpatch()
