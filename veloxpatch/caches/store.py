@@ -22,6 +22,20 @@ Parts = tuple[mx.array, ...]
 HOLE = -1
 
 
+def encode(x: mx.array, bits: int | None, group_size: int) -> Parts:
+    """``x`` as stored: the array itself (``bits`` None), or mlx's quantized triple."""
+    if bits is None:
+        return (x,)
+    return tuple(mx.quantize(x, group_size=group_size, bits=bits))
+
+
+def decode(parts: Parts, bits: int | None, group_size: int) -> mx.array:
+    """What :func:`encode` stored, back as an array (dequantized in the original dtype)."""
+    if bits is None:
+        return parts[0]
+    return mx.dequantize(*parts, group_size=group_size, bits=bits).astype(parts[1].dtype)
+
+
 def _grow(parts: Parts, extra: int) -> Parts:
     """The same arrays with ``extra`` zero rows appended (spare capacity)."""
     if extra == 0:
@@ -55,15 +69,11 @@ class RowStore:
     # ----------------------------------------------------------------- encoding
     def encode(self, x: mx.array) -> Parts:
         """Rows as stored: the array itself, or its quantized triple."""
-        if self.bits is None:
-            return (x,)
-        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+        return encode(x, self.bits, self.group_size)
 
     def decode(self, parts: Parts) -> mx.array:
         """Rows as attention uses them (dequantized in the cache's dtype)."""
-        if self.bits is None:
-            return parts[0]
-        return mx.dequantize(*parts, group_size=self.group_size, bits=self.bits).astype(parts[1].dtype)
+        return decode(parts, self.bits, self.group_size)
 
     # ----------------------------------------------------------------- reading
     @property

@@ -74,13 +74,11 @@ from ..log import once
 from . import method
 from .base import CompressedKVCache
 from .crosslayer import CrossLayerCache, Fold
-from .store import RowStore
+from .store import Parts, RowStore, decode, encode
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)
 K_NORMS = ("k_norm", "k_layernorm")  # the key norms of qwen3, gemma3, olmo2 / lfm2
-
-Parts = tuple[mx.array, ...]
 
 
 def _one_of(options: tuple[int, ...]):
@@ -251,14 +249,12 @@ class XQuantCache(CrossLayerCache):
         self.folds = [replace(fold, own=own, shared=shared, group=self.group())]
 
     def _encode(self, x: mx.array, bits: int) -> Parts:
-        return (x,) if bits == 16 else tuple(mx.quantize(x, group_size=self.group_size, bits=bits))
+        """X as stored, by the row store's encoding (16 bits: unquantized)."""
+        return encode(x, None if bits == 16 else bits, self.group_size)
 
     def _decode(self, parts: Parts, bits: int, rows: int | None = None) -> mx.array:
         """Rows ``[0, rows)`` of encoded X (every row when None), dequantized."""
-        parts = [p[:, :rows] for p in parts]
-        if bits == 16:
-            return parts[0]
-        return mx.dequantize(*parts, group_size=self.group_size, bits=bits).astype(parts[1].dtype)
+        return decode(tuple(p[:, :rows] for p in parts), None if bits == 16 else bits, self.group_size)
 
     def _x_hat(self, fold: Fold, rows: int | None) -> mx.array:
         """The fold's X, rows ``[0, rows)``, as dequantized: its own, or the anchor's plus this layer's delta."""
