@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+
+from veloxpatch.cli import main
+from veloxpatch.launching import SHIM_DIR
 
 LAUNCHER = str(Path(sys.executable).parent / "veloxpatch")
 
@@ -146,3 +151,124 @@ def test_a_child_interpreter_without_veloxpatch_still_runs_the_users_sitecustomi
     prefix, *child_stderr = result.stdout.splitlines()
     assert Path(prefix) == bare, "the child ran the bare interpreter"
     assert child_stderr == ["user sitecustomize ran"]
+
+
+MLX_LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+RANK = textwrap.dedent("""
+    import json, os
+    import mlx.core as mx
+    group = mx.distributed.init()
+    import mlx_lm, veloxpatch
+    config = veloxpatch.active_config()
+    print(json.dumps({"rank": group.rank(), "size": group.size(), "kv": os.environ.get("VELOX_KV"),
+                      "patched": veloxpatch.is_patched(), "method": config and config.kv,
+                      "budget": os.environ.get("VELOX_BUDGET")}), flush=True)
+""")
+
+
+@pytest.fixture
+def execs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], dict[str, str]]]:
+    """``veloxpatch run``'s exec, captured instead of done; VELOX_* cleared from the caller's environment."""
+    for name in [n for n in os.environ if n.startswith("VELOX_")]:
+        monkeypatch.delenv(name)
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append((list(argv), dict(env))))
+    return calls
+
+
+def run_captured(execs: list, *args: str) -> tuple[list[str], dict[str, str]]:
+    result = CliRunner().invoke(main, ["run", "--kv", "snapkv", "--budget", "64", "--blas", "none", *args])
+    assert result.exit_code == 0, result.output
+    (argv, env), = execs
+    return argv, env
+
+
+def forwarded(env: dict[str, str], *names: str) -> list[str]:
+    return [part for name in names for part in ("--env", f"{name}={env[name]}")]
+
+
+@pytest.mark.parametrize("program", [["mlx.launch"], ["-m", "mlx.launch"], [MLX_LAUNCH]],
+                         ids=["bare-name", "module", "path"])
+def test_mlx_launch_gets_the_settings_as_env_flags(execs: list, program: list[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VELOX_WINDOW", "8")
+    argv, env = run_captured(execs, *program, "-n", "2", "app.py", "--x")
+    assert argv[:2] == [sys.executable, MLX_LAUNCH]
+    flags = forwarded(env, "VELOX_BLAS", "VELOX_BUDGET", "VELOX_KV", "VELOX_WINDOW", "PYTHONPATH")
+    assert argv[2:] == [*flags, "-n", "2", "app.py", "--x"]
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(SHIM_DIR)
+
+
+def test_the_users_own_env_flags_win(execs: list) -> None:
+    argv, env = run_captured(execs, "mlx.launch", "--env", "VELOX_BUDGET=128", "-n", "2", "app.py",
+                             "--env=VELOX_KV=h2o", "--", "--env", "VELOX_WINDOW=3")
+    assert argv[2:] == [*forwarded(env, "VELOX_BLAS", "PYTHONPATH"), "--env", "VELOX_BUDGET=128", "-n", "2",
+                        "app.py", "--env=VELOX_KV=h2o", "--", "--env", "VELOX_WINDOW=3"]
+
+
+def test_the_users_pythonpath_flag_keeps_the_shim_first(execs: list) -> None:
+    argv, _ = run_captured(execs, "mlx.launch", "--env=PYTHONPATH=/mine", "app.py")
+    assert "--env=PYTHONPATH=" + os.pathsep.join([str(SHIM_DIR), "/mine"]) in argv
+    assert not any(arg.startswith("PYTHONPATH=") for arg in argv)
+
+
+def test_the_local_blas_preload_stays_local(execs: list) -> None:
+    result = CliRunner().invoke(main, ["run", "--kv", "snapkv", "--blas", sys.executable, "mlx.launch", "app.py"])
+    assert result.exit_code == 0, result.output
+    (argv, env), = execs
+    assert sys.executable in env["LD_PRELOAD"]
+    assert not any(arg.startswith("LD_PRELOAD") for arg in argv)
+
+
+def test_other_programs_get_no_env_flags(execs: list) -> None:
+    argv, _ = run_captured(execs, "-m", "mlx_lm.generate", "--prompt", "hi")
+    assert argv == [sys.executable, "-m", "mlx_lm.generate", "--prompt", "hi"]
+    execs.clear()
+    argv, _ = run_captured(execs, "mlx_lm.generate", "--prompt", "hi")
+    assert argv == [sys.executable, str(Path(sys.executable).parent / "mlx_lm.generate"), "--prompt", "hi"]
+
+
+@pytest.mark.parametrize("args, named", [
+    (["no-such-program"], "SCRIPT 'no-such-program' is neither a file nor a Python console script"),
+    (["-m", "no_such.module"], "-m MODULE 'no_such.module' is neither an importable module nor a Python console"),
+    (["ls"], "is not a Python script"),
+])
+def test_an_unknown_program_is_named(execs: list, args: list[str], named: str) -> None:
+    result = CliRunner().invoke(main, ["run", "--kv", "snapkv", *args])
+    assert result.exit_code == 2 and named in result.output
+    assert execs == []
+
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 (the ring backend listens on starting port + rank)."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            base = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", base + 1))
+                except OSError:
+                    continue
+        return base
+    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
+
+
+def test_mlx_launch_ranks_run_patched(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
+    command = [LAUNCHER, "run", "--kv", "snapkv", "--budget", "64", "mlx.launch", "-n", "2", "--backend", "ring",
+               "--starting-port", str(free_port_pair()), "--python", sys.executable, str(script)]
+    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"mlx.launch did not finish in 60 s\n{out}\n{err}")
+    assert process.returncode == 0, err
+    ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    assert ranks == [{"rank": rank, "size": 2, "kv": "snapkv", "patched": True, "method": "snapkv", "budget": "64"}
+                     for rank in (0, 1)], out + err

@@ -16,6 +16,8 @@ from typing import Any
 from . import eligibility
 from .caches import cache_class, make_cache
 from .config import VeloxConfig
+from .coordinators import coordinators_of
+from .integration import ranks
 from .log import log, once
 
 NO_SLOT = "no plain full-attention KVCache slot; running unpatched"
@@ -52,20 +54,32 @@ def explain(model: Any, config: VeloxConfig) -> str:
 
 
 def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
-    """Replace the slots the probe clears with compressed caches sharing one coordinator."""
+    """Replace the slots the probe clears with compressed caches sharing one coordinator. On a model
+    split across ranks, the ranks agree first (:mod:`veloxpatch.integration.ranks`): every rank takes
+    part, whatever its own verdict."""
     name = model_type(model)
     slots = candidate_slots(caches)
+    if slots:
+        capture_layer_io(model, config)
+        found = eligibility.verdict(model, caches, slots, config)
+    else:
+        found = eligibility.Verdict((), reason=NO_SLOT.removesuffix("; running unpatched"))
+    members = len({id(caches[i]) for i in found.slots})
+    ready, span = ranks.agreement(model, config, bool(found.slots), members)
+    if found.slots and not ready:
+        found = eligibility.Verdict((), reason="another rank of this distributed run could not use it")
     if not slots:
         once(name, logging.INFO, f"{name}: {NO_SLOT}")
         return caches
-    capture_layer_io(model, config)
-    found = eligibility.verdict(model, caches, slots, config)
     if not found.slots or found.left:
         once(f"{name} {config.kv}", logging.INFO, f"{name} with {config.kv}: {found.describe(len(slots))}")
     if not found.slots:
         return caches
     log.debug("%s: %s on %d of %d cache slots", name, config.kv, len(found.slots), len(caches))
-    return eligibility.assemble(caches, found.slots, lambda: make_cache(config), config.kv)
+    built = eligibility.assemble(caches, found.slots, lambda: make_cache(config), config.kv)
+    for coordinator in coordinators_of(built):
+        coordinator.span = span
+    return built
 
 
 def capture_layer_io(model: Any, config: VeloxConfig) -> None:

@@ -17,13 +17,13 @@ from typing import Any
 
 import click
 
-from . import caches, cpu, models
+from . import caches, cpu, launching, models
 from ._version import __version__
 from .config import ConfigError, VeloxConfig, all_settings, from_env
 from .eval.commands import COMMANDS
 from .integration import version
+from .launching import SHIM_DIR
 
-SHIM_DIR = Path(__file__).resolve().parent / "_shim"
 RUN_CONTEXT = {"ignore_unknown_options": True, "allow_interspersed_args": False}
 
 
@@ -65,6 +65,8 @@ def run(module: str | None, argv: tuple[str, ...], **options: str | None) -> Non
     """Run SCRIPT [ARGS]... or -m MODULE [ARGS]... with compressed KV caches.
 
     Options before the script or module set VELOX_* for it; everything after belongs to the app.
+    SCRIPT or MODULE may name a Python console script, e.g. mlx.launch, whose ranks, local or
+    remote, then all run with the same settings.
     """
     if module is None and not argv:
         raise click.UsageError("give a SCRIPT to run, or -m MODULE")
@@ -76,8 +78,10 @@ def run(module: str | None, argv: tuple[str, ...], **options: str | None) -> Non
     for warning in loaded.warnings:
         click.echo(f"veloxpatch: WARNING: {warning}", err=True)
     env = _with_blas(env, loaded.config)
-    target = ["-m", module] if module is not None else [argv[0]]
+    target = launching.module_target(module) if module is not None else launching.script_target(argv[0])
     rest = list(argv if module is not None else argv[1:])
+    if launching.is_mlx_launch(target):
+        rest = launching.forward_environment(rest, env)
     os.execve(sys.executable, [sys.executable, *target, *rest], env)
 
 
@@ -156,8 +160,21 @@ def info(model_path: str | None) -> None:
     for warning in loaded.warnings:
         click.echo(f"warning: {warning}")
     _cpu_speed(config)
+    _rank()
     if model_path is not None:
         _model_support(Path(model_path), config)
+
+
+def _rank() -> None:
+    """Under ``mlx.launch`` (which sets ``MLX_RANK``) say which rank of how many this is: every rank
+    prints its own info, and each must show the same settings."""
+    if "MLX_RANK" not in os.environ:
+        return
+    import mlx.core as mx
+
+    group = mx.distributed.init()
+    click.echo(f"distributed: rank {group.rank()} of {group.size()} (started by mlx.launch); caches agree "
+               "across ranks when first built, and settings that differ are an error then")
 
 
 def _cpu_speed(config: VeloxConfig) -> None:

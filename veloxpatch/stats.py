@@ -35,16 +35,21 @@ def track(cache: Any, built: bool = True) -> None:
     _live.add(cache)
 
 
-def summary(method: str) -> str:
-    """One line: method, caches, tokens seen vs rows kept, physical bytes vs a dense cache."""
+def counts() -> list[int]:
+    """This process's numbers for the summary: generations, caches built, compressions, and over the
+    live caches tokens seen, rows kept, bytes held and the bytes a dense cache would hold."""
     live = list(_live)
-    seen = sum(c.offset for c in live)
-    kept = sum(c.size() for c in live)
-    nbytes = sum(c.nbytes for c in live)
-    dense = sum(c.dense_nbytes() for c in live)
+    return [totals.generations, totals.caches_built, totals.compressions, sum(c.offset for c in live),
+            sum(c.size() for c in live), sum(c.nbytes for c in live), sum(c.dense_nbytes() for c in live)]
+
+
+def summary(method: str, numbers: list[int] | None = None, who: str = "") -> str:
+    """One line: method, caches, tokens seen vs rows kept, physical bytes vs a dense cache; of this
+    process, or of ``numbers`` (summed over the ranks of a distributed run), ``who`` naming them."""
+    generations, built, compressions, seen, kept, nbytes, dense = counts() if numbers is None else numbers
     share = f"{100 * kept / seen:.1f}%" if seen else "n/a"
     return (
-        f"veloxpatch: {method} | {totals.generations} generation(s), {totals.caches_built} layer cache(s) built, "
-        f"{totals.compressions} compression(s) | live: {kept}/{seen} rows kept ({share}), "
+        f"veloxpatch{who}: {method} | {generations} generation(s), {built} layer cache(s) built, "
+        f"{compressions} compression(s) | live: {kept}/{seen} rows kept ({share}), "
         f"KV {nbytes / 2**20:.2f} MiB vs {dense / 2**20:.2f} MiB dense"
     )

@@ -137,9 +137,27 @@ class CompressedKVCache(ABC):
         """The stored key rows (decoded), for code that reads a cache's keys."""
         return None if self.empty() else self.store.fetch()[0]
 
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self.tie(value)
+
     @property
     def values(self) -> mx.array | None:
         return None if self.empty() else self.store.fetch()[1]
+
+    def tie(self, value: mx.array) -> None:
+        """What assigning ``cache.keys`` does: mlx_lm's pipelined models write
+        ``cache[-1].keys = mx.depends(cache[-1].keys, h)`` so that evaluating the caches after a prompt
+        chunk also runs the send of ``h`` to the next rank. Our rows live in the store, so the value's
+        graph is hung on them; any other assignment (rows of another shape) is refused, since rows
+        written from outside would bypass positions and eviction."""
+        current = self.keys
+        if current is None or tuple(value.shape) != tuple(current.shape):
+            shape = None if current is None else tuple(current.shape)
+            raise AttributeError(
+                f"{type(self).__name__} keeps its rows itself: assigning `keys` only ties a value of the cache's "
+                f"own shape {shape} into the graph (mlx_lm's pipeline send), not {tuple(value.shape)}")
+        self.store.tie(value)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         """The mask a model asks for before this step: causal over our own rows, as KVCache does.
@@ -373,6 +391,14 @@ class CompressedKVCache(ABC):
         positions = self.store.row_positions()
         visible = self._visible(positions, queries.shape[2])
         return mx.repeat(visible, queries.shape[1] // positions.shape[1], axis=1)
+
+    def _depth(self) -> tuple[int, int]:
+        """This layer's index among the served layers of the model and their number: over every rank's
+        layers on a model split by pipeline (the coordinator's span), so depth-set choices match one
+        process."""
+        if self.coordinator is None:
+            return 0, 1
+        return self.coordinator.position(self), self.coordinator.layer_count()
 
     def _members(self) -> list["CompressedKVCache"]:
         """The caches of this cache's list in layer order (just this one without a coordinator)."""

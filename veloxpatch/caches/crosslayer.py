@@ -146,6 +146,10 @@ class CrossLayerCache(CompressedKVCache):
         mlx_lm's own cache takes, e.g. joining a batch)."""
         return None if self.empty() else self._with_folds(*self.store.fetch())[0]
 
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        self.tie(value)
+
     @property
     def values(self) -> mx.array | None:
         return None if self.empty() else self._with_folds(*self.store.fetch())[1]

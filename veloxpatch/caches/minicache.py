@@ -117,13 +117,16 @@ class MiniCacheCache(CrossLayerCache):
         return {"start": self.start, "t": self.t, "gamma": self.gamma}
 
     def group(self) -> tuple[int, ...]:
-        """The pair (S + 2i, S + 2i + 1) this layer belongs to, or this layer alone (no partner)."""
-        size = len(self._members())
-        first = math.floor(self.start * size + 1e-9)
-        if self.layer < first:
+        """The pair (S + 2i, S + 2i + 1) this layer belongs to, as member indexes, or this layer alone
+        (no partner). Counted over the model's served layers: on a model split by pipeline, a pair
+        whose partner lives on another rank leaves both alone."""
+        depth, layers = self._depth()
+        first = math.floor(self.start * layers + 1e-9)
+        if depth < first:
             return (self.layer,)
-        lead = first + (self.layer - first) // 2 * 2
-        return (lead, lead + 1) if lead + 1 < size else (self.layer,)
+        lead = self.layer - (depth - first) % 2
+        pair = (lead, lead + 1)
+        return pair if lead >= 0 and lead + 1 < len(self._members()) else (self.layer,)
 
     def min_fold(self) -> int:
         """``MIN_FOLD`` rows for a layer of a pair; more rows than it holds for one without a partner

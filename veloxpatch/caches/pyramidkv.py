@@ -121,10 +121,10 @@ class PyramidKVCache(SnapKVCache):
         return {**super().knob_values(), "beta": self.beta}
 
     def target(self) -> int:
-        """This layer's term of the pyramid over the list's members (the plain budget alone)."""
-        layers = len(self._members())
+        """This layer's term of the pyramid over the model's served layers (the plain budget alone)."""
+        depth, layers = self._depth()
         budget = self.budget.resolve(self.offset)
         floor = self.sink + self.window
-        if layers < 2 or self.layer >= layers:
+        if layers < 2 or depth >= layers:
             return max(budget, floor)
-        return layer_budgets(pyramid(layers, self.beta), budget, floor, self.offset)[self.layer]
+        return layer_budgets(pyramid(layers, self.beta), budget, floor, self.offset)[depth]

@@ -170,6 +170,7 @@ class SqueezeCoordinator(Coordinator):
         self.stale = False  # reports arrived since the shares were set
         self.considered = -1  # the forward whose first layer last looked at the reports
         self.current: tuple[float, ...] | None = None  # the members' shares as of that forward
+        self.pooled_shares: tuple[float, ...] | None = None  # every served layer's, from the last allocation
 
     def reset(self) -> None:
         """A new sequence: forget the reports; members that hold no rows forget their shares."""
@@ -177,6 +178,7 @@ class SqueezeCoordinator(Coordinator):
         self.reports.clear()
         self.closed = self.stale = False
         self.considered = -1
+        self.pooled_shares = None
         for member in self.members:
             if member.offset == 0:
                 member.share = None
@@ -201,26 +203,27 @@ class SqueezeCoordinator(Coordinator):
             self.considered = self.step
             if self.stale:
                 self._allocate()
-            self.current = shares_of(self.members)
+            self.current = self.pooled_shares or shares_of(self.members)
         return self.current
 
     def _allocate(self) -> None:
-        """Set every member's share from the reports (none if some layer has not reported)."""
+        """Set every member's share from the reports of every layer of the model (on a model split
+        across ranks, pooled from every rank: the total budget moves over all its layers); none if
+        some layer has not reported."""
         self.stale = False
-        layers = len(self.members)
-        missing = sum(i not in self.reports for i in range(layers))
-        if not layers:
+        if not self.members:
             return
+        means = self.pooled({layer: total / chunks for layer, (total, chunks) in self.reports.items()})
+        missing = means.count(None)
         if missing:
             once("squeeze partial", logging.INFO,
-                 f"squeeze: {missing} of {layers} layers report no prompt attention "
+                 f"squeeze: {missing} of {len(means)} layers report no prompt attention "
                  "(they do not attend through veloxpatch); their list runs on uniform budgets")
-            shares: Sequence[float | None] = [None] * layers
+            self.pooled_shares = None
         else:
-            means = mx.stack([total / chunks for total, chunks in (self.reports[i] for i in range(layers))])
-            shares = squeeze_shares(means.tolist(), self.members[0].strength)
-        for member, share in zip(self.members, shares):
-            member.share = share
+            self.pooled_shares = squeeze_shares(means, self.members[0].strength)
+        for member in self.members:
+            member.share = None if missing else self.pooled_shares[self.position(member)]
 
 
 def shares_of(members: Sequence[Any]) -> tuple[float, ...] | None:
@@ -276,10 +279,10 @@ class SqueezeCache(CompressedKVCache):
         """This layer's share of layers x budget, or the plain budget while the list has no shares."""
         budget = self.budget.resolve(self.offset)
         floor = self.sink + self.window
-        shares = self._shares()
+        shares, index = self._shares()
         if shares is None:
             return max(budget, floor)
-        return layer_budgets(shares, budget, floor, self.offset)[self.layer]
+        return layer_budgets(shares, budget, floor, self.offset)[index]
 
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
         """The policy's hook; then a prompt chunk reports its importance (under ``cosine`` once the
@@ -339,8 +342,15 @@ class SqueezeCache(CompressedKVCache):
                  "are not called with a `cache` argument, or the cache is driven directly): such chunks report the "
                  "entropy signal")
 
-    def _shares(self) -> tuple[float, ...] | None:
-        """The list's shares (from the coordinator's schedule), or None if this layer has none."""
+    def _shares(self) -> tuple[tuple[float, ...] | None, int]:
+        """The shares (from the coordinator's schedule) and this layer's index in them: every served
+        layer's when the reports set them, the list's own when they came with the caches (a loaded
+        list); (None, 0) if this layer has none."""
         coordinator = self.coordinator
-        shares = coordinator.schedule() if isinstance(coordinator, SqueezeCoordinator) else shares_of(self._members())
-        return shares if shares is not None and self.layer < len(shares) else None
+        if isinstance(coordinator, SqueezeCoordinator):
+            shares = coordinator.schedule()
+            pooled = shares is not None and shares is coordinator.pooled_shares
+            index = coordinator.position(self) if pooled else self.layer
+        else:
+            shares, index = shares_of(self._members()), self.layer
+        return (shares, index) if shares is not None and index < len(shares) else (None, 0)

@@ -151,6 +151,11 @@ class RowStore:
             out.positions = mx.array(self.positions)
         return out
 
+    def tie(self, dependency: mx.array) -> None:
+        """Make the stored rows depend on ``dependency`` in the graph, so evaluating the state (as
+        mlx_lm does after every prompt chunk) evaluates it too. Needs rows to hang it on."""
+        self.positions = mx.depends(self.positions, dependency)
+
     # ----------------------------------------------------------------- saving
     @property
     def state(self) -> tuple[Any, ...]:

@@ -24,6 +24,15 @@ that uses it (a member lists it in ``shared_parts()``) and counts once, in the `
 first live holder (:meth:`Coordinator.owned_nbytes`), so a sum of ``nbytes`` over the list is what
 the process holds.
 
+On a model split across ranks (``mlx.distributed``: tensor or pipeline parallel), each rank has its
+own list and coordinator; the builder gives it the list's :class:`Span`, where its members sit
+among the served layers of the whole model. Methods whose choices depend on depth (PyramidKV's
+pyramid, MiniCache's starting layer) count with :meth:`Coordinator.position` and
+:meth:`Coordinator.layer_count`, and a per-layer signal the whole model must agree on
+(SqueezeAttention's) goes through :meth:`Coordinator.pooled`, one all-sum over every rank. Groups of
+layers (xKV, XQuant-CL, ChunkKV's index reuse) are formed within a rank's list: nothing a rank cannot
+see is waited for.
+
 When a new sequence starts, cross-layer state from the previous one must go. Two signals say so:
 
 * a generation starts on the list (the integration resets every coordinator of the list handed to
@@ -38,11 +47,24 @@ When a new sequence starts, cross-layer state from the previous one must go. Two
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import sys
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a cache list's members sit among the served layers of the whole model: ``first`` is
+    the index of its first member, ``total`` their number over every rank. ``split``: the model is
+    split across ranks (tensor or pipeline parallel), so whole-model values need a collective."""
+
+    first: int = 0
+    total: int | None = None
+    split: bool = False
 
 
 class Coordinator:
@@ -57,6 +79,7 @@ class Coordinator:
         self.published: dict[Any, tuple[int, Any]] = {}
         self.parts: dict[Hashable, dict[int, Any]] = {}  # fan-in: group -> layer -> contribution
         self.results: dict[Hashable, Any] = {}  # fan-in: group -> its joint result
+        self.span = Span()  # set by the builder on a model split across ranks
 
     def join(self, cache: Any) -> None:
         """Register a member cache (in layer order); it knows its coordinator and index from then on."""
@@ -101,6 +124,30 @@ class Coordinator:
         return value if step == self.step else None
 
 
+    # ----------------------------------------------------------------- depth over the whole model
+    def position(self, cache: Any) -> int:
+        """``cache``'s index among the served layers of the whole model (its list index on one process)."""
+        return self.span.first + cache.layer
+
+    def layer_count(self) -> int:
+        """Served layers in the whole model: this list's members, or every rank's on a split model."""
+        return len(self.members) if self.span.total is None else self.span.total
+
+    def pooled(self, values: Mapping[int, mx.array | float]) -> list[float | None]:
+        """Whole-model values per layer from this list's ``values`` (member index -> value). On a split
+        model every rank must call this at the same point: one all-sum, each layer averaged over the
+        ranks holding it (tensor-parallel peers hold the same layers). None where no rank had one."""
+        sums = mx.zeros((2, self.layer_count()), dtype=mx.float32)
+        if values:
+            where = mx.array([self.span.first + layer for layer in values])
+            sums[0, where] = mx.stack([mx.array(v, dtype=mx.float32) for v in values.values()])
+            sums[1, where] = 1.0
+        if self.span.split:
+            settle()
+            sums = mx.distributed.all_sum(sums, stream=mx.cpu)
+        totals, counts = sums.tolist()
+        return [total / count if count else None for total, count in zip(totals, counts)]
+
     # ----------------------------------------------------------------- fan-in and joint steps
     def contribute(self, group: Hashable, member: Any, part: Any, layers: Sequence[int],
                    compute: Callable[[list[Any]], Any]) -> Any:
@@ -140,6 +187,16 @@ class Coordinator:
             for part in other.shared_parts():
                 mine.pop(id(part), None)
         return sum(a.nbytes for part in mine.values() for _, a in tree_flatten(part) if isinstance(a, mx.array))
+
+
+def settle() -> None:
+    """Wait for the work in flight before a collective of ours: mlx_lm generates on a stream of its own,
+    one step ahead, and a step still running there holds the model's collectives; ours, started on
+    another stream meanwhile, would pair with them on the ring and swap data between ranks."""
+    mx.synchronize()
+    stream = getattr(sys.modules.get("mlx_lm.generate"), "generation_stream", None)
+    if stream is not None:
+        mx.synchronize(stream)
 
 
 def coordinators_of(caches: Any) -> list[Coordinator]:

@@ -24,7 +24,7 @@ from ..config import ConfigError, VeloxConfig, from_env
 from ..log import configure as configure_logging
 from ..log import log
 from ..cpu import float32_wanted
-from . import batched, float32, version, wrappers
+from . import batched, float32, ranks, version, wrappers
 from .state import STATE, Swap
 
 # defining module -> what it defines that we replace (a function, or Class.method), and the wrapper for each
@@ -176,6 +176,18 @@ def _register_stats(config: VeloxConfig) -> None:
 
 
 def _print_stats() -> None:
+    """The summary line on exit; in a distributed run each rank's, named, and rank 0 adds the total."""
     config = STATE.config
-    if config is not None and config.stats:
+    if config is None or not config.stats:
+        return
+    place = ranks.place()
+    if place is None:
         print(stats.summary(config.kv), file=sys.stderr)
+        return
+    rank, size = place
+    print(stats.summary(config.kv, who=f" (rank {rank} of {size})"), file=sys.stderr)
+    numbers = stats.counts()
+    total = ranks.summed(numbers)
+    if rank == 0 and total is not None:
+        total[0] = numbers[0]  # every rank runs the same generations
+        print(stats.summary(config.kv, total, who=f" (all {size} ranks)"), file=sys.stderr)

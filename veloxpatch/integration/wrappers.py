@@ -27,6 +27,7 @@ from .. import builder, stats
 from ..caches.base import CompressedKVCache
 from ..coordinators import coordinators_of
 from ..log import once
+from .ranks import RanksDisagree
 from .state import STATE, in_batched_generation
 
 SDPA_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
@@ -49,6 +50,8 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
     model = args[0] if args else kwargs["model"]
     try:
         return builder.build(model, caches, config)
+    except RanksDisagree:  # every rank raises it: running on would mean different methods per rank
+        raise
     except Exception as error:  # the host app must keep running
         fall_back("building compressed caches", error)
         return caches

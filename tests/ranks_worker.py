@@ -1,0 +1,92 @@
+"""One rank of tests/test_distributed.py, started by ``mlx.launch``: loads a model folder split by
+tensor or pipeline parallelism and prints, as one JSON line, what each method does on this rank.
+
+``python ranks_worker.py tp|pp FOLDER methods`` runs every method at a budget above the context and
+at a small one; ``python ranks_worker.py tp FOLDER mismatch`` builds caches with a budget that
+differs by rank and prints the error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import sharded_load
+
+import veloxpatch
+from veloxpatch.caches import CACHE_CLASSES, CompressedKVCache
+from veloxpatch.caches.crosslayer import CrossLayerCache
+from veloxpatch.config import ConfigError
+from veloxpatch.coordinators import settle
+
+SMALL = dict(budget=8, sink=2, window=4)
+SMALL_KNOBS = {"minicache": {"minicache_start": 0.0}}  # pair every rank's layers (4 layers, 2 per stage)
+PROMPT = mx.array([(7 * i + 3) % 90 for i in range(40)])
+
+
+def greedy(model, caches) -> list[int]:
+    """Four greedy tokens after the prompt, read in 16-token chunks (so compression runs between chunks)."""
+    return [t for t, _ in generate_step(PROMPT, model, max_tokens=4, prefill_step_size=16, prompt_cache=caches)]
+
+
+def agree(tokens: list[int]) -> bool:
+    """Whether every rank generated these same tokens (after the step generate_step leaves in flight,
+    whose collectives would otherwise pair with this one)."""
+    settle()
+    rows = mx.distributed.all_gather(mx.array([tokens]), stream=mx.cpu).tolist()
+    return all(row == tokens for row in rows)
+
+
+def small_budget(model, method: str) -> dict:
+    """Tokens, their agreement, and what the caches hold at a budget far below the prompt."""
+    veloxpatch.patch(kv=method, compress="chunk", knobs=SMALL_KNOBS.get(method, {}), **SMALL)
+    caches = make_prompt_cache(model)
+    tokens = greedy(model, caches)
+    ours = [c for c in caches if isinstance(c, CompressedKVCache)]
+    return {"agree": agree(tokens), "ours": len(ours), "sizes": [c.size() for c in ours],
+            "offsets": [c.offset for c in ours], "evicted": any(c.evicted for c in ours),
+            "folded": any(getattr(c, "folds", None) for c in ours),
+            "cross_layer": isinstance(ours[0], CrossLayerCache) if ours else False}
+
+
+def methods(model, folder: str) -> dict:
+    single = greedy(*_single(folder))
+    plain = greedy(model, make_prompt_cache(model))
+    out = {"single": single, "plain": plain, "plain_agree": agree(plain), "methods": {}}
+    for method in sorted(CACHE_CLASSES):
+        veloxpatch.patch(kv=method, budget=4096)
+        exact = greedy(model, make_prompt_cache(model))
+        out["methods"][method] = {"exact": exact, **small_budget(model, method)}
+        veloxpatch.unpatch()
+    return out
+
+
+def _single(folder: str):
+    """The same folder loaded whole, in this process alone (no collective runs in it)."""
+    model, _ = load(folder)
+    return model, make_prompt_cache(model)
+
+
+def mismatch(model, rank: int) -> dict:
+    veloxpatch.patch(kv="snapkv", budget=64 + 64 * rank)
+    try:
+        make_prompt_cache(model)
+    except ConfigError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def main() -> None:
+    mode, folder, job = sys.argv[1:4]
+    group = mx.distributed.init()
+    model, _ = sharded_load(folder, **{("tensor_group" if mode == "tp" else "pipeline_group"): group})
+    result = methods(model, folder) if job == "methods" else mismatch(model, group.rank())
+    print("RESULT " + json.dumps({"rank": group.rank(), "size": group.size(), **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Compressed caches under mlx.distributed: two ranks on loopback (``mlx.launch --backend ring``), a
+tiny random llama split by heads (tensor parallel) and a tiny random ministral3 split by layers
+(pipeline parallel: llama has no ``pipeline`` in mlx_lm; ministral3 is a llama-style model that has).
+
+Every registered method, coordinator and cross-layer ones included, under both splits: at a budget
+above the context the tokens equal the unpatched split run and the model run whole in one process;
+at a small budget every rank's caches hold at most budget + headroom rows (cross-layer ones fold
+instead) and the ranks agree on the tokens. Settings that differ between ranks are an error on
+every rank before any generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from veloxpatch.caches import CACHE_CLASSES
+from veloxpatch.eval import zoo
+from veloxpatch.eval.random_model import build, write_byte_tokenizer, write_model_dir
+
+WORKER = Path(__file__).with_name("ranks_worker.py")
+LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
+
+
+def free_base_port() -> int:
+    """A port p with p and p + 1 free (the ring backend listens on starting port + rank)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base < 65000 and _free(base) and _free(base + 1):
+            return base
+    raise RuntimeError("no two consecutive free ports on loopback")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def launch(*args: str, timeout: int = 240) -> dict[int, dict]:
+    """Run the worker on two ranks; each rank's RESULT line, by rank. The ranks are killed at ``timeout``."""
+    command = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_base_port()),
+               "--python", sys.executable, str(WORKER), *args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"two ranks did not finish in {timeout} s:\n{output[-3000:]}")
+    results = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == 2, f"expected a result from each rank:\n{output[-3000:]}"
+    return {r["rank"]: r for r in results}
+
+
+def pipeline_dir(path: Path) -> Path:
+    """A ministral3 folder ``sharded_load`` can pipeline (it reads the weight index to pick files)."""
+    path.mkdir(parents=True)
+    vocab = write_byte_tokenizer(path)
+    config = zoo.small_config("ministral3")
+    for part in (config, config["text_config"]):
+        part.update(vocab_size=vocab, num_hidden_layers=4)
+    (path / "config.json").write_text(json.dumps(config))
+    weights = dict(tree_flatten(build(config).parameters()))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(weights,
+                                                                                             "model.safetensors")}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
+    root = tmp_path_factory.mktemp("ranks")
+    llama = write_model_dir(root / "llama", num_hidden_layers=4)
+    return {"tensor": launch("tp", str(llama), "methods"),
+            "pipeline": launch("pp", str(pipeline_dir(root / "ministral3")), "methods")}
+
+
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_the_split_runs_equal_the_whole_model_unpatched(runs, split: str) -> None:
+    for rank in runs[split].values():
+        assert rank["size"] == 2 and rank["plain_agree"]
+        assert rank["plain"] == rank["single"], f"{split} rank {rank['rank']}: the split model differs from one process"
+
+
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+@pytest.mark.parametrize("method", sorted(CACHE_CLASSES))
+def test_every_method_on_every_rank(runs, split: str, method: str) -> None:
+    for rank in runs[split].values():
+        got = rank["methods"][method]
+        case = f"{method}, {split} parallel, rank {rank['rank']}"
+        assert got["exact"] == rank["plain"], f"{case}: tokens differ at a budget above the context"
+        assert got["ours"] >= 2, f"{case}: not compressed ({got})"
+        assert got["agree"], f"{case}: the ranks generated different tokens"
+        if got["cross_layer"]:
+            assert got["folded"] and got["sizes"] == got["offsets"], f"{case}: {got}"
+        else:
+            assert got["evicted"] and max(got["sizes"]) <= 16, f"{case}: rows exceed budget + headroom: {got}"
+
+
+def test_different_settings_on_two_ranks_are_an_error_on_both(tmp_path) -> None:
+    ranks = launch("tp", str(write_model_dir(tmp_path / "llama", num_hidden_layers=2)), "mismatch")
+    for rank, result in ranks.items():
+        assert result["error"] is not None, f"rank {rank} built caches with settings another rank does not share"
+        assert "VELOX_BUDGET=" + str(64 + 64 * rank) in result["error"]
+
+
+def test_a_list_spanning_part_of_the_model_counts_depth_over_the_whole_model() -> None:
+    """Two layers of a four-layer model (a pipeline stage) get the budgets and pairs that layers 2
+    and 3 get in one process: PyramidKV's pyramid and MiniCache's starting depth."""
+    from veloxpatch.caches import make_cache
+    from veloxpatch.config import VeloxConfig
+    from veloxpatch.coordinators import Span
+    from veloxpatch.eligibility import assemble
+
+    def layers(kv: str, count: int, span: Span | None = None) -> list:
+        config = VeloxConfig(kv=kv, budget=48, sink=2, window=4)
+        caches = assemble([type("Slot", (), {})() for _ in range(count)], range(count),
+                          lambda: make_cache(config), kv)
+        if span is not None:
+            caches[0].coordinator.span = span
+        for cache in caches:
+            cache.offset = 100
+        return caches
+
+    whole, stage = layers("pyramidkv", 4), layers("pyramidkv", 2, Span(2, 4, True))
+    assert [c.target() for c in stage] == [c.target() for c in whole[2:]]
+    assert stage[0].target() != whole[0].target()
+    whole, stage = layers("minicache", 4), layers("minicache", 2, Span(2, 4, True))
+    assert [c.group() for c in whole] == [(0,), (1,), (2, 3), (2, 3)]
+    assert [c.group() for c in stage] == [(0, 1), (0, 1)]
+    assert [c.group() for c in layers("minicache", 2, Span(1, 4, True))] == [(0,), (1,)]  # partner on another rank

@@ -1,0 +1,135 @@
+"""Models split across ranks by ``mlx.distributed``: what each rank's cache list spans, and that every
+rank runs with the same settings.
+
+mlx_lm splits a model two ways (``sharded_load``). Tensor parallel (``model.shard(group)``): every
+rank holds every layer with a share of its heads, through mlx's sharded linear layers, which keep
+their group. Pipeline parallel (``model.model.pipeline(group)``, a ``PipelineMixin``): rank r holds a
+span of layers (the later layers on the lower ranks) and ``make_cache`` returns caches for its own
+layers only. Both may be combined.
+
+Each rank builds its own list, so per-head choices (which rows every method keeps) are local and
+need no traffic. What depends on the whole model is agreed once, when a rank first builds caches
+for a model, by one all-gather over every rank of the world group (:func:`agree`): each rank's
+settings (a checksum per setting), whether its probe passed, its pipeline stage and how many layers
+it serves. Settings that differ are an error on every rank before any generation (raised
+through mlx_lm's ``make_prompt_cache``, not fallen back from); a rank whose probe
+failed leaves every rank unpatched (a cache's collectives must be met by every rank); the stages
+give each list its :class:`~veloxpatch.coordinators.Span`. Every rank builds caches at the same
+point of the program (mlx_lm's own distributed apps do), which is what makes one collective there
+safe; a rank running without veloxpatch cannot take part, so every rank must be started with it
+(``veloxpatch run mlx.launch ...``).
+"""
+
+from __future__ import annotations
+
+import weakref
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from ..config import CORE_SETTINGS, ConfigError, VeloxConfig, all_settings
+from ..coordinators import Span, settle
+
+# settings that may differ per rank: they change nothing in the caches
+LOCAL_SETTINGS = ("log", "stats", "strict", "blas", "float32")
+
+
+class RanksDisagree(ConfigError):
+    """The ranks of a distributed run have different settings: raised on every rank, never fallen back
+    from (each rank would otherwise run a different method, silently)."""
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a model is split: its pipeline stage (0 when not pipelined) and whether it is split at all."""
+
+    stage: int = 0
+    split: bool = False
+
+
+_agreed: dict[tuple[Any, ...], tuple[bool, Span]] = {}
+_splits: dict[int, Split] = {}
+_placed: list[tuple[int, int]] = []  # (rank, ranks) once a split model's caches were agreed on
+
+
+def agreement(model: Any, config: VeloxConfig, ready: bool, members: int) -> tuple[bool, Span]:
+    """:func:`agree` for ``model`` under ``config``, once per model and settings (later builds, e.g. a
+    chat's next prompt cache, reuse it without traffic); ``(ready, Span())`` on a model not split."""
+    if id(model) not in _splits:
+        _splits[id(model)] = split_of(model)
+        weakref.finalize(model, _splits.pop, id(model), None)
+    split = _splits[id(model)]
+    if not split.split:
+        return ready, Span()
+    key = (id(model), tuple(agreed_settings(config)))
+    if key not in _agreed:
+        _agreed[key] = agree(split, config, ready, members)
+        group = mx.distributed.init()
+        _placed[:] = [(group.rank(), group.size())]
+        weakref.finalize(model, _agreed.pop, key, None)
+    return _agreed[key]
+
+
+def split_of(model: Any) -> Split:
+    """Whether ``model`` is split across ranks, found from its modules (sharded linear layers with a
+    group of more than one rank; a pipelined layer stack), and its pipeline stage."""
+    from mlx.nn.layers import distributed
+
+    sharded = (distributed.AllToShardedLinear, distributed.ShardedToAllLinear,
+               distributed.QuantizedAllToShardedLinear, distributed.QuantizedShardedToAllLinear)
+    tensor = pipeline = False
+    stage = 0
+    for _, module in model.named_modules():
+        if isinstance(module, sharded) and module.group.size() > 1:
+            tensor = True
+        if getattr(module, "pipeline_size", 1) > 1:
+            pipeline, stage = True, module.pipeline_rank
+    return Split(stage, tensor or pipeline)
+
+
+def agreed_settings(config: VeloxConfig) -> list[tuple[str, str]]:
+    """(variable, value) of every setting that must be the same on every rank."""
+    core = [(s.name, str(getattr(config, s.key))) for s in CORE_SETTINGS if s.key not in LOCAL_SETTINGS]
+    names = {s.key: s.name for s in all_settings() if s.method}
+    return core + [(names[key], str(value)) for key, value in sorted(config.knobs.items())]
+
+
+def _checksum(text: str) -> int:
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def agree(split: Split, config: VeloxConfig, ready: bool, members: int) -> tuple[bool, Span]:
+    """One all-gather over every rank: raises RanksDisagree if a setting differs; returns whether every
+    rank's probe passed and this rank's span (first served layer, served layers in the model)."""
+    settings = agreed_settings(config)
+    mine = [_checksum(value) for _, value in settings] + [int(ready), split.stage, members]
+    settle()
+    rows = mx.distributed.all_gather(mx.array([mine], dtype=mx.int32), stream=mx.cpu).tolist()
+    n = len(settings)
+    differ = [(name, value) for i, (name, value) in enumerate(settings) if len({row[i] for row in rows}) > 1]
+    if differ:
+        rank = mx.distributed.init().rank()
+        said = ", ".join(f"{name}={value}" for name, value in differ)
+        raise RanksDisagree(f"the ranks of this distributed run have different settings: rank {rank} has {said}, "
+                          f"another rank not; start every rank with the same VELOX_* settings "
+                          f"(veloxpatch run mlx.launch ... passes them to every rank)")
+    stages = {row[n + 1]: row[n + 2] for row in rows}  # tensor-parallel peers share a stage
+    first = sum(count for stage, count in stages.items() if stage > split.stage)
+    return all(row[n] for row in rows), Span(first, sum(stages.values()), True)
+
+
+def place() -> tuple[int, int] | None:
+    """(rank, ranks) once caches were built for a model split across ranks in this process, else None."""
+    return _placed[0] if _placed else None
+
+
+def summed(numbers: list[int]) -> list[int] | None:
+    """``numbers`` summed over every rank (every rank calls this at exit), or None if a rank is gone
+    (its connection lost: the summary of the others is not the run's)."""
+    try:
+        settle()
+        return mx.distributed.all_sum(mx.array(numbers, dtype=mx.int64), stream=mx.cpu).tolist()
+    except RuntimeError:
+        return None

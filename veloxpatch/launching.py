@@ -1,0 +1,163 @@
+"""What ``veloxpatch run`` starts, and how the shim reaches the ranks that ``mlx.launch`` starts.
+
+A SCRIPT or ``-m`` MODULE that Python cannot run by itself may name a console script
+(``mlx.launch``, ``mlx_lm.generate``): a small Python file in a ``bin`` folder, which the launcher
+runs with its own interpreter like any script.
+
+``mlx.launch`` starts local ranks as its children, which inherit the environment and so the shim,
+but starts remote ranks over ssh, where only what it is given with ``--env`` arrives.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+SHIM_DIR = Path(__file__).resolve().parent / "_shim"
+MLX_LAUNCH = "mlx.launch"
+
+
+def script_target(script: str) -> list[str]:
+    """The interpreter arguments that run SCRIPT: itself when Python can open it, else its console script.
+
+    Python's own options (``-c``, ``-``) and existing paths (files, folders with ``__main__.py``)
+    pass unchanged, as before console scripts were looked up.
+    """
+    if script.startswith("-") or os.path.exists(script):
+        return [script]
+    found = _console_script(script)
+    if found is None:
+        raise click.UsageError(_missing("SCRIPT", script, "a file"))
+    return [found]
+
+
+def module_target(module: str) -> list[str]:
+    """The interpreter arguments that run ``-m MODULE``: the module when importable, else its console script.
+
+    ``mlx.launch`` is only a console script (entry point ``mlx._distributed_utils.launch:main``).
+    The cheap look-up that runs no package code comes first; the import machinery, which runs
+    parent packages' ``__init__`` (a second for mlx_lm), is asked only before refusing.
+    """
+    if _found_without_importing(module):
+        return ["-m", module]
+    found = _console_script(module)
+    if found is not None:
+        return [found]
+    if _found_by_importing(module):
+        return ["-m", module]
+    raise click.UsageError(_missing("-m MODULE", module, "an importable module"))
+
+
+def is_mlx_launch(target: list[str]) -> bool:
+    """Whether the program is mlx's distributed launcher (by path, by bare name or by ``-m``)."""
+    return Path(target[0]).name == MLX_LAUNCH
+
+
+def forward_environment(args: list[str], env: dict[str, str]) -> list[str]:
+    """``mlx.launch``'s ``args`` with ``--env NAME=VALUE`` first for each ``VELOX_*`` and PYTHONPATH in ``env``.
+
+    Remote ranks start over ssh with a fresh environment; mlx.launch exports its ``--env`` values on
+    every rank, so they bootstrap the shim with the same settings. That needs veloxpatch installed at
+    the same path on every host, as ``--python`` already assumes. LD_PRELOAD is not forwarded: the
+    BLAS it preloads is a library of this machine, which another host may lack or keep elsewhere.
+    A name the user passes with their own ``--env`` is theirs; their PYTHONPATH gets the shim first.
+    Ours go first because mlx.launch exports in order: a later user flag wins even in a spelling
+    not recognised here (an argparse abbreviation), though ours win over a hostfile's ``envs``.
+    """
+    given = _given_env(args)
+    names = [name for name in sorted(env) if name.startswith("VELOX_")] + ["PYTHONPATH"]
+    flags = [part for name in names if name in env and name not in given
+             for part in ("--env", f"{name}={env[name]}")]
+    return flags + _shim_first(args, given.get("PYTHONPATH"))
+
+
+def _search_path() -> str:
+    """Where console scripts are looked for: the interpreter's own folder first (its scripts import
+    what it has installed, even when that folder is not on PATH), then PATH."""
+    return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+def _console_script(name: str) -> str | None:
+    """The path of the Python console script ``name``, or None."""
+    found = shutil.which(name, path=_search_path())
+    return found if found is not None and _is_python(found) else None
+
+
+def _is_python(path: str) -> bool:
+    """Whether ``path`` is a Python script: pip's console scripts start ``#!.../python``, or, for long
+    paths, ``#!/bin/sh`` and a line that execs python."""
+    try:
+        with open(path, "rb") as file:
+            head = file.readline(512) + file.readline(512)
+    except OSError:
+        return False
+    return head.startswith(b"#!") and b"python" in head
+
+
+def _missing(what: str, name: str, kind: str) -> str:
+    """Why ``name`` cannot be run, naming where console scripts were looked for."""
+    where = f"{Path(sys.executable).parent} or on PATH"
+    message = f"{what} {name!r} is neither {kind} nor a Python console script in {where}"
+    other = shutil.which(name, path=_search_path())
+    return message + (f" ({other} is not a Python script)" if other else "")
+
+
+def _found_without_importing(module: str) -> bool:
+    """Whether ``module``'s file can be found by walking its packages' folders without importing them.
+
+    ``python -m`` puts the working folder first on ``sys.path``; this process has its own folder there.
+    """
+    top, *parts = module.split(".")
+    try:
+        spec = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) or importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    for depth in range(1, len(parts) + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        name = ".".join([top, *parts[:depth]])
+        spec = importlib.machinery.PathFinder.find_spec(name, list(spec.submodule_search_locations))
+    return spec is not None
+
+
+def _found_by_importing(module: str) -> bool:
+    """Whether the import machinery finds ``module`` (packages that extend ``__path__`` when imported)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except Exception:  # a parent package that fails to import cannot run the module either
+        return False
+
+
+def _given_env(args: list[str]) -> dict[str, int]:
+    """Each name the user sets with ``--env``, to the index in ``args`` of its ``NAME=VALUE``.
+
+    mlx.launch's argparse reads ``--env`` anywhere before ``--``, also after the script's name.
+    """
+    given: dict[str, int] = {}
+    for index, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg == "--env" and index + 1 < len(args):
+            given[args[index + 1].split("=", 1)[0]] = index + 1
+        elif arg.startswith("--env="):
+            given[arg[len("--env="):].split("=", 1)[0]] = index
+    return given
+
+
+def _shim_first(args: list[str], index: int | None) -> list[str]:
+    """``args`` with the shim's folder first in the user's own ``--env PYTHONPATH=...`` (at ``index``),
+    which every rank exports over the inherited one: without it no rank would bootstrap the shim."""
+    if index is None:
+        return list(args)
+    prefix, _, value = args[index].partition("PYTHONPATH=")
+    paths = [path for path in value.split(os.pathsep) if path]
+    if str(SHIM_DIR) in paths:
+        return list(args)
+    joined = os.pathsep.join([str(SHIM_DIR), *paths])
+    return [*args[:index], f"{prefix}PYTHONPATH={joined}", *args[index + 1:]]
