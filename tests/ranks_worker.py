@@ -3,7 +3,7 @@ tensor or pipeline parallelism and prints, as one JSON line, what each method do
 
 ``python ranks_worker.py tp|pp FOLDER methods`` runs every method at a budget above the context and
 at a small one; ``python ranks_worker.py tp FOLDER mismatch`` builds caches with a budget that
-differs by rank and prints the error.
+differs by rank and prints the error; ``stats`` generates with ``VELOX_STATS`` on.
 """
 
 from __future__ import annotations
@@ -80,11 +80,19 @@ def mismatch(model, rank: int) -> dict:
     return {"error": None}
 
 
+def stats(model) -> dict:
+    """A generation with VELOX_STATS on: the lines come at exit."""
+    veloxpatch.patch(kv="snapkv", budget=16, sink=2, window=4, stats=True)
+    return {"tokens": greedy(model, make_prompt_cache(model))}
+
+
 def main() -> None:
     mode, folder, job = sys.argv[1:4]
     group = mx.distributed.init()
     model, _ = sharded_load(folder, **{("tensor_group" if mode == "tp" else "pipeline_group"): group})
-    result = methods(model, folder) if job == "methods" else mismatch(model, group.rank())
+    jobs = {"methods": lambda: methods(model, folder), "mismatch": lambda: mismatch(model, group.rank()),
+            "stats": lambda: stats(model)}
+    result = jobs[job]()
     print("RESULT " + json.dumps({"rank": group.rank(), "size": group.size(), **result}), flush=True)
 
 

@@ -52,7 +52,8 @@ def _free(port: int) -> bool:
 
 
 def launch(*args: str, timeout: int = 240) -> dict[int, dict]:
-    """Run the worker on two ranks; each rank's RESULT line, by rank. The ranks are killed at ``timeout``."""
+    """Run the worker on two ranks; each rank's RESULT line, by rank (and the whole output under "output").
+    The ranks are killed at ``timeout``."""
     command = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_base_port()),
                "--python", sys.executable, str(WORKER), *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
@@ -66,7 +67,7 @@ def launch(*args: str, timeout: int = 240) -> dict[int, dict]:
         pytest.fail(f"two ranks did not finish in {timeout} s:\n{output[-3000:]}")
     results = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
     assert len(results) == 2, f"expected a result from each rank:\n{output[-3000:]}"
-    return {r["rank"]: r for r in results}
+    return {**{r["rank"]: r for r in results}, "output": output}
 
 
 def pipeline_dir(path: Path) -> Path:
@@ -94,7 +95,7 @@ def runs(tmp_path_factory) -> dict[str, dict[int, dict]]:
 
 @pytest.mark.parametrize("split", ["tensor", "pipeline"])
 def test_the_split_runs_equal_the_whole_model_unpatched(runs, split: str) -> None:
-    for rank in runs[split].values():
+    for rank in (runs[split][0], runs[split][1]):
         assert rank["size"] == 2 and rank["plain_agree"]
         assert rank["plain"] == rank["single"], f"{split} rank {rank['rank']}: the split model differs from one process"
 
@@ -102,7 +103,7 @@ def test_the_split_runs_equal_the_whole_model_unpatched(runs, split: str) -> Non
 @pytest.mark.parametrize("split", ["tensor", "pipeline"])
 @pytest.mark.parametrize("method", sorted(CACHE_CLASSES))
 def test_every_method_on_every_rank(runs, split: str, method: str) -> None:
-    for rank in runs[split].values():
+    for rank in (runs[split][0], runs[split][1]):
         got = rank["methods"][method]
         case = f"{method}, {split} parallel, rank {rank['rank']}"
         assert got["exact"] == rank["plain"], f"{case}: tokens differ at a budget above the context"
@@ -116,9 +117,17 @@ def test_every_method_on_every_rank(runs, split: str, method: str) -> None:
 
 def test_different_settings_on_two_ranks_are_an_error_on_both(tmp_path) -> None:
     ranks = launch("tp", str(write_model_dir(tmp_path / "llama", num_hidden_layers=2)), "mismatch")
-    for rank, result in ranks.items():
+    for rank, result in ((0, ranks[0]), (1, ranks[1])):
         assert result["error"] is not None, f"rank {rank} built caches with settings another rank does not share"
         assert "VELOX_BUDGET=" + str(64 + 64 * rank) in result["error"]
+
+
+def test_every_rank_prints_its_stats_line_and_rank_0_the_sum(tmp_path) -> None:
+    output = launch("pp", str(pipeline_dir(tmp_path / "ministral3")), "stats")["output"]
+    lines = {line.split(":")[0]: line for line in output.splitlines() if line.startswith("veloxpatch (")}
+    assert set(lines) == {"veloxpatch (rank 0 of 2)", "veloxpatch (rank 1 of 2)", "veloxpatch (all 2 ranks)"}, output
+    assert "2 layer cache(s) built" in lines["veloxpatch (rank 1 of 2)"]  # its own stage's layers
+    assert "4 layer cache(s) built" in lines["veloxpatch (all 2 ranks)"]
 
 
 def test_a_list_spanning_part_of_the_model_counts_depth_over_the_whole_model() -> None:

@@ -52,8 +52,9 @@ Where the shim's position makes this differ from the paper, and why:
   combines ``u_a`` and ``u_b`` with coefficients that depend on the angle only, the merged rotated
   direction is the rotation of the merged unrotated one. (It would not hold for a model whose paired
   layers rotate differently, e.g. one with rotary embedding on some layers only.)
-* Pairs are taken among the list's members, the full-attention layers the shim serves (a model's
-  sliding-window layers are not members), counted from the start of that list.
+* Pairs are taken among the full-attention layers the shim serves (a model's sliding-window layers
+  are not members), counted from the first of them; on a model split by pipeline over every rank's
+  layers, and a pair cut by a stage boundary stays unmerged.
 * The last ``VELOX_WINDOW`` tokens stay exact, and decode tokens stay exact until ``MIN_FOLD`` of them
   have gathered beyond the window; then they merge as a segment of their own, with the threshold of
   that segment (the paper merges each decoded token as it comes).

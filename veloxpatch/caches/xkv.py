@@ -30,6 +30,9 @@ Where the shim's position makes this deviate from the paper, and why:
   Selective Reconstruction, rebuilding only the rows a step needs, is a GPU kernel.)
 * A fold longer than ``VELOX_XKV_MAX_CTX`` tokens is refused with an error naming the setting
   (the Gram matrix is small, but ``A`` and the group's side-by-side rows are tokens long).
+* On a model split across ranks (``mx.distributed``), groups are formed in each rank's list, and under
+  tensor parallelism each rank factors the heads it holds: a joint basis over heads split between
+  ranks would need every head's rows on one rank. It is xKV applied to each rank's heads.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ of 4 with 2-bit deltas 18.58 (216 B), of 4 with 3-bit deltas 17.70 (270 B). So X
 default, in groups of 4 with 3-bit deltas: 4-bit X's perplexity in 17% fewer bytes. (One model, one
 text: a few tenths of perplexity are within its noise.) Where a list's members are not adjacent layers
 (sliding-window or hybrid models, whose other layers keep mlx_lm's caches) the premise is weaker.
+On a model split by tensor parallelism (``mx.distributed``) every rank receives the whole X and
+recomputes only its own heads, so each rank keeps all of X: XQuant's bytes per rank do not shrink with
+the number of ranks, while a KV cache's do. XQuant-CL groups are formed in each rank's list.
 
 How it sits in the shim. The cache class asks for the layer inputs (``wants_layer_io``); the attention
 module's hook hands the cache each step's X and the module itself before the module runs

@@ -28,7 +28,7 @@ Knobs = tuple[tuple[str, Any], ...]  # (knob name without the method prefix, val
 # a token budget may not be smaller than the rows every method protects (default sink + window)
 PROTECTED = int(setting("VELOX_SINK").default) + int(setting("VELOX_WINDOW").default)
 
-QUANT_BITS = (8, 4, 2)  # the widths mlx_lm users pick with --kv-bits; a tie goes to the wider one
+QUANT_BITS = (8, 6, 5, 4, 3, 2)  # the widths mlx can quantize to (--kv-bits); a tie goes to the wider one
 
 
 @dataclass(frozen=True)
