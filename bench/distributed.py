@@ -31,7 +31,6 @@ import importlib.metadata
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ from veloxpatch.eval.commands import machine
 from veloxpatch.eval.random_model import write_model_dir
 from veloxpatch.eval.report import markdown
 from veloxpatch.eval.variants import Variant
+from veloxpatch.launching import free_ring_port
 
 RANKS = 2
 MIB = 2**20
@@ -91,20 +91,6 @@ def random_llama(path: Path, args: argparse.Namespace) -> str:
     return "a random-weight llama (veloxpatch.eval.random_model, seed 0) written by this script"
 
 
-def free_ports() -> int:
-    """A port P with P + 1 free too, for the ring backend's two listeners (free now, not reserved)."""
-    while True:
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-
-
 def driver_command() -> str:
     """This run's command line as typed, with the preload that changes its speed."""
     preload = os.environ.get("LD_PRELOAD")
@@ -114,7 +100,7 @@ def driver_command() -> str:
 
 def launch(args: argparse.Namespace, folder: Path, note: str) -> int:
     """Run the worker role on RANKS local ranks; stop their process group at the timeout."""
-    port = free_ports()
+    port = free_ring_port()
     worker = [str(Path(__file__).resolve()), "--rank-worker", "--model", str(folder),
               "--context", str(args.context), "--budget", str(args.budget), "--kv", args.kv,
               "--compress", args.compress, "--decode", str(args.decode), "--prefill-step", str(args.prefill_step),

@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -26,36 +26,15 @@ from mlx.utils import tree_flatten
 from veloxpatch.caches import CACHE_CLASSES
 from veloxpatch.eval import zoo
 from veloxpatch.eval.random_model import build, write_byte_tokenizer, write_model_dir
+from veloxpatch.launching import free_ring_port
 
 WORKER = Path(__file__).with_name("ranks_worker.py")
 LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
 
 
-def free_base_port() -> int:
-    """A port p with p and p + 1 free (the ring backend listens on starting port + rank)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base < 65000 and _free(base) and _free(base + 1):
-            return base
-    raise RuntimeError("no two consecutive free ports on loopback")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def launch(*args: str, timeout: int = 240) -> dict[int, dict]:
-    """Run the worker on two ranks; each rank's RESULT line, by rank (and the whole output under "output").
-    The ranks are killed at ``timeout``."""
-    command = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_base_port()),
-               "--python", sys.executable, str(WORKER), *args]
+def run_group(command: list[str], timeout: int) -> tuple[int, str]:
+    """Run ``command`` in a process group of its own (mlx.launch and its ranks), without any VELOX_*
+    of this process; its exit code and output. The whole group is killed at ``timeout``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
@@ -65,6 +44,13 @@ def launch(*args: str, timeout: int = 240) -> dict[int, dict]:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         pytest.fail(f"two ranks did not finish in {timeout} s:\n{output[-3000:]}")
+    return proc.returncode, output
+
+
+def launch(*args: str, timeout: int = 240) -> dict[Any, Any]:
+    """Run the worker on two ranks; each rank's RESULT line, by rank (and the whole output under "output")."""
+    _, output = run_group([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ring_port()),
+                           "--python", sys.executable, str(WORKER), *args], timeout)
     results = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
     assert len(results) == 2, f"expected a result from each rank:\n{output[-3000:]}"
     return {**{r["rank"]: r for r in results}, "output": output}
@@ -128,6 +114,23 @@ def test_every_rank_prints_its_stats_line_and_rank_0_the_sum(tmp_path) -> None:
     assert set(lines) == {"veloxpatch (rank 0 of 2)", "veloxpatch (rank 1 of 2)", "veloxpatch (all 2 ranks)"}, output
     assert "2 layer cache(s) built" in lines["veloxpatch (rank 1 of 2)"]  # its own stage's layers
     assert "4 layer cache(s) built" in lines["veloxpatch (all 2 ranks)"]
+
+
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_mlx_lms_own_distributed_benchmark_runs_compressed_on_every_rank(tmp_path, split: str) -> None:
+    """The real app, launched the way a user launches it: ``veloxpatch run ... mlx.launch ... -m mlx_lm
+    benchmark`` (which loads with ``sharded_load``), SqueezeAttention's pooled reports included."""
+    folder = write_model_dir(tmp_path / "llama", num_hidden_layers=4) if split == "tensor" else \
+        pipeline_dir(tmp_path / "ministral3")
+    command = [str(Path(sys.executable).parent / "veloxpatch"), "run", "--kv", "squeeze", "--budget", "48", "--window", "8",
+               "--stats", LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ring_port()),
+               "--python", sys.executable, "--", "-m", "mlx_lm", "benchmark", "--model", str(folder),
+               "--prompt-tokens", "200", "--generation-tokens", "8", "--num-trials", "1", "--prefill-step-size", "64",
+               *(["--pipeline"] if split == "pipeline" else [])]
+    code, output = run_group(command, timeout=180)
+    assert code == 0 and "Averages:" in output, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("veloxpatch (rank")]
+    assert len(lines) == 2 and all("squeeze |" in line and " 0 compression(s)" not in line for line in lines), output
 
 
 def test_a_list_spanning_part_of_the_model_counts_depth_over_the_whole_model() -> None:

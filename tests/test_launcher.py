@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from veloxpatch.cli import main
-from veloxpatch.launching import SHIM_DIR
+from veloxpatch.launching import SHIM_DIR, free_ring_port
 
 LAUNCHER = str(Path(sys.executable).parent / "veloxpatch")
 
@@ -239,27 +238,12 @@ def test_an_unknown_program_is_named(execs: list, args: list[str], named: str) -
     assert execs == []
 
 
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (the ring backend listens on starting port + rank)."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            base = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", base + 1))
-                except OSError:
-                    continue
-        return base
-    raise RuntimeError("no two adjacent free ports on 127.0.0.1")
-
-
 def test_mlx_launch_ranks_run_patched(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
     command = [LAUNCHER, "run", "--kv", "snapkv", "--budget", "64", "mlx.launch", "-n", "2", "--backend", "ring",
-               "--starting-port", str(free_port_pair()), "--python", sys.executable, str(script)]
+               "--starting-port", str(free_ring_port()), "--python", sys.executable, str(script)]
     process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:
