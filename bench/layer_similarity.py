@@ -31,6 +31,16 @@ def cosines(caches: list, tokens: int, which: str) -> list[mx.array]:
     return [(a * b).sum(axis=-1).flatten() for a, b in zip(rows, rows[1:])]
 
 
+def prompt_caches(model, tokenizer, context: int, seed: int) -> tuple[list, int]:
+    """mlx_lm's own caches after one held-out ``niah_single`` prompt of about ``context`` tokens, and its length."""
+    prompt = mx.array(tokenizer.encode(ruler.example("niah_single", tokenizer, context, seed).prompt))
+    caches = make_prompt_cache(model)
+    for start in range(0, prompt.size, 2048):
+        model(prompt[None, start : start + 2048], cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches, prompt.size
+
+
 def summary(values: mx.array) -> str:
     ordered = mx.sort(values)
     return f"{values.mean().item():.3f} / {ordered[ordered.size // 2].item():.3f}"
@@ -43,13 +53,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     model, tokenizer = load(args.model)
-    prompt = mx.array(tokenizer.encode(ruler.example("niah_single", tokenizer, args.context, args.seed).prompt))
-    caches = make_prompt_cache(model)
-    for start in range(0, prompt.size, 2048):
-        model(prompt[None, start : start + 2048], cache=caches)
-        mx.eval([c.state for c in caches])
-    keys, values = cosines(caches, prompt.size, "keys"), cosines(caches, prompt.size, "values")
-    print(f"adjacent-layer cosine similarity of KV rows, {prompt.size} tokens (mean / median)\n")
+    caches, tokens = prompt_caches(model, tokenizer, args.context, args.seed)
+    keys, values = cosines(caches, tokens, "keys"), cosines(caches, tokens, "values")
+    print(f"adjacent-layer cosine similarity of KV rows, {tokens} tokens (mean / median)\n")
     print("| layers | keys | values |\n|---|---|---|")
     for layer, (k, v) in enumerate(zip(keys, values)):
         print(f"| {layer}-{layer + 1} | {summary(k)} | {summary(v)} |")

@@ -94,6 +94,11 @@ def test_quantized_variant_matches_bytes_to_the_budget() -> None:
         KVLayout(dtype_bits=16, head_dim=16).group
     assert Variant("quantized", 0.25).generate_kwargs(fp16) == {"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0}
     assert Variant("snapkv", 0.01).budget(1000) == 36
+    five = Variant.of("quantized[bits=5]", 0.125)
+    assert five.generate_kwargs(fp16)["kv_bits"] == 5 and five.label() == "quantized[bits=5]@0.125"
+    assert five.identity() != Variant.of("quantized", 0.125).identity()
+    with pytest.raises(ValueError, match="one of 2, 3, 4, 5, 6, 8"):
+        Variant.of("quantized[bits=7]")
 
 
 def test_demo_runs_vanilla_then_compressed(model_dir: Path) -> None:

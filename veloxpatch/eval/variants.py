@@ -28,7 +28,8 @@ Knobs = tuple[tuple[str, Any], ...]  # (knob name without the method prefix, val
 # a token budget may not be smaller than the rows every method protects (default sink + window)
 PROTECTED = int(setting("VELOX_SINK").default) + int(setting("VELOX_WINDOW").default)
 
-QUANT_BITS = (8, 6, 5, 4, 3, 2)  # the widths mlx can quantize to (--kv-bits); a tie goes to the wider one
+QUANT_BITS = (8, 4, 2)  # the widths mlx_lm users pick with --kv-bits; a tie goes to the wider one
+MLX_BITS = (2, 3, 4, 5, 6, 8)  # every width mlx quantizes to: ``quantized[bits=5]`` asks for one
 
 
 @dataclass(frozen=True)
@@ -101,20 +102,31 @@ def parse_spec(spec: str) -> tuple[str, Knobs]:
     method, body = found.group(1), found.group(2)
     if body is None:
         return method, ()
-    if method not in METHODS:
-        raise ValueError(f"{spec!r}: only compression methods have knobs")
     given: dict[str, str] = {}
     for part in body.split(","):
         name, equals, value = (x.strip() for x in part.partition("="))
         if not equals:
             raise ValueError(f"{spec!r}: {part.strip()!r} is not KNOB=VALUE")
         given[name] = value
+    if method == "quantized":
+        return method, _quantized_bits(spec, given)
+    if method not in METHODS:
+        raise ValueError(f"{spec!r}: only compression methods and quantized[bits=N] have knobs")
     settings = _settings(method, given)
     unknown = sorted(set(given) - set(settings))
     if unknown:
         raise ValueError(f"{spec!r}: {', '.join(unknown)} is not a knob of {method} here "
                          f"({', '.join(sorted(settings)) or 'it has none'})")
     return method, tuple(sorted((n, settings[n].convert(v)) for n, v in given.items()))
+
+
+def _quantized_bits(spec: str, given: dict[str, str]) -> Knobs:
+    """``quantized[bits=N]``: mlx_lm's quantized cache at a width of the user's choosing, whatever the share
+    (whose column it is reported in); without it the share picks among mlx_lm's usual widths."""
+    value = given.get("bits", "")
+    if set(given) != {"bits"} or not value.isdigit() or int(value) not in MLX_BITS:
+        raise ValueError(f"{spec!r}: the quantized variant takes one knob, bits, one of {', '.join(map(str, MLX_BITS))}")
+    return (("bits", int(value)),)
 
 
 @dataclass(frozen=True)
@@ -147,10 +159,11 @@ class Variant:
         return max(round(self.share * context), PROTECTED)
 
     def knob_values(self) -> dict[str, Any]:
-        """Every knob that reaches this variant's caches, defaults included (empty for mlx_lm's own): what
-        a journal matches besides the label, so a changed default is measured again."""
+        """Every knob that reaches this variant's caches, defaults included: what
+        a journal matches besides the label, so a changed default is measured again (mlx_lm's own caches have
+        none, but for the width ``quantized[bits=N]`` asks for)."""
         if self.method not in METHODS:
-            return {}
+            return dict(self.knobs)
         settings = _settings(self.method, {k: str(v) for k, v in self.knobs})
         chosen = dict(self.knobs)
         return {n: chosen.get(n, k.convert(k.default)) for n, k in sorted(settings.items())}
@@ -189,7 +202,8 @@ class Variant:
         """Extra ``generate_step`` arguments (kv_bits for the quantized variant)."""
         if self.method != "quantized":
             return {}
-        return {"kv_bits": layout.bits_for(self.share), "kv_group_size": layout.group, "quantized_kv_start": 0}
+        bits = dict(self.knobs).get("bits") or layout.bits_for(self.share)
+        return {"kv_bits": bits, "kv_group_size": layout.group, "quantized_kv_start": 0}
 
 
 def variants(methods: list[str], shares: list[float]) -> list[Variant]:
