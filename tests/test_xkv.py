@@ -118,21 +118,3 @@ def test_the_latent_path_is_taken_for_decode_steps_only(monkeypatch) -> None:
     caches = xkv_list(layers=2, group=2, rank="6")
     feed_layers(caches, low_rank_rows(2, 300, rank=6), [80, 70, 1, 1, 100])
     assert taken == [1, 1], "the second decode step, in both layers (the first folded after attending); no chunk"
-
-
-def test_auto_splits_the_ranks_between_keys_and_values_by_their_spectra() -> None:
-    """Keys of rank 2, values of rank 12: under ``auto`` the keys give their spare rank to the values,
-    the sum (the bytes) unchanged; a fixed rank stays what it says for both."""
-    keys = low_rank_rows(4, 120, rank=2, seed=1)
-    values = low_rank_rows(4, 120, rank=12, seed=2)
-    rows = [(k, v) for (k, _), (_, v) in zip(keys, values)]
-    for rank, same in (("auto", False), ("8", True)):
-        caches = xkv_list(layers=4, group=4, rank=rank)
-        for cache in caches:
-            cache.budget = Budget(tokens=24)  # auto: a fifth of the tokens
-        feed_layers(caches, rows, [100, 1])
-        own = caches[-1].folds[0].own  # the member that completed the group folds at once
-        ranks = own["k"].shape[-2], own["v"].shape[-2]
-        auto = caches[-1]._rank_for(caches[-1].width * 4, caches[-1].folds[0].end)
-        assert (ranks[0] == ranks[1]) == same, ranks
-        assert sum(ranks) == (2 * auto if rank == "auto" else 16) and (same or ranks[0] < ranks[1]), ranks

@@ -8,11 +8,7 @@ rows are ``A B_l``. Keys and values are factorized separately, each with its own
 ``VELOX_XKV_RANK``: by default (``auto``) the one whose factors take the bytes ``VELOX_BUDGET`` allows
 (its share of the tokens seen, so xKV compares with eviction at equal bytes; a budget of every token
 folds nothing), else a number or a percentage of the group's width; ``VELOX_XKV_ENERGY`` below 1
-lowers it to keep just that share of the squared singular values. Under ``auto`` the two ranks' sum
-(the bytes) is split between keys and values where the share of squared norm left out, summed over
-both, is least: values need more directions than keys (on SmolLM2 a quarter of a 4-layer group's width
-keeps 95-99% of the keys' squared norm and 92-96% of the values', ``docs/results/smollm2-xkv-spectrum.md``),
-so keys give rank to values. (Our choice; the paper sets the ranks.)
+lowers it to keep just that share of the squared singular values.
 
 The layers of a group publish their rows through :meth:`Coordinator.contribute` (fan-in); the last one
 to run computes the factorization, and every member takes the identical ``A`` (fan-out): see
@@ -42,7 +38,7 @@ Where the shim's position makes this deviate from the paper, and why:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlx.core as mx
 
@@ -76,14 +72,6 @@ KNOBS = (
     Setting("VELOX_XKV_MAX_CTX", int_range(1, None), "65536", "an integer >= 1",
             "xKV: most tokens one fold may factorize; a longer one is an error.", method="xkv"),
 )
-
-
-class Spectrum(NamedTuple):
-    """A group's rows side by side (B, T, width) and their Gram matrix's eigenpairs, largest first."""
-
-    side: mx.array
-    energies: mx.array
-    vectors: mx.array
 
 
 @method("xkv", "Cross-layer SVD: a group of layers shares one low-rank token basis for keys and values "
@@ -142,11 +130,9 @@ class XKVCache(CrossLayerCache):
         return self._rank_for(self.width * len(self.group()), None)
 
     def joint(self, parts: list[tuple[mx.array, mx.array]]) -> tuple[list[dict], dict]:
-        """Keys and values of the group's layers, each factorized side by side, at the ranks :meth:`_ranks` sets."""
-        keys, values = self._spectrum([k for k, _ in parts]), self._spectrum([v for _, v in parts])
-        rank_k, rank_v = self._ranks(keys, values)
-        key_owns, key_tokens = self._factor([k for k, _ in parts], keys, rank_k)
-        value_owns, value_tokens = self._factor([v for _, v in parts], values, rank_v)
+        """Keys and values of the group's layers, each factorized side by side."""
+        key_owns, key_tokens = self._factor([k for k, _ in parts])
+        value_owns, value_tokens = self._factor([v for _, v in parts])
         owns = [{"k": k, "v": v} for k, v in zip(key_owns, value_owns)]
         return owns, {"k": key_tokens, "v": value_tokens}
 
@@ -176,9 +162,8 @@ class XKVCache(CrossLayerCache):
         out = out + probs[..., at:] @ mx.expand_dims(exact_values, 2)
         return out.reshape(b, heads_q, n, -1).astype(queries.dtype)
 
-    def _spectrum(self, rows: list[mx.array]) -> Spectrum:
-        """Rows (B, heads_l, T, dim_l) of each layer side by side (B, T, width), with the eigenpairs of their
-        Gram matrix in descending order: squared singular values and right singular vectors."""
+    def _factor(self, rows: list[mx.array]) -> tuple[list[mx.array], mx.array]:
+        """Rows (B, heads_l, T, dim_l) of each layer -> per layer (B, heads_l, r, dim_l), shared (B, T, r)."""
         b, _, tokens, _ = rows[0].shape
         if tokens > self.max_ctx:
             raise ConfigError(f"VELOX_XKV_MAX_CTX={self.max_ctx} is exceeded: a fold of {tokens} tokens; raise it, "
@@ -186,27 +171,9 @@ class XKVCache(CrossLayerCache):
         side = mx.concatenate([x.astype(mx.float32).transpose(0, 2, 1, 3).reshape(b, tokens, -1) for x in rows],
                               axis=-1)
         energies, vectors = mx.linalg.eigh(side.swapaxes(-1, -2) @ side, stream=mx.cpu)
-        return Spectrum(side, energies[..., ::-1], vectors[..., ::-1])
-
-    def _ranks(self, keys: Spectrum, values: Spectrum) -> tuple[int, int]:
-        """The ranks of keys and values: each :meth:`_chosen_rank`; under ``auto`` their sum split where
-        the share of squared norm left out, over keys and values together, is least."""
-        tokens, width = keys.side.shape[1], keys.side.shape[2]
-        rank_k = self._chosen_rank(keys.energies, width, tokens)
-        rank_v = self._chosen_rank(values.energies, values.side.shape[2], tokens)
-        if self.rank != "auto" or self.energy < 1 or values.side.shape[2] != width:
-            return rank_k, rank_v
-        shares = [s.energies.mean(axis=0) / mx.maximum(s.energies.mean(axis=0).sum(), 1e-30) for s in (keys, values)]
-        order = mx.argsort(-mx.concatenate(shares))[: rank_k + rank_v]
-        most = min(width, tokens)
-        split = min(max(int((order < width).sum().item()), 1), most)
-        return split, min(max(rank_k + rank_v - split, 1), most)
-
-    def _factor(self, rows: list[mx.array], spectrum: Spectrum, rank: int) -> tuple[list[mx.array], mx.array]:
-        """Rows (B, heads_l, T, dim_l) of each layer -> per layer (B, heads_l, r, dim_l), shared (B, T, r)."""
-        b = rows[0].shape[0]
-        basis = spectrum.vectors[..., :rank]  # (B, width, r): the top right singular vectors
-        shared = (spectrum.side @ basis).astype(rows[0].dtype)
+        rank = self._chosen_rank(energies[..., ::-1], side.shape[-1], tokens)
+        basis = vectors[..., ::-1][..., :rank]  # (B, width, r): the top right singular vectors
+        shared = (side @ basis).astype(rows[0].dtype)
         owns, at = [], 0
         for x in rows:
             heads, dim = x.shape[1], x.shape[3]
@@ -216,8 +183,7 @@ class XKVCache(CrossLayerCache):
         return owns, shared
 
     def _chosen_rank(self, energies: mx.array, width: int, tokens: int) -> int:
-        """The configured rank, lowered to reach ``VELOX_XKV_ENERGY`` (the most any batch row needs);
-        ``energies`` in descending order."""
+        """The configured rank, lowered to reach ``VELOX_XKV_ENERGY`` (the most any batch row needs)."""
         rank = min(self._rank_for(width, tokens), tokens)
         if self.energy < 1:
             share = mx.cumsum(mx.maximum(energies, 0), axis=-1) / mx.maximum(energies.sum(axis=-1, keepdims=True),
