@@ -47,7 +47,8 @@ def small_budget(model, method: str) -> dict:
     caches = make_prompt_cache(model)
     tokens = greedy(model, caches)
     ours = [c for c in caches if isinstance(c, CompressedKVCache)]
-    return {"agree": agree(tokens), "ours": len(ours), "sizes": [c.size() for c in ours],
+    kept = ours[0].store.row_positions()[0, 0].tolist() if ours and not isinstance(ours[0], CrossLayerCache) else []
+    return {"agree": agree(tokens), "ours": len(ours), "sizes": [c.size() for c in ours], "kept": kept,
             "offsets": [c.offset for c in ours], "evicted": any(c.evicted for c in ours),
             "folded": any(getattr(c, "folds", None) for c in ours),
             "cross_layer": isinstance(ours[0], CrossLayerCache) if ours else False}

@@ -101,6 +101,13 @@ def test_every_method_on_every_rank(runs, split: str, method: str) -> None:
             assert got["evicted"] and max(got["sizes"]) <= 16, f"{case}: rows exceed budget + headroom: {got}"
 
 
+def test_tovas_choice_for_a_whole_layer_is_the_same_on_every_rank(runs) -> None:
+    """TOVA keeps one set of positions per layer, from the mean over all its heads: split by heads, the ranks
+    average their means (one all-sum per compression) and keep the same positions."""
+    kept = [runs["tensor"][rank]["methods"]["tova"]["kept"] for rank in (0, 1)]
+    assert kept[0] == kept[1] and len(kept[0]) <= 16, kept
+
+
 def test_different_settings_on_two_ranks_are_an_error_on_both(tmp_path) -> None:
     ranks = launch("tp", str(write_model_dir(tmp_path / "llama", num_hidden_layers=2)), "mismatch")
     for rank, result in ((0, ranks[0]), (1, ranks[1])):
@@ -116,17 +123,16 @@ def test_every_rank_prints_its_stats_line_and_rank_0_the_sum(tmp_path) -> None:
     assert "4 layer cache(s) built" in lines["veloxpatch (all 2 ranks)"]
 
 
-@pytest.mark.parametrize("split", ["tensor", "pipeline"])
-def test_mlx_lms_own_distributed_benchmark_runs_compressed_on_every_rank(tmp_path, split: str) -> None:
+def test_mlx_lms_own_distributed_benchmark_runs_compressed_on_every_rank(tmp_path) -> None:
     """The real app, launched the way a user launches it: ``veloxpatch run ... mlx.launch ... -m mlx_lm
-    benchmark`` (which loads with ``sharded_load``), SqueezeAttention's pooled reports included."""
-    folder = write_model_dir(tmp_path / "llama", num_hidden_layers=4) if split == "tensor" else \
-        pipeline_dir(tmp_path / "ministral3")
+    benchmark --pipeline`` (which loads with ``sharded_load``), SqueezeAttention's reports pooled across the
+    stages. (Tensor parallelism runs every method through the worker above.)"""
+    folder = pipeline_dir(tmp_path / "ministral3")
     command = [str(Path(sys.executable).parent / "veloxpatch"), "run", "--kv", "squeeze", "--budget", "48", "--window", "8",
                "--stats", LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ring_port()),
                "--python", sys.executable, "--", "-m", "mlx_lm", "benchmark", "--model", str(folder),
                "--prompt-tokens", "200", "--generation-tokens", "8", "--num-trials", "1", "--prefill-step-size", "64",
-               *(["--pipeline"] if split == "pipeline" else [])]
+               "--pipeline"]
     code, output = run_group(command, timeout=180)
     assert code == 0 and "Averages:" in output, output[-3000:]
     lines = [line for line in output.splitlines() if line.startswith("veloxpatch (rank")]

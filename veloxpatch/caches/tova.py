@@ -50,6 +50,8 @@ class TOVACache(CompressedKVCache):
         seen = (positions >= 0) & (positions < self.queries_end)
         logits = mx.where(seen[:, :, None], logits, -mx.inf)
         mean = mx.softmax(logits, axis=-1, precise=True).mean(axis=(1, 2))
+        if self.coordinator is not None:
+            mean = self.coordinator.head_mean(mean)  # over every head of the layer, on a model split by heads
         return mx.broadcast_to(mean[:, None], positions.shape)
 
     def select(self, keep: int, scale: float) -> mx.array:

@@ -60,11 +60,13 @@ from mlx.utils import tree_flatten
 class Span:
     """Where a cache list's members sit among the served layers of the whole model: ``first`` is
     the index of its first member, ``total`` their number over every rank. ``split``: the model is
-    split across ranks (tensor or pipeline parallel), so whole-model values need a collective."""
+    split across ranks (tensor or pipeline parallel), so whole-model values need a collective; ``tensor``:
+    the group of ranks holding the other heads of these layers."""
 
     first: int = 0
     total: int | None = None
     split: bool = False
+    tensor: Any = None  # the group sharing this list's layers by heads (tensor parallel), or None
 
 
 class Coordinator:
@@ -147,6 +149,16 @@ class Coordinator:
             sums = mx.distributed.all_sum(sums, stream=mx.cpu)
         totals, counts = sums.tolist()
         return [total / count if count else None for total, count in zip(totals, counts)]
+
+    def head_mean(self, value: mx.array) -> mx.array:
+        """``value``, a mean over this rank's heads, averaged over the ranks holding the layer's other heads
+        (tensor parallel; every rank holds as many), so a choice made for a whole layer is the same on every
+        rank. Called inside a forward, at the same layer and step on every rank: on the stream the model's own
+        collectives run on, after them."""
+        group = self.span.tensor
+        if group is None:
+            return value
+        return mx.distributed.all_sum(value, group=group) / group.size()
 
     # ----------------------------------------------------------------- fan-in and joint steps
     def contribute(self, group: Hashable, member: Any, part: Any, layers: Sequence[int],

@@ -43,10 +43,12 @@ class RanksDisagree(ConfigError):
 
 @dataclass(frozen=True)
 class Split:
-    """How a model is split: its pipeline stage (0 when not pipelined) and whether it is split at all."""
+    """How a model is split: its pipeline stage (0 when not pipelined), whether it is split at all, and the
+    group its layers' heads are shared by (tensor parallel), or None."""
 
     stage: int = 0
     split: bool = False
+    tensor: Any = None
 
 
 _agreed: dict[tuple[Any, ...], tuple[bool, Span]] = {}
@@ -79,14 +81,13 @@ def split_of(model: Any) -> Split:
 
     sharded = (distributed.AllToShardedLinear, distributed.ShardedToAllLinear,
                distributed.QuantizedAllToShardedLinear, distributed.QuantizedShardedToAllLinear)
-    tensor = pipeline = False
-    stage = 0
+    tensor, pipeline, stage = None, False, 0
     for _, module in model.named_modules():
         if isinstance(module, sharded) and module.group.size() > 1:
-            tensor = True
+            tensor = module.group
         if getattr(module, "pipeline_size", 1) > 1:
             pipeline, stage = True, module.pipeline_rank
-    return Split(stage, tensor or pipeline)
+    return Split(stage, tensor is not None or pipeline, tensor)
 
 
 def agreed_settings(config: VeloxConfig) -> list[tuple[str, str]]:
@@ -117,7 +118,7 @@ def agree(split: Split, config: VeloxConfig, ready: bool, members: int) -> tuple
                           f"(veloxpatch run mlx.launch ... passes them to every rank)")
     stages = {row[n + 1]: row[n + 2] for row in rows}  # tensor-parallel peers share a stage
     first = sum(count for stage, count in stages.items() if stage > split.stage)
-    return all(row[n] for row in rows), Span(first, sum(stages.values()), True)
+    return all(row[n] for row in rows), Span(first, sum(stages.values()), True, split.tensor)
 
 
 def place() -> tuple[int, int] | None:
