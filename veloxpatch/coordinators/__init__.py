@@ -29,7 +29,9 @@ own list and coordinator; the builder gives it the list's :class:`Span`, where i
 among the served layers of the whole model. Methods whose choices depend on depth (PyramidKV's
 pyramid, MiniCache's starting layer) count with :meth:`Coordinator.position` and
 :meth:`Coordinator.layer_count`, and a per-layer signal the whole model must agree on
-(SqueezeAttention's) goes through :meth:`Coordinator.pooled`, one all-sum over every rank. Groups of
+(SqueezeAttention's) goes through :meth:`Coordinator.pooled`, one all-sum over every rank; a choice made
+for a whole layer from its heads (TOVA's) averages over the ranks holding the other heads
+(:meth:`Coordinator.head_mean`). Groups of
 layers (xKV, XQuant-CL, ChunkKV's index reuse) are formed within a rank's list: nothing a rank cannot
 see is waited for.
 
