@@ -7,13 +7,12 @@ seeds. These 20 seeds were never used in training or to pick the checkpoint; the
 
 from __future__ import annotations
 
-import pytest
-from mlx_lm import generate, load
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-import veloxpatch
 from conftest import run_python
-from veloxpatch.assets import model_path
-from veloxpatch.eval import tasks
 
 CONTEXT = 1024
 SEEDS = range(2000, 2020)  # held-out text, seeds never used in training or in the README's eval
@@ -28,16 +27,26 @@ def test_loads_offline_with_mlx_lm() -> None:
     assert result.stdout.split() == ["mlx_lm.models.llama", "<|endoftext|>"]
 
 
-@pytest.fixture(scope="module")
-def shipped():
-    return load(str(model_path()))
+RETRIEVE = """
+import sys
+from mlx_lm import generate, load
+from veloxpatch.assets import model_path
+from veloxpatch.eval import tasks
+model, tokenizer = load(str(model_path()))
+right = 0
+for seed in range(int(sys.argv[1]), int(sys.argv[2])):
+    prompt, answer = tasks.passkey_example(tokenizer, int(sys.argv[3]), seed, "heldout")
+    right += tasks.is_correct(generate(model, tokenizer, prompt, max_tokens=6), answer)
+print(right)
+"""
 
 
-def test_retrieves_the_passkey_with_the_full_cache(shipped) -> None:
-    model, tokenizer = shipped
-    veloxpatch.unpatch()
-    right = 0
-    for seed in SEEDS:
-        prompt, answer = tasks.passkey_example(tokenizer, CONTEXT, seed, "heldout")
-        right += tasks.is_correct(generate(model, tokenizer, prompt, max_tokens=6), answer)
-    assert right / len(SEEDS) >= BAR
+def test_retrieves_the_passkey_with_the_full_cache() -> None:
+    """Plain mlx_lm (no method) in a child started by ``veloxpatch run``, as a user would: the launcher
+    preloads the system OpenBLAS where there is one, which makes these 20 prompts several times faster."""
+    launcher = str(Path(sys.executable).parent / "veloxpatch")
+    result = subprocess.run([launcher, "run", "-c", RETRIEVE, str(SEEDS.start), str(SEEDS.stop), str(CONTEXT)],
+                            capture_output=True, text=True, timeout=300,
+                            env={k: v for k, v in os.environ.items() if not k.startswith("VELOX_")})
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.split()[-1]) / len(SEEDS) >= BAR
