@@ -61,6 +61,7 @@ def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
     slots = candidate_slots(caches)
     if slots:
         capture_layer_io(model, config)
+        ranks.settled(model)
         found = eligibility.verdict(model, caches, slots, config)
     else:
         found = eligibility.Verdict((), reason=NO_SLOT.removesuffix("; running unpatched"))

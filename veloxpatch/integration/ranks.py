@@ -56,13 +56,17 @@ _splits: dict[int, Split] = {}
 _placed: list[tuple[int, int]] = []  # (rank, ranks) once a split model's caches were agreed on
 
 
+def settled(model: Any) -> None:
+    """Before the probe runs a split model (its forwards hold the model's own collectives, on the default
+    stream): let a generation's step still in flight finish first, or the two would pair on the ring."""
+    if _split(model).split:
+        settle()
+
+
 def agreement(model: Any, config: VeloxConfig, ready: bool, members: int) -> tuple[bool, Span]:
     """:func:`agree` for ``model`` under ``config``, once per model and settings (later builds, e.g. a
     chat's next prompt cache, reuse it without traffic); ``(ready, Span())`` on a model not split."""
-    if id(model) not in _splits:
-        _splits[id(model)] = split_of(model)
-        weakref.finalize(model, _splits.pop, id(model), None)
-    split = _splits[id(model)]
+    split = _split(model)
     if not split.split:
         return ready, Span()
     key = (id(model), tuple(agreed_settings(config)))
@@ -72,6 +76,14 @@ def agreement(model: Any, config: VeloxConfig, ready: bool, members: int) -> tup
         _placed[:] = [(group.rank(), group.size())]
         weakref.finalize(model, _agreed.pop, key, None)
     return _agreed[key]
+
+
+def _split(model: Any) -> Split:
+    """:func:`split_of`, found once per model."""
+    if id(model) not in _splits:
+        _splits[id(model)] = split_of(model)
+        weakref.finalize(model, _splits.pop, id(model), None)
+    return _splits[id(model)]
 
 
 def split_of(model: Any) -> Split:
