@@ -29,7 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import CORE_SETTINGS, ConfigError, VeloxConfig, all_settings
+from ..config import CORE_SETTINGS, ConfigError, VeloxConfig
 from ..coordinators import Span, settle
 
 # settings that may differ per rank: they change nothing in the caches
@@ -103,10 +103,9 @@ def split_of(model: Any) -> Split:
 
 
 def agreed_settings(config: VeloxConfig) -> list[tuple[str, str]]:
-    """(variable, value) of every setting that must be the same on every rank."""
-    core = [(s.name, str(getattr(config, s.key))) for s in CORE_SETTINGS if s.key not in LOCAL_SETTINGS]
-    names = {s.key: s.name for s in all_settings() if s.method}
-    return core + [(names[key], str(value)) for key, value in sorted(config.knobs.items())]
+    """(variable, value) of every setting that must be the same on every rank, in the registry's order."""
+    local = {s.name for s in CORE_SETTINGS if s.key in LOCAL_SETTINGS}
+    return [(name, value) for name, value in config.to_env().items() if name not in local]
 
 
 def _checksum(text: str) -> int:
