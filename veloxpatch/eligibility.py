@@ -17,7 +17,6 @@ model to mlx_lm. Each verdict carries the reason, in words a user can act on.
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ from . import stats
 from .caches import CompressedKVCache, make_cache
 from .config import Budget, VeloxConfig
 from .coordinators import Coordinator
+from .memo import per_model
 
 # token chunks fed to the model: two prefill chunks, then decode steps (ids valid in any vocabulary)
 EXACT_CHUNKS = ((1, 2), (3, 4), (5,))
@@ -37,7 +37,7 @@ EVICTING_CHUNKS = ((1, 2, 3, 4, 5, 6, 7, 1), (2,), (3,), (4, 5, 6, 7, 1, 2, 3, 4
 NEVER = (Budget(tokens=1 << 30), 4, 32)
 TINY = (Budget(tokens=2), 1, 1)
 
-_verdicts: dict[tuple[Any, ...], Verdict] = {}
+_verdicts: dict[tuple[int, Any], Verdict] = {}
 
 
 @dataclass(frozen=True)
@@ -79,11 +79,8 @@ def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: Velox
     ``caches`` is a fresh list from mlx_lm and ``slots`` its plain ``KVCache`` slots. The
     attention route must be patched, or no call reaches our caches.
     """
-    key = (id(model), slots, config.kv, config.compress, tuple(sorted(config.knobs.items())))
-    if key not in _verdicts:
-        _verdicts[key] = _probe_keeping_stats(model, caches, slots, config)
-        weakref.finalize(model, _verdicts.pop, key, None)
-    return _verdicts[key]
+    key = (slots, config.kv, config.compress, tuple(sorted(config.knobs.items())))
+    return per_model(_verdicts, model, key, lambda: _probe_keeping_stats(model, caches, slots, config))
 
 
 def _probe_keeping_stats(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig) -> Verdict:

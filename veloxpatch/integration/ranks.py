@@ -22,7 +22,6 @@ safe; a rank running without veloxpatch cannot take part, so every rank must be 
 
 from __future__ import annotations
 
-import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ import mlx.core as mx
 
 from ..config import CORE_SETTINGS, ConfigError, VeloxConfig
 from ..coordinators import Span, settle
+from ..memo import per_model
 
 # settings that may differ per rank: they change nothing in the caches
 LOCAL_SETTINGS = ("log", "stats", "strict", "blas", "float32")
@@ -51,9 +51,9 @@ class Split:
     tensor: Any = None
 
 
-_agreed: dict[tuple[Any, ...], tuple[bool, Span]] = {}
-_splits: dict[int, Split] = {}
-_placed: list[tuple[int, int]] = []  # (rank, ranks) once a split model's caches were agreed on
+_agreed: dict[tuple[int, Any], tuple[bool, Span]] = {}
+_splits: dict[tuple[int, Any], Split] = {}
+_placed: list[tuple[int, int]] = []  # (rank, ranks) once this process took part in an agreement
 
 
 def settled(model: Any) -> None:
@@ -69,21 +69,12 @@ def agreement(model: Any, config: VeloxConfig, ready: bool, members: int) -> tup
     split = _split(model)
     if not split.split:
         return ready, Span()
-    key = (id(model), tuple(agreed_settings(config)))
-    if key not in _agreed:
-        _agreed[key] = agree(split, config, ready, members)
-        group = mx.distributed.init()
-        _placed[:] = [(group.rank(), group.size())]
-        weakref.finalize(model, _agreed.pop, key, None)
-    return _agreed[key]
+    return per_model(_agreed, model, tuple(agreed_settings(config)), lambda: agree(split, config, ready, members))
 
 
 def _split(model: Any) -> Split:
     """:func:`split_of`, found once per model."""
-    if id(model) not in _splits:
-        _splits[id(model)] = split_of(model)
-        weakref.finalize(model, _splits.pop, id(model), None)
-    return _splits[id(model)]
+    return per_model(_splits, model, None, lambda: split_of(model))
 
 
 def split_of(model: Any) -> Split:
@@ -119,14 +110,15 @@ def agree(split: Split, config: VeloxConfig, ready: bool, members: int) -> tuple
     mine = [_checksum(value) for _, value in settings] + [int(ready), split.stage, members]
     settle()
     rows = mx.distributed.all_gather(mx.array([mine], dtype=mx.int32), stream=mx.cpu).tolist()
+    world = mx.distributed.init()
+    _placed[:] = [(world.rank(), world.size())]
     n = len(settings)
     differ = [(name, value) for i, (name, value) in enumerate(settings) if len({row[i] for row in rows}) > 1]
     if differ:
-        rank = mx.distributed.init().rank()
         said = ", ".join(f"{name}={value}" for name, value in differ)
-        raise RanksDisagree(f"the ranks of this distributed run have different settings: rank {rank} has {said}, "
-                          f"another rank not; start every rank with the same VELOX_* settings "
-                          f"(veloxpatch run mlx.launch ... passes them to every rank)")
+        raise RanksDisagree(f"the ranks of this distributed run have different settings: rank {world.rank()} has "
+                            f"{said}, another rank not; start every rank with the same VELOX_* settings "
+                            f"(veloxpatch run mlx.launch ... passes them to every rank)")
     stages = {row[n + 1]: row[n + 2] for row in rows}  # tensor-parallel peers share a stage
     first = sum(count for stage, count in stages.items() if stage > split.stage)
     return all(row[n] for row in rows), Span(first, sum(stages.values()), True, split.tensor)
