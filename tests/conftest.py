@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,18 +55,37 @@ def model_dir(tmp_path_factory) -> Path:
 
 __all__ = [
     "ARCHS", "assert_a_rejected_draft_leaves_no_trace", "assert_round_trip", "assert_within_budget", "decoded",
-    "feed", "greedy", "prefill", "random_case", "random_rows", "random_tokens", "run_python", "softmax",
-    "speculated", "tiny",
+    "feed", "greedy", "prefill", "random_case", "random_rows", "random_tokens", "run_group", "run_python", "softmax",
+    "speculated", "tiny", "without_velox",
 ]
+
+
+def without_velox() -> dict[str, str]:
+    """This process's environment without its VELOX_* settings (a child starts from its own)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
 
 
 def run_python(code: str, env: dict[str, str] | None = None, cwd: Path | None = None,
                args: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run code in a fresh interpreter (patch state and import order start clean)."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
-    full_env.update(env or {})
+    full_env = {**without_velox(), **(env or {})}
     return subprocess.run([sys.executable, "-c", code, *(args or [])], env=full_env, cwd=cwd,
                           capture_output=True, text=True, timeout=120)
+
+
+def run_group(command: list[str], timeout: int, cwd: Path | None = None) -> tuple[int, str]:
+    """Run ``command`` in a process group of its own (mlx.launch and its ranks), without any VELOX_*
+    of this process; its exit code and output (stdout and stderr together). The whole group is killed
+    at ``timeout``."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=without_velox(), cwd=cwd, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{command[0]} did not finish in {timeout} s:\n{output[-3000:]}")
+    return proc.returncode, output
 
 
 # --------------------------------------------------------------------- driving a model

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import subprocess
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from conftest import without_velox
 
 
 def free_port() -> int:
@@ -49,8 +49,7 @@ def wait_healthy(url: str, server: subprocess.Popen, log: Path, limit: float = 9
 def running(command: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     """Start ``command`` plus ``--host 127.0.0.1 --port P``; yield its URL; stop it afterwards."""
     port = free_port()
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
-    full_env.update(env or {})
+    full_env = {**without_velox(), **(env or {})}
     with log.open("w") as sink:
         server = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], env=full_env,
                                   stdout=sink, stderr=subprocess.STDOUT)

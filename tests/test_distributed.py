@@ -12,9 +12,6 @@ every rank before any generation.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,29 +24,15 @@ from veloxpatch.caches import CACHE_CLASSES
 from veloxpatch.eval import zoo
 from veloxpatch.eval.random_model import build, write_byte_tokenizer, write_model_dir
 from veloxpatch.launching import free_ring_port
+from conftest import run_group
+from test_launcher import LAUNCHER, MLX_LAUNCH
 
 WORKER = Path(__file__).with_name("ranks_worker.py")
-LAUNCH = str(Path(sys.executable).parent / "mlx.launch")
-
-
-def run_group(command: list[str], timeout: int) -> tuple[int, str]:
-    """Run ``command`` in a process group of its own (mlx.launch and its ranks), without any VELOX_*
-    of this process; its exit code and output. The whole group is killed at ``timeout``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"two ranks did not finish in {timeout} s:\n{output[-3000:]}")
-    return proc.returncode, output
 
 
 def launch(*args: str, timeout: int = 240) -> dict[Any, Any]:
     """Run the worker on two ranks; each rank's RESULT line, by rank (and the whole output under "output")."""
-    _, output = run_group([LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ring_port()),
+    _, output = run_group([MLX_LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ring_port()),
                            "--python", sys.executable, str(WORKER), *args], timeout)
     results = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
     assert len(results) == 2, f"expected a result from each rank:\n{output[-3000:]}"
@@ -128,8 +111,8 @@ def test_mlx_lms_own_distributed_benchmark_runs_compressed_on_every_rank(tmp_pat
     benchmark --pipeline`` (which loads with ``sharded_load``), SqueezeAttention's reports pooled across the
     stages. (Tensor parallelism runs every method through the worker above.)"""
     folder = pipeline_dir(tmp_path / "ministral3")
-    command = [str(Path(sys.executable).parent / "veloxpatch"), "run", "--kv", "squeeze", "--budget", "48", "--window", "8",
-               "--stats", LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ring_port()),
+    command = [LAUNCHER, "run", "--kv", "squeeze", "--budget", "48", "--window", "8", "--stats",
+               MLX_LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ring_port()),
                "--python", sys.executable, "--", "-m", "mlx_lm", "benchmark", "--model", str(folder),
                "--prompt-tokens", "200", "--generation-tokens", "8", "--num-trials", "1", "--prefill-step-size", "64",
                "--pipeline"]

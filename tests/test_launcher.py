@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from conftest import run_group, without_velox
 from veloxpatch.cli import main
 from veloxpatch.launching import SHIM_DIR, free_ring_port
 
@@ -40,9 +41,8 @@ APP = textwrap.dedent("""
 
 
 def launch(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
-    full_env.update(env or {})
-    return subprocess.run([LAUNCHER, *args], env=full_env, cwd=cwd, capture_output=True, text=True, timeout=180)
+    return subprocess.run([LAUNCHER, *args], env={**without_velox(), **(env or {})}, cwd=cwd, capture_output=True,
+                          text=True, timeout=180)
 
 
 @pytest.fixture
@@ -241,18 +241,10 @@ def test_an_unknown_program_is_named(execs: list, args: list[str], named: str) -
 def test_mlx_launch_ranks_run_patched(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
     command = [LAUNCHER, "run", "--kv", "snapkv", "--budget", "64", "mlx.launch", "-n", "2", "--backend", "ring",
                "--starting-port", str(free_ring_port()), "--python", sys.executable, str(script)]
-    process = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        pytest.fail(f"mlx.launch did not finish in 60 s\n{out}\n{err}")
-    assert process.returncode == 0, err
+    code, out = run_group(command, timeout=60, cwd=tmp_path)
+    assert code == 0, out
     ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
     assert ranks == [{"rank": rank, "size": 2, "kv": "snapkv", "patched": True, "method": "snapkv", "budget": "64"}
-                     for rank in (0, 1)], out + err
+                     for rank in (0, 1)], out

@@ -7,12 +7,10 @@ seeds. These 20 seeds were never used in training or to pick the checkpoint; the
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-from pathlib import Path
 
-from conftest import run_python
+from conftest import run_python, without_velox
+from test_launcher import LAUNCHER
 
 CONTEXT = 1024
 SEEDS = range(2000, 2020)  # held-out text, seeds never used in training or in the README's eval
@@ -44,9 +42,7 @@ print(right)
 def test_retrieves_the_passkey_with_the_full_cache() -> None:
     """Plain mlx_lm (no method) in a child started by ``veloxpatch run``, as a user would: the launcher
     preloads the system OpenBLAS where there is one, which makes these 20 prompts several times faster."""
-    launcher = str(Path(sys.executable).parent / "veloxpatch")
-    result = subprocess.run([launcher, "run", "-c", RETRIEVE, str(SEEDS.start), str(SEEDS.stop), str(CONTEXT)],
-                            capture_output=True, text=True, timeout=300,
-                            env={k: v for k, v in os.environ.items() if not k.startswith("VELOX_")})
+    result = subprocess.run([LAUNCHER, "run", "-c", RETRIEVE, str(SEEDS.start), str(SEEDS.stop), str(CONTEXT)],
+                            capture_output=True, text=True, timeout=300, env=without_velox())
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.split()[-1]) / len(SEEDS) >= BAR
