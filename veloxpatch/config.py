@@ -69,7 +69,9 @@ def int_range(lo: int, hi: int | None) -> Callable[[str], int]:
     return parse
 
 
-def _choice(options: tuple[str, ...], upper: bool = False) -> Callable[[str], str]:
+def choice(options: tuple[str, ...], upper: bool = False) -> Callable[[str], str]:
+    """A parser taking one of ``options`` in any case; the Setting turns its ValueError into the message."""
+
     def parse(text: str) -> str:
         value = text.strip().upper() if upper else text.strip().lower()
         if value not in options:
@@ -169,15 +171,15 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "First tokens of the context that are never evicted (attention sinks)."),
     Setting("VELOX_WINDOW", int_range(1, None), "32", "an integer >= 1",
             "Most recent tokens that are never evicted; query-aware methods score with them."),
-    Setting("VELOX_COMPRESS", _choice(COMPRESS_MODES), "end", "one of " + ", ".join(COMPRESS_MODES),
+    Setting("VELOX_COMPRESS", choice(COMPRESS_MODES), "end", "one of " + ", ".join(COMPRESS_MODES),
             "When to compress the prompt: once at its end (best retrieval) or after each prefill chunk (bounded memory)."),
-    Setting("VELOX_DRAFT_KV", _choice(DRAFT_MODES), "same", "one of " + ", ".join(DRAFT_MODES),
+    Setting("VELOX_DRAFT_KV", choice(DRAFT_MODES), "same", "one of " + ", ".join(DRAFT_MODES),
             "Speculative decoding: the draft model's cache is compressed like the main one, or stays mlx_lm's."),
-    Setting("VELOX_FLOAT32", _choice(FLOAT32_MODES), "auto", "one of " + ", ".join(FLOAT32_MODES),
+    Setting("VELOX_FLOAT32", choice(FLOAT32_MODES), "auto", "one of " + ", ".join(FLOAT32_MODES),
             "float16/bfloat16 weights loaded by mlx_lm run as float32 (`auto`: on the CPU backend, where that is faster)."),
     Setting("VELOX_BLAS", _blas, "auto", "one of " + ", ".join(BLAS_CHOICES) + ", or an absolute path",
             "`veloxpatch run` only: preload the system OpenBLAS (`auto`: on Linux when mlx runs on the CPU and it is found)."),
-    Setting("VELOX_LOG", _choice(LOG_LEVELS, upper=True), "WARNING", "one of " + ", ".join(LOG_LEVELS),
+    Setting("VELOX_LOG", choice(LOG_LEVELS, upper=True), "WARNING", "one of " + ", ".join(LOG_LEVELS),
             "Log level of veloxpatch's own messages (stderr)."),
     Setting("VELOX_STRICT", _bool, "0", "a boolean (1/0, true/false, yes/no, on/off)",
             "Raise instead of falling back to plain mlx_lm when something cannot be patched.", is_flag=True),

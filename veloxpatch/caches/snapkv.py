@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..config import Setting
+from ..config import Setting, choice
 from . import method
 from .base import CompressedKVCache
 
@@ -30,18 +30,11 @@ def _odd_kernel(text: str) -> int:
     return value
 
 
-def _pool(text: str) -> str:
-    value = text.strip().lower()
-    if value not in ("avg", "max"):
-        raise ValueError(text)
-    return value
-
-
 KNOBS = (
     Setting("VELOX_SNAPKV_KERNEL", _odd_kernel, "31", "an odd integer in [1, 63]",
             "SnapKV (and pyramidkv, squeeze with the snapkv policy): width of the pooling over neighbouring "
             "rows' scores.", method="snapkv"),
-    Setting("VELOX_SNAPKV_POOL", _pool, "avg", "one of avg, max",
+    Setting("VELOX_SNAPKV_POOL", choice(("avg", "max")), "avg", "one of avg, max",
             "SnapKV: how scores are pooled over the kernel (average or maximum).", method="snapkv"),
 )
 

@@ -64,12 +64,12 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
 
-from ..config import Setting
+from ..config import Setting, choice
 from ..coordinators import Coordinator
 from ..log import once
 from . import CACHE_CLASSES, method
@@ -81,18 +81,6 @@ SIGNALS = ("cosine", "entropy")
 GROUPS = 3  # the paper's k-means clusters
 
 
-def _one_of(options: tuple[str, ...]) -> Callable[[str], str]:
-    """A parser taking one of ``options`` (any case); the Setting turns its ValueError into the message."""
-
-    def parse(text: str) -> str:
-        value = text.strip().lower()
-        if value not in options:
-            raise ValueError(text)
-        return value
-
-    return parse
-
-
 def _strength(text: str) -> float:
     value = float(text)
     if not 0 <= value <= 1:
@@ -101,12 +89,12 @@ def _strength(text: str) -> float:
 
 
 KNOBS = (
-    Setting("VELOX_SQUEEZE_POLICY", _one_of(POLICIES), "snapkv", "one of " + ", ".join(POLICIES),
+    Setting("VELOX_SQUEEZE_POLICY", choice(POLICIES), "snapkv", "one of " + ", ".join(POLICIES),
             "SqueezeAttention: the method that picks the rows inside each layer.", method="squeeze"),
     Setting("VELOX_SQUEEZE_STRENGTH", _strength, "0.5", "a number in [0, 1]",
             "SqueezeAttention: the part of its budget above sink + window that the least important group of "
             "layers gives to the others (the paper's 1 - p; 0: uniform).", method="squeeze"),
-    Setting("VELOX_SQUEEZE_SIGNAL", _one_of(SIGNALS), "cosine", "one of " + ", ".join(SIGNALS),
+    Setting("VELOX_SQUEEZE_SIGNAL", choice(SIGNALS), "cosine", "one of " + ", ".join(SIGNALS),
             "SqueezeAttention: how a layer's importance is measured: `cosine` (the paper's: how much self-attention "
             "changes the hidden state) or `entropy` (how widely its attention spreads over the rows).",
             method="squeeze"),
