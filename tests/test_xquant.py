@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
@@ -17,6 +18,7 @@ from conftest import (
 )
 from veloxpatch.caches.xquant import XQuantCache
 from veloxpatch.config import Budget
+from veloxpatch.eval.random_model import build, config_for
 
 # the archs whose attention has k_proj, v_proj, rope and n_kv_heads (qwen3, gemma3 and lfm2 a key norm, qwen2 biases)
 REBUILT = ("gemma3_text", "llama", "lfm2", "mistral", "qwen2", "qwen3")
@@ -59,13 +61,16 @@ def test_lossless_and_eight_bit_x_decode_mlx_lms_tokens_from_rebuilt_rows(arch: 
     model = same_model(arch)
     prompt = random_tokens(150, 1)
     expected = greedy(model, prompt)
-    for bits, window in ((16, 8), (8, 32)):  # XQuant-CL's deltas (on by default) at the same bits
+    # XQuant-CL's deltas (on by default) at the same bits; the GQA latent (forced: these models' K and V are as
+    # wide as X) unquantized
+    for bits, window, latent in ((16, 8, "off"), (8, 32, "off"), (16, 8, "on")):
         veloxpatch.patch(kv="xquant", window=window, compress="chunk",
-                         knobs={"xquant_bits": bits, "xquant_cl_bits": bits})
+                         knobs={"xquant_bits": bits, "xquant_cl_bits": bits, "xquant_latent": latent})
         caches = make_prompt_cache(model)
-        assert greedy(model, prompt, caches) == expected, f"{bits} bits"
+        assert greedy(model, prompt, caches) == expected, f"{bits} bits, latent {latent}"
         ours = [c for c in caches if isinstance(c, XQuantCache)]
         assert ours and all(c.folded_rows() and not c.exact for c in ours), "rows before the window are rebuilt"
+        assert all(c.latent_on == (latent == "on") for c in ours)
         assert all(c.size() == c.offset and c.store.rows < 2 * window for c in ours), "exact: window + segment"
 
 
@@ -78,14 +83,16 @@ def test_rebuilt_keys_and_values_are_the_models_own_within_the_quantization_erro
     truth = make_prompt_cache(model)
     model(prompt, cache=truth)
     # X alone; 3-bit deltas after the first layer (random weights: the layers' inputs are unalike, the deltas as
-    # large as X itself); unquantized
-    for bits, cl, bound in ((4, 1, 0.15), (4, 4, 0.35), (16, 1, 1e-5)):
-        caches = xquant_caches(model, "chunk", bits=bits, cl=cl)
+    # large as X itself); unquantized; the GQA latent (forced) at 4 bits and unquantized
+    for bits, cl, latent, bound in ((4, 1, "off", 0.15), (4, 4, "off", 0.35), (16, 1, "off", 1e-5),
+                                    (4, 4, "on", 0.15), (16, 4, "on", 1e-5)):
+        caches = xquant_caches(model, "chunk", bits=bits, cl=cl, latent=latent)
         model(prompt, cache=caches)
         assert all(len(c.folds) == 1 and c.folded_rows() == 112 for c in caches)
         errors = [(relative(c.keys, t.keys[..., :120, :]), relative(c.values, t.values[..., :120, :]))
                   for c, t in zip(caches, truth)]
-        assert max(max(e) for e in errors) < bound, f"{bits} bits, CL {cl}: (keys, values) relative errors {errors}"
+        assert max(max(e) for e in errors) < bound, f"{bits} bits, CL {cl}, latent {latent}: (keys, values) " \
+                                                    f"relative errors {errors}"
         if bits == 4:
             assert min(min(e) for e in errors) > 1e-3, "4-bit X really is quantized"
         veloxpatch.unpatch()
@@ -101,6 +108,35 @@ def test_nbytes_is_every_tokens_packed_x_with_its_scales_and_the_exact_rows() ->
         assert fold.own["x"][0].shape[1] == cache.offset and fold.end == cache.offset - cache.store.rows
         assert bytes_of(fold.own) / cache.offset == hidden * 4 / 8 + 2 * (hidden // 32) * 4, "4 bits, scale, bias"
         assert cache.nbytes == cache.store.nbytes + bytes_of(fold.own), "the store's spare rows included"
+
+
+def gqa_model(quantized: bool = False):
+    """A tiny llama whose K and V together are half as wide as X (one KV head of four), as in SmolLM2;
+    ``quantized``: its linear layers 8-bit (mlx's QuantizedLinear)."""
+    mx.random.seed(0)
+    model = build(config_for("llama", num_key_value_heads=1, num_hidden_layers=4))
+    if quantized:
+        nn.quantize(model, group_size=32, bits=8)
+    return model
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_latent_is_taken_where_k_and_v_are_narrower_than_x_and_rebuilds_the_models_rows(quantized: bool) -> None:
+    """``auto`` keeps the GQA latent (K's and V's width, 32, not X's 64) with no XQuant-CL groups; unquantized
+    it decodes mlx_lm's tokens, also through quantized projections; at 4 bits its bytes are the latent's."""
+    model = gqa_model(quantized)
+    prompt = random_tokens(150, 1)
+    expected = greedy(model, prompt)
+    caches = xquant_caches(model, "chunk", bits=16)
+    assert greedy(model, prompt, caches) == expected
+    assert all(c.latent_on and not c.exact and c.group() == (c.layer,) for c in caches)
+    caches = xquant_caches(model, bits=4, group=32)
+    greedy(model, random_tokens(300, 3), caches, steps=3, chunk=100)
+    width = 2 * model.args.hidden_size // model.args.num_attention_heads  # one KV head's keys and values
+    for cache in caches:
+        (fold,) = cache.folds
+        assert set(fold.own) == {"l"} and fold.shared is None
+        assert bytes_of(fold.own) / cache.offset == width * 4 / 8 + 2 * (width // 32) * 4, "4 bits, scale, bias"
 
 
 def test_the_process_holds_less_than_unpatched_after_a_long_prompt() -> None:
@@ -122,15 +158,16 @@ def test_the_process_holds_less_than_unpatched_after_a_long_prompt() -> None:
     assert our_bytes < 0.4 * vanilla_bytes and ours < 0.4 * vanilla, held
 
 
-@pytest.mark.parametrize("cl", [1, 2])
-def test_a_saved_list_loads_back_and_finds_its_modules_at_the_next_step(tmp_path, cl: int) -> None:
+@pytest.mark.parametrize("cl, latent", [(1, "off"), (2, "off"), (2, "on")])
+def test_a_saved_list_loads_back_and_finds_its_modules_at_the_next_step(tmp_path, cl: int, latent: str) -> None:
     model = tiny("qwen3", seed=2, layers=4)
-    caches = xquant_caches(model, bits=4, cl=cl)
+    caches = xquant_caches(model, bits=4, cl=cl, latent=latent)
     greedy(model, random_tokens(200, 12), caches, steps=3, chunk=64)
     assert all(c.folds for c in caches)
     loaded = assert_round_trip(str(tmp_path / "prompt.safetensors"), model, caches)
     assert all(c.module() is layer.self_attn for c, layer in zip(loaded, model.layers))
-    if cl == 2:
+    assert all(c.latent_on == (latent == "on") for c in loaded)
+    if cl == 2 and latent == "off":
         assert loaded[0].folds[0].shared is loaded[1].folds[0].shared, "the anchor's X is linked again"
         assert sum(c.nbytes - c.store.nbytes for c in loaded) == sum(c.nbytes - c.store.nbytes for c in caches)
 
