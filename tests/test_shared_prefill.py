@@ -165,6 +165,17 @@ def test_knob_variants_parse_label_and_reach_the_caches(loaded: tuple[Any, mx.ar
             parse_spec(bad)
 
 
+def test_a_variant_sets_the_window_of_any_method_and_counts_it_only_where_given(loaded: tuple[Any, mx.array]) -> None:
+    model, _ = loaded
+    variant = Variant.of("xquant[window=1]", 0.25)
+    assert variant.label() == "xquant[window=1]@0.25" and variant.knob_values()["window"] == 1
+    assert "window" not in Variant.of("xquant", 0.25).knob_values(), "journals written before it stay valid"
+    assert {c.window for c in variant.caches(model, 1000)} == {1}
+    assert {c.window for c in Variant.of("snapkv[window=8,kernel=15]", 0.25).caches(model, 1000)} == {8}
+    with pytest.raises(ValueError, match="VELOX_WINDOW"):
+        parse_spec("xquant[window=0]")
+
+
 def test_methods_built_on_snapkv_take_its_knobs(loaded: tuple[Any, mx.array]) -> None:
     """pyramidkv is SnapKV with other budgets, squeeze's snapkv policy is SnapKV's class: the kernel reaches
     both, from a variant and from the environment; under another policy it is refused, naming what is."""
@@ -175,7 +186,7 @@ def test_methods_built_on_snapkv_take_its_knobs(loaded: tuple[Any, mx.array]) ->
     assert make_cache(config).kernel == 9
     assert Variant.of("squeeze[policy=h2o]", 0.25).knob_values() == {"policy": "h2o", "signal": "cosine",
                                                                       "strength": 0.5}
-    with pytest.raises(ValueError, match=r"kernel is not a knob of squeeze here \(policy, signal, strength\)"):
+    with pytest.raises(ValueError, match=r"kernel is not a knob of squeeze here \(policy, signal, strength, window\)"):
         parse_spec("squeeze[policy=h2o,kernel=31]")
 
 

@@ -10,6 +10,8 @@ keep=4)`` list mlx_lm would have built; quantization goes through mlx_lm's own
 A method may carry knob overrides, written ``snapkv[kernel=15]`` (several: ``snapkv[kernel=15,pool=max]``,
 knob names without the method prefix); they reach ``veloxpatch.patch`` as the method's knobs and show in
 the variant's name and label (``snapkv[kernel=15]@0.25``). A variant without knobs keeps its plain label.
+``window`` sets ``VELOX_WINDOW`` for any method (``xquant[window=1]``): it counts in a variant's identity
+only where given, so journals written before it stay valid.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from veloxpatch.config import Setting, setting
 
 Knobs = tuple[tuple[str, Any], ...]  # (knob name without the method prefix, value), sorted by name
 
+# settings any registry method's variant may set, beside its own knobs
+GENERAL = {"window": setting("VELOX_WINDOW")}
 # a token budget may not be smaller than the rows every method protects (default sink + window)
 PROTECTED = int(setting("VELOX_SINK").default) + int(setting("VELOX_WINDOW").default)
 
@@ -112,11 +116,11 @@ def parse_spec(spec: str) -> tuple[str, Knobs]:
         return method, _quantized_bits(spec, given)
     if method not in METHODS:
         raise ValueError(f"{spec!r}: only compression methods and quantized[bits=N] have knobs")
-    settings = _settings(method, given)
+    settings = {**_settings(method, given), **GENERAL}
     unknown = sorted(set(given) - set(settings))
     if unknown:
         raise ValueError(f"{spec!r}: {', '.join(unknown)} is not a knob of {method} here "
-                         f"({', '.join(sorted(settings)) or 'it has none'})")
+                         f"({', '.join(sorted(settings))})")
     return method, tuple(sorted((n, settings[n].convert(v)) for n, v in given.items()))
 
 
@@ -166,7 +170,8 @@ class Variant:
             return dict(self.knobs)
         settings = _settings(self.method, {k: str(v) for k, v in self.knobs})
         chosen = dict(self.knobs)
-        return {n: chosen.get(n, k.convert(k.default)) for n, k in sorted(settings.items())}
+        general = {n: v for n, v in self.knobs if n in GENERAL}
+        return {**{n: chosen.get(n, k.convert(k.default)) for n, k in sorted(settings.items())}, **general}
 
     def identity(self) -> str:
         """The label and every knob value: two variants measure the same thing only if these are equal."""
@@ -179,8 +184,9 @@ class Variant:
         """``veloxpatch.patch`` keyword arguments for this registry method at ``budget`` rows."""
         extra = {} if compress is None else {"compress": compress}
         settings = _settings(self.method, {k: str(v) for k, v in self.knobs})
-        knobs = {settings[k].key: v for k, v in self.knobs}
-        return {"kv": self.method, "budget": budget, "knobs": knobs, **extra}
+        knobs = {settings[k].key: v for k, v in self.knobs if k not in GENERAL}
+        general = {k: v for k, v in self.knobs if k in GENERAL}
+        return {"kv": self.method, "budget": budget, "knobs": knobs, **general, **extra}
 
     def caches(self, model: Any, context: int, compress: str | None = None, budget: int | None = None) -> list[Any]:
         """The cache list for one run (patching or unpatching mlx_lm as the variant needs);
