@@ -26,7 +26,8 @@ text: a few tenths of perplexity are within its noise.) Where a list's members a
 (sliding-window or hybrid models, whose other layers keep mlx_lm's caches) the premise is weaker.
 On a model split by tensor parallelism (``mx.distributed``) every rank receives the whole X and
 recomputes only its own heads, so each rank keeps all of X: XQuant's bytes per rank do not shrink with
-the number of ranks, while a KV cache's do. XQuant-CL groups are formed in each rank's list.
+the number of ranks, while a KV cache's do. The GQA latent comes from the rank's shard of the
+projections, so it holds the rank's heads only and does shrink. XQuant-CL groups are formed in each rank's list.
 
 The GQA latent (``VELOX_XQUANT_LATENT``, the paper's variant for grouped-query attention). Where K and
 V together are narrower than X (SmolLM2-135M: 384 against 576), X at b bits takes more bytes than K
