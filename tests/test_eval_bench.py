@@ -36,15 +36,17 @@ def test_eval_writes_table_json_csv_and_plots(model_dir: Path, tmp_path: Path) -
 def test_bench_compares_every_method_with_vanilla(model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench"
     result = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "200", "--budget", "48",
-                                       "--methods", "snapkv,streamingllm,rotating", "--new-tokens", "4",
+                                       "--methods", "snapkv,streamingllm,rotating,quantized", "--new-tokens", "4",
                                        "--repeats", "1", "--out", str(out)])
     assert result.exit_code == 0, result.output
     rows = {r["variant"]: r for r in json.loads((out / "bench.json").read_text())["rows"]}
-    assert set(rows) == {"vanilla@ctx=48", "vanilla", "snapkv", "streamingllm", "rotating"}
+    assert set(rows) == {"vanilla@ctx=48", "vanilla", "snapkv", "streamingllm", "rotating", "quantized"}
     assert rows["vanilla"]["decode_vs_vanilla"] == 1.0
     assert rows["snapkv"]["kv_bytes"] < rows["vanilla"]["kv_bytes"]
     assert all(r["prefill_s"] > 0 and r["decode_tok_s"] > 0 for r in rows.values())
     assert rows["snapkv"]["prefill"] == "shared:snapkv" and rows["rotating"]["prefill"] == "own"
+    # mlx_lm quantizes as it generates: a whole run of its own, at 4 bits for a quarter of the rows' bytes
+    assert rows["quantized"]["prefill"] == "plain" and rows["quantized"]["kv_bytes"] < rows["vanilla"]["kv_bytes"] / 3
     assert "peak_bytes:" in result.output
 
 

@@ -24,8 +24,9 @@ has. A shared method the check refuses (``sharing.modes``: tokens, log-probabili
 against plain runs on a short prompt, once per method) gets its own prefill, or runs plain; a shared case whose
 prompt has a chunk short enough to be a decode step (``sharing.untouched``) runs plain.
 
-Plain (``--no-share-prefill``, ``--compress chunk``, vanilla at the budget's context, fallbacks): each run
-is a whole ``generate_step`` run, one warm-up then ``repeats`` timed runs, medians.
+Plain (``--no-share-prefill``, ``--compress chunk``, vanilla at the budget's context, mlx_lm's quantized cache,
+which ``generate_step`` quantizes as it goes (``kv_bits``), fallbacks): each run is a whole ``generate_step``
+run, one warm-up then ``repeats`` timed runs, medians.
 
 The rows' ``prefill`` field says how a case was timed: ``plain``, ``own`` or ``shared:<source method>``.
 """
@@ -45,7 +46,7 @@ import veloxpatch
 from veloxpatch.caches import METHODS
 
 from . import sharing
-from .variants import Variant
+from .variants import KVLayout, Variant
 
 LARGE_RANDOM = dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=2816, num_attention_heads=16,
                     num_key_value_heads=4, head_dim=64, vocab_size=4096)
@@ -104,9 +105,10 @@ class Measured:
 
 
 def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: BenchSpec,
-                    held: int = 0) -> tuple[Timing, list[int]]:
+                    held: int = 0, extra: dict[str, Any] | None = None) -> tuple[Timing, list[int]]:
     """A whole run: time to the first token (prefill) and the decode rate of the remaining new tokens;
-    peaks less ``held`` (memory kept by others meanwhile)."""
+    peaks less ``held`` (memory kept by others meanwhile); ``extra``: more ``generate_step`` arguments
+    (``kv_bits`` for mlx_lm's quantized cache)."""
     from mlx_lm.generate import generate_step
 
     gc.collect()
@@ -116,7 +118,7 @@ def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: Bench
     start = time.perf_counter()
     first, prefill_peak = start, 0
     for n, (token, _) in enumerate(generate_step(prompt, model, max_tokens=spec.new_tokens, prompt_cache=caches,
-                                                 prefill_step_size=spec.prefill_step)):
+                                                 prefill_step_size=spec.prefill_step, **(extra or {}))):
         if n == 0:
             first = time.perf_counter()
             prefill_peak = mx.get_peak_memory()
@@ -161,10 +163,13 @@ def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
         return
     # a shared candidate is first checked against plain runs on a short prompt (see sharing); an own prefill
     # needs no check: it is the case's own plain prefill, and a deep copy of any cache list replays it
+    layout = KVLayout.of(model)
     candidates = [v for *_, v in all_cases if v.method in METHODS and sharing.candidate(v) == sharing.SHARED]
     modes = sharing.modes(model, candidates) if candidates else {}
 
     def how(variant: Variant) -> str:
+        if variant.generate_kwargs(layout):
+            return PLAIN  # mlx_lm quantizes inside generate_step: its prefill is its own
         found = modes.get(variant, sharing.OWN)
         return {sharing.SHARED: SHARED, sharing.OWN: OWN}.get(found, PLAIN)
 
@@ -191,8 +196,9 @@ def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
 def _plain(model: Any, index: int, context: int, label: str, variant: Variant, spec: BenchSpec,
            held: int = 0) -> Measured:
     prompt = prompt_for(model, context)
+    extra = variant.generate_kwargs(KVLayout.of(model))
     timing, tokens = median_timing(
-        lambda: time_generation(model, prompt, variant.caches(model, context, spec.compress), spec, held),
+        lambda: time_generation(model, prompt, variant.caches(model, context, spec.compress), spec, held, extra),
         spec.repeats)
     return Measured(index, context, label, variant, timing, tokens, PLAIN)
 

@@ -168,7 +168,7 @@ def bench_command(model, random_model, contexts, budget, methods, new_tokens, re
     prefill_s is the time to the first token; peak_bytes the most memory mlx held during a case (weights
     included): with a shared or own prefill (the prefill column), the larger of the prefill group's peak and
     the case's own decode peak (less the prefill kept aside for other cases)."""
-    chosen = [m for m in _methods(methods) if parse_spec(m)[0] != "quantized"]
+    chosen = _methods(methods)
     step = prefill_step(prefill_step_option, model)
     spec = BenchSpec(_ints(contexts), budget, chosen, new_tokens, repeats, step, compress, share_prefill)
     if random_model:
