@@ -19,7 +19,9 @@ Where the shim's position makes this deviate from the paper, and why:
 
 * The keys factorized are the rotated ones the attention route hands the cache: the shim never sees
   keys before the rotary embedding. A rotation spreads a key over position-dependent directions, so
-  the same rank keeps less of it than it would of unrotated keys.
+  the same rank keeps less of their squared norm than it would of unrotated keys. Undoing the
+  rotation before the fold (``bench/xkv_prerope.py``) did not pay on SmolLM2: retrieval within noise,
+  perplexity better at 12.5% and worse at 25% (README), and decode steps would have to rebuild the keys.
 * The factors come from the eigendecomposition of the group's Gram matrix (width x width) rather than
   an SVD of the tokens x width matrix: the same ``A = U S`` and ``B = V^T``, without a tokens x tokens
   matrix, and mlx has ``eigh`` but no thin SVD.
