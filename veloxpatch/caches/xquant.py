@@ -41,7 +41,9 @@ apply to it. Measured on SmolLM2 (``python bench/kv_quant_error.py --model FOLDE
 1024-token text, the relative error of every layer's attention output, mean over the 30 layers): the
 latent at 4 bits errs 0.13, keys and values quantized as mlx_lm's ``kv_bits`` does 0.24 at 4 bits
 and 0.11 at 5, in the same bytes per token as the latent at 4 and 5 bits. The gain is all in the
-keys: values quantized either way err alike.
+keys: values quantized either way err alike. On SmolLM2's perplexity, with ``VELOX_WINDOW=1`` (the exact
+window is a constant cost in bytes), the latent beats ``kv_bits`` at the same bits and bytes on every
+text measured; it decodes several times slower (README, Results).
 
 How it sits in the shim. The cache class asks for the layer inputs (``wants_layer_io``); the attention
 module's hook hands the cache each step's X and the module itself before the module runs
