@@ -26,6 +26,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm import load
 
+from veloxpatch.caches.store import decode, encode
 from veloxpatch.caches.xquant import shaped, whitening
 from veloxpatch.eval.tasks import longtext_sample
 
@@ -34,8 +35,8 @@ Rows = tuple[mx.array, mx.array]
 
 
 def quantized(x: mx.array, bits: int) -> mx.array:
-    """``x`` through mlx's affine quantization and back."""
-    return mx.dequantize(*mx.quantize(x, group_size=GROUP, bits=bits), group_size=GROUP, bits=bits).astype(x.dtype)
+    """``x`` through mlx's affine quantization and back, as the caches store it."""
+    return decode(encode(x, bits, GROUP), bits, GROUP)
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
