@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.generate import speculative_generate_step
 from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 import veloxpatch
@@ -139,15 +140,19 @@ def test_the_latent_is_taken_where_k_and_v_are_narrower_than_x_and_rebuilds_the_
         assert bytes_of(fold.own) / cache.offset == width * 4 / 8 + 2 * (width // 32) * 4, "4 bits, scale, bias"
 
 
-def test_the_process_holds_less_than_unpatched_after_a_long_prompt() -> None:
-    model = tiny("llama", layers=4)
+@pytest.mark.parametrize("latent", [False, True])
+def test_the_process_holds_less_than_unpatched_after_a_long_prompt(latent: bool) -> None:
+    """X (a llama whose K and V are as wide as X), or the GQA latent (one KV head of four; groups of 32, its
+    width)."""
+    model = gqa_model() if latent else tiny("llama", layers=4)
+    knobs = {"group": 32} if latent else {}
     prompt = random_tokens(2000, 5)
     mx.eval(prompt)
     held = []
     for patched in (False, True):
         mx.clear_cache()
         before = mx.get_active_memory()
-        caches = xquant_caches(model) if patched else make_prompt_cache(model)
+        caches = xquant_caches(model, **knobs) if patched else make_prompt_cache(model)
         greedy(model, prompt, caches, steps=2, chunk=512)
         mx.eval([c.state for c in caches])
         mx.clear_cache()
@@ -208,6 +213,19 @@ def test_speculative_decoding_keeps_the_offsets_of_mlx_lms_cache() -> None:
     for caches in (main, drafts):
         assert type(caches[0]) is KVCache
         assert all(c.offset == c.size() == caches[0].offset and c.folds for c in caches[1:])
+
+
+def test_speculative_decoding_with_the_latent_decodes_mlx_lms_tokens() -> None:
+    """A draft model and the main model both keeping the GQA latent (unquantized): mlx_lm's speculative tokens,
+    draft steps trimmed from rebuilt rows."""
+    model, draft = gqa_model(), gqa_model()
+    prompt = random_tokens(150, 1)
+    expected = [t for t, _, _ in speculative_generate_step(prompt, model, draft, num_draft_tokens=3, max_tokens=20)]
+    caches = xquant_caches(model, "chunk", bits=16) + make_prompt_cache(draft)
+    got = [t for t, _, _ in speculative_generate_step(prompt, model, draft, num_draft_tokens=3, max_tokens=20,
+                                                      prompt_cache=caches)]
+    assert got == expected
+    assert all(c.latent_on and c.folded_rows() for c in caches)
 
 
 def test_cross_layer_groups_hold_the_first_layers_x_once_and_the_others_deltas() -> None:
