@@ -1,6 +1,7 @@
 """Turn ``veloxpatch eval`` / ``bench`` JSON files into the README's results tables (Markdown on stdout).
 
     python bench/results_md.py velox-eval/eval.json [more eval.json ...] --bench velox-bench/bench.json ...
+    python bench/results_md.py a/eval.json b/eval.json --plot docs/results/plots   # + one PNG per (task, context)
 
 Eval rows become one table per (task, context): a row per variant, a column per KV budget share, each cell the
 measured value and its sample count; an accuracy also shows its 95% Wilson interval (``0.80 [0.49, 0.94] n=10``), so
@@ -18,7 +19,7 @@ import json
 from pathlib import Path
 
 from veloxpatch.assets import model_path
-from veloxpatch.eval.report import accuracy_text, markdown
+from veloxpatch.eval.report import accuracy_text, markdown, wilson
 
 
 def eval_tables(rows: list[dict]) -> str:
@@ -67,10 +68,56 @@ def bench_table(rows: list[dict]) -> str:
                             "kv_MiB", "kv_vs_vanilla", "peak_MiB"]) + "\n"
 
 
+def panels(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Accuracy against budget, one small panel per method at its default knobs (a variant with knobs in
+    brackets is left to the tables), the full cache as a dashed line with its interval as a band: a dozen
+    methods with error bars in one axes hide each other. One PNG per (task, context); perplexity is skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for task, context in sorted({(r["task"], r["context"]) for r in rows if r["task"] != "perplexity"}):
+        cells = [r for r in rows if (r["task"], r["context"]) == (task, context) and "[" not in r["method"]]
+        n = max(r["samples"] for r in cells)
+        cells = [r for r in cells if r["samples"] == n]  # one run's examples: every panel on the same prompts
+        full = [r for r in cells if r["method"] == "full"]
+        methods = sorted({r["method"] for r in cells} - {"full"})
+        cols = 4
+        fig, axes = plt.subplots(-(-len(methods) // cols), cols, figsize=(2.6 * cols, 2.1 * -(-len(methods) // cols)),
+                                 sharex=True, sharey=True, squeeze=False)
+        for ax, method in zip(axes.flat, methods):
+            series = sorted((r for r in cells if r["method"] == method), key=lambda r: r["share"])
+            x, y = [r["share"] for r in series], [r["value"] for r in series]
+            bounds = [wilson(v * n, n) for v in y]
+            ax.fill_between(x, [lo for lo, _ in bounds], [hi for _, hi in bounds], alpha=0.25)
+            ax.plot(x, y, marker="o")
+            if full:
+                ax.axhline(full[0]["value"], color="black", linestyle="--", linewidth=1)
+            ax.set_title(method, fontsize=9)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([0.125, 0.25, 0.5], ["1/8", "1/4", "1/2"])
+            ax.set_ylim(-0.05, 1.05)
+        for ax in list(axes.flat)[len(methods):]:
+            ax.axis("off")
+        fig.suptitle(f"{task}, {context} tokens, n={n} (band: 95% Wilson; dashed: full cache)", fontsize=10)
+        fig.supxlabel("KV budget (share of the context)", fontsize=9)
+        fig.supylabel("accuracy", fontsize=9)
+        fig.tight_layout()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"{task}_{context}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("eval", nargs="*", type=Path, help="eval.json files")
     parser.add_argument("--bench", nargs="*", type=Path, default=[], help="bench.json files")
+    parser.add_argument("--plot", type=Path, help="also write accuracy-against-budget panels here (needs matplotlib)")
     args = parser.parse_args()
     cells = {}
     for path in args.eval:
@@ -79,6 +126,9 @@ def main() -> None:
     rows = list(cells.values())
     if rows:
         print(eval_tables(rows))
+    if args.plot:
+        for path in panels(rows, args.plot):
+            print(f"wrote {path}")
     for path in args.bench:
         data = json.loads(path.read_text())
         model = data["meta"]["model"]

@@ -92,6 +92,10 @@ def test_quantized_variant_matches_bytes_to_the_budget() -> None:
     assert KVLayout(dtype_bits=16, head_dim=32).group == 32
     # head_dim 32: 4 and 2 bits are equally far from 25% (0.3125 vs 0.1875); the wider one wins
     assert [KVLayout(dtype_bits=16, head_dim=32).bits_for(s) for s in (0.5, 0.25, 0.125)] == [8, 4, 2]
+    # float32 rows carry float32 scales and biases: 8 bits is 9/32 of a row, 4 bits 5/32, 2 bits 3/32
+    fp32 = KVLayout(dtype_bits=32, head_dim=64)
+    assert [fp32.share(b) for b in (8, 4, 2)] == [9 / 32, 5 / 32, 3 / 32]
+    assert [fp32.bits_for(s) for s in (0.5, 0.25, 0.125)] == [8, 8, 4]  # 12.5%: 4 and 2 bits tie, the wider wins
     with pytest.raises(ValueError, match="head_dim divisible by 32"):
         KVLayout(dtype_bits=16, head_dim=16).group
     assert Variant("quantized", 0.25).generate_kwargs(fp16) == {"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0}

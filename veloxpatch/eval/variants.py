@@ -61,8 +61,9 @@ class KVLayout:
                          f"this model has head_dim {self.head_dim}")
 
     def share(self, bits: int) -> float:
-        """Bytes of a quantized row relative to the unquantized one (values + fp16 scale and bias)."""
-        return (bits + 2 * 16 / self.group) / self.dtype_bits
+        """Bytes of a quantized row relative to the unquantized one: the values plus a scale and a bias per
+        group, which mlx keeps in the rows' own dtype (float32 rows: float32 scales)."""
+        return (bits + 2 * self.dtype_bits / self.group) / self.dtype_bits
 
     def bits_for(self, share: float) -> int:
         """The kv_bits whose bytes come closest to ``share`` of the unquantized cache (ties: more bits)."""
