@@ -30,11 +30,13 @@ import wrapt
 from ..builder import model_type
 from ..caches.base import CompressedKVCache
 from ..log import once
+from ..memo import per_model
 from .state import STATE, Swap
 from .wrappers import fall_back
 
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
+_FOUND: dict[tuple[int, Any], dict[type, Wrapper]] = {}  # per model: a server builds caches at every request
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class Parameters:
 def install(model: Any) -> bool:
     """Capture layer inputs and outputs on ``model``'s classes (each wrapped once, undone by ``unpatch``);
     False, said once at INFO, when no attention module and decoder block can be found."""
-    found = hooked_classes(model)
+    found = per_model(_FOUND, model, "layer io", lambda: hooked_classes(model))
     if not found:
         name = model_type(model)
         once(f"layer io {name}", logging.INFO,
