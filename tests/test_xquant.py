@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.generate import speculative_generate_step
+from mlx_lm.generate import BatchGenerator, speculative_generate_step
 from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 import veloxpatch
@@ -226,6 +226,36 @@ def test_speculative_decoding_with_the_latent_decodes_mlx_lms_tokens() -> None:
                                                       prompt_cache=caches)]
     assert got == expected
     assert all(c.latent_on and c.folded_rows() for c in caches)
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_batched_generation_joins_the_rebuilt_rows_and_gives_mlx_lms_tokens(latent: bool) -> None:
+    """mlx_lm's BatchGenerator handed XQuant caches that released rows (X, or the GQA latent; unquantized):
+    each joins as the rows attention runs over, so the batch decodes what mlx_lm's own caches give."""
+    model = gqa_model() if latent else tiny("llama", layers=4)
+    prefixes = [random_tokens(120, 3).tolist(), random_tokens(90, 4).tolist()]
+    prompts = [random_tokens(12, 5).tolist(), random_tokens(9, 6).tolist()]
+
+    def batch(caches: list[list]) -> list[list[int]]:
+        gen = BatchGenerator(model, max_tokens=5)
+        uids = gen.insert(prompts, caches=caches)
+        out: dict[int, list[int]] = {uid: [] for uid in uids}
+        while responses := gen.next_generated():
+            for r in responses:
+                out[r.uid].append(r.token)
+        gen.close()
+        return [out[uid] for uid in uids]
+
+    def prefilled(caches: list, tokens: list[int]) -> list:
+        model(mx.array(tokens)[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        return caches
+
+    expected = batch([prefilled(make_prompt_cache(model), p) for p in prefixes])
+    first = xquant_caches(model, "chunk", bits=16, cl_bits=16)
+    ours = [prefilled(first, prefixes[0]), prefilled(make_prompt_cache(model), prefixes[1])]
+    assert all(c.latent_on == latent and c.folded_rows() for caches in ours for c in caches)
+    assert batch(ours) == expected
 
 
 def test_cross_layer_groups_hold_the_first_layers_x_once_and_the_others_deltas() -> None:
