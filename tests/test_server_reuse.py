@@ -82,3 +82,17 @@ def test_small_budget_reuse_is_compressed_and_correctly_positioned(tmp_path) -> 
     for text, (_, key) in zip(got, requests()):
         assert tasks.is_correct(text, key), (text, key)
     assert "snapkv on 4 of 4 cache slots" in log.read_text(), "the server's caches were ours"
+
+
+def test_xquant_reuse_keeps_the_gqa_latent_and_finds_every_key(tmp_path) -> None:
+    """XQuant with its defaults on the shipped model, whose K and V (128 numbers per token) are narrower than X
+    (256), so ``auto`` keeps the GQA latent at 4 bits: the server's trims reach back into rows released to the
+    latent and rebuilt from it, and every key is still found."""
+    log = tmp_path / "log"
+    got = answers(str(model_path()), log, {"VELOX_KV": "xquant", "VELOX_LOG": "INFO"}, launcher=True)
+    a, b, c = processed_counts(log)
+    assert b < 40 and c < CONTEXT, f"B and C reused A's cache: {a}, {b}, {c}"
+    for text, (_, key) in zip(got, requests()):
+        assert tasks.is_correct(text, key), (text, key)
+    output = log.read_text()
+    assert "xquant: llama keeps the GQA latent (128 numbers" in output, output

@@ -191,6 +191,7 @@ class XQuantCache(CrossLayerCache):
             if why:
                 self._go_exact(why)
                 return
+            self._say_form(x.shape[-1], _width(keys) + _width(values))
         group = self.group()
         if self.latent_on:
             self._add_latent(x)
@@ -236,10 +237,24 @@ class XQuantCache(CrossLayerCache):
         else:
             self.folds = []
         self.exact, self.grouped = True, False
-        module = None if self.module is None else self.module()
-        name = "a layer" if module is None else type(module).__module__.rpartition(".")[2]
+        name = self._model_name()
         once(f"xquant exact {name} {why}", logging.INFO,
              f"xquant: {name} keeps exact K and V, as mlx_lm's cache does: {why}")
+
+    def _say_form(self, hidden: int, kv: int) -> None:
+        """Which form this model's layers keep, said once at INFO: ``auto`` decides it per model, and a user
+        comparing bytes needs to know which."""
+        name = self._model_name()
+        if self.latent_on:
+            text = f"the GQA latent ({kv} numbers per token and layer; X would be {hidden})"
+        else:
+            text = f"the attention input X ({hidden} numbers per token and layer; K and V are {kv})"
+        once(f"xquant form {name} {self.latent_on}", logging.INFO, f"xquant: {name} keeps {text}")
+
+    def _model_name(self) -> str:
+        """The model's mlx_lm module name (``llama``), for the log."""
+        module = None if self.module is None else self.module()
+        return "a layer" if module is None else type(module).__module__.rpartition(".")[2]
 
     # ----------------------------------------------------------------- encoding X
     def joint(self, parts: list[mx.array]) -> tuple[list[Any], Any]:
