@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.generate import BatchGenerator, generate_step, speculative_generate_step
 from mlx_lm.models.cache import (
     KVCache, can_trim_prompt_cache, load_prompt_cache, make_prompt_cache, save_prompt_cache, trim_prompt_cache,
 )
@@ -55,9 +55,19 @@ def model_dir(tmp_path_factory) -> Path:
 
 __all__ = [
     "ARCHS", "assert_a_rejected_draft_leaves_no_trace", "assert_round_trip", "assert_within_budget", "decoded",
-    "feed", "greedy", "prefill", "random_case", "random_rows", "random_tokens", "run_group", "run_python", "softmax",
-    "speculated", "tiny", "without_velox",
+    "drain", "feed", "greedy", "prefill", "random_case", "random_rows", "random_tokens", "run_group", "run_python",
+    "softmax", "speculated", "tiny", "without_velox",
 ]
+
+
+def drain(gen: BatchGenerator, uids: list[int]) -> list[list[int]]:
+    """Drive mlx_lm's ``BatchGenerator`` to the end; the tokens of each uid in order."""
+    out: dict[int, list[int]] = {uid: [] for uid in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            out[r.uid].append(r.token)
+    gen.close()
+    return [out[uid] for uid in uids]
 
 
 def without_velox() -> dict[str, str]:

@@ -20,7 +20,7 @@ from mlx_lm.generate import BatchGenerator, BatchResponse, BatchStats, generate_
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
-from conftest import random_tokens
+from conftest import drain, random_tokens
 from veloxpatch.caches.base import CompressedKVCache
 from veloxpatch.config import Budget
 from veloxpatch.integration import batched
@@ -39,16 +39,6 @@ def prefilled(model, tokens: list[int]) -> list:
     model(mx.array(tokens)[None], cache=caches)
     mx.eval([c.state for c in caches])
     return caches
-
-
-def run(gen: BatchGenerator, uids: list[int]) -> list[list[int]]:
-    """Drive the generator to the end; the tokens of each uid in order."""
-    out: dict[int, list[int]] = {uid: [] for uid in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            out[r.uid].append(r.token)
-    gen.close()
-    return [out[uid] for uid in uids]
 
 
 def stepped(model, tokenizer, prompt: list[int], caches: list, limit: int) -> tuple[list[int], list[float]]:
@@ -78,7 +68,7 @@ def alone(model, prompt: list[int], caches: list, limit: int) -> list[int]:
 
 def segments_tokens(model, segments: list[list[list[int]]], **insert) -> list[list[int]]:
     gen = BatchGenerator(model, max_tokens=6)
-    return run(gen, gen.insert_segments(segments, **insert))
+    return drain(gen, gen.insert_segments(segments, **insert))
 
 
 def test_batch_generate_with_fresh_compressed_caches(loaded) -> None:
@@ -159,7 +149,7 @@ def test_compressed_history_without_its_tokens_joins_at_its_true_positions(loade
     assert all(r.size() - e.size() == r.offset - e.offset for r, e in zip(reference, evicted)), "nothing evicted"
     state = [(c.offset, c.size()) for c in evicted]
     gen = BatchGenerator(model, max_tokens=6)
-    assert run(gen, gen.insert([prompt], caches=[evicted])) == [expected]
+    assert drain(gen, gen.insert([prompt], caches=[evicted])) == [expected]
     assert [(c.offset, c.size()) for c in evicted] == state, "the caller's caches are not updated"
 
 
@@ -176,7 +166,7 @@ def test_joined_sequence_batches_with_plain_ones_first_in_the_call(loaded) -> No
     assert evicted[0].evicted
     expected.append(alone(model, prompts[2], frozen(evicted), 5))
     gen = BatchGenerator(model, max_tokens=5)
-    assert run(gen, gen.insert(prompts, caches=[history, None, evicted])) == expected
+    assert drain(gen, gen.insert(prompts, caches=[history, None, evicted])) == expected
     assert type(history[0]) is KVCache and history[0].offset == 60, "the caller's caches stay as they were"
 
 
@@ -232,7 +222,7 @@ def test_joined_sequence_given_back_before_its_prefill_can_be_inserted_again(loa
     with pytest.raises(ValueError, match="insert them into a BatchGenerator again"):
         alone(model, prompts[1], copy.deepcopy(waiting), 1)
     again = BatchGenerator(model, max_tokens=4)
-    assert run(again, again.insert(prompts, caches=[None, waiting])) == expected
+    assert drain(again, again.insert(prompts, caches=[None, waiting])) == expected
 
 
 @pytest.mark.parametrize("uneven", ["holes", "layers"])
@@ -256,7 +246,7 @@ def test_uneven_rows_join_compressed_to_the_fewest(loaded, uneven: str) -> None:
     prompt = random_tokens(5, 14).tolist()
     expected = alone(model, prompt, frozen(equal), 3)
     gen = BatchGenerator(model, max_tokens=3)
-    assert run(gen, gen.insert([prompt], caches=[evicted])) == [expected]
+    assert drain(gen, gen.insert([prompt], caches=[evicted])) == [expected]
     assert [(c.offset, c.size()) for c in evicted] == state, "the caller's caches are not changed"
 
 
@@ -271,7 +261,7 @@ def test_compressed_and_plain_layers_with_different_rows_without_tokens_are_refu
     gen = BatchGenerator(model, max_tokens=3)
     with pytest.raises(ValueError, match="different numbers of rows"):
         gen.insert([[1, 2, 3]], caches=[mixed])
-    assert len(run(gen, gen.insert([[1, 2, 3]]))[0]) == 3
+    assert len(drain(gen, gen.insert([[1, 2, 3]]))[0]) == 3
 
 
 def test_batch_generate_serves_evicted_caches_one_at_a_time(loaded) -> None:

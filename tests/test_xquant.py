@@ -15,7 +15,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, s
 import veloxpatch
 import veloxpatch.log
 from conftest import (
-    assert_a_rejected_draft_leaves_no_trace, assert_round_trip, greedy, random_tokens, speculated, tiny,
+    assert_a_rejected_draft_leaves_no_trace, assert_round_trip, drain, greedy, random_tokens, speculated, tiny,
 )
 from veloxpatch.caches.xquant import XQuantCache
 from veloxpatch.config import Budget
@@ -238,13 +238,7 @@ def test_batched_generation_joins_the_rebuilt_rows_and_gives_mlx_lms_tokens(late
 
     def batch(caches: list[list]) -> list[list[int]]:
         gen = BatchGenerator(model, max_tokens=5)
-        uids = gen.insert(prompts, caches=caches)
-        out: dict[int, list[int]] = {uid: [] for uid in uids}
-        while responses := gen.next_generated():
-            for r in responses:
-                out[r.uid].append(r.token)
-        gen.close()
-        return [out[uid] for uid in uids]
+        return drain(gen, gen.insert(prompts, caches=caches))
 
     def prefilled(caches: list, tokens: list[int]) -> list:
         model(mx.array(tokens)[None], cache=caches)
