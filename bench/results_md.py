@@ -68,6 +68,14 @@ def bench_table(rows: list[dict]) -> str:
                             "kv_MiB", "kv_vs_vanilla", "peak_MiB"]) + "\n"
 
 
+def panel_cells(rows: list[dict], task: str, context: int) -> tuple[int, list[dict]]:
+    """The cells a (task, context) figure draws: methods at their defaults, from the run with the most examples
+    (every panel on the same prompts), and that n."""
+    cells = [r for r in rows if (r["task"], r["context"]) == (task, context) and "[" not in r["method"]]
+    n = max(r["samples"] for r in cells)
+    return n, [r for r in cells if r["samples"] == n]
+
+
 def panels(rows: list[dict], out_dir: Path) -> list[Path]:
     """Accuracy against budget, one small panel per method at its default knobs (a variant with knobs in
     brackets is left to the tables), the full cache as a dashed line with its interval as a band: a dozen
@@ -79,9 +87,7 @@ def panels(rows: list[dict], out_dir: Path) -> list[Path]:
 
     paths = []
     for task, context in sorted({(r["task"], r["context"]) for r in rows if r["task"] != "perplexity"}):
-        cells = [r for r in rows if (r["task"], r["context"]) == (task, context) and "[" not in r["method"]]
-        n = max(r["samples"] for r in cells)
-        cells = [r for r in cells if r["samples"] == n]  # one run's examples: every panel on the same prompts
+        n, cells = panel_cells(rows, task, context)
         full = [r for r in cells if r["method"] == "full"]
         methods = sorted({r["method"] for r in cells} - {"full"})
         cols = 4

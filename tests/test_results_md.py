@@ -36,3 +36,15 @@ def test_accuracy_cells_show_their_interval_and_n_and_knob_variants_get_their_ow
     assert "0.80 [0.49, 0.94] n=10" in lines["full"]
     assert "1.00 [0.72, 1.00] n=10" in lines["snapkv"] and "0.00 [0.00, 0.28] n=10" in lines["snapkv[kernel=15]"]
     assert "12.5 (n=10)" in text and "[" not in text.split("**perplexity")[1]
+
+
+def test_the_plot_draws_each_method_at_its_defaults_from_the_largest_run(tmp_path) -> None:
+    script = load_script()
+    rows = [row("full", 1.0, 10, 0.6), row("snapkv", 0.5, 10, 0.7), row("snapkv", 0.25, 10, 0.5),
+            row("snapkv[kernel=7]", 0.5, 10, 0.4), row("full", 1.0, 3, 0.667), row("quantized", 0.5, 3, 1.0),
+            {**row("full", 1.0, 10, 12.5), "task": "perplexity"}]
+    n, cells = script.panel_cells(rows, "passkey", 1024)
+    assert n == 10 and sorted((r["method"], r["share"]) for r in cells) == [
+        ("full", 1.0), ("snapkv", 0.25), ("snapkv", 0.5)]
+    (path,) = script.panels(rows, tmp_path)  # one figure: perplexity has none
+    assert path == tmp_path / "passkey_1024.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
