@@ -91,8 +91,9 @@ def panels(rows: list[dict], out_dir: Path) -> list[Path]:
         full = [r for r in cells if r["method"] == "full"]
         methods = sorted({r["method"] for r in cells} - {"full"})
         cols = 4
-        fig, axes = plt.subplots(-(-len(methods) // cols), cols, figsize=(2.6 * cols, 2.1 * -(-len(methods) // cols)),
-                                 sharex=True, sharey=True, squeeze=False)
+        lines = -(-len(methods) // cols)
+        fig, axes = plt.subplots(lines, cols, figsize=(2.6 * cols, 2.1 * lines), sharex=True, sharey=True,
+                                 squeeze=False)
         for ax, method in zip(axes.flat, methods):
             series = sorted((r for r in cells if r["method"] == method), key=lambda r: r["share"])
             x, y = [r["share"] for r in series], [r["value"] for r in series]

@@ -252,9 +252,11 @@ class XQuantCache(CrossLayerCache):
         once(f"xquant form {name} {self.latent_on}", logging.INFO, f"xquant: {name} keeps {text}")
 
     def _model_name(self) -> str:
-        """The model's mlx_lm module name (``llama``), for the log."""
+        """The model's mlx_lm type (``llama``, from its attention module's class), for the log."""
+        from ..builder import model_type  # at call time: the builder imports the caches
+
         module = None if self.module is None else self.module()
-        return "a layer" if module is None else type(module).__module__.rpartition(".")[2]
+        return "a layer" if module is None else model_type(module)
 
     # ----------------------------------------------------------------- encoding X
     def joint(self, parts: list[mx.array]) -> tuple[list[Any], Any]:
