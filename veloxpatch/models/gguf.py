@@ -1,10 +1,11 @@
-"""A llama-architecture GGUF file as mlx_lm's llama weights and config.json.
+"""A GGUF file's weights as mlx_lm weights and config.json, for the architectures of ``gguf_arch``.
 
-``mx.load`` already reads GGUF: quantized matrices come back as mlx affine triples
-(``.weight`` uint32, ``.scales``, ``.biases``) under llama.cpp's tensor names. What is left is
-renaming them to mlx_lm's module paths, undoing llama.cpp's rotary row order on the q/k
-projections (so the folder is the Hugging Face layout and mlx_lm's default ``rope_traditional:
-false`` applies), and either dequantizing or describing the quantization in config.json.
+``mx.load`` reads most GGUF files: quantized matrices come back as mlx affine triples (``.weight``
+uint32, ``.scales``, ``.biases``) under llama.cpp's tensor names; ``gguf_read`` dequantizes the
+formats it cannot read. What is left is renaming them to mlx_lm's module paths, undoing what
+llama.cpp changed (llama's rotary row order on the q/k projections, so the folder is the Hugging
+Face layout and mlx_lm's default ``rope_traditional: false`` applies; Gemma's norms stored as
+``1 + w``), and either dequantizing or describing the quantization in config.json.
 """
 
 from __future__ import annotations
@@ -15,65 +16,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from .gguf_arch import LLAMA, Architecture, GGUFError, architecture
+
 # GGML quantizes in blocks of 32 values; mlx's GGUF reader keeps that as the group size.
 GGUF_GROUP_SIZE = 32
 QUANT_SUFFIXES = (".weight", ".scales", ".biases")
-
-GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_norm": "post_attention_layernorm",
-}
 BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)$")
 
-
-class GGUFError(ValueError):
-    """The GGUF file is not something this converter handles; the message says what and why."""
-
-
-def _scalar(metadata: dict[str, Any], key: str) -> Any:
-    """A required scalar metadata value as a Python number."""
-    if key not in metadata:
-        raise GGUFError(f"GGUF metadata has no {key!r}, which a llama model needs")
-    value = metadata[key]
-    return value.item() if isinstance(value, mx.array) else value
-
-
-def llama_config(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """mlx_lm's llama config.json from the ``llama.*`` metadata (``tied``: no ``output`` matrix)."""
-    arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"general.architecture is {arch!r}; only 'llama' is supported")
-    heads = _scalar(metadata, "llama.attention.head_count")
-    hidden = _scalar(metadata, "llama.embedding_length")
-    return {
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "num_hidden_layers": _scalar(metadata, "llama.block_count"),
-        "intermediate_size": _scalar(metadata, "llama.feed_forward_length"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _scalar(metadata, "llama.attention.head_count_kv"),
-        "head_dim": hidden // heads,
-        "rms_norm_eps": float(_scalar(metadata, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_scalar(metadata, "llama.rope.freq_base")),
-        "rope_traditional": False,
-        "max_position_embeddings": _scalar(metadata, "llama.context_length"),
-        "vocab_size": len(metadata["tokenizer.ggml.tokens"]),
-        "tie_word_embeddings": tied,
-        "bos_token_id": _scalar(metadata, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _scalar(metadata, "tokenizer.ggml.eos_token_id"),
-    }
+__all__ = ["GGUFError", "convert", "mlx_lm_name", "split_suffix", "unpermute_rotary"]
 
 
 def split_suffix(name: str) -> tuple[str, str]:
@@ -84,15 +34,15 @@ def split_suffix(name: str) -> tuple[str, str]:
     raise GGUFError(f"tensor {name!r} has none of the suffixes {', '.join(QUANT_SUFFIXES)}")
 
 
-def mlx_lm_name(gguf_name: str) -> str:
-    """llama.cpp's tensor base name -> mlx_lm llama module path (``blk.3.ffn_up`` -> ``model.layers.3.mlp.up_proj``)."""
-    if gguf_name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[gguf_name]
+def mlx_lm_name(gguf_name: str, arch: Architecture = LLAMA) -> str:
+    """llama.cpp's tensor base name -> mlx_lm module path (``blk.3.ffn_up`` -> ``model.layers.3.mlp.up_proj``)."""
+    if gguf_name in arch.global_names:
+        return arch.global_names[gguf_name]
     match = BLOCK_PATTERN.match(gguf_name)
-    if match is None or match.group(2) not in BLOCK_NAMES:
-        known = ", ".join([*GLOBAL_NAMES, *(f"blk.N.{n}" for n in BLOCK_NAMES)])
-        raise GGUFError(f"tensor {gguf_name!r} is not a llama tensor this converter knows ({known})")
-    return f"model.layers.{match.group(1)}.{BLOCK_NAMES[match.group(2)]}"
+    if match is None or match.group(2) not in arch.block_names:
+        known = ", ".join([*arch.global_names, *(f"blk.N.{n}" for n in arch.block_names)])
+        raise GGUFError(f"tensor {gguf_name!r} is not a {arch.name} tensor this converter knows ({known})")
+    return f"model.layers.{match.group(1)}.{arch.block_names[match.group(2)]}"
 
 
 def unpermute_rotary(rows: mx.array, heads: int) -> mx.array:
@@ -120,13 +70,22 @@ def _grouped(weights: dict[str, mx.array]) -> dict[str, dict[str, mx.array]]:
     return tensors
 
 
-def _rotary_heads(gguf_name: str, config: dict[str, Any]) -> int | None:
-    """Heads to unpermute by for q/k projections; None for every other tensor."""
+def _rotary_heads(gguf_name: str, config: dict[str, Any], arch: Architecture) -> int | None:
+    """Heads to unpermute by for q/k projections llama.cpp reordered; None for every other tensor."""
+    if not arch.interleaved_rotary:
+        return None
     if gguf_name.endswith(".attn_q"):
         return config["num_attention_heads"]
     if gguf_name.endswith(".attn_k"):
         return config["num_key_value_heads"]
     return None
+
+
+def _unshift_norm(gguf_name: str, parts: dict[str, mx.array], arch: Architecture) -> dict[str, mx.array]:
+    """A norm weight as mlx_lm's module keeps it: llama.cpp's ``shift + w`` less the shift."""
+    if not arch.norm_shift or not gguf_name.endswith("norm"):
+        return parts
+    return {".weight": parts[".weight"] - arch.norm_shift}
 
 
 def convert_tensor(parts: dict[str, mx.array], heads: int | None, quantized: bool,
@@ -144,12 +103,13 @@ def convert_tensor(parts: dict[str, mx.array], heads: int | None, quantized: boo
     return {".weight": dense.astype(dtype)}
 
 
-def quantization_config(tensors: dict[str, dict[str, mx.array]]) -> dict[str, Any]:
+def quantization_config(tensors: dict[str, dict[str, mx.array]], arch: Architecture) -> dict[str, Any]:
     """config.json ``quantization``: the commonest bits as default, other widths per module path."""
-    bits = {mlx_lm_name(base): quantized_bits(p[".weight"], p[".scales"])
+    bits = {mlx_lm_name(base, arch): quantized_bits(p[".weight"], p[".scales"])
             for base, p in tensors.items() if ".scales" in p}
     if not bits:
-        raise GGUFError("no quantized tensors in this GGUF: convert without keeping quantization")
+        raise GGUFError("this GGUF has no matrices mlx keeps quantized (its K-quants are dequantized on reading): "
+                        "convert it dense, then quantize the folder with `python -m mlx_lm convert -q`")
     default = Counter(bits.values()).most_common(1)[0][0]
     config: dict[str, Any] = {"group_size": GGUF_GROUP_SIZE, "bits": default}
     for path, width in sorted(bits.items()):
@@ -160,18 +120,20 @@ def quantization_config(tensors: dict[str, dict[str, mx.array]]) -> dict[str, An
 
 def convert(weights: dict[str, mx.array], metadata: dict[str, Any],
             quantized: bool = False) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """mlx_lm llama weights and config from ``mx.load(gguf, return_metadata=True)``'s result.
+    """mlx_lm weights and config from a GGUF's ``(weights, metadata)`` as ``mx.load`` returns them.
 
     Dense float32 by default (mlx's CPU backend is fast at float32, ~10x slower at float16);
     ``quantized`` keeps GGUF's quantized matrices with float16 norms, for Metal.
     """
+    arch = architecture(metadata)
     tensors = _grouped(weights)
-    config = llama_config(metadata, tied="output" not in tensors)
+    config = arch.config(metadata, "output" not in tensors)
     if quantized:
-        config["quantization"] = quantization_config(tensors)
+        config["quantization"] = quantization_config(tensors, arch)
     dtype = mx.float16 if quantized else mx.float32
     converted = {}
     for base, parts in tensors.items():
-        arrays = convert_tensor(parts, _rotary_heads(base, config), quantized, dtype)
-        converted.update({mlx_lm_name(base) + suffix: a for suffix, a in arrays.items()})
+        parts = _unshift_norm(base, parts, arch)
+        arrays = convert_tensor(parts, _rotary_heads(base, config, arch), quantized, dtype)
+        converted.update({mlx_lm_name(base, arch) + suffix: a for suffix, a in arrays.items()})
     return converted, config

@@ -1,7 +1,15 @@
-"""A GGUF file's byte-level BPE tokenizer as tokenizer.json + tokenizer_config.json.
+"""A GGUF file's tokenizer as tokenizer.json + tokenizer_config.json.
 
-GGUF stores the vocabulary, merges, token types and chat template as metadata; mlx_lm loads
-tokenizers through transformers, which reads a ``tokenizers`` fast tokenizer from a folder.
+GGUF stores the vocabulary, merges or scores, token types and chat template as metadata; mlx_lm
+loads tokenizers through transformers, which reads a ``tokenizers`` fast tokenizer from a folder.
+Two kinds are known (``tokenizer.ggml.model``):
+
+* ``gpt2``: byte-level BPE with its merges (SmolLM2, most llamas since Llama 3).
+* ``llama``: SentencePiece BPE (Gemma, Llama 2). The file has pieces and scores, no merges.
+  SentencePiece merges the adjacent pair whose joined piece is in the vocabulary with the highest
+  score; a BPE whose merges are every split of every normal piece into two normal pieces, ranked
+  by the joined piece's score, applies the same pairs in the same order. Spaces are pieces' ``▁``;
+  a character outside the vocabulary falls back to its UTF-8 bytes' ``<0xNN>`` pieces.
 """
 
 from __future__ import annotations
@@ -10,10 +18,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
 # llama.cpp token types (gguf TokenType): control tokens are special, user-defined ones are added text.
-CONTROL, USER_DEFINED = 3, 4
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
+SPACE = "\u2581"  # SentencePiece's visible space
 
 
 def _pre_tokenizer(name: str) -> Any:
@@ -29,23 +36,85 @@ def _pre_tokenizer(name: str) -> Any:
 
 
 def build_tokenizer(metadata: dict[str, Any]) -> Any:
-    """A ``tokenizers.Tokenizer`` from ``tokenizer.ggml.*`` (model ``gpt2``: byte-level BPE)."""
-    from tokenizers import AddedToken, Tokenizer, decoders
-    from tokenizers.models import BPE
+    """A ``tokenizers.Tokenizer`` from ``tokenizer.ggml.*``: byte-level BPE (``gpt2``) or SentencePiece BPE
+    (``llama``), with the file's control and user-defined tokens, and its BOS if it asks for one."""
+    from tokenizers import AddedToken
 
     model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) is supported")
-    if bool(metadata.get("tokenizer.ggml.add_bos_token", mx.array(False)).item()):
-        raise ValueError("tokenizer.ggml.add_bos_token is true; only tokenizers that add no BOS are supported")
+    if model not in ("gpt2", "llama"):
+        raise ValueError(f"tokenizer.ggml.model is {model!r}; supported: gpt2 (byte-level BPE), "
+                         "llama (SentencePiece BPE)")
+    tokenizer = _byte_level(metadata) if model == "gpt2" else _sentencepiece(metadata)
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    types = _types(metadata)
+    tokenizer.add_tokens([AddedToken(tokens[i], special=t == CONTROL, normalized=False)
+                          for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)])
+    if _flag(metadata, "add_bos_token", False):
+        from tokenizers import processors
+
+        bos_id = metadata["tokenizer.ggml.bos_token_id"].item()
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    return tokenizer
+
+
+def _types(metadata: dict[str, Any]) -> list[int]:
+    """Each token's llama.cpp type; every token normal when the file has none."""
+    if "tokenizer.ggml.token_type" not in metadata:
+        return [NORMAL] * len(metadata["tokenizer.ggml.tokens"])
+    return metadata["tokenizer.ggml.token_type"].tolist()
+
+
+def _flag(metadata: dict[str, Any], name: str, default: bool) -> bool:
+    key = f"tokenizer.ggml.{name}"
+    return bool(metadata[key].item()) if key in metadata else default
+
+
+def _byte_level(metadata: dict[str, Any]) -> Any:
+    from tokenizers import Tokenizer, decoders
+    from tokenizers.models import BPE
+
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ")) for m in metadata["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
     tokenizer.decoder = decoders.ByteLevel()
-    types = metadata["tokenizer.ggml.token_type"].tolist() if "tokenizer.ggml.token_type" in metadata else []
-    tokenizer.add_tokens([AddedToken(tokens[i], special=t == CONTROL, normalized=False)
-                          for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)])
+    return tokenizer
+
+
+def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Every split of a normal piece into two normal pieces, the highest-scoring joined piece first
+    (ties: the lower ids, so the order is fixed)."""
+    ids = {t: i for i, t in enumerate(tokens) if types[i] == NORMAL}
+    ranked = []
+    for i, piece in enumerate(tokens):
+        if types[i] != NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in ids and right in ids:
+                ranked.append((-scores[i], i, ids[left], left, right))
+    return [(left, right) for *_, left, right in sorted(ranked)]
+
+
+def _sentencepiece(metadata: dict[str, Any]) -> Any:
+    """SentencePiece BPE without the dummy space before the text (Gemma's files say so); one that adds
+    it (Llama 2's) is refused: where it goes around user-defined pieces is not checked here."""
+    from tokenizers import Tokenizer, decoders, normalizers
+    from tokenizers.models import BPE
+
+    if _flag(metadata, "add_space_prefix", True):
+        raise ValueError("tokenizer.ggml.add_space_prefix is true (or absent: SentencePiece's default); only "
+                         "SentencePiece tokenizers without the space prefix (Gemma's) are supported")
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    scores = metadata["tokenizer.ggml.scores"].tolist()
+    merges = sentencepiece_merges(tokens, scores, _types(metadata))
+    unknown = tokens[metadata["tokenizer.ggml.unknown_token_id"].item()]
+    tokenizer = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token=unknown,
+                              byte_fallback=True, fuse_unk=True))
+    tokenizer.normalizer = normalizers.Replace(" ", SPACE)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     return tokenizer
 
 
@@ -60,7 +129,7 @@ def tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
     """tokenizer_config.json: the fast tokenizer class, special tokens, chat template."""
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": False,
+        "add_bos_token": _flag(metadata, "add_bos_token", False),
         "clean_up_tokenization_spaces": False,
     }
     for field, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
@@ -68,8 +137,9 @@ def tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
         text = _token(metadata, f"tokenizer.ggml.{key}_token_id")
         if text is not None:
             config[field] = text
-    if "llama.context_length" in metadata:
-        config["model_max_length"] = metadata["llama.context_length"].item()
+    context = f"{metadata.get('general.architecture')}.context_length"
+    if context in metadata:
+        config["model_max_length"] = metadata[context].item()
     if "tokenizer.chat_template" in metadata:
         config["chat_template"] = metadata["tokenizer.chat_template"]
     return config
