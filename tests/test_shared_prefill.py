@@ -257,6 +257,35 @@ def test_eval_shares_prefills_with_the_same_results_and_resumes_inside_a_cell(mo
     assert once.exit_code == 0 and "] n=1" in once.output, once.output
 
 
+@pytest.mark.parametrize("name", sorted(n for n, c in CACHE_CLASSES.items() if not c.uses_budget))
+def test_a_method_said_to_ignore_its_budget_does(loaded: tuple[Any, mx.array], name: str) -> None:
+    """What lets the eval measure it once for every share: the same tokens and rows at two budgets."""
+    model, tokens = loaded
+    (first, a), (second, b) = (plain(model, tokens, Variant(name, 0.5), budget, STEP) for budget in BUDGETS)
+    assert first == second
+    assert all(sharing._state_equal(x.state[:-1], y.state[:-1]) for x, y in zip(a, b)), "rows (meta names the budget)"
+
+
+def test_eval_measures_a_budget_free_method_once_per_example(model_dir: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    measured: list[str] = []
+    each = harness._measure_each
+
+    def counting(*args: Any) -> Any:
+        measured.extend(v.label() for v in args[4])
+        return each(*args)
+
+    monkeypatch.setattr(harness, "_measure_each", counting)
+    result = CliRunner().invoke(main, ["eval", "--model", str(model_dir), "--tasks", "passkey", "--contexts", "160",
+                                       "--samples", "2", "--budgets", "100%,50%,25%", "--methods", "xquant,snapkv",
+                                       "--no-plots", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert sorted(measured) == sorted(["full", "xquant@0.5", "snapkv@0.5", "snapkv@0.25"] * 2)
+    rows = {r["label"]: r for r in json.loads((tmp_path / "eval.json").read_text())["rows"]}
+    assert {k: v for k, v in rows["xquant@0.25"].items() if k not in ("label", "share")} == \
+        {k: v for k, v in rows["xquant@0.5"].items() if k not in ("label", "share")}
+
+
 def test_bad_knobs_are_refused_on_the_command_line(model_dir: Path) -> None:
     result = CliRunner().invoke(main, ["eval", "--model", str(model_dir), "--methods", "snapkv[kernal=3]"])
     assert result.exit_code == 2 and "kernel" in result.output and "pool" in result.output

@@ -51,6 +51,7 @@ class CompressedKVCache(ABC):
     coordinator_class: ClassVar[type[Coordinator]] = Coordinator
     store_step: ClassVar[int] = 256  # rows the store grows by (KVCache's step)
     wants_layer_io: ClassVar[bool] = False  # see_block_input / see_attention(_input) are called (layer_io)
+    uses_budget: ClassVar[bool] = True  # False: VELOX_BUDGET changes nothing it does (the eval measures it once)
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
         self.budget = budget

@@ -107,6 +107,8 @@ KNOBS = (
 class MiniCacheCache(CrossLayerCache):
     """Folds older rows of a layer pair into shared directions, per-layer norms and retained exact rows."""
 
+    uses_budget = False
+
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end", start: float = 0.5,
                  t: float = 0.6, gamma: float = 0.05) -> None:
         super().__init__(budget, sink, window, mode)

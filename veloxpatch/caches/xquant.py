@@ -143,6 +143,7 @@ class XQuantCache(CrossLayerCache):
     too). A layer that cannot rebuild keeps its released rows' exact K and V in the fold instead."""
 
     wants_layer_io = True
+    uses_budget = False
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end", bits: int = 4,
                  group: int = 64, cl: int = 4, cl_bits: int = 3, latent: str = "auto") -> None:
