@@ -16,7 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .gguf_arch import LLAMA, Architecture, GGUFError, architecture
+from .gguf_arch import GLOBAL_NAMES, LLAMA, Architecture, GGUFError, architecture
 
 # GGML quantizes in blocks of 32 values; mlx's GGUF reader keeps that as the group size.
 GGUF_GROUP_SIZE = 32
@@ -36,11 +36,11 @@ def split_suffix(name: str) -> tuple[str, str]:
 
 def mlx_lm_name(gguf_name: str, arch: Architecture = LLAMA) -> str:
     """llama.cpp's tensor base name -> mlx_lm module path (``blk.3.ffn_up`` -> ``model.layers.3.mlp.up_proj``)."""
-    if gguf_name in arch.global_names:
-        return arch.global_names[gguf_name]
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
     match = BLOCK_PATTERN.match(gguf_name)
     if match is None or match.group(2) not in arch.block_names:
-        known = ", ".join([*arch.global_names, *(f"blk.N.{n}" for n in arch.block_names)])
+        known = ", ".join([*GLOBAL_NAMES, *(f"blk.N.{n}" for n in arch.block_names)])
         raise GGUFError(f"tensor {gguf_name!r} is not a {arch.name} tensor this converter knows ({known})")
     return f"model.layers.{match.group(1)}.{arch.block_names[match.group(2)]}"
 

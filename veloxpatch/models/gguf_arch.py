@@ -9,7 +9,7 @@ the stored weight; mlx_lm's Gemma norm adds the one itself).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -89,14 +89,14 @@ ATTENTION_NAMES = {
 
 @dataclass(frozen=True)
 class Architecture:
-    """One ``general.architecture``: its config, its block tensors' mlx_lm names, what to undo."""
+    """One ``general.architecture``: its config, its block tensors' mlx_lm names (the tensors outside the
+    blocks are named alike in every architecture: ``GLOBAL_NAMES``), what to undo."""
 
     name: str
     config: Callable[[dict[str, Any], bool], dict[str, Any]]
     block_names: dict[str, str]
     interleaved_rotary: bool  # llama.cpp reordered the q/k rows (its llama converter does, its Gemma one not)
     norm_shift: float = 0.0  # llama.cpp stores these norms as shift + w; mlx_lm's module adds the shift itself
-    global_names: dict[str, str] = field(default_factory=lambda: dict(GLOBAL_NAMES))
 
 
 LLAMA = Architecture("llama", llama_config, {

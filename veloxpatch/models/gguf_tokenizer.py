@@ -44,9 +44,9 @@ def build_tokenizer(metadata: dict[str, Any]) -> Any:
     if model not in ("gpt2", "llama"):
         raise ValueError(f"tokenizer.ggml.model is {model!r}; supported: gpt2 (byte-level BPE), "
                          "llama (SentencePiece BPE)")
-    tokenizer = _byte_level(metadata) if model == "gpt2" else _sentencepiece(metadata)
-    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     types = _types(metadata)
+    tokenizer = _byte_level(metadata) if model == "gpt2" else _sentencepiece(metadata, types)
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     tokenizer.add_tokens([AddedToken(tokens[i], special=t == CONTROL, normalized=False)
                           for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)])
     if _flag(metadata, "add_bos_token", False):
@@ -98,7 +98,7 @@ def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int
     return [(left, right) for *_, left, right in sorted(ranked)]
 
 
-def _sentencepiece(metadata: dict[str, Any]) -> Any:
+def _sentencepiece(metadata: dict[str, Any], types: list[int]) -> Any:
     """SentencePiece BPE without the dummy space before the text (Gemma's files say so); one that adds
     it (Llama 2's) is refused: where it goes around user-defined pieces is not checked here."""
     from tokenizers import Tokenizer, decoders, normalizers
@@ -109,7 +109,7 @@ def _sentencepiece(metadata: dict[str, Any]) -> Any:
                          "SentencePiece tokenizers without the space prefix (Gemma's) are supported")
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     scores = metadata["tokenizer.ggml.scores"].tolist()
-    merges = sentencepiece_merges(tokens, scores, _types(metadata))
+    merges = sentencepiece_merges(tokens, scores, types)
     unknown = tokens[metadata["tokenizer.ggml.unknown_token_id"].item()]
     tokenizer = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token=unknown,
                               byte_fallback=True, fuse_unk=True))
