@@ -11,7 +11,7 @@ scales and biases in the model's dtype):
 * ``kv``: K (after the rotation) and V, as mlx_lm's ``kv_bits`` cache keeps them;
 * ``x``: the attention input X, K and V projected again (XQuant's form);
 * ``latent``: XQuant's GQA latent, K's and V's projections on their weights' singular vectors
-  (:func:`veloxpatch.caches.xquant.whitening`), rebuilt from it;
+  (:func:`veloxpatch.methods.xquant.whitening`), rebuilt from it;
 * ``latent K, kv V`` and ``kv K, latent V``: one of each, to tell where a difference comes from.
 
 Prints a Markdown table: bytes per token and layer, and the relative error ``|o' - o| / |o|`` of the
@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm import load
 
 from veloxpatch.caches.store import decode, encode
-from veloxpatch.caches.xquant import shaped, whitening
+from veloxpatch.methods.xquant import shaped, whitening
 from veloxpatch.eval.tasks import longtext_sample
 
 GROUP = 64

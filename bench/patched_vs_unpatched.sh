@@ -5,7 +5,7 @@
 #   bash bench/patched_vs_unpatched.sh [RUNS] [WORDS] [-- extra veloxpatch run options]
 #   e.g. bash bench/patched_vs_unpatched.sh 5 1000 -- --kv snapkv --budget 512   (1000 words ~ 11k tokens)
 #
-# Needs GNU time (`apt-get install time`). Preload OpenBLAS for realistic speed (see README).
+# Needs GNU time (`apt-get install time`). Preload OpenBLAS for realistic speed (see docs/how-it-works.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-5}; words=${2:-1000}; shift $(( $# >= 2 ? 2 : $# ))

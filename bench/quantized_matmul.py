@@ -1,6 +1,6 @@
 """Quantized KV attention on mlx's CPU backend: the quantized matmul vs dequantize-then-dense.
 
-    python bench/quantized_matmul.py      (preload OpenBLAS as the README says, for a fair dense figure)
+    python bench/quantized_matmul.py      (preload OpenBLAS as docs/how-it-works.md says, for a fair dense figure)
 
 Times mlx_lm's quantized attention product (64 queries x 1024 keys, head_dim 32, 4 and 8 bits, group 32, as for
 the shipped model) against the same product on unquantized fp16 keys, and against dequantizing the keys first and

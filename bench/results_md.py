@@ -1,4 +1,4 @@
-"""Turn ``veloxpatch eval`` / ``bench`` JSON files into the README's results tables (Markdown on stdout).
+"""Turn ``veloxpatch eval`` / ``bench`` JSON files into docs/results.md's tables (Markdown on stdout).
 
     python bench/results_md.py velox-eval/eval.json [more eval.json ...] --bench velox-bench/bench.json ...
     python bench/results_md.py a/eval.json b/eval.json --plot docs/results/plots   # + one PNG per (task, context)

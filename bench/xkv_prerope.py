@@ -22,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from veloxpatch.caches import xkv
+from veloxpatch.methods import xkv
 from veloxpatch.caches.crosslayer import CrossLayerCache, Fold
 
 

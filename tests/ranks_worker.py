@@ -18,7 +18,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import sharded_load
 
 import veloxpatch
-from veloxpatch.caches import CACHE_CLASSES, CompressedKVCache
+from veloxpatch.caches import CompressedKVCache
+from veloxpatch.registry import METHODS
 from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.config import ConfigError
 from veloxpatch.coordinators import settle
@@ -58,7 +59,7 @@ def methods(model, folder: str) -> dict:
     single = greedy(*_single(folder))
     plain = greedy(model, make_prompt_cache(model))
     out = {"single": single, "plain": plain, "plain_agree": agree(plain), "methods": {}}
-    for method in sorted(CACHE_CLASSES):
+    for method in sorted(METHODS):
         veloxpatch.patch(kv=method, budget=4096)
         exact = greedy(model, make_prompt_cache(model))
         out["methods"][method] = {"exact": exact, **small_budget(model, method)}

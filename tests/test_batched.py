@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
 from conftest import drain, random_tokens
-from veloxpatch.caches.base import CompressedKVCache
+from veloxpatch.caches import CompressedKVCache
 from veloxpatch.config import Budget
 from veloxpatch.integration import batched
 

@@ -6,8 +6,8 @@ import mlx.core as mx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from veloxpatch.caches.snapkv import SnapKVCache
-from veloxpatch.caches.streamingllm import StreamingLLMCache
+from veloxpatch.methods.snapkv import SnapKVCache
+from veloxpatch.methods.streamingllm import StreamingLLMCache
 from veloxpatch.config import Budget
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
@@ -32,9 +32,9 @@ def feed(cache, chunks: list[int], seed: int) -> mx.array:
         seen += n
         assert cache.offset == seen
         keep = cache.target()
-        if n > cache.headroom(keep) and cache.mode == "chunk":
+        if n > cache.headroom(keep) and cache.schedule.mode == "chunk":
             assert cache.size() <= keep, "a prefill chunk always ends within the budget"
-        if cache.mode == "chunk":
+        if cache.schedule.mode == "chunk":
             assert cache.size() < max(keep + cache.headroom(keep), n + keep), "small steps use the headroom"
     return cache.values[..., : cache.size(), 0].astype(mx.int32)
 

@@ -14,9 +14,9 @@ import veloxpatch
 from conftest import (
     assert_a_rejected_draft_leaves_no_trace, assert_within_budget, decoded, greedy, prefill, random_tokens, tiny,
 )
-from veloxpatch.caches import chunkkv
-from veloxpatch.caches.chunkkv import ChunkKVCache, ChunkKVIndexReuseCoordinator
-from veloxpatch.caches.snapkv import SnapKVCache
+from veloxpatch.methods import chunkkv
+from veloxpatch.methods.chunkkv import ChunkKVCache, ChunkKVIndexReuseCoordinator
+from veloxpatch.methods.snapkv import SnapKVCache
 from veloxpatch.config import Budget
 
 SCALE = 0.35
@@ -89,7 +89,7 @@ def test_kept_positions_equal_a_numpy_reference_of_the_paper(seed: int) -> None:
             continue
         compressions += 1
         assert after.shape[-1] == cache.target()
-        window_q = np.array(cache.queries, dtype=np.float64)
+        window_q = np.array(cache.memory.queries, dtype=np.float64)
         for b in range(batch):
             for h in range(kv_heads):
                 expected = reference_kept(stored[b, h], before[b, h], window_q[b, h * ratio : (h + 1) * ratio],
@@ -184,13 +184,13 @@ def test_followers_keep_their_leaders_positions_after_every_compression(mode: st
 def count_scoring(monkeypatch) -> dict[int, int]:
     """Window-attention calls per layer (the cost reuse saves)."""
     calls: dict[int, int] = defaultdict(int)
-    original = ChunkKVCache.window_attention
+    original = chunkkv.ChunkKV.score
 
-    def counted(self, *args):
-        calls[self.layer] += 1
-        return original(self, *args)
+    def counted(self, cache, *args):
+        calls[cache.layer] += 1
+        return original(self, cache, *args)
 
-    monkeypatch.setattr(ChunkKVCache, "window_attention", counted)
+    monkeypatch.setattr(chunkkv.ChunkKV, "score", counted)
     return calls
 
 
@@ -212,8 +212,8 @@ def test_reuse_one_is_every_layer_choosing_for_itself(monkeypatch) -> None:
     model = four_layers()
     prompt = random_tokens(150, 7)
     runs = []
-    for select in (ChunkKVCache.select, ChunkKVCache.choose):
-        monkeypatch.setattr(ChunkKVCache, "select", select)
+    for select in (chunkkv.ChunkKV.select, chunkkv.ChunkKV.choose):
+        monkeypatch.setattr(chunkkv.ChunkKV, "select", select)
         veloxpatch.patch(kv="chunkkv", budget=40, window=8, compress="chunk", knobs={"chunkkv_reuse": 1})
         caches = make_prompt_cache(model)
         calls.clear()
@@ -235,8 +235,8 @@ def test_a_follower_without_a_usable_choice_selects_itself_and_says_so(monkeypat
     queries = mx.random.normal((1, 4, 60, 8), key=mx.random.key(9))
     for cache in (leader, follower, last):
         cache.update_and_fetch(keys, keys)
-        cache._remember(queries)
-    own = follower.choose(20, SCALE)
+        cache.memory.remember(queries, cache.offset, cache.window)
+    own = follower.policy.choose(follower, 20, SCALE)
     assert (follower.select(20, SCALE) == own).all().item() and "did not compress" in said[-1]
     last.select(20, SCALE)
     assert len(said) == 2 and "did not compress" in said[-1], "a follower's own choice is not published"
@@ -248,8 +248,8 @@ def test_a_follower_without_a_usable_choice_selects_itself_and_says_so(monkeypat
     coordinator.share(0, 3, mine)
     assert (follower.select(20, SCALE) == mine).all().item() and (last.select(20, SCALE) == mine).all().item()
     assert len(said) == 4
-    assert (leader.select(20, SCALE) == leader.choose(20, SCALE)).all().item()
-    assert (coordinator.shared(2, 3) == mx.take_along_axis(leader.store.row_positions(), leader.choose(20, SCALE),
+    assert (leader.select(20, SCALE) == leader.policy.choose(leader, 20, SCALE)).all().item()
+    assert (coordinator.shared(2, 3) == mx.take_along_axis(leader.store.row_positions(), leader.policy.choose(leader, 20, SCALE),
                                                            axis=-1)).all().item(), "the leader publishes"
 
 

@@ -15,9 +15,9 @@ from conftest import (
     EVICTING, assert_a_rejected_draft_leaves_no_trace, assert_round_trip, assert_within_budget, decoded, greedy,
     prefill, random_tokens, speculated, tiny,
 )
-from veloxpatch.caches import CompressedKVCache
-from veloxpatch.caches.snapkv import SnapKVCache, pool_rows
-from veloxpatch.caches.streamingllm import StreamingLLMCache
+from veloxpatch.caches.schedule import Schedule
+from veloxpatch.methods.snapkv import SnapKVCache, pool_rows
+from veloxpatch.methods.streamingllm import StreamingLLMCache
 from veloxpatch.config import Budget
 
 SCALE = 0.25
@@ -38,7 +38,7 @@ def test_offset_counts_tokens_and_rows_stay_bounded(method: str) -> None:
     assert all(c.size() == c.target() for c in caches), "rows are compressed back to each layer's budget"
     assert sum(c.target() for c in caches) == 48 * len(caches), "per-layer budgets share the total"
     capacity = max(c.store.capacity for c in caches)
-    assert capacity <= max(c.target() for c in caches) + CompressedKVCache.max_headroom + caches[0].store.step
+    assert capacity <= max(c.target() for c in caches) + Schedule.max_headroom + caches[0].store.step
     continue_greedy(model, caches, first=5, steps=100)
     assert all(c.offset == 300 + 100 + 1 for c in caches), "generate_step runs one token ahead"
     assert all(c.size() < c.target() + c.headroom(c.target()) for c in caches) and caches[0].headroom(48) == 8

@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from veloxpatch.caches import CACHE_CLASSES
+from veloxpatch.registry import METHODS
 from veloxpatch.eval import zoo
 from veloxpatch.eval.random_model import build, write_byte_tokenizer, write_model_dir
 from veloxpatch.launching import free_ring_port
@@ -70,7 +70,7 @@ def test_the_split_runs_equal_the_whole_model_unpatched(runs, split: str) -> Non
 
 
 @pytest.mark.parametrize("split", ["tensor", "pipeline"])
-@pytest.mark.parametrize("method", sorted(CACHE_CLASSES))
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_every_method_on_every_rank(runs, split: str, method: str) -> None:
     for rank in (runs[split][0], runs[split][1]):
         got = rank["methods"][method]
@@ -125,7 +125,7 @@ def test_mlx_lms_own_distributed_benchmark_runs_compressed_on_every_rank(tmp_pat
 def test_a_list_spanning_part_of_the_model_counts_depth_over_the_whole_model() -> None:
     """Two layers of a four-layer model (a pipeline stage) get the budgets and pairs that layers 2
     and 3 get in one process: PyramidKV's pyramid and MiniCache's starting depth."""
-    from veloxpatch.caches import make_cache
+    from veloxpatch.config import make_cache
     from veloxpatch.config import VeloxConfig
     from veloxpatch.coordinators import Span
     from veloxpatch.eligibility import assemble

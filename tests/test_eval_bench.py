@@ -55,7 +55,7 @@ def test_shared_bench_matches_the_plain_bench(model_dir: Path) -> None:
     a plain run (two prompt chunks, each longer than any decode headroom); a short last chunk runs plain."""
     from mlx_lm import load
 
-    from veloxpatch.caches import METHODS
+    from veloxpatch.registry import METHODS
     from veloxpatch.eval.bench import BenchSpec, cases, measure, run_bench
 
     model, _ = load(str(model_dir))

@@ -11,7 +11,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
 from conftest import ARCHS, greedy, random_tokens, tiny
-from veloxpatch.caches import METHODS, CompressedKVCache
+from veloxpatch.caches import CompressedKVCache
+from veloxpatch.registry import METHODS
 
 # every method with its defaults (and snapkv with a fractional budget) on every architecture ...
 # (cross-layer methods at full rank: their folds keep every dimension)

@@ -210,7 +210,7 @@ def test_gemma3_folder_logits_tokenizer_and_slots(gemma_gguf, original, tmp_path
     import mlx_lm.models.cache as mlx_cache
 
     import veloxpatch
-    from veloxpatch.caches.base import CompressedKVCache
+    from veloxpatch.caches import CompressedKVCache
 
     folder = write_folder(gemma_gguf, tmp_path / "gemma")
     model, tokenizer = mlx_lm.load(str(folder))

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 import veloxpatch
 from conftest import decoded, random_case, random_rows, softmax
 from conftest import feed as feed_rows
-from veloxpatch.caches.h2o import H2OCache, received_mass
+from veloxpatch.methods.h2o import H2OCache, received_mass
 from veloxpatch.config import Budget
 
 SCALE = 0.35
@@ -105,7 +105,7 @@ def assert_mass_is_the_references(cache: H2OCache, score: dict) -> None:
     """The cache's accumulated mass of each kept row equals the reference's score of it."""
     keys, _ = cache.store.fetch()
     positions = np.array(cache.store.row_positions())
-    mass = np.array(cache.score(keys, cache.store.row_positions(), SCALE))
+    mass = np.array(cache.policy.score(cache, keys, cache.store.row_positions(), SCALE))
     want = np.array([[[score[(b, h)][p] for p in positions[b, h]] for h in range(positions.shape[1])]
                      for b in range(positions.shape[0])])
     assert np.allclose(mass, want, rtol=1e-4, atol=1e-5)
@@ -147,9 +147,9 @@ def test_holes_left_by_a_trim_get_no_mass_and_go_first() -> None:
     positions = cache.store.row_positions()
     assert not (positions == positions[:, :1]).all().item(), "the two heads keep different rows"
     cache.trim(30)  # back to 10 tokens: one head kept 9 rows of them, the other 8 (a hole)
-    assert cache.store.holes and cache.mass.shape[-1] == cache.size() == 9
+    assert cache.store.holes and cache.policy.mass.shape[-1] == cache.size() == 9
     list(feed(cache, keys, queries, [1] * 12))
-    assert cache.offset == 22 and cache.mass.shape[-1] <= cache.size()
+    assert cache.offset == 22 and cache.policy.mass.shape[-1] <= cache.size()
     assert (cache.store.row_positions() >= 0).all().item(), "the compression dropped the hole first"
 
 
@@ -160,7 +160,7 @@ def test_a_long_chunk_is_accounted_in_blocks_of_queries_within_their_memory(monk
     positions = mx.broadcast_to(mx.arange(1024, dtype=mx.int32), (1, 2, 1024))
     args = (mx.array(queries), mx.array(keys), SCALE, positions, 0)
     whole = received_mass(*args)
-    monkeypatch.setattr("veloxpatch.caches.h2o.BLOCK_ELEMENTS", 1 << 18)  # 1 MB: 32 queries of 8 heads
+    monkeypatch.setattr("veloxpatch.methods.h2o.BLOCK_ELEMENTS", 1 << 18)  # 1 MB: 32 queries of 8 heads
     mx.eval(whole)
     mx.reset_peak_memory()
     before = mx.get_active_memory()
@@ -175,7 +175,7 @@ def test_a_long_chunk_is_accounted_in_blocks_of_queries_within_their_memory(monk
 @pytest.mark.parametrize("mode", ["chunk", "end"])
 def test_the_mass_follows_the_rows_while_decoding(mode: str) -> None:
     _, caches = decoded("h2o", mode)
-    assert all(c.mass.shape[-1] <= c.size() for c in caches)
+    assert all(c.policy.mass.shape[-1] <= c.size() for c in caches)
 
 
 def test_a_saved_cache_loads_back_with_its_mass(tmp_path) -> None:
@@ -183,12 +183,12 @@ def test_a_saved_cache_loads_back_with_its_mass(tmp_path) -> None:
     cache = H2OCache(Budget(tokens=24), 2, 4, mode="chunk")
     keys, queries = random_rows(6, 1, 2, 2, 43)
     list(feed(cache, keys, queries, [40, 1, 1, 1]))
-    assert cache.queued, "the decode steps' queries wait for the next compression"
+    assert cache.policy.queued, "the decode steps' queries wait for the next compression"
     path = str(tmp_path / "prompt.safetensors")
     save_prompt_cache(path, [cache])
     veloxpatch.patch(kv="h2o")  # mlx_lm finds the class to load by name in its cache module
     (loaded,) = load_prompt_cache(path)
-    assert type(loaded) is H2OCache and mx.array_equal(loaded.mass, cache.mass).item()
+    assert type(loaded) is H2OCache and mx.array_equal(loaded.policy.mass, cache.policy.mass).item()
     assert_mass_is_the_references(loaded, h2o_reference(keys, queries, [40, 1, 1, 1], 24, 2, 4, "chunk")[1])
 
 
@@ -200,9 +200,9 @@ def test_the_base_state_layout_loads_with_the_mass_restarting() -> None:
     list(feed(cache, keys, queries, [30]))
     *rows, queries, _, meta = cache.state
     rebuilt = H2OCache.from_state((*rows, queries, meta))
-    assert rebuilt.offset == 30 and rebuilt.mass is None
+    assert rebuilt.offset == 30 and rebuilt.policy.mass is None
     keys, _ = rebuilt.store.fetch()
-    assert (rebuilt.score(keys, rebuilt.store.row_positions(), SCALE) == 0).all().item()
+    assert (rebuilt.policy.score(rebuilt, keys, rebuilt.store.row_positions(), SCALE) == 0).all().item()
 
 
 def test_a_query_whose_rows_all_went_adds_nothing() -> None:
@@ -212,5 +212,5 @@ def test_a_query_whose_rows_all_went_adds_nothing() -> None:
     keys, queries = random_rows(4, 1, 2, 2, 56)
     for _ in feed(cache, keys, queries, [40, 6] + [1] * 10):
         stored, _ = cache.store.fetch()
-        assert mx.isfinite(cache.score(stored, cache.store.row_positions(), SCALE)).all().item()
+        assert mx.isfinite(cache.policy.score(cache, stored, cache.store.row_positions(), SCALE)).all().item()
     assert cache.offset == 56

@@ -15,7 +15,7 @@ import veloxpatch
 from conftest import ARCHS, greedy, random_tokens, tiny
 from veloxpatch import builder, eligibility
 from veloxpatch.caches import CompressedKVCache
-from veloxpatch.caches.snapkv import SnapKVCache
+from veloxpatch.methods.snapkv import SnapKVCache
 from veloxpatch.config import Budget
 from veloxpatch.eval.random_model import config_for
 from veloxpatch.integration import layer_io

@@ -13,7 +13,7 @@ from conftest import (
     KVCacheRoute, count_joints, feed_layers,
 )
 from veloxpatch.caches.crosslayer import Fold
-from veloxpatch.caches.minicache import MIN_FOLD, MiniCacheCache
+from veloxpatch.methods.minicache import MIN_FOLD, MiniCacheCache
 from veloxpatch.config import Budget, ConfigError, from_env
 from veloxpatch.coordinators import Coordinator
 

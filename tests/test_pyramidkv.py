@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import decoded
-from veloxpatch.caches.pyramidkv import PyramidKVCache, layer_budgets, pyramid
+from veloxpatch.caches.allocation import layer_budgets
+from veloxpatch.methods.pyramidkv import PyramidKVCache, pyramid
 from veloxpatch.config import Budget
 from veloxpatch.coordinators import Coordinator
 

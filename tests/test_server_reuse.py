@@ -73,7 +73,7 @@ def test_big_budget_reuse_is_the_unpatched_servers(plain, tmp_path) -> None:
 def test_small_budget_reuse_is_compressed_and_correctly_positioned(tmp_path) -> None:
     log = tmp_path / "log"
     # the shipped model's passkey survives a quarter of the context with SnapKV's paper kernel, not the default
-    # 31 (README: on this model kernel 7 keeps 37 of 40 passkeys at 25%, kernel 31 23 of 40)
+    # 31 (docs/results.md: on this model kernel 7 keeps 37 of 40 passkeys at 25%, kernel 31 23 of 40)
     env = {"VELOX_KV": "snapkv", "VELOX_BUDGET": "256", "VELOX_SNAPKV_KERNEL": "7", "VELOX_LOG": "DEBUG"}
     got = answers(str(model_path()), log, env, launcher=True)
     a, b, c = processed_counts(log)

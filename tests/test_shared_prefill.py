@@ -12,8 +12,10 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from veloxpatch.caches import CACHE_CLASSES, METHODS, make_cache, method
-from veloxpatch.caches.snapkv import SnapKVCache
+from veloxpatch.config import make_cache
+from veloxpatch.registry import METHODS, cache_class, method
+from veloxpatch.caches.evicting import Policy
+from veloxpatch.methods.snapkv import SnapKVCache
 from veloxpatch.cli import main
 from veloxpatch.config import from_env
 from veloxpatch.eval import harness, sharing, tasks
@@ -90,34 +92,41 @@ def test_a_short_last_chunk_runs_plain_and_stays_exact(loaded: tuple[Any, mx.arr
 
 @pytest.fixture
 def hidden_state_methods() -> Iterator[None]:
-    """Two methods the static rule calls shareable though their prompt leaves state the base does not hold."""
+    """Two methods the declared rule calls shareable though their prompt leaves state the base does not hold."""
+
+    class ByHiddenState(Policy):
+        """Recency, or its reverse, as the cache's hidden state says."""
+
+        def score(self, cache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+            return positions.astype(mx.float32) * (1 if cache.newest_first() else -1)
 
     @method("hidden", "test: counts its forwards in target()")
     class Hidden(SnapKVCache):
+        policy_class = ByHiddenState
         seen = 0
 
         def target(self) -> int:
             self.seen += 1
             return super().target()
 
-        def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-            return positions.astype(mx.float32) * (1 if self.seen > 1 else -1)  # a prompt chunk came first
+        def newest_first(self) -> bool:
+            return self.seen > 1  # a prompt chunk came first
 
     @method("budgetmemo", "test: remembers the budget its prompt's first chunk saw")
     class BudgetMemo(SnapKVCache):
+        policy_class = ByHiddenState
         seen: tuple[int, ...] = ()
 
         def target(self) -> int:
             self.seen += (self.budget.resolve(self.offset),)
             return super().target()
 
-        def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-            return positions.astype(mx.float32) * (1 if self.seen[0] < 1000 and len(self.seen) > 1 else -1)
+        def newest_first(self) -> bool:
+            return self.seen[0] < 1000 and len(self.seen) > 1
 
     yield
     for name in ("hidden", "budgetmemo"):
-        METHODS.pop(name, None)
-        CACHE_CLASSES.pop(name, None)
+        METHODS.remove(name)
 
 
 def test_a_method_the_rule_misjudges_is_caught(loaded: tuple[Any, mx.array], hidden_state_methods: None) -> None:
@@ -127,24 +136,16 @@ def test_a_method_the_rule_misjudges_is_caught(loaded: tuple[Any, mx.array], hid
     assert check_exact(model, tokens, Variant("budgetmemo", 0.25), BUDGETS) == sharing.PLAIN, "state needs its budget"
 
 
-def test_the_rule_sends_observers_to_their_own_prefill() -> None:
-    from veloxpatch.coordinators import Coordinator
-
-    class Counting(Coordinator):
-        def on_update(self, cache: Any) -> None:
-            super().on_update(cache)
-
-    class Helping(Coordinator):
-        def helper(self) -> None:
-            pass
-
-    class Observer(SnapKVCache):
-        def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
-            pass
-
-    assert sharing.keeps_no_prefill_state(SnapKVCache) and not sharing.keeps_no_prefill_state(Observer)
-    assert not sharing.keeps_no_prefill_state(type("Own", (SnapKVCache,), {"coordinator_class": Counting}))
-    assert sharing.keeps_no_prefill_state(type("Helped", (SnapKVCache,), {"coordinator_class": Helping}))
+def test_the_declared_prompt_state_sends_each_method_to_its_prefill() -> None:
+    """A cache class says what reading a prompt leaves in it (``prompt_state``): only methods whose prompt leaves
+    its rows, and at most the window of queries, share a prefill; state of their own (accumulated attention,
+    reports, folds, the newest query alone) means a prefill of their own."""
+    declared = {name: cache_class(name).prompt_state() for name in METHODS}
+    assert declared == {"chunkkv": "window", "pyramidkv": "window", "snapkv": "window", "streamingllm": "rows",
+                        "h2o": "own", "tova": "own", "squeeze": "own", "xkv": "own", "minicache": "own",
+                        "xquant": "own"}
+    assert all(sharing.candidate(Variant(name)) == (sharing.OWN if state == "own" else sharing.SHARED)
+               for name, state in declared.items())
     assert sharing.candidate(Variant("rotating", 0.5)) == sharing.PLAIN == sharing.candidate(Variant("quantized", 0.5))
     assert sharing.source_method() == "snapkv"
 
@@ -159,7 +160,7 @@ def test_knob_variants_parse_label_and_reach_the_caches(loaded: tuple[Any, mx.ar
     assert Variant.of("snapkv", 0.25) == Variant("snapkv", 0.25), "old labels and variants unchanged"
     model, _ = loaded
     caches = variant.caches(model, 1000)
-    assert {c.kernel for c in caches} == {15} and {str(c.budget) for c in caches} == {"250"}
+    assert {c.policy.kernel for c in caches} == {15} and {str(c.budget) for c in caches} == {"250"}
     for bad, why in (("snapkv[kernal=15]", "kernel"), ("snapkv[kernel=8]", "odd"), ("rotating[keep=4]", "knobs")):
         with pytest.raises(ValueError, match=why):
             parse_spec(bad)
@@ -181,9 +182,9 @@ def test_methods_built_on_snapkv_take_its_knobs(loaded: tuple[Any, mx.array]) ->
     both, from a variant and from the environment; under another policy it is refused, naming what is."""
     model, _ = loaded
     for spec in ("pyramidkv[kernel=5]", "squeeze[kernel=5]"):
-        assert {c.kernel for c in Variant.of(spec, 0.25).caches(model, 1000)} == {5}, spec
+        assert {c.policy.kernel for c in Variant.of(spec, 0.25).caches(model, 1000)} == {5}, spec
     config = from_env({"VELOX_KV": "pyramidkv", "VELOX_SNAPKV_KERNEL": "9"}).config
-    assert make_cache(config).kernel == 9
+    assert make_cache(config).policy.kernel == 9
     assert Variant.of("squeeze[policy=h2o]", 0.25).knob_values() == {"policy": "h2o", "signal": "cosine",
                                                                       "strength": 0.5}
     with pytest.raises(ValueError, match=r"kernel is not a knob of squeeze here \(policy, signal, strength, window\)"):
@@ -257,7 +258,7 @@ def test_eval_shares_prefills_with_the_same_results_and_resumes_inside_a_cell(mo
     assert once.exit_code == 0 and "] n=1" in once.output, once.output
 
 
-@pytest.mark.parametrize("name", sorted(n for n, c in CACHE_CLASSES.items() if not c.uses_budget))
+@pytest.mark.parametrize("name", sorted(n for n, m in METHODS.items() if not m.cls.uses_budget))
 def test_a_method_said_to_ignore_its_budget_does(loaded: tuple[Any, mx.array], name: str) -> None:
     """What lets the eval measure it once for every share: the same tokens and rows at two budgets."""
     model, tokens = loaded

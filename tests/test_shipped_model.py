@@ -13,7 +13,7 @@ from conftest import run_python, without_velox
 from test_launcher import LAUNCHER
 
 CONTEXT = 1024
-SEEDS = range(2000, 2020)  # held-out text, seeds never used in training or in the README's eval
+SEEDS = range(2000, 2020)  # held-out text, seeds never used in training or in docs/results.md's eval
 BAR = 0.95
 
 

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
 from conftest import random_tokens, tiny
-from veloxpatch.caches.snapkv import SnapKVCache
+from veloxpatch.methods.snapkv import SnapKVCache
 from veloxpatch.config import Budget
 
 

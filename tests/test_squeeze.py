@@ -20,10 +20,10 @@ from conftest import (
 from test_memory import SLACK, held
 from test_memory import prefill as one_chunk
 from test_pyramidkv import SCALE, ReferenceLayer, drive, random_config, reference_budgets
-from veloxpatch.caches import CACHE_CLASSES
-from veloxpatch.caches.pyramidkv import layer_budgets
-from veloxpatch.caches.squeeze import (
-    POLICIES, SqueezeCache, SqueezeCoordinator, attention_change, kmeans_1d, squeeze_shares,
+from veloxpatch.registry import cache_class, policies
+from veloxpatch.caches.allocation import layer_budgets
+from veloxpatch.methods.squeeze import (
+    SqueezeCache, SqueezeCoordinator, attention_change, kmeans_1d, squeeze_shares,
 )
 from veloxpatch.config import Budget, ConfigError, VeloxConfig
 from veloxpatch.coordinators import Coordinator, coordinators_of
@@ -99,7 +99,7 @@ def test_kept_positions_and_budgets_equal_the_numpy_reference(seed: int) -> None
     sink, window, budget, mode = config["sink"], config["window"], config["budget"], config["mode"]
     floor, layers, room = sink + window, config["layers"], min(64, max(8, budget // 8))
     caches = squeeze_list(layers, Budget(tokens=budget), sink, window, mode, strength=strength, signal="entropy")
-    references = [ReferenceLayer(sink, window, mode, caches[0].kernel) for _ in caches]
+    references = [ReferenceLayer(sink, window, mode, caches[0].policy.kernel) for _ in caches]
     reports: list[list[float]] = [[] for _ in caches]
     shares, closed, stale = np.ones(layers), False, False
 
@@ -294,11 +294,11 @@ def test_a_chunks_report_keeps_nothing_of_the_chunk_alive(signal: str) -> None:
     assert used - snapkv < SLACK, f"held {used} B, snapkv {snapkv} B"
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", policies())
 @pytest.mark.parametrize("mode", ["end", "chunk"])
 def test_every_policy_decodes_within_each_layers_own_budget(policy: str, mode: str) -> None:
     tokens, caches = decoded("squeeze", mode, squeeze_policy=policy)
-    assert all(isinstance(c, CACHE_CLASSES[policy]) and c.method == "squeeze" for c in caches)
+    assert all(isinstance(c.policy, cache_class(policy).policy_class) and c.method == "squeeze" for c in caches)
     targets = [c.target() for c in caches]
     assert len(tokens) == 30 and sum(targets) == 4 * 40 and len(set(targets)) > 1
     assert_within_budget(caches, 230)
@@ -422,7 +422,7 @@ def test_a_restored_list_keeps_each_layers_budget_under_the_h2o_policy(tmp_path)
     assert None not in [c.share for c in loaded] and len({c.target() for c in loaded}) > 1
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", policies())
 def test_a_policy_picks_the_rows_its_own_method_picks_at_the_layers_budget(policy: str) -> None:
     """The mechanism: a squeeze cache is the policy's cache with another budget, nothing else."""
     rng = np.random.default_rng(5)
@@ -430,7 +430,7 @@ def test_a_policy_picks_the_rows_its_own_method_picks_at_the_layers_budget(polic
     ours = [SqueezeCache(Budget(tokens=30), 2, 4, "chunk", policy=policy, share=s) for s in (1.5, 0.5)]
     for cache in ours:
         coordinator.join(cache)
-    theirs = [CACHE_CLASSES[policy](Budget(tokens=keep), 2, 4, "chunk") for keep in (42, 18)]
+    theirs = [cache_class(policy)(Budget(tokens=keep), 2, 4, "chunk") for keep in (42, 18)]
     for n in (50, 3, 30, 1, 1, 20, 1):
         for cache, plain in zip(ours, theirs):
             keys = mx.array(rng.standard_normal((2, 2, n, 8)).astype(np.float32))

@@ -15,7 +15,7 @@ from conftest import (
     KVCacheRoute, count_joints, feed_layers, greedy, random_tokens, tiny,
 )
 from veloxpatch.caches.crosslayer import CrossLayerCache
-from veloxpatch.caches.xkv import XKVCache
+from veloxpatch.methods.xkv import XKVCache
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.coordinators import Coordinator
 

@@ -17,7 +17,7 @@ import veloxpatch.log
 from conftest import (
     assert_a_rejected_draft_leaves_no_trace, assert_round_trip, drain, greedy, random_tokens, speculated, tiny,
 )
-from veloxpatch.caches.xquant import XQuantCache
+from veloxpatch.methods.xquant import XQuantCache
 from veloxpatch.config import Budget
 from veloxpatch.eval.random_model import build, config_for
 

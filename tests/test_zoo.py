@@ -23,7 +23,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
 import veloxpatch.log
-from veloxpatch.caches import CACHE_CLASSES, METHODS, CompressedKVCache
+from veloxpatch.caches import CompressedKVCache
+from veloxpatch.registry import METHODS, cache_class
 from veloxpatch.cli import main
 from veloxpatch.config import COMPRESS_MODES
 from veloxpatch.eligibility import assemble
@@ -61,7 +62,7 @@ def test_every_model_type_runs_exactly_compressed_or_unpatched(model_type: str, 
     model = build(zoo.small_config(model_type))
     expected = greedy(model, make_prompt_cache(model))
     offset = zoo.model_types().index(model_type)
-    for i, method in enumerate(sorted(CACHE_CLASSES)):
+    for i, method in enumerate(sorted(METHODS)):
         compress = COMPRESS_MODES[(i + offset) % len(COMPRESS_MODES)]
         case = f"{method}, compressing at {compress}"
         veloxpatch.patch(kv=method, compress=compress, budget=4096, log="INFO")
@@ -106,7 +107,7 @@ def test_a_cache_object_filling_several_slots_gets_one_replacement() -> None:
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     shared, other = KVCache(), RotatingKVCache(max_size=8)
-    out = assemble([shared, other, shared, KVCache()], [0, 2, 3], lambda: CACHE_CLASSES["snapkv"](4096), "snapkv")
+    out = assemble([shared, other, shared, KVCache()], [0, 2, 3], lambda: cache_class("snapkv")(4096), "snapkv")
     assert out[0] is out[2] and out[3] is not out[0] and out[1] is other
     assert out[0].coordinator.members == [out[0], out[3]]
 

@@ -30,5 +30,4 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'veloxpatch' has no attribute {name!r}")
     import importlib
 
-    importlib.import_module("veloxpatch.caches")  # registers the methods VeloxConfig validates against
     return getattr(importlib.import_module(_LAZY[name]), name)

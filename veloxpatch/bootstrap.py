@@ -1,6 +1,6 @@
 """The light part of the bootstrap that runs at start-up of every Python process of the app.
 
-It imports only wrapt: the real work (config validation, importing mlx, binding wrappers) is
+It imports only wrapt (and the stdlib-only settings module): the real work (config validation, importing mlx, binding wrappers) is
 deferred to a post-import hook on ``mlx_lm``, so subprocesses that never touch mlx_lm pay nothing
 and an app that does gets patched before its first call. It never raises unless VELOX_STRICT.
 """
@@ -10,12 +10,9 @@ from __future__ import annotations
 import os
 import sys
 
+from .settings import strict_requested  # stdlib only: this module must stay light
+
 DISABLED = ("", "none")
-
-
-def strict_requested() -> bool:
-    """``VELOX_STRICT`` read without the config registry (this module must stay light)."""
-    return _read("VELOX_STRICT") in ("1", "true", "yes", "on")
 
 
 def _read(name: str) -> str:

@@ -4,8 +4,8 @@ Only plain full-attention ``KVCache`` slots are candidates. Sliding-window, SSM/
 ``CacheList`` and any other slot stays exactly as the model made it. Which candidates really get
 our caches is decided by probing what the model does with them (:mod:`veloxpatch.eligibility`);
 a model that fails the probe runs on mlx_lm's own caches, said once at INFO with the reason. When
-the method's caches read layer inputs and outputs, the model's attention modules and decoder blocks
-are hooked first (:mod:`veloxpatch.integration.layer_io`).
+the method's caches read layer inputs and outputs, the integration hooks the model's attention modules
+and decoder blocks before it calls the builder, so the probe runs the model as it will run.
 """
 
 from __future__ import annotations
@@ -13,19 +13,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import eligibility
-from .caches import cache_class, make_cache
-from .config import VeloxConfig
+from . import eligibility, ranks
+from .config import VeloxConfig, make_cache
 from .coordinators import coordinators_of
-from .integration import ranks
-from .log import log, once
+from .fallback import notice
+from .log import log, model_type
 
 NO_SLOT = "no plain full-attention KVCache slot; running unpatched"
-
-
-def model_type(model: Any) -> str:
-    """The mlx_lm model type of a model object: the name of the module defining its class."""
-    return type(model).__module__.rpartition(".")[2]
 
 
 def candidate_slots(caches: list[Any]) -> tuple[int, ...]:
@@ -44,23 +38,22 @@ def mlx_caches(model: Any) -> list[Any]:
 
 
 def explain(model: Any, config: VeloxConfig) -> str:
-    """What ``config``'s method does on ``model``, in one line (the attention route must be patched)."""
+    """What ``config``'s method does on ``model``, in one line (the attention route must be patched, and the
+    layer hooks installed where the method asks for them: :func:`veloxpatch.integration.layer_io.prepare`)."""
     caches = mlx_caches(model)
     slots = candidate_slots(caches)
     if not slots:
         return NO_SLOT
-    capture_layer_io(model, config)
     return eligibility.verdict(model, caches, slots, config).describe(len(slots))
 
 
 def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
     """Replace the slots the probe clears with compressed caches sharing one coordinator. On a model
-    split across ranks, the ranks agree first (:mod:`veloxpatch.integration.ranks`): every rank takes
+    split across ranks, the ranks agree first (:mod:`veloxpatch.ranks`): every rank takes
     part, whatever its own verdict."""
     name = model_type(model)
     slots = candidate_slots(caches)
     if slots:
-        capture_layer_io(model, config)
         ranks.settled(model)
         found = eligibility.verdict(model, caches, slots, config)
     else:
@@ -70,10 +63,10 @@ def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
     if found.slots and not ready:
         found = eligibility.Verdict((), reason="another rank of this distributed run could not use it")
     if not slots:
-        once(name, logging.INFO, f"{name}: {NO_SLOT}")
+        notice(f"{name}: {NO_SLOT}", config, key=name, level=logging.INFO)
         return caches
     if not found.slots or found.left:
-        once(f"{name} {config.kv}", logging.INFO, f"{name} with {config.kv}: {found.describe(len(slots))}")
+        _left(name, config, found, len(slots))
     if not found.slots:
         return caches
     log.debug("%s: %s on %d of %d cache slots", name, config.kv, len(found.slots), len(caches))
@@ -83,11 +76,9 @@ def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
     return built
 
 
-def capture_layer_io(model: Any, config: VeloxConfig) -> None:
-    """Hook ``model``'s attention modules and decoder blocks when the method's caches ask for their
-    inputs and outputs (``wants_layer_io``). Before the probe, so the probe checks the model with the
-    hooks in place and its caches see what the method's caches will."""
-    if cache_class(config.kv, config.knobs).wants_layer_io:
-        from .integration import layer_io  # at call time: the integration layer imports the builder
-
-        layer_io.install(model)
+def _left(name: str, config: VeloxConfig, found: eligibility.Verdict, candidates: int) -> None:
+    """Say once why candidate slots stay mlx_lm's: at INFO for a model the probe turned away, at WARNING when
+    something raised (its traceback at DEBUG); under ``VELOX_STRICT`` either is an error."""
+    level = logging.INFO if found.error is None else logging.WARNING
+    notice(f"{name} with {config.kv}: {found.describe(candidates)}", config, key=f"{name} {config.kv}",
+           error=found.error, level=level, trace=found.trace)

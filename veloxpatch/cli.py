@@ -17,12 +17,14 @@ from typing import Any
 
 import click
 
-from . import caches, cpu, launching, models
+from . import cpu, launching, models
 from ._version import __version__
 from .config import ConfigError, VeloxConfig, all_settings, from_env
 from .eval.commands import COMMANDS
 from .integration import version
 from .launching import SHIM_DIR
+from .log import model_type
+from .registry import METHODS
 
 RUN_CONTEXT = {"ignore_unknown_options": True, "allow_interspersed_args": False}
 
@@ -106,7 +108,7 @@ def methods(as_json: bool) -> None:
         {"name": m.name, "description": m.description,
          "knobs": [{"name": k.name, "option": k.option, "default": k.default,
                     "allowed": k.allowed_text, "doc": k.doc} for k in m.knobs]}
-        for m in sorted(caches.METHODS.values(), key=lambda m: m.name)
+        for m in sorted(METHODS.values(), key=lambda m: m.name)
     ]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
@@ -198,13 +200,12 @@ def _model_support(path: Path, config: VeloxConfig) -> None:
     """Probe the model at ``path`` with each method under the effective settings."""
     from mlx_lm.utils import load_model
 
-    from .builder import model_type
     from .eval.zoo import explain_patched
 
     model, _ = load_model(path, lazy=True)
     click.echo(f"model {path} ({model_type(model)}):")
-    width = max(map(len, caches.CACHE_CLASSES))
-    for name in sorted(caches.CACHE_CLASSES):
+    width = max(map(len, METHODS))
+    for name in sorted(METHODS):
         click.echo(f"  {name:<{width}}  {explain_patched(model, config.replace(kv=name))}")
 
 

@@ -1,93 +1,29 @@
-"""The single registry of ``VELOX_*`` settings, and their parsing and validation.
+"""The ``VELOX_*`` settings: the core ones, every method's knobs, and the config they make.
 
 Every way of switching veloxpatch on (launcher options, environment, ``import veloxpatch.auto``,
-``veloxpatch.patch(config)``) goes through the settings declared here, so a value means the same
-thing and fails with the same message wherever it comes from. Methods add their own knobs with
-:func:`register_method`; this module imports nothing else of the package.
+``veloxpatch.patch(config)``) goes through the settings declared here and the methods' knobs
+(:mod:`veloxpatch.registry`), so a value means the same thing and fails with the same message wherever it
+comes from.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-PREFIX = "VELOX_"
+from .registry import METHODS, knob_settings
+from .settings import PREFIX, Budget, ConfigError, Setting, boolean, choice, int_range, to_text
+
+__all__ = ["Budget", "ConfigError", "Setting", "VeloxConfig", "all_settings", "choice", "from_env", "int_range",
+           "make_cache", "setting"]
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 COMPRESS_MODES = ("end", "chunk")
 DRAFT_MODES = ("same", "none")
 FLOAT32_MODES = ("auto", "on", "off")
 BLAS_CHOICES = ("auto", "openblas", "none")
-
-
-class ConfigError(ValueError):
-    """A setting has a value that is not allowed; the message names the setting, value and rule."""
-
-
-@dataclass(frozen=True)
-class Budget:
-    """KV rows a layer keeps: a fixed number of tokens, or a fraction of the tokens it has seen."""
-
-    tokens: int | None = None
-    fraction: float | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> "Budget":
-        """``"1024"`` -> 1024 tokens, ``"25%"`` -> a quarter of the tokens seen; ValueError otherwise."""
-        text = text.strip()
-        if text.endswith("%"):
-            pct = float(text[:-1])
-            if not 0 < pct <= 100:
-                raise ValueError(text)
-            return cls(fraction=pct / 100)
-        value = int(text)
-        if value < 1:
-            raise ValueError(text)
-        return cls(tokens=value)
-
-    def resolve(self, seen: int) -> int:
-        """Rows to keep after ``seen`` tokens (a fraction rounds up, so 100% never evicts)."""
-        if self.tokens is not None:
-            return self.tokens
-        return math.ceil(self.fraction * seen)
-
-    def __str__(self) -> str:
-        if self.tokens is not None:
-            return str(self.tokens)
-        return f"{self.fraction * 100:g}%"
-
-
-def int_range(lo: int, hi: int | None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < lo or (hi is not None and value > hi):
-            raise ValueError
-        return value
-
-    return parse
-
-
-def choice(options: tuple[str, ...], upper: bool = False) -> Callable[[str], str]:
-    """A parser taking one of ``options`` in any case; the Setting turns its ValueError into the message."""
-
-    def parse(text: str) -> str:
-        value = text.strip().upper() if upper else text.strip().lower()
-        if value not in options:
-            raise ValueError
-        return value
-
-    return parse
-
-
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError
 
 
 def _blas(text: str) -> str:
@@ -106,61 +42,6 @@ def _method(text: str) -> str:
         raise ValueError
     return value or "none"
 
-
-@dataclass(frozen=True)
-class Setting:
-    """One ``VELOX_*`` variable: how to parse it, its default, what is allowed, one line of doc."""
-
-    name: str
-    parse: Callable[[str], Any]
-    default: str
-    allowed: str | Callable[[], str]
-    doc: str
-    method: str | None = None
-    is_flag: bool = False
-
-    @property
-    def key(self) -> str:
-        """Attribute/knob name: ``VELOX_SNAPKV_KERNEL`` -> ``snapkv_kernel``."""
-        return self.name[len(PREFIX):].lower()
-
-    @property
-    def allowed_text(self) -> str:
-        """What values are allowed, in words (computed for settings whose choices grow)."""
-        return self.allowed() if callable(self.allowed) else self.allowed
-
-    @property
-    def option(self) -> str:
-        """Launcher option: ``VELOX_SNAPKV_KERNEL`` -> ``--snapkv-kernel``."""
-        return "--" + self.key.replace("_", "-")
-
-    def convert(self, value: Any) -> Any:
-        """Parse a string (or check a Python value) or raise :class:`ConfigError`."""
-        text = _to_text(value)
-        try:
-            return self.parse(text)
-        except (ValueError, TypeError):
-            raise ConfigError(
-                f"{self.name}={text!r} is not allowed: expected {self.allowed_text}"
-            ) from None
-
-
-def _to_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)
-
-
-@dataclass(frozen=True)
-class MethodInfo:
-    """A compression method as the registry knows it (the cache class lives in ``caches``)."""
-
-    name: str
-    description: str
-    knobs: tuple[Setting, ...] = ()
-
-
-METHODS: dict[str, MethodInfo] = {}
 
 CORE_SETTINGS: tuple[Setting, ...] = (
     Setting("VELOX_KV", _method, "none", lambda: "one of " + ", ".join(["none", *sorted(METHODS)]),
@@ -181,26 +62,20 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "`veloxpatch run` only: preload the system OpenBLAS (`auto`: on Linux when mlx runs on the CPU and it is found)."),
     Setting("VELOX_LOG", choice(LOG_LEVELS, upper=True), "WARNING", "one of " + ", ".join(LOG_LEVELS),
             "Log level of veloxpatch's own messages (stderr)."),
-    Setting("VELOX_STRICT", _bool, "0", "a boolean (1/0, true/false, yes/no, on/off)",
-            "Raise instead of falling back to plain mlx_lm when something cannot be patched.", is_flag=True),
-    Setting("VELOX_STATS", _bool, "0", "a boolean (1/0, true/false, yes/no, on/off)",
+    Setting("VELOX_STRICT", boolean, "0", "a boolean (1/0, true/false, yes/no, on/off)",
+            "Raise wherever veloxpatch would fall back to mlx_lm's own behaviour (a model or slot it cannot serve, an "
+            "error of its own, batched generation).", is_flag=True),
+    Setting("VELOX_STATS", boolean, "0", "a boolean (1/0, true/false, yes/no, on/off)",
             "Print a one-line KV-cache summary to stderr when the process exits.", is_flag=True),
 )
 
 
-def register_method(info: MethodInfo) -> None:
-    """Add a method and its knobs to the registry (called once by each method's module)."""
-    taken = {s.name for s in CORE_SETTINGS}
-    taken |= {k.name for m in METHODS.values() if m.name != info.name for k in m.knobs}
-    clash = [k.name for k in info.knobs if k.name in taken]
-    if clash:
-        raise ValueError(f"method {info.name!r} registers settings that already exist: {clash}")
-    METHODS[info.name] = info
-
-
 def all_settings() -> tuple[Setting, ...]:
-    """Core settings followed by every registered method's knobs."""
+    """Core settings followed by every registered method's knobs (a knob named like a core setting is refused)."""
     knobs = tuple(k for m in METHODS.values() for k in m.knobs)
+    clash = sorted({k.name for k in knobs} & {s.name for s in CORE_SETTINGS})
+    if clash:
+        raise ValueError(f"method knobs take the names of core settings: {clash}")
     return CORE_SETTINGS + knobs
 
 
@@ -268,10 +143,10 @@ class VeloxConfig:
 
     def to_env(self) -> dict[str, str]:
         """The same configuration as ``VELOX_*`` variables (for a child process)."""
-        env = {s.name: _to_text(getattr(self, s.key)) for s in CORE_SETTINGS}
+        env = {s.name: to_text(getattr(self, s.key)) for s in CORE_SETTINGS}
         for s in all_settings():
             if s.method:
-                env[s.name] = _to_text(self.knobs[s.key])
+                env[s.name] = to_text(self.knobs[s.key])
         return env
 
     def replace(self, **changes: Any) -> "VeloxConfig":
@@ -313,3 +188,10 @@ def unknown_names(environ: Mapping[str, str]) -> list[str]:
         hint = f"; did you mean {PREFIX}{close[0]}?" if close else ""
         out.append(f"unknown setting {name}{hint} (see `veloxpatch info`)")
     return out
+
+
+def make_cache(config: VeloxConfig) -> Any:
+    """A fresh cache of the configured method, with its knobs (and those of the methods it is built on)."""
+    settings = knob_settings(config.kv, config.knobs)
+    knobs = {short: config.knobs[knob.key] for short, knob in settings.items()}
+    return METHODS[config.kv].cls(config.budget, config.sink, config.window, config.compress, **knobs)

@@ -11,12 +11,16 @@ layer's KV to other layers. So the builder probes each model once, with a few du
 3. at a budget below the probe's length (prefill and decode compressions), nothing raises.
 
 A slot failing 1 stays mlx_lm's and the others are probed again; failing 2 or 3 leaves the whole
-model to mlx_lm. Each verdict carries the reason, in words a user can act on.
+model to mlx_lm. Each verdict carries the reason, in words a user can act on, and the error when one was
+raised (our code, or the model's, running with our caches): the builder logs that as a WARNING, not as a
+model the probe merely turned away, and ``VELOX_STRICT`` makes any verdict that leaves a slot to mlx_lm an
+error.
 """
 
 from __future__ import annotations
 
 import copy
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +28,8 @@ from typing import Any
 import mlx.core as mx
 
 from . import stats
-from .caches import CompressedKVCache, make_cache
-from .config import Budget, VeloxConfig
+from .caches import CompressedKVCache
+from .config import Budget, VeloxConfig, make_cache
 from .coordinators import Coordinator
 from .memo import per_model
 
@@ -47,6 +51,8 @@ class Verdict:
     slots: tuple[int, ...]
     left: dict[int, str] = field(default_factory=dict)
     reason: str = ""
+    error: BaseException | None = None  # what was raised, its traceback dropped (it would keep the model alive)
+    trace: str = ""  # that traceback, as text
 
     def describe(self, candidates: int) -> str:
         """One line for a user: what runs compressed and what does not, and why."""
@@ -88,8 +94,9 @@ def _probe_keeping_stats(model: Any, caches: list[Any], slots: tuple[int, ...], 
     saved = dict(vars(stats.totals))
     try:
         return _probe(model, caches, slots, config)
-    except Exception as error:  # the app keeps running on mlx_lm's caches
-        return Verdict((), reason=f"the probe could not run the model ({type(error).__name__}: {error})")
+    except Exception as error:  # the builder says it (or raises under strict): the app runs on mlx_lm's caches
+        return Verdict((), reason=f"the probe could not run the model ({type(error).__name__}: {error})",
+                       **_raised(error))
     finally:
         vars(stats.totals).update(saved)
 
@@ -103,7 +110,7 @@ def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxC
         run = _Run(model, caches, candidates, config, NEVER, EXACT_CHUNKS)
         blamed = run.misused()
         if not blamed and run.error is not None:
-            return Verdict((), left, f"raises {type(run.error).__name__}: {run.error}")
+            return Verdict((), left, f"raises {type(run.error).__name__}: {run.error}", **_raised(run.error))
         left.update(blamed)
         candidates = [i for i in candidates if i not in blamed]
         if not blamed:
@@ -115,8 +122,17 @@ def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxC
     evicting = _Run(model, caches, candidates, config, TINY, EVICTING_CHUNKS)
     problems = list(evicting.misused().values()) + ([repr(evicting.error)] if evicting.error else [])
     if problems:
-        return Verdict((), left, f"fails once rows are evicted ({problems[0]})")
+        raised = _raised(evicting.error) if evicting.error is not None else {}
+        return Verdict((), left, f"fails once rows are evicted ({problems[0]})", **raised)
     return Verdict(tuple(candidates), left)
+
+
+def _raised(error: BaseException) -> dict[str, Any]:
+    """A verdict's record of ``error``: the error without its traceback (whose frames hold the model, and a
+    verdict lives as long as its model), and the traceback as text."""
+    trace = "".join(traceback.format_exception(error))
+    error.__traceback__ = None
+    return {"error": error, "trace": trace}
 
 
 class _Run:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 log = logging.getLogger("veloxpatch")
 _said: set[str] = set()
@@ -19,8 +20,17 @@ def configure(level: str) -> None:
         log.propagate = False
 
 
-def once(key: str, level: int, message: str) -> None:
-    """Log ``message`` the first time ``key`` comes up in this process (repeats would only be noise)."""
-    if key not in _said:
-        _said.add(key)
-        log.log(level, message)
+def once(key: str, level: int, message: str) -> bool:
+    """Log ``message`` the first time ``key`` comes up in this process (repeats would only be noise); True if
+    it was logged now."""
+    if key in _said:
+        return False
+    _said.add(key)
+    log.log(level, message)
+    return True
+
+
+def model_type(model: Any) -> str:
+    """The mlx_lm model type of a model (or of one of its modules), as messages name it: the name of the
+    module defining its class (``llama`` for ``mlx_lm.models.llama.Model``)."""
+    return type(model).__module__.rpartition(".")[2]

@@ -21,7 +21,6 @@ fold on its own at that next call, said once in the log: no member ever waits.
 
 from __future__ import annotations
 
-import json
 import logging
 from abc import abstractmethod
 from collections.abc import Hashable
@@ -51,7 +50,6 @@ class Fold:
 class CrossLayerCache(CompressedKVCache):
     """Exact recent rows in the store, older rows in folds made with the layer's group."""
 
-    uses_queries: ClassVar[bool] = False
     store_step: ClassVar[int] = 32  # the exact rows stay few (window + one fold's worth): little spare room
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
@@ -78,15 +76,6 @@ class CrossLayerCache(CompressedKVCache):
         """Exact rows (beyond the window) worth folding at once."""
         return 1
 
-    # ----------------------------------------------------------------- nothing is evicted
-    def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        """Recency: the base's selection only runs when a caller compresses the exact rows itself."""
-        return positions.astype(mx.float32)
-
-    def target(self) -> int:
-        """More rows than the layer holds: nothing is evicted (a method may size its folds by the budget)."""
-        return self.offset + 1
-
     def shared_parts(self) -> list[Any]:
         return [fold.shared for fold in self.folds]
 
@@ -107,29 +96,19 @@ class CrossLayerCache(CompressedKVCache):
     def empty(self) -> bool:
         return super().empty() and not self.folds
 
-    @property
-    def meta_state(self) -> str:
+    def _meta(self) -> dict[str, Any]:
         """The base's settings, and each fold's range and group (its arrays are in ``state``)."""
-        info = json.loads(super().meta_state)
-        info["folds"] = [[fold.start, fold.end, list(fold.group)] for fold in self.folds]
-        return json.dumps(info)
+        return {**super()._meta(), "folds": [[fold.start, fold.end, list(fold.group)] for fold in self.folds]}
 
-    @property
-    def state(self) -> tuple[Any, ...]:
-        """The base's state with the folds' arrays before the meta string (None when nothing is folded:
-        an empty list would vanish from a prompt-cache file). Every holder saves what it shares; loading
-        links them again (:meth:`_relink`)."""
-        *rows, meta = super().state
-        folds = [{"own": fold.own, "shared": fold.shared} for fold in self.folds] or None
-        return (*rows, folds, meta)
+    def _extra_state(self) -> tuple[Any, ...]:
+        """The folds' arrays (None when nothing is folded: an empty list would vanish from a prompt-cache
+        file). Every holder saves what it shares; loading links them again (:meth:`_relink`)."""
+        return ([{"own": fold.own, "shared": fold.shared} for fold in self.folds] or None,)
 
-    @state.setter
-    def state(self, value: tuple[Any, ...]) -> None:
-        *rows, folds, meta = value
-        CompressedKVCache.state.fset(self, (*rows, meta))
-        ranges = json.loads(meta).get("folds", [])
+    def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
+        (folds,) = extra
         self.folds = [Fold(start, end, arrays["own"], arrays["shared"], tuple(group))
-                      for (start, end, group), arrays in zip(ranges, folds or [])]
+                      for (start, end, group), arrays in zip(info.get("folds", []), folds or [])]
         self.pending = []
         self.linked = False
 
@@ -138,21 +117,12 @@ class CrossLayerCache(CompressedKVCache):
         if not self.linked:
             self._relink()
         self._pick_up()
-        return self._with_folds(*super().update_and_fetch(keys, values))
+        return super().update_and_fetch(keys, values)
 
-    @property
-    def keys(self) -> mx.array | None:
+    def rows(self) -> tuple[mx.array, mx.array]:
         """Every row attention runs over: the folds' rebuilt rows, then the exact ones (what a copy into
         mlx_lm's own cache takes, e.g. joining a batch)."""
-        return None if self.empty() else self._with_folds(*self.store.fetch())[0]
-
-    @keys.setter
-    def keys(self, value: mx.array) -> None:
-        self.tie(value)
-
-    @property
-    def values(self) -> mx.array | None:
-        return None if self.empty() else self._with_folds(*self.store.fetch())[1]
+        return self._with_folds(*self.store.fetch())
 
     def _with_folds(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The folds' rebuilt rows followed by the exact rows ``keys``/``values``."""
@@ -164,8 +134,8 @@ class CrossLayerCache(CompressedKVCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """Attention over folded + exact rows, then fold what is due."""
-        out = super().attend(queries, keys, values, scale, mask, sinks)
+        """Attention over folded + exact rows (the folds all in the past), then fold what is due."""
+        out = self._attention(queries, keys, values, scale, mask, sinks)
         self._fold_if_due(queries.shape[2])
         return out
 
@@ -196,19 +166,12 @@ class CrossLayerCache(CompressedKVCache):
             out.folds, out.pending = list(self.folds), list(self.pending)
         return out
 
-    def _position_mask(self, queries: mx.array) -> mx.array:
-        """Folded rows are all in the past: visible to every query, before the exact rows' own mask."""
-        exact = super()._position_mask(queries)
-        folded = mx.ones((*exact.shape[:3], self.folded_rows()), mx.bool_)
-        return mx.concatenate([folded, exact], axis=-1)
-
     # ----------------------------------------------------------------- folding
     def _fold_if_due(self, n: int) -> None:
         """Contribute the exact rows older than the window to the group's fan-in when due."""
-        decode = n <= self.max_headroom
         start = self.folds[-1].end if self.folds else 0
         end = self.offset - self.window
-        if (self.mode != "chunk" and not decode) or end - start < self.min_fold() or self.store.holes:
+        if not self.schedule.folds(n) or end - start < self.min_fold() or self.store.holes:
             return
         if any(p_start == start for _, _, p_start, _ in self.pending):
             return

@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 
 import veloxpatch
-from veloxpatch.caches import METHODS
+from veloxpatch.registry import METHODS
 
 from . import sharing
 from .variants import KVLayout, Variant

@@ -7,16 +7,16 @@ of queries the prompt left. So once ``prompt[:-1]`` is in, a cache of a method t
 holds its stored rows, the remembered queries and its offset, and none of it depends on the budget or on which
 such method it is. From there each variant decodes on its own copy:
 
-* **shared** (the full cache and every method that keeps no prefill state of its own): one prefill per prompt
-  with a *source* method at a budget no prompt reaches; a variant gets a fresh cache list made as today
-  (``veloxpatch.patch`` + ``make_prompt_cache``: the real builder, knobs and coordinator) with a copy of the
-  source's rows, queries and offset moved in. The full cache decodes on the source itself: our cache never
-  evicting is mlx_lm's ``KVCache`` (the probe below checks that too), and its KV bytes are counted as
-  ``KVCache``'s (rows with spare capacity; no positions, no queries).
-* **own** (methods that override a hook the prompt's chunks run through, :data:`PREFILL_HOOKS`, e.g. ``observe``
-  to accumulate attention, or whose coordinator class overrides one of the base's, :data:`COORDINATOR_HOOKS`):
-  one prefill per (method, knobs) at a budget no prompt reaches, copied with ``copy.deepcopy`` (coordinator
-  included) per budget, whose ``budget`` is set before decoding.
+* **shared** (the full cache and every method whose prompt leaves only rows, offset and the remembered window
+  of queries in its caches: ``prompt_state()`` is ``rows`` or ``window``, a declaration of the cache class):
+  one prefill per prompt with a *source* method at a budget no prompt reaches; a variant gets a fresh cache list
+  made as today (``veloxpatch.patch`` + ``make_prompt_cache``: the real builder, knobs and coordinator) with a
+  copy of the source's rows, offset and (for ``window``) remembered queries moved in. The full cache decodes on
+  the source itself: our cache never evicting is mlx_lm's ``KVCache`` (the probe below checks that too), and its
+  KV bytes are counted as ``KVCache``'s (rows with spare capacity; no positions, no queries).
+* **own** (methods whose prompt leaves state of their own, ``prompt_state()`` ``own``: accumulated attention,
+  reports to a coordinator, folds): one prefill per (method, knobs) at a budget no prompt reaches, copied with
+  ``copy.deepcopy`` (coordinator included) per budget, whose ``budget`` is set before decoding.
 * **plain**: mlx_lm's own variants (rotating, quantized: their prefill differs) and anything a check refuses
   run ``generate_step`` on the whole prompt as before.
 
@@ -43,20 +43,15 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 
-from veloxpatch.caches import CACHE_CLASSES, METHODS, CompressedKVCache
+from veloxpatch.caches import CompressedKVCache
 from veloxpatch.config import Budget
-from veloxpatch.coordinators import Coordinator
 from veloxpatch.log import log
+from veloxpatch.registry import METHODS, cache_class
 
 from .variants import PROTECTED, Variant
 
 HUGE = 1 << 30  # a budget no prompt reaches: the cache never evicts
 SHARED, OWN, PLAIN = "shared", "own", "plain"
-# the hooks a prompt chunk runs through in end mode: a method overriding one may keep state of its own
-PREFILL_HOOKS = ("update_and_fetch", "attend", "observe", "_remember", "remembered", "_due", "see_block_input",
-                 "see_attention")
-# a coordinator class overriding none of these holds nothing but the base's state (it may add helpers)
-COORDINATOR_HOOKS = ("__init__", "join", "replace", "reset", "on_update", "publish", "latest")
 # the check: a prompt of 1 + 2 chunks longer than any default headroom (64), budgets that evict (headroom 8 and
 # 9), enough decode steps for a compression after the prompt's
 PROBE_PROMPT, PROBE_STEP, PROBE_BUDGETS, PROBE_DECODE = 1 + 2 * 65, 65, (PROTECTED + 4, 2 * PROTECTED), 10
@@ -89,30 +84,22 @@ def ours(caches: list[Any]) -> list[CompressedKVCache]:
     return [c for c in caches if isinstance(c, CompressedKVCache)]
 
 
-def keeps_no_prefill_state(cls: type[CompressedKVCache]) -> bool:
-    """True if a prompt chunk leaves nothing in a cache of ``cls`` but the base's rows, queries and offset:
-    it overrides none of :data:`PREFILL_HOOKS`, and its coordinator class none of :data:`COORDINATOR_HOOKS`."""
-    coordinator = cls.coordinator_class
-    return (all(getattr(cls, hook) is getattr(CompressedKVCache, hook) for hook in PREFILL_HOOKS)
-            and all(getattr(coordinator, hook) is getattr(Coordinator, hook) for hook in COORDINATOR_HOOKS))
-
-
 def source_method() -> str:
-    """The method whose prefill the shared variants start from: one keeping no state of its own that remembers
-    queries (so query-aware methods can take over); snapkv when it qualifies."""
-    fit = [m for m in sorted(METHODS) if keeps_no_prefill_state(CACHE_CLASSES[m]) and CACHE_CLASSES[m].uses_queries]
+    """The method whose prefill the shared variants start from: one whose prompt leaves its rows and the window
+    of queries (so every shareable method can take over); snapkv when it qualifies."""
+    fit = [m for m in sorted(METHODS) if cache_class(m).prompt_state() == "window"]
     if not fit:
         raise RuntimeError("no registered method can be a shared prefill's source")
     return "snapkv" if "snapkv" in fit else fit[0]
 
 
 def candidate(variant: Variant) -> str:
-    """The mode the static rule gives a variant (before :func:`mode` checks it)."""
+    """The mode the declared rule gives a variant (before :func:`mode` checks it)."""
     if variant.method == "full":
         return SHARED
     if variant.method not in METHODS:
         return PLAIN
-    return SHARED if keeps_no_prefill_state(CACHE_CLASSES[variant.method]) else OWN
+    return OWN if cache_class(variant.method).prompt_state() == "own" else SHARED
 
 
 # ----------------------------------------------------------------------------- the two halves of generate_step
@@ -163,7 +150,7 @@ def whole(model: Any, tokens: mx.array, caches: list[Any], max_tokens: int, step
 # ----------------------------------------------------------------------------- moving a prefill
 def transplant(source: list[Any], target: list[Any]) -> list[Any] | None:
     """``target`` (a fresh list of another method) holding a copy of ``source``'s prefill: per slot, our
-    caches get the source's rows, remembered queries (if the target's method uses them) and offset; any
+    caches get the source's rows, offset and remembered queries (if the target's prompt keeps the window); any
     other slot becomes a copy of the source's. None when the lists do not line up slot for slot."""
     if len(source) != len(target):
         return None
@@ -171,13 +158,15 @@ def transplant(source: list[Any], target: list[Any]) -> list[Any] | None:
     out = list(target)
     for i, (s, t) in enumerate(zip(source, target)):
         if isinstance(s, CompressedKVCache) and isinstance(t, CompressedKVCache):
-            if (s.sink, s.window, s.mode) != (t.sink, t.window, t.mode) or (t.uses_queries and not s.uses_queries):
+            window = type(t).prompt_state() == "window"
+            if (s.sink, s.window, s.schedule.mode) != (t.sink, t.window, t.schedule.mode) or (
+                    window and type(s).prompt_state() != "window"):
                 return None
             if id(t) not in memo:
                 memo[id(t)] = t
                 t.store = copy.deepcopy(s.store)  # appends write into the store's arrays in place
-                t.queries = s.queries if t.uses_queries else None  # replaced, never written in place
-                t.queries_end = s.queries_end if t.uses_queries else 0
+                if window:
+                    t.memory = copy.copy(s.memory)  # its queries are replaced, never written in place
                 t.offset, t.evicted = s.offset, s.evicted
         elif type(s) is type(t) and not isinstance(s, CompressedKVCache):
             out[i] = copy.deepcopy(s, memo)

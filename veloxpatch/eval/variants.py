@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import veloxpatch
-from veloxpatch.caches import METHODS, cache_class, knob_settings
+from veloxpatch.registry import METHODS, cache_class, knob_settings
 from veloxpatch.config import Setting, setting
 
 Knobs = tuple[tuple[str, Any], ...]  # (knob name without the method prefix, value), sorted by name
@@ -208,7 +208,7 @@ class Variant:
     def twin_key(self) -> tuple[str, Knobs, float]:
         """What tells this variant's measurements apart: a method whose caches ignore the budget (MiniCache,
         XQuant) measures the same at every share, so its share does not count."""
-        ignores = self.method in METHODS and not cache_class(self.method, self.settings(PROTECTED)["knobs"]).uses_budget
+        ignores = self.method in METHODS and not cache_class(self.method).uses_budget
         return self.method, self.knobs, 0.0 if ignores else self.share
 
     def generate_kwargs(self, layout: KVLayout) -> dict[str, Any]:

@@ -16,9 +16,9 @@ import mlx.core as mx
 import mlx_lm.models
 
 from .. import builder
-from ..caches import CACHE_CLASSES
+from ..registry import METHODS
 from ..config import VeloxConfig
-from ..integration import active_config, patch, unpatch
+from ..integration import active_config, layer_io, patch, unpatch
 from .random_model import build
 
 SMALL: dict[str, Any] = dict(
@@ -181,7 +181,7 @@ def unbuildable(model_type: str) -> str | None:
 
 def support_table(types: list[str] | None = None) -> str:
     """A markdown table: per model type, what each method does on it (compressed or why not)."""
-    methods = sorted(CACHE_CLASSES)
+    methods = sorted(METHODS)
     lines = ["| model type | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
     for model_type in types or model_types():
         cells = _support(model_type, methods)
@@ -204,6 +204,7 @@ def explain_patched(model: Any, config: VeloxConfig) -> str:
     previous = active_config()
     patch(config)
     try:
+        layer_io.prepare(model, config)
         return builder.explain(model, config)
     finally:
         if previous is None:

@@ -29,6 +29,11 @@
   it has no tokens to re-read such caches from, and one at a time they keep compressing as they would in
   ``generate`` (in a batch every new row is kept). Every other call is mlx_lm's own. A failure there has no
   fall-back.
+
+Every mlx_lm layout this relies on is reached through :mod:`.compat`, and checked there once, at the
+first batched call (:func:`_layout_known`). Where the installed mlx_lm differs, both entries pass
+through to mlx_lm, which then batches its own caches only (one warning naming what differs; an error
+under ``VELOX_STRICT``), while everything else stays patched.
 """
 
 from __future__ import annotations
@@ -45,15 +50,22 @@ from typing import Any, Callable, NamedTuple
 import mlx.core as mx
 import wrapt
 
-from ..caches.base import CompressedKVCache
+from ..caches import CompressedKVCache
+from ..fallback import StrictError, notice
 from ..log import once
-from .state import batched_generation
+from . import compat
+from .state import STATE, batched_generation
 from .wrappers import ours
+
 
 @wrapt.decorator
 def batch_insert_segments(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    call = inspect.signature(wrapped).bind(*args, **kwargs)
+    """Caches made in here stay mlx_lm's; compressed caches handed in join as mlx_lm's (module doc)."""
     with batched_generation():
+        if not _layout_known():
+            return wrapped(*args, **kwargs)
+        _refused_under_strict()
+        call = inspect.signature(wrapped).bind(*args, **kwargs)
         _own_caches(instance, call.arguments)
         return wrapped(*call.args, **call.kwargs)
 
@@ -62,6 +74,8 @@ def batch_insert_segments(wrapped: Callable, instance: Any, args: tuple, kwargs:
 def batch_generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Prompt caches with evicted rows run one sequence at a time, where they keep compressing and
     ``batch_generate`` has no tokens to re-read them from; any other call is mlx_lm's own."""
+    if not _layout_known():
+        return wrapped(*args, **kwargs)
     try:
         call = inspect.signature(wrapped).bind(*args, **kwargs)
     except TypeError:
@@ -73,6 +87,25 @@ def batch_generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
     call.apply_defaults()
     options = call.arguments.pop("kwargs")
     return _sequential_batch(**call.arguments, options=options)
+
+
+def _layout_known() -> bool:
+    """True when mlx_lm's batched generation is laid out as :mod:`.compat` knows. Otherwise batching
+    runs on mlx_lm's own caches only, said once; under ``VELOX_STRICT`` that is an error instead."""
+    problem = compat.layout_problem()
+    if problem is None:
+        return True
+    notice(f"batched generation runs on mlx_lm's own caches only: {problem}", STATE.config, key="batched layout")
+    return False
+
+
+def _refused_under_strict() -> None:
+    """A batch runs on mlx_lm's batch caches, which hold every row it is given and every row it adds:
+    compression does not go on there, a fallback that ``VELOX_STRICT`` turns into an error."""
+    config = STATE.config
+    if config is not None and config.enabled and config.strict:
+        raise StrictError(f"mlx_lm's batched generation (BatchGenerator, batch_generate, the server's batched path) "
+                          f"runs on mlx_lm's own batch caches, not compressed by {config.kv}, but VELOX_STRICT is set")
 
 
 def _own_caches(generator: Any, arguments: dict[str, Any]) -> None:
@@ -108,7 +141,7 @@ def _own_sequence(generator: Any, caches: Any, segments: list, seen: list) -> tu
     if len(seen) == found[0].offset:
         once("batched reread", logging.INFO,
              "a compressed cache with evicted rows joins mlx_lm's batch by re-reading the tokens it saw")
-        fresh = sys.modules["mlx_lm.models.cache"].make_prompt_cache(generator.model, generator.max_kv_size)
+        fresh = compat.new_sequence_caches(generator)
         first = list(segments[0]) if segments else []
         return fresh, [list(seen) + first, *segments[1:]], []
     joining = _joining_list(caches)
@@ -195,8 +228,8 @@ def _equal_rows(caches: list) -> list:
 
 def _shrink(cache: CompressedKVCache, keep: int) -> None:
     """Compress ``cache`` to ``keep`` real rows per head, by its method or by recency without queries."""
-    if cache.queries is not None or not cache.uses_queries:
-        scale = cache.queries.shape[-1] ** -0.5 if cache.queries is not None else 1.0
+    if cache.memory.queries is not None or not cache.uses_queries:
+        scale = cache.memory.queries.shape[-1] ** -0.5 if cache.memory.queries is not None else 1.0
         cache.compress(keep, scale)
         return
     positions = cache.store.row_positions()
@@ -246,21 +279,11 @@ def _keep_positions(generator: Any, caches: list) -> list:
     def mergeable(cache_list: Any) -> Any:
         if not isinstance(cache_list, (list, tuple)):
             return cache_list
-        return [joining_rows.holding(c.keys, c.values, c.offset) if type(c) is KVCache else c for c in cache_list]
+        return [joining_rows.holding(*compat.kv_cache_rows(c)) if type(c) is KVCache else c for c in cache_list]
 
-    try:
-        waiting = generator._unprocessed_sequences
-        running = [generator._prompt_batch.prompt_cache, generator._generation_batch.prompt_cache]
-    except AttributeError as error:  # not mlx_lm 0.32's BatchGenerator
-        raise ValueError(f"this BatchGenerator cannot take a compressed cache with evicted rows without its tokens "
-                         f"({error}); pass them as all_tokens") from error
-    make = sys.modules["mlx_lm.models.cache"].make_prompt_cache
-    caches = [mergeable(c if c is not None else make(generator.model, generator.max_kv_size)) for c in caches]
-    for k in range(len(waiting)):
-        sequence = waiting[k]
-        waiting[k] = (*sequence[:3], mergeable(sequence[3]), *sequence[4:])
-    for batch in running:
-        batch[:] = [positioned.adopt(c) if type(c) is BatchKVCache else c for c in batch]
+    caches = [mergeable(c if c is not None else compat.new_sequence_caches(generator)) for c in caches]
+    compat.replace_waiting_caches(generator, mergeable)
+    compat.replace_running_caches(generator, lambda c: positioned.adopt(c) if type(c) is BatchKVCache else c)
     return caches
 
 
@@ -285,8 +308,8 @@ class _JoiningRowsMixin:
 
     @classmethod
     def holding(cls, keys: Any, values: Any, rows: int, joined: _Joined | None = None) -> Any:
-        cache = cls()
-        cache.keys, cache.values, cache.offset, cache.joined = keys, values, rows, joined
+        cache = compat.kv_cache_holding(cls, keys, values, rows)
+        cache.joined = joined
         return cache
 
     @classmethod
@@ -309,9 +332,8 @@ class _PositionedBatchMixin:
         """``batch`` (a ``BatchKVCache``) as this class, same arrays, no joined sequence."""
         if isinstance(batch, cls):
             return batch
-        positioned = cls.__new__(cls)
-        vars(positioned).update(vars(batch))
-        positioned.joined = [None] * batch.offset.shape[0]
+        positioned = compat.recast(batch, cls)
+        positioned.joined = [None] * compat.batch_size(batch)
         return positioned
 
     @classmethod
@@ -320,7 +342,7 @@ class _PositionedBatchMixin:
         batch.joined = [getattr(c, "joined", None) for c in caches]
         shift = [0 if j is None else j.offset - c.size() for j, c in zip(batch.joined, caches)]
         if any(shift):
-            batch.offset = batch.offset + mx.array(shift, dtype=batch.offset.dtype)
+            compat.shift_offsets(batch, shift)
         return batch
 
     def filter(self, batch_indices: Any) -> None:
@@ -329,7 +351,7 @@ class _PositionedBatchMixin:
         self.joined = [self.joined[i] for i in keep]
 
     def extend(self, other: Any) -> None:
-        joined = self.joined + list(getattr(other, "joined", None) or [None] * other.offset.shape[0])
+        joined = self.joined + list(getattr(other, "joined", None) or [None] * compat.batch_size(other))
         super().extend(other)  # type: ignore[misc]
         self.joined = joined
 
@@ -338,20 +360,15 @@ class _PositionedBatchMixin:
         joined = self.joined[idx]
         if joined is None:
             return cache
-        return joined.rebuild(cache.keys, cache.values, int(self.offset[idx].item()))
+        keys, values, _ = compat.kv_cache_rows(cache)
+        return joined.rebuild(keys, values, compat.sequence_offset(self, idx))
 
 
 @functools.cache
 def _batch_classes() -> tuple[type, type]:
     """``_JoiningRows`` and ``_PositionedBatch``: the mixins on mlx_lm's classes, made on first use
     (importing veloxpatch does not import mlx_lm)."""
-    from mlx_lm.models.cache import BatchKVCache, KVCache
-
-    def make(name: str, mixin: type, base: type) -> type:
-        return type(name, (mixin, base), {"__doc__": mixin.__doc__, "__module__": __name__})
-
-    return (make("_JoiningRows", _JoiningRowsMixin, KVCache),
-            make("_PositionedBatch", _PositionedBatchMixin, BatchKVCache))
+    return compat.mixed_into(_JoiningRowsMixin, "KVCache"), compat.mixed_into(_PositionedBatchMixin, "BatchKVCache")
 
 
 class _Finished(NamedTuple):
@@ -371,14 +388,13 @@ def _sequential_batch(
 
     The caller's caches are deep-copied first: ``batch_generate`` promises not to update them.
     """
-    generate = sys.modules["mlx_lm.generate"]
     limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     _check_sequences(prompts, prompt_caches, limits)
     step_options, stop = _step_options(model, options), set(tokenizer.eos_token_ids)
-    stats = generate.BatchStats()
+    stats = compat.batch_stats()
     start = time.perf_counter()
     done: list[_Finished] = []
-    with generate.wired_limit(model):
+    with compat.wired_limit(model):
         for prompt, caches, limit in zip(prompts, prompt_caches, limits):
             caches = copy.deepcopy(caches) if caches is not None else _fresh_caches(model, options)
             done.append(_generate_one(model, prompt, caches, limit, stop, step_options, stats, return_logprobs))
@@ -388,7 +404,7 @@ def _sequential_batch(
     stats.peak_memory = mx.get_peak_memory() / 1e9
     if verbose:
         _print_batch_stats(stats)
-    return generate.BatchResponse(
+    return compat.batch_response(
         texts=[tokenizer.decode(d.tokens) for d in done], stats=stats,
         caches=[d.caches for d in done] if return_prompt_caches else None,
         token_ids=[d.tokens for d in done] if return_token_ids else None,

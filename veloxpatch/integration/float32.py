@@ -18,8 +18,8 @@ from mlx.utils import tree_flatten
 
 from ..cpu import float32_wanted
 from ..log import log
+from ..fallback import fall_back
 from .state import STATE
-from .wrappers import fall_back
 
 LOW = (mx.float16, mx.bfloat16)
 
@@ -43,7 +43,7 @@ def load_model(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> A
     try:
         _convert(loaded[0], config.float32, lazy=kwargs.get("lazy", args[1] if len(args) > 1 else False))
     except Exception as error:  # the model still works in its own dtype
-        fall_back("converting weights to float32", error)
+        fall_back("converting weights to float32", error, config, instead="the model keeps its own dtype")
     return loaded
 
 

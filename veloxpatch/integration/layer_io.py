@@ -27,12 +27,13 @@ from typing import Any
 
 import wrapt
 
-from ..builder import model_type
-from ..caches.base import CompressedKVCache
-from ..log import once
+from ..caches import CompressedKVCache
+from ..config import VeloxConfig
+from ..fallback import fall_back
+from ..log import model_type, once
 from ..memo import per_model
+from ..registry import cache_class
 from .state import STATE, Swap
-from .wrappers import fall_back
 
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
@@ -74,6 +75,14 @@ class Parameters:
     def input(self, args: tuple, kwargs: dict) -> Any:
         """The call's input: the hidden state it runs on."""
         return args[0] if args else kwargs[self.input_name]
+
+
+def prepare(model: Any, config: VeloxConfig) -> None:
+    """Hook ``model``'s attention modules and decoder blocks when ``config``'s method reads layer inputs and
+    outputs (``wants_layer_io``): before the builder probes the model, so the probe runs it with the hooks
+    in place and its caches see what the method's caches will."""
+    if cache_class(config.kv).wants_layer_io:
+        install(model)
 
 
 def install(model: Any) -> bool:
@@ -183,4 +192,5 @@ def _tell(hook: Callable[..., None], *arrays: Any) -> None:
     try:
         hook(*arrays)
     except Exception as error:  # the host app must keep running
-        fall_back(f"layer input/output hook {hook.__qualname__}", error)
+        fall_back(f"the layer input/output hook {hook.__qualname__}", error, STATE.config,
+                  instead="the model's step runs on without it")

@@ -17,14 +17,15 @@ from typing import Any, Callable
 
 import wrapt
 
-from .. import stats
-from ..bootstrap import strict_requested
-from ..caches import CACHE_CLASSES
+from .. import ranks, stats
 from ..config import ConfigError, VeloxConfig, from_env
+from ..cpu import float32_wanted
+from ..fallback import fall_back
 from ..log import configure as configure_logging
 from ..log import log
-from ..cpu import float32_wanted
-from . import batched, float32, ranks, version, wrappers
+from ..registry import METHODS
+from ..settings import strict_requested
+from . import batched, float32, version, wrappers
 from .state import STATE, Swap
 
 # defining module -> what it defines that we replace (a function, or Class.method), and the wrapper for each
@@ -79,7 +80,7 @@ def unpatch() -> None:
             _rebind(swap, swap.replacement, swap.original)
         STATE.swaps.clear()
         cache_module = sys.modules.get("mlx_lm.models.cache")
-        for cls in CACHE_CLASSES.values():
+        for cls in (info.cls for info in METHODS.values()):
             if cache_module is not None and vars(cache_module).get(cls.__name__) is cls:
                 delattr(cache_module, cls.__name__)
 
@@ -139,7 +140,7 @@ def _on_import(module: ModuleType) -> None:
         try:
             _apply(module)
         except Exception as error:
-            wrappers.fall_back(f"patching {module.__name__}", error)
+            fall_back(f"patching {module.__name__}", error, STATE.config)
 
 
 def _apply(module: ModuleType) -> None:
@@ -153,7 +154,7 @@ def _apply(module: ModuleType) -> None:
         swap = STATE.swaps[name]
         _rebind(swap, swap.original, swap.replacement)
     if module.__name__ == "mlx_lm.models.cache":
-        for cls in CACHE_CLASSES.values():  # load_prompt_cache looks classes up here by name
+        for cls in (info.cls for info in METHODS.values()):  # load_prompt_cache looks classes up here by name
             setattr(module, cls.__name__, cls)
 
 

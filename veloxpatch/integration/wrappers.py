@@ -24,21 +24,15 @@ from typing import Any, Callable
 import wrapt
 
 from .. import builder, stats
-from ..caches.base import CompressedKVCache
+from ..fallback import StrictError, fall_back
+from ..caches import CompressedKVCache
 from ..coordinators import coordinators_of
 from ..log import once
-from .ranks import RanksDisagree
+from ..ranks import RanksDisagree
+from . import layer_io
 from .state import STATE, in_batched_generation
 
 SDPA_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
-
-
-def fall_back(what: str, error: Exception) -> None:
-    """Log the first failure (later ones would repeat it); re-raise under VELOX_STRICT."""
-    config = STATE.config
-    if config is not None and config.strict:
-        raise error
-    once("fall back", logging.ERROR, f"{what} failed ({type(error).__name__}: {error}); running unpatched mlx_lm")
 
 
 @wrapt.decorator
@@ -49,11 +43,12 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
         return caches
     model = args[0] if args else kwargs["model"]
     try:
+        layer_io.prepare(model, config)
         return builder.build(model, caches, config)
-    except RanksDisagree:  # every rank raises it: running on would mean different methods per rank
+    except (RanksDisagree, StrictError):  # RanksDisagree: every rank raises it, never one method per rank
         raise
     except Exception as error:  # the host app must keep running
-        fall_back("building compressed caches", error)
+        fall_back("building compressed caches", error, config, model=model, instead="it runs on mlx_lm's own caches")
         return caches
 
 
@@ -75,7 +70,8 @@ def generation_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict
     try:
         _start_generation(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
     except Exception as error:
-        fall_back("starting a generation", error)
+        fall_back("starting a generation", error, STATE.config,
+                  instead="it runs on its caches as they are (cross-layer state not reset)")
     return wrapped(*args, **kwargs)
 
 
@@ -88,7 +84,8 @@ def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
         _draft_caches(call.arguments)
         _start_generation(call.arguments.get("prompt_cache"), call.arguments.get("model"))
     except Exception as error:
-        fall_back("starting a speculative generation", error)
+        fall_back("starting a speculative generation", error, STATE.config,
+                  instead="it runs on its caches as they are (the draft's caches unchanged)")
     return wrapped(*call.args, **call.kwargs)
 
 
@@ -105,8 +102,6 @@ def _start_generation(caches: Any, model: Any) -> None:
     file never went through ``make_prompt_cache``, where they are installed otherwise)."""
     found = ours(caches)
     if model is not None and any(c.wants_layer_io for c in found):
-        from . import layer_io  # at call time: layer_io imports this module
-
         layer_io.install(model)
     _adopt(found)
     for cache in found:

@@ -27,40 +27,43 @@ Where this deviates from the paper, and why:
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 
-from . import method
-from .base import CompressedKVCache
+from ..caches.evicting import EvictingCache, Policy
+from ..registry import method
 
 
-@method("tova", "The newest query's attention averaged over heads; one set of rows per layer.")
-class TOVACache(CompressedKVCache):
+class TOVA(Policy):
     """Ranks rows by the newest query's attention, the same ranking for every head of the layer."""
 
-    def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        """Mean over all query heads of the newest query's attention over the rows it saw; with no
-        query to go by (a trim took it back, or the cache was rebuilt without one), recency."""
-        if self.queries is None:
+    prompt_state = "own"  # the newest query alone, not the observation window
+
+    def remembered(self, window: int) -> int:
+        """The newest query only; the memory's ``end`` says what it saw (a prompt compressed in ``end``
+        mode is scored by it when the next step's rows are already stored)."""
+        return 1
+
+    def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+        """Mean over all query heads of the newest query's attention over the rows it saw (the window
+        attention of a window of one, :meth:`QueryMemory.attention`); with no query to go by (a trim took
+        it back, or the cache was rebuilt without one), recency."""
+        memory = cache.memory
+        if memory.queries is None:
             return positions.astype(mx.float32)
-        b, hq, _, d = self.queries.shape
-        hkv = keys.shape[1]
-        q = (self.queries.astype(mx.float32) * scale).reshape(b, hkv, hq // hkv, 1, d)
-        logits = (q @ mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2))[..., 0, :]
-        seen = (positions >= 0) & (positions < self.queries_end)
-        logits = mx.where(seen[:, :, None], logits, -mx.inf)
-        mean = mx.softmax(logits, axis=-1, precise=True).mean(axis=(1, 2))
-        if self.coordinator is not None:
-            mean = self.coordinator.head_mean(mean)  # over every head of the layer, on a model split by heads
+        mean = memory.attention(keys, positions, scale).sum(axis=1) / memory.queries.shape[1]
+        if cache.coordinator is not None:
+            mean = cache.coordinator.head_mean(mean)  # over every head of the layer, on a model split by heads
         return mx.broadcast_to(mean[:, None], positions.shape)
 
-    def select(self, keep: int, scale: float) -> mx.array:
+    def select(self, cache: EvictingCache, keep: int, scale: float) -> mx.array:
         """One set of rows for every KV head: the scores, protection and holes are the same in
         every head, so the first head's choice is every head's."""
-        index = super().select(keep, scale)
+        index = super().select(cache, keep, scale)
         return mx.broadcast_to(index[:, :1], index.shape)
 
-    def remembered(self) -> int:
-        """The newest query only; its ``queries_end`` says what it saw (a prompt compressed in
-        ``end`` mode is scored by it when the next step's rows are already stored)."""
-        return 1
+
+@method("tova", "The newest query's attention averaged over heads; one set of rows per layer.", policy=True)
+class TOVACache(EvictingCache):
+    """TOVA's cache: one set of rows per layer, chosen by :class:`TOVA`."""
+
+    policy_class = TOVA

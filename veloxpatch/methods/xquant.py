@@ -43,7 +43,7 @@ latent at 4 bits errs 0.13, keys and values quantized as mlx_lm's ``kv_bits`` do
 and 0.11 at 5, in the same bytes per token as the latent at 4 and 5 bits. The gain is all in the
 keys: values quantized either way err alike. On SmolLM2's perplexity, with ``VELOX_WINDOW=1`` (the exact
 window is a constant cost in bytes), the latent beats ``kv_bits`` at the same bits and bytes on every
-text measured; it decodes several times slower (README, Results).
+text measured; it decodes several times slower (docs/results.md).
 
 How it sits in the shim. The cache class asks for the layer inputs (``wants_layer_io``); the attention
 module's hook hands the cache each step's X and the module itself before the module runs
@@ -77,7 +77,6 @@ Where the shim's position makes this deviate from the paper, and why:
 
 from __future__ import annotations
 
-import json
 import logging
 import weakref
 from dataclasses import replace
@@ -86,13 +85,13 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..config import Budget, Setting, choice, int_range
-from ..log import once
+from ..settings import Budget, Setting, choice, int_range
+from ..log import model_type, once
 from ..memo import per_model
-from . import method
-from .base import CompressedKVCache
-from .crosslayer import CrossLayerCache, Fold
-from .store import Parts, RowStore, decode, encode
+from ..registry import method
+from ..caches.base import CompressedKVCache
+from ..caches.crosslayer import CrossLayerCache, Fold
+from ..caches.store import Parts, RowStore, decode, encode
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)
@@ -202,7 +201,7 @@ class XQuantCache(CrossLayerCache):
             self._add_anchor(x)
         else:
             self._add_delta(x)
-        if x.shape[1] > self.max_headroom:
+        if not self.schedule.decode_sized(x.shape[1]):
             # a prompt chunk's encoding, evaluated now: left lazy, every layer's X of the chunk (tokens x
             # hidden, wider than the rows it stands for) stays alive until the whole forward is evaluated
             fold = self.folds[0]
@@ -254,8 +253,6 @@ class XQuantCache(CrossLayerCache):
 
     def _model_name(self) -> str:
         """The model's mlx_lm type (``llama``, from its attention module's class), for the log."""
-        from ..builder import model_type  # at call time: the builder imports the caches
-
         module = None if self.module is None else self.module()
         return "a layer" if module is None else model_type(module)
 
@@ -340,27 +337,27 @@ class XQuantCache(CrossLayerCache):
     def _remat(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """K and V of rows whose input is ``x`` (B, n, hidden), the first at position ``offset``, with the
         module's own projections, key norm and rotary embedding."""
-        module = self._attention()
+        module = self._module()
         return shaped(module, module.k_proj(x), module.v_proj(x), offset)
 
     def _latent(self, x: mx.array) -> mx.array:
         """The GQA latent of rows whose input is ``x``: each projection's output on its whitening (the
         paper's ``X U``, see :func:`whitening`), keys' then values' side by side, in X's dtype."""
-        module = self._attention()
+        module = self._module()
         parts = [(proj(x).astype(mx.float32) @ inverse) for proj, (_, inverse) in
                  zip((module.k_proj, module.v_proj), _whitenings(module, self.hidden))]
         return mx.concatenate(parts, axis=-1).astype(x.dtype)
 
     def _from_latent(self, latent: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """K and V of rows whose latent is ``latent`` (B, n, k width + v width), the first at ``offset``."""
-        module = self._attention()
+        module = self._module()
         (k_basis, _), (v_basis, _) = _whitenings(module, self.hidden)
         at = k_basis.shape[0]
         wide = latent.astype(mx.float32)
         return shaped(module, (wide[..., :at] @ k_basis).astype(latent.dtype),
                        (wide[..., at:] @ v_basis).astype(latent.dtype), offset)
 
-    def _attention(self) -> Any:
+    def _module(self) -> Any:
         module = None if self.module is None else self.module()
         if module is None:
             raise RuntimeError("xquant: rows kept as X need their layer's attention module, which is found when "
@@ -404,7 +401,7 @@ class XQuantCache(CrossLayerCache):
         """Release the exact rows older than the window when due (crosslayer's schedule): their X is held
         already, so releasing is dropping them from the store (an exact layer moves them to its fold)."""
         start, end = self.folded_rows(), self.offset - self.window
-        if (self.mode != "chunk" and n > self.max_headroom) or end - start < self.min_fold():
+        if not self.schedule.folds(n) or end - start < self.min_fold():
             return
         if self.exact:
             rows = dict(zip("kv", self._exact(start, end)))
@@ -440,18 +437,13 @@ class XQuantCache(CrossLayerCache):
             self.linked = False  # a group's layers cut copies of the shared X: linked again at the next step
         return n
 
-    @property
-    def meta_state(self) -> str:
-        info = json.loads(super().meta_state)
-        info["exact"], info["grouped"] = self.exact, self.grouped
-        info["latent_on"], info["hidden"] = self.latent_on, self.hidden
-        return json.dumps(info)
+    def _meta(self) -> dict[str, Any]:
+        return {**super()._meta(), "exact": self.exact, "grouped": self.grouped, "latent_on": self.latent_on,
+                "hidden": self.hidden}
 
-    @CrossLayerCache.state.setter
-    def state(self, value: tuple[Any, ...]) -> None:
+    def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
         """The cross-layer state (the module is not saved: the hook hands it over again at the next step)."""
-        CrossLayerCache.state.fset(self, value)
-        info = json.loads(value[-1])
+        super()._load_extra(extra, info)
         self.exact, self.grouped = info["exact"], info["grouped"]
         self.latent_on, self.hidden = info.get("latent_on", False), info.get("hidden", 0)
 

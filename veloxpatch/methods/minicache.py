@@ -68,31 +68,24 @@ import math
 
 import mlx.core as mx
 
-from ..config import Budget, Setting
+from ..settings import Budget, Setting, number_range
 from ..log import once
-from . import method
-from .crosslayer import CrossLayerCache, Fold
+from ..registry import method
+from ..caches.crosslayer import CrossLayerCache, Fold
 
 MIN_FOLD = 32  # exact rows beyond the window that fold at once (see ``min_fold``)
 PARALLEL = 1e-4  # radians from 0 or pi within which SLERP is 0/0: renormalised linear interpolation
 TINY = 1e-30  # a zero row has no direction: it divides by this and rebuilds as zero
 
 
-def _unit_interval(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1:  # also rejects nan
-        raise ValueError(text)
-    return value
-
-
 KNOBS = (
-    Setting("VELOX_MINICACHE_START", _unit_interval, "0.5", "a number in [0, 1]",
+    Setting("VELOX_MINICACHE_START", number_range(0, 1), "0.5", "a number in [0, 1]",
             "MiniCache: share of the list's layers below the first merged pair (the paper's 0.5: pairs from half "
             "depth on; 0: every layer pairs; 1: none).", method="minicache"),
-    Setting("VELOX_MINICACHE_T", _unit_interval, "0.6", "a number in [0, 1]",
+    Setting("VELOX_MINICACHE_T", number_range(0, 1), "0.6", "a number in [0, 1]",
             "MiniCache: SLERP interpolation of a pair's directions, from the first layer's (0) to the second's (1); "
             "the paper's 0.6.", method="minicache"),
-    Setting("VELOX_MINICACHE_GAMMA", _unit_interval, "0.05", "a number in [0, 1]",
+    Setting("VELOX_MINICACHE_GAMMA", number_range(0, 1), "0.05", "a number in [0, 1]",
             "MiniCache: token retention: tokens whose angular distance across the pair lies in the top gamma of the "
             "fold's range stay exact in both layers (the paper's 0.05; 0: every token merges; 1: none does).",
             method="minicache"),

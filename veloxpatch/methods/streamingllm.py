@@ -9,15 +9,22 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import method
-from .base import CompressedKVCache
+from ..caches.evicting import EvictingCache, Policy
+from ..registry import method
 
 
-@method("streamingllm", "Attention sinks + most recent tokens (no scoring; cheapest).")
-class StreamingLLMCache(CompressedKVCache):
+class Recency(Policy):
     """Keeps the sink rows and the most recent rows; recency is the only score."""
 
     uses_queries = False
+    prompt_state = "rows"
 
-    def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+    def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         return positions.astype(mx.float32)
+
+
+@method("streamingllm", "Attention sinks + most recent tokens (no scoring; cheapest).", policy=True)
+class StreamingLLMCache(EvictingCache):
+    """StreamingLLM's cache: sinks and the most recent rows (:class:`Recency`)."""
+
+    policy_class = Recency

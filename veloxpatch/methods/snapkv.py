@@ -10,7 +10,7 @@ steps (``headroom``), so memory stays bounded over the whole generation.
 Deviation: the pooling kernel defaults to 31 rows, not the paper's 7. Tokenizers that spell a number one
 digit per token (SmolLM2's, Qwen's) split a fact over a dozen rows; a narrow kernel keeps its best digits
 and drops the rest. Measured on SmolLM2-135M, single-needle retrieval at 12.5% of 2048 tokens: kernel 7
-answers 0 of 8, kernel 31 8 of 8, like the full cache (README, ``docs/results/smollm2-2k-all``).
+answers 0 of 8, kernel 31 8 of 8, like the full cache (docs/results.md, ``docs/results/smollm2-2k-all``).
 ``VELOX_SNAPKV_KERNEL=7`` gives the paper's setting back.
 """
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..config import Setting, choice
-from . import method
-from .base import CompressedKVCache
+from ..caches.evicting import EvictingCache, Policy
+from ..registry import method
+from ..settings import Setting, choice
 
 
 def _odd_kernel(text: str) -> int:
@@ -56,26 +56,30 @@ def pool_rows(scores: mx.array, kernel: int, kind: str) -> mx.array:
     return (csum[..., kernel : kernel + rows] - csum[..., :rows]) / kernel
 
 
-@method("snapkv", "Observation-window attention of the real queries, pooled; top-k per KV head.", KNOBS)
-class SnapKVCache(CompressedKVCache):
+class SnapKV(Policy):
     """Ranks rows by the pooled attention the recent window of queries pays them."""
 
-    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", kernel: int = 31,
-                 pool: str = "avg") -> None:
-        super().__init__(budget, sink, window, mode)
+    def __init__(self, kernel: int = 31, pool: str = "avg") -> None:
         self.kernel = kernel
         self.pool = pool
 
     def knob_values(self) -> dict[str, object]:
         return {"kernel": self.kernel, "pool": self.pool}
 
-    def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+    def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         """Pooled attention of the window over the prefix only, as the paper pools it.
 
         Protected rows (the window itself and the sinks) are kept anyway; zeroing their scores
         before pooling stops the window's attention to itself spilling into the rows just
         before it, where it would outrank rows the window really attends to.
         """
-        scores = self.window_attention(keys, positions, scale)
-        scores = mx.where(self.protected(positions), 0.0, scores)
+        scores = cache.memory.attention(keys, positions, scale)
+        scores = mx.where(cache.protected(positions), 0.0, scores)
         return pool_rows(scores, self.kernel, self.pool)
+
+
+@method("snapkv", "Observation-window attention of the real queries, pooled; top-k per KV head.", KNOBS, policy=True)
+class SnapKVCache(EvictingCache):
+    """SnapKV's cache: its rows chosen by :class:`SnapKV`."""
+
+    policy_class = SnapKV

@@ -21,7 +21,7 @@ Where the shim's position makes this deviate from the paper, and why:
   keys before the rotary embedding. A rotation spreads a key over position-dependent directions, so
   the same rank keeps less of their squared norm than it would of unrotated keys. Undoing the
   rotation before the fold (``bench/xkv_prerope.py``) did not pay on SmolLM2: retrieval within noise,
-  perplexity better at 12.5% and worse at 25% (README), and decode steps would have to rebuild the keys.
+  perplexity better at 12.5% and worse at 25% (docs/results.md), and decode steps would have to rebuild the keys.
 * The factors come from the eigendecomposition of the group's Gram matrix (width x width) rather than
   an SVD of the tokens x width matrix: the same ``A = U S`` and ``B = V^T``, without a tokens x tokens
   matrix, and mlx has ``eigh`` but no thin SVD.
@@ -44,21 +44,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import Budget, ConfigError, Setting, int_range
-from . import method
-from .crosslayer import CrossLayerCache, Fold
+from ..settings import Budget, ConfigError, Setting, int_range, number_range
+from ..registry import method
+from ..caches.crosslayer import CrossLayerCache, Fold
 
 
 def _rank(text: str) -> str:
     value = text.strip().lower()
     return value if value == "auto" else str(Budget.parse(value))
-
-
-def _energy(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise ValueError(text)
-    return value
 
 
 KNOBS = (
@@ -68,7 +61,7 @@ KNOBS = (
             "xKV: rank of a group's basis: `auto` folds into the bytes VELOX_BUDGET allows (its share of the "
             "tokens seen), else dimensions or a share of the group's width (layers x kv heads x head dim).",
             method="xkv"),
-    Setting("VELOX_XKV_ENERGY", _energy, "1", "a number in (0, 1]",
+    Setting("VELOX_XKV_ENERGY", number_range(0, 1, above=True), "1", "a number in (0, 1]",
             "xKV: lower the rank to keep just this share of the squared singular values (1: the rank alone).",
             method="xkv"),
     Setting("VELOX_XKV_MAX_CTX", int_range(1, None), "65536", "an integer >= 1",
@@ -115,7 +108,7 @@ class XKVCache(CrossLayerCache):
         goes the base's way over the rebuilt rows."""
         handed, self.handed = self.handed, None
         latent = (self.folds and keys is handed and sinks is None and not self.store.holes
-                  and queries.shape[2] <= self.max_headroom
+                  and self.schedule.decode_sized(queries.shape[2])
                   and (not isinstance(mask, mx.array) or self._issued(mask)))
         if not latent:
             return super().attend(queries, keys, values, scale, mask, sinks)

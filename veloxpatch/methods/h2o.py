@@ -38,12 +38,10 @@ Where this deviates from the paper, and why:
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
-from . import method
-from .base import CompressedKVCache
+from ..caches.evicting import EvictingCache, Policy
+from ..registry import method
 
 BLOCK_ELEMENTS = 1 << 24  # float32 probabilities per block of queries: 64 MB
 
@@ -75,87 +73,84 @@ def received_mass(queries: mx.array, keys: mx.array, scale: float, positions: mx
     return total
 
 
-@method("h2o", "Heavy hitters: attention accumulated over every step's queries; top-k per KV head.")
-class H2OCache(CompressedKVCache):
+class H2O(Policy):
     """Ranks rows by the attention they have accumulated since they were stored."""
 
-    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
-        super().__init__(budget, sink, window, mode)
+    prompt_state = "own"  # the prompt's accumulated attention
+
+    def __init__(self) -> None:
         self.mass: mx.array | None = None  # (B, kv_heads, <= rows) float32, row-aligned with the store
         self.queued: list[mx.array] = []  # queries not yet accounted, of consecutive tokens ending at queued_end
         self.queued_end = 0
         self.scale = 1.0
 
-    def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        self._account()
-        return self._mass(keys.shape[2])
+    def remembered(self, window: int) -> int:
+        """No observation window: the scores come from every query (:meth:`observe`)."""
+        return 0
 
-    def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
+    def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+        self._account(cache)
+        return self._mass(cache, keys.shape[2])
+
+    def observe(self, cache: EvictingCache, queries: mx.array, keys: mx.array, scale: float) -> None:
         """Queue this step's queries; account them once they outgrow the decode headroom."""
         self.scale = scale
-        self.queued = [*self.queued, queries]  # a new list: a quantized copy (copy.copy) shares the old one
-        self.queued_end = self.offset
-        if sum(q.shape[2] for q in self.queued) > self.headroom(self.target()):
-            self._account()
+        self.queued = [*self.queued, queries]  # a new list: a copy of the policy shares the old one
+        self.queued_end = cache.offset
+        if sum(q.shape[2] for q in self.queued) > cache.headroom(cache.target()):
+            self._account(cache)
 
-    def keep_rows(self, index: mx.array) -> None:
-        self.mass = mx.take_along_axis(self._mass(self.store.rows), index, axis=-1)
-        super().keep_rows(index)
+    def kept(self, cache: EvictingCache, index: mx.array) -> None:
+        self.mass = mx.take_along_axis(self._mass(cache, cache.store.rows), index, axis=-1)
 
-    def trim(self, n: int) -> int:
+    def trimmed(self, cache: EvictingCache) -> None:
         """The trimmed rows' mass goes, and so do the trimmed tokens' queued queries: what they
         would have added is never counted. Mass already accounted stays (see the module doc)."""
-        n = super().trim(n)
         if self.mass is not None:
-            self.mass = self.mass[..., : self.store.rows]
-        drop = self.queued_end - self.offset
+            self.mass = self.mass[..., : cache.store.rows]
+        drop = self.queued_end - cache.offset
         if drop > 0 and self.queued:
             queries = mx.concatenate(self.queued, axis=2)
             left = queries.shape[2] - drop
             self.queued = [queries[..., :left, :]] if left > 0 else []
-        self.queued_end = min(self.queued_end, self.offset)
-        return n
-
-    def _remember(self, queries: mx.array) -> None:
-        """No observation window: the scores come from every query (:meth:`observe`).
-
-        ``uses_queries`` stays true because the scores need the model's real queries."""
+        self.queued_end = min(self.queued_end, cache.offset)
 
     @property
     def nbytes(self) -> int:
-        extra = sum(q.nbytes for q in self.queued) + (0 if self.mass is None else self.mass.nbytes)
-        return super().nbytes + extra
+        return sum(q.nbytes for q in self.queued) + (0 if self.mass is None else self.mass.nbytes)
 
-    @property
-    def state(self) -> tuple[Any, ...]:
-        """The base's state with the accumulated mass (queued queries accounted) before the settings."""
-        self._account()
-        *rows, queries, meta = super().state
-        return (*rows, queries, None if self.empty() else self._mass(self.store.rows), meta)
+    def state(self, cache: EvictingCache) -> tuple[mx.array | None, ...]:
+        """The accumulated mass (queued queries accounted)."""
+        self._account(cache)
+        return (None if cache.empty() else self._mass(cache, cache.store.rows),)
 
-    @state.setter
-    def state(self, value: tuple[Any, ...]) -> None:
-        """Also the base's layout (rebuilt caches, e.g. from a batch): the mass restarts at zero."""
-        *rows, queries, mass, meta = value if len(value) == 6 else (*value[:-1], None, value[-1])
-        CompressedKVCache.state.fset(self, (*rows, queries, meta))
-        self.mass = mass
+    def load(self, state: tuple[mx.array | None, ...]) -> None:
+        """Also a cache saved without it (rebuilt caches, e.g. from a batch): the mass restarts at zero."""
+        self.mass = state[0] if state else None
 
-    def _account(self) -> None:
+    def _account(self, cache: EvictingCache) -> None:
         """Add the queued queries' attention to the mass, in one pass."""
         if not self.queued:
             return
         queries = self.queued[0] if len(self.queued) == 1 else mx.concatenate(self.queued, axis=2)
         self.queued = []
-        keys, _ = self.store.fetch()
+        keys, _ = cache.store.fetch()
         first = self.queued_end - queries.shape[2]
-        mass = received_mass(queries, keys, self.scale, self.store.row_positions(), first)
-        self.mass = self._mass(keys.shape[2]) + mass
+        mass = received_mass(queries, keys, self.scale, cache.store.row_positions(), first)
+        self.mass = self._mass(cache, keys.shape[2]) + mass
 
-    def _mass(self, rows: int) -> mx.array:
+    def _mass(self, cache: EvictingCache, rows: int) -> mx.array:
         """The accumulated mass of the first ``rows`` rows; rows not accounted yet have none."""
         have = 0 if self.mass is None else self.mass.shape[-1]
         if have == rows:
             return self.mass
-        b, h = self.store.positions.shape[:2]
+        b, h = cache.store.positions.shape[:2]
         fresh = mx.zeros((b, h, rows - have), mx.float32)
         return fresh if self.mass is None else mx.concatenate([self.mass, fresh], axis=-1)
+
+
+@method("h2o", "Heavy hitters: attention accumulated over every step's queries; top-k per KV head.", policy=True)
+class H2OCache(EvictingCache):
+    """H2O's cache: its rows chosen by :class:`H2O`."""
+
+    policy_class = H2O

@@ -28,9 +28,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..config import CORE_SETTINGS, ConfigError, VeloxConfig
-from ..coordinators import Span, settle
-from ..memo import per_model
+from .config import CORE_SETTINGS, ConfigError, VeloxConfig
+from .coordinators import Span, settle
+from .memo import per_model
 
 # settings that may differ per rank: they change nothing in the caches
 LOCAL_SETTINGS = ("log", "stats", "strict", "blas", "float32")

@@ -52,46 +52,38 @@ sequence (``coordinator.reset``) forgets the reports; members that hold no rows 
 shares, while a continued one (a chat's next turn, a restored cache) keeps the shares its rows were
 compressed with until its new prompt's reports replace them.
 
-The policy is the chosen method's cache class: a squeeze cache of policy ``h2o`` is an instance of
-a class deriving from both :class:`SqueezeCache` and ``H2OCache`` (made once per policy, under the
-name mlx_lm saves and looks up), so the policy's scores, hooks and per-row state (H2O's accumulated
-attention following compactions and trims) work unchanged. Its own knobs keep their defaults and are
-saved with the cache.
+The policy is the chosen method's policy object (:class:`~veloxpatch.caches.evicting.Policy`, found by
+its id in the registry: any method registered with ``policy=True``), composed into the squeeze cache as
+kvpress's wrapper presses take an inner press, so the policy's scores, hooks and per-row state (H2O's
+accumulated attention following compactions and trims) work unchanged. Its knobs reach it and are saved
+with the cache.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 
-from ..config import Setting, choice
+from ..caches.allocation import layer_budgets
+from ..caches.evicting import EvictingCache, Policy
+from ..caches.masks import visible
 from ..coordinators import Coordinator
 from ..log import once
-from . import CACHE_CLASSES, method
-from .base import CompressedKVCache
-from .pyramidkv import layer_budgets
+from ..registry import cache_class, method, policies
+from ..settings import Setting, choice, number_range
 
-POLICIES = ("snapkv", "h2o", "streamingllm", "tova")
 SIGNALS = ("cosine", "entropy")
 GROUPS = 3  # the paper's k-means clusters
 
 
-def _strength(text: str) -> float:
-    value = float(text)
-    if not 0 <= value <= 1:
-        raise ValueError(text)
-    return value
-
-
 KNOBS = (
-    Setting("VELOX_SQUEEZE_POLICY", choice(POLICIES), "snapkv", "one of " + ", ".join(POLICIES),
+    Setting("VELOX_SQUEEZE_POLICY", choice(policies), "snapkv", lambda: "one of " + ", ".join(policies()),
             "SqueezeAttention: the method that picks the rows inside each layer.", method="squeeze"),
-    Setting("VELOX_SQUEEZE_STRENGTH", _strength, "0.5", "a number in [0, 1]",
+    Setting("VELOX_SQUEEZE_STRENGTH", number_range(0, 1), "0.5", "a number in [0, 1]",
             "SqueezeAttention: the part of its budget above sink + window that the least important group of "
             "layers gives to the others (the paper's 1 - p; 0: uniform).", method="squeeze"),
     Setting("VELOX_SQUEEZE_SIGNAL", choice(SIGNALS), "cosine", "one of " + ", ".join(SIGNALS),
@@ -220,48 +212,35 @@ def shares_of(members: Sequence[Any]) -> tuple[float, ...] | None:
     return None if len(shares) < 2 or None in shares else shares
 
 
-@functools.cache
-def with_policy(policy: str) -> type[SqueezeCache]:
-    """The squeeze cache class whose rows are picked by ``policy``'s cache class.
-
-    Named like :class:`SqueezeCache`, which is what mlx_lm saves and looks up on load (the policy
-    travels in the knobs)."""
-    return type(SqueezeCache.__name__, (SqueezeCache, CACHE_CLASSES[policy]),
-                {"__doc__": SqueezeCache.__doc__, "__module__": __name__,
-                 "__qualname__": f"{SqueezeCache.__qualname__}[{policy}]"})
-
-
 @method("squeeze", "Layer budgets set by how much each layer's attention changes the hidden state over the prompt "
-        "(k-means groups); rows by a policy.", KNOBS)
-class SqueezeCache(CompressedKVCache):
-    """Per-layer budgets from :class:`SqueezeCoordinator`; the rows are picked by the policy's class."""
+        "(k-means groups); rows by a policy.", KNOBS, composes=lambda knobs: (knobs.get("squeeze_policy", "snapkv"),))
+class SqueezeCache(EvictingCache):
+    """Per-layer budgets from :class:`SqueezeCoordinator`; the rows are picked by the chosen method's policy."""
 
     coordinator_class = SqueezeCoordinator
     wants_layer_io = True  # the cosine signal compares the block input with the attention output
 
-    def __new__(cls, *args: Any, policy: str = "snapkv", **kwargs: Any) -> SqueezeCache:
-        """``SqueezeCache(...)`` builds an instance of its class for ``policy``; copies, which call
-        ``__new__`` on that class without arguments, stay in it."""
-        return super().__new__(with_policy(policy) if cls is SqueezeCache else cls)
-
-    @classmethod
-    def built_as(cls, knobs: Mapping[str, Any]) -> type[CompressedKVCache]:
-        """The policy's class: its knobs (``VELOX_SNAPKV_KERNEL`` under the snapkv policy) reach it."""
-        return with_policy(knobs.get("squeeze_policy", "snapkv")) if cls is SqueezeCache else cls
-
     def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", policy: str = "snapkv",
                  strength: float = 0.5, signal: str = "cosine", share: float | None = None, **knobs: Any) -> None:
+        self.policy_name = policy  # before the base makes the policy from it
         super().__init__(budget, sink, window, mode, **knobs)
-        self.policy = policy
         self.strength = strength
         self.signal = signal
         self.share = share  # this layer's share of the budget (mean 1 over the list), None: not set
         self.block_input: mx.array | None = None  # this step's block input, until the attention output comes
         self.awaiting = False  # this step is a prompt chunk whose cosine report waits for the attention output
 
+    def make_policy(self, **knobs: Any) -> Policy:
+        """The policy of the method named by ``VELOX_SQUEEZE_POLICY``, with that method's knobs."""
+        return cache_class(self.policy_name).policy_class(**knobs)
+
+    @classmethod
+    def prompt_state(cls) -> str:
+        return "own"  # the prompt's reports to the coordinator
+
     def knob_values(self) -> dict[str, Any]:
-        return {**super().knob_values(), "policy": self.policy, "strength": self.strength, "signal": self.signal,
-                "share": self.share}
+        return {**super().knob_values(), "policy": self.policy_name, "strength": self.strength,
+                "signal": self.signal, "share": self.share}
 
     def target(self) -> int:
         """This layer's share of layers x budget, or the plain budget while the list has no shares."""
@@ -309,10 +288,10 @@ class SqueezeCache(CompressedKVCache):
         hkv = keys.shape[1]
         q = (queries[..., -w:, :].astype(mx.float32) * scale).reshape(b, hkv, hq // hkv, w, d)
         logits = q @ mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)
-        visible = self._visible(self.store.row_positions(), w)[:, :, None]
-        probs = mx.softmax(mx.where(visible, logits, -mx.inf), axis=-1, precise=True)
+        seen_rows = visible(self.store.row_positions(), w, self.offset)[:, :, None]
+        probs = mx.softmax(mx.where(seen_rows, logits, -mx.inf), axis=-1, precise=True)
         entropy = -(probs * mx.log(mx.maximum(probs, 1e-30))).sum(axis=-1)
-        seen = visible.sum(axis=-1)
+        seen = seen_rows.sum(axis=-1)
         return mx.where(seen > 1, entropy / mx.log(mx.maximum(seen, 2)), 0.0).mean()
 
     def _report(self, importance: mx.array) -> None:

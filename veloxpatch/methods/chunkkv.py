@@ -36,11 +36,11 @@ import logging
 
 import mlx.core as mx
 
-from ..config import Setting, int_range
+from ..caches.evicting import EvictingCache, Policy
 from ..coordinators import Coordinator
 from ..log import once
-from . import method
-from .base import CompressedKVCache
+from ..registry import method
+from ..settings import Setting, int_range
 
 
 KNOBS = (
@@ -95,87 +95,93 @@ class ChunkKVIndexReuseCoordinator(Coordinator):
         return self.latest(self.topic(layer, block))
 
 
-@method("chunkkv", "Window attention summed over chunks of consecutive tokens; whole chunks kept, per KV head.",
-        KNOBS)
-class ChunkKVCache(CompressedKVCache):
-    """Keeps the chunks of consecutive tokens the recent queries attend to most."""
+class ChunkKV(Policy):
+    """Keeps the chunks of consecutive tokens the recent queries attend to most; with index reuse, the
+    leader layer of each block chooses for the block."""
 
-    coordinator_class = ChunkKVIndexReuseCoordinator
-
-    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", chunk: int = 10,
-                 reuse: int = 1) -> None:
-        super().__init__(budget, sink, window, mode)
+    def __init__(self, chunk: int = 10, reuse: int = 1) -> None:
         self.chunk = chunk
         self.reuse = reuse
 
     def knob_values(self) -> dict[str, object]:
         return {"chunk": self.chunk, "reuse": self.reuse}
 
-    def score(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+    def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         """Window attention per row; protected rows score nothing (they are kept anyway, and the
         window's attention to itself would otherwise promote the chunk it starts in)."""
-        scores = self.window_attention(keys, positions, scale)
-        return mx.where(self.protected(positions), 0.0, scores)
+        scores = cache.memory.attention(keys, positions, scale)
+        return mx.where(cache.protected(positions), 0.0, scores)
 
-    def select(self, keep: int, scale: float) -> mx.array:
+    def select(self, cache: EvictingCache, keep: int, scale: float) -> mx.array:
         """A follower applies its leader's choice when it can; a leader publishes its own."""
-        if self._follower():
-            kept = self._leaders_rows(keep)
-            return kept if kept is not None else self.choose(keep, scale)
-        index = self.choose(keep, scale)
-        if self.reuse > 1 and isinstance(self.coordinator, ChunkKVIndexReuseCoordinator):
-            positions = mx.take_along_axis(self.store.row_positions(), index, axis=-1)
-            self.coordinator.share(self.layer, self.reuse, positions)
+        if self._follower(cache):
+            kept = self._leaders_rows(cache, keep)
+            return kept if kept is not None else self.choose(cache, keep, scale)
+        index = self.choose(cache, keep, scale)
+        if self.reuse > 1 and isinstance(cache.coordinator, ChunkKVIndexReuseCoordinator):
+            positions = mx.take_along_axis(cache.store.row_positions(), index, axis=-1)
+            cache.coordinator.share(cache.layer, self.reuse, positions)
         return index
 
-    def choose(self, keep: int, scale: float) -> mx.array:
-        """This layer's own choice, (B, kv_heads, keep) ascending: the best whole chunks per head."""
-        keys, _ = self.store.fetch()
-        positions = self.store.row_positions()
-        scores = self.score(keys, positions, scale).astype(mx.float32)
-        order = keep_order(scores, positions, self.protected(positions), self.chunk, self.offset)
+    def choose(self, cache: EvictingCache, keep: int, scale: float) -> mx.array:
+        """The layer's own choice, (B, kv_heads, keep) ascending: the best whole chunks per head."""
+        keys, _ = cache.store.fetch()
+        positions = cache.store.row_positions()
+        scores = self.score(cache, keys, positions, scale).astype(mx.float32)
+        order = keep_order(scores, positions, cache.protected(positions), self.chunk, cache.offset)
         return mx.sort(mx.argpartition(order, kth=keep - 1, axis=-1)[..., :keep], axis=-1)
 
-    def _follower(self) -> bool:
-        return self.reuse > 1 and self.layer % self.reuse != 0
+    def _follower(self, cache: EvictingCache) -> bool:
+        return self.reuse > 1 and cache.layer % self.reuse != 0
 
-    def _leaders_rows(self, keep: int) -> mx.array | None:
+    def _leaders_rows(self, cache: EvictingCache, keep: int) -> mx.array | None:
         """The rows holding the positions this block's leader kept in this forward, or None (said
         once) when there is no such choice or it does not fit this layer."""
-        coordinator = self.coordinator
+        coordinator = cache.coordinator
         shared = isinstance(coordinator, ChunkKVIndexReuseCoordinator)
-        chosen = coordinator.shared(self.layer, self.reuse) if shared else None
-        positions = self.store.row_positions()
+        chosen = coordinator.shared(cache.layer, self.reuse) if shared else None
+        positions = cache.store.row_positions()
         if chosen is None:
-            return self._fallback("its leader layer did not compress in this forward")
+            return _fallback("its leader layer did not compress in this forward")
         if tuple(chosen.shape) != (*positions.shape[:2], keep):
-            return self._fallback("its leader's choice has another shape (batch, KV heads or budget differ)")
-        rows = self._rows_of(positions, chosen)
+            return _fallback("its leader's choice has another shape (batch, KV heads or budget differ)")
+        rows = rows_of(positions, chosen, cache.offset)
         if not bool((rows >= 0).all().item()):
-            return self._fallback("its leader kept positions it does not hold")
+            return _fallback("its leader kept positions it does not hold")
         return rows
 
-    def _rows_of(self, positions: mx.array, wanted: mx.array) -> mx.array:
-        """Rows holding the positions ``wanted`` (B, H, k), ascending; -1 where this layer has none.
 
-        A lookup table by position (one entry per token seen) avoids comparing every pair. Where
-        a trim left fewer rows than the budget the leader kept holes (-1); the follower keeps its
-        own, the j-th hole wanted taking its j-th hole row, so the two layers stay alike.
-        """
-        b, h, rows = positions.shape
-        index = mx.broadcast_to(mx.arange(rows, dtype=mx.int32), (b, h, rows))
-        table = mx.full((b, h, self.offset + 1), -1, mx.int32)
-        table = mx.put_along_axis(table, mx.where(positions >= 0, positions, self.offset), index, axis=-1)
-        seen = (wanted >= 0) & (wanted < self.offset)
-        found = mx.take_along_axis(table, mx.where(seen, wanted, self.offset), axis=-1)
-        hole = wanted < 0
-        nth = mx.cumsum(hole.astype(mx.int32), axis=-1) - 1
-        holes = mx.argsort(mx.where(positions < 0, index, rows + index), axis=-1).astype(mx.int32)
-        own_hole = mx.take_along_axis(holes, mx.clip(nth, 0, rows - 1), axis=-1)
-        enough = nth < (positions < 0).sum(axis=-1, keepdims=True)
-        return mx.sort(mx.where(hole, mx.where(enough, own_hole, -1), found), axis=-1)
+def rows_of(positions: mx.array, wanted: mx.array, seen: int) -> mx.array:
+    """Rows holding the positions ``wanted`` (B, H, k), ascending; -1 where ``positions`` (B, H, rows) has
+    none (``seen``: the tokens the layer has seen, which bounds the positions).
 
-    def _fallback(self, reason: str) -> None:
-        once(f"chunkkv reuse: {reason}", logging.INFO,
-             f"chunkkv: a follower layer chose its own chunks because {reason} (said once)")
-        return None
+    A lookup table by position (one entry per token seen) avoids comparing every pair. Where
+    a trim left fewer rows than the budget the leader kept holes (-1); the follower keeps its
+    own, the j-th hole wanted taking its j-th hole row, so the two layers stay alike.
+    """
+    b, h, rows = positions.shape
+    index = mx.broadcast_to(mx.arange(rows, dtype=mx.int32), (b, h, rows))
+    table = mx.full((b, h, seen + 1), -1, mx.int32)
+    table = mx.put_along_axis(table, mx.where(positions >= 0, positions, seen), index, axis=-1)
+    found = mx.take_along_axis(table, mx.where((wanted >= 0) & (wanted < seen), wanted, seen), axis=-1)
+    hole = wanted < 0
+    nth = mx.cumsum(hole.astype(mx.int32), axis=-1) - 1
+    holes = mx.argsort(mx.where(positions < 0, index, rows + index), axis=-1).astype(mx.int32)
+    own_hole = mx.take_along_axis(holes, mx.clip(nth, 0, rows - 1), axis=-1)
+    enough = nth < (positions < 0).sum(axis=-1, keepdims=True)
+    return mx.sort(mx.where(hole, mx.where(enough, own_hole, -1), found), axis=-1)
+
+
+def _fallback(reason: str) -> None:
+    once(f"chunkkv reuse: {reason}", logging.INFO,
+         f"chunkkv: a follower layer chose its own chunks because {reason} (said once)")
+    return None
+
+
+@method("chunkkv", "Window attention summed over chunks of consecutive tokens; whole chunks kept, per KV head.",
+        KNOBS)
+class ChunkKVCache(EvictingCache):
+    """ChunkKV's cache: whole chunks kept (:class:`ChunkKV`); its list shares the leaders' choices."""
+
+    coordinator_class = ChunkKVIndexReuseCoordinator
+    policy_class = ChunkKV

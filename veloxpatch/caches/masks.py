@@ -1,0 +1,65 @@
+"""Attention masks for the rows a cache holds, as plain functions.
+
+A cache supplies the mask for its own rows (contract 3 of docs/DESIGN.md): every row it holds is in
+the past of every new token, so the lower-right aligned causal mask is right for held + new rows; where
+a trim left holes (position -1), a boolean mask from each row's position. A mask the model built with
+information of its own is combined with ours (:func:`combined`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+
+def causal(rows: int, n: int, window_size: int | None = None) -> mx.array:
+    """(n, rows) boolean: the last ``n`` of ``rows`` rows are the queries, each seeing every row up to its own
+    (and, with ``window_size``, only the ``window_size`` newest of them)."""
+    columns = mx.arange(rows)[None]
+    queries = mx.arange(rows - n, rows)[:, None]
+    mask = queries >= columns
+    if window_size is not None:
+        mask = mask & (queries < columns + window_size)
+    return mask
+
+
+def visible(positions: mx.array, n: int, end: int) -> mx.array:
+    """(B, kv_heads, n, rows): which rows of ``positions`` (B, kv_heads, rows) the ``n`` tokens before ``end``
+    see: no hole, nothing in their future."""
+    query_positions = end - n + mx.arange(n)
+    rows = positions[:, :, None, :]
+    return (rows >= 0) & (rows <= query_positions[:, None])
+
+
+def by_position(positions: mx.array, n: int, end: int, query_heads: int, before: int = 0) -> mx.array:
+    """(B, query_heads, n, before + rows): :func:`visible` for the last ``n`` tokens before ``end``, repeated
+    over the query heads of each KV head, after ``before`` rows every query sees (rows attention runs over
+    that are not in the store, all in the past: a cross-layer cache's folds)."""
+    seen = mx.repeat(visible(positions, n, end), query_heads // positions.shape[1], axis=1)
+    if not before:
+        return seen
+    return mx.concatenate([mx.ones((*seen.shape[:3], before), mx.bool_), seen], axis=-1)
+
+
+def restricted(kept: mx.array, rows: int, n: int, query_heads: int, given: Any) -> mx.array:
+    """``given`` (our mask for this step) limited to the rows ``kept`` (B, kv_heads, keep) and the step's own
+    ``n`` rows (the last ones): rows about to be evicted are masked for the step that evicts them."""
+    keep = mx.zeros(kept.shape[:2] + (rows,), mx.bool_)
+    keep = mx.put_along_axis(keep, kept, mx.array(True), axis=-1) | (mx.arange(rows) >= rows - n)
+    keep = mx.repeat(keep, query_heads // keep.shape[1], axis=1)[:, :, None, :]
+    return combined(keep, given, rows, n)
+
+
+def combined(visible: mx.array | str, given: Any, rows: int, n: int) -> Any:
+    """Boolean ``visible`` (or ``"causal"``) combined with a mask ``given`` for ``n`` queries over
+    ``rows`` rows: None, ``"causal"``, a boolean array, or an additive one (-inf where hidden)."""
+    if isinstance(visible, str):
+        visible = causal(rows, n)
+    if given is None:
+        return visible
+    if isinstance(given, str):
+        given = causal(rows, n)
+    if given.dtype == mx.bool_:
+        return visible & given
+    return mx.where(visible, given, mx.array(-mx.inf, given.dtype))

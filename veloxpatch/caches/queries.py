@@ -1,0 +1,70 @@
+"""Query memory: the most recent real queries of a layer, and the attention they pay its rows.
+
+Query-aware methods score rows by what the latest queries attend to (SnapKV's observation window,
+ChunkKV, TOVA's newest query). The attention route hands every step's queries to the cache, which keeps
+a copy of the last few here (how many is the method's choice) with the number of tokens seen when the
+last of them attended, so a row stored after them is never counted as seen.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .masks import visible
+
+
+class QueryMemory:
+    """The last remembered queries (B, query_heads, w, head_dim) and ``end``, the tokens seen when the newest
+    of them attended: they are the queries of tokens ``end - w .. end - 1``."""
+
+    def __init__(self, queries: mx.array | None = None, end: int = 0) -> None:
+        self.queries = queries
+        self.end = end
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.queries is None else self.queries.nbytes
+
+    def remember(self, queries: mx.array, seen: int, length: int) -> None:
+        """Keep a copy of the most recent ``length`` queries (none when 0), the newest being this step's, which
+        attended after ``seen`` tokens.
+
+        A copy, not a slice: a slice would keep the whole chunk's query tensor alive. After a prompt chunk
+        the copy is scheduled at once (``async_eval``): left lazy, it would be computed only when the
+        forward's results are, keeping every layer's whole query tensor alive until then and raising the
+        prompt's peak memory above mlx_lm's. Queries of a different width (models that attend in another
+        space when decoding) start afresh.
+        """
+        if length == 0:
+            return
+        old = self.queries
+        if old is not None and queries.shape[2] < length and old.shape[-1] == queries.shape[-1]:
+            queries = mx.concatenate([old, queries], axis=2)
+        self.queries = mx.contiguous(queries[..., -length:, :])
+        self.end = seen
+        if queries.shape[2] > length:
+            mx.async_eval(self.queries)
+
+    def trim(self, offset: int) -> None:
+        """Forget the queries of tokens at ``offset`` or later (a trim back to that prefix)."""
+        if self.queries is not None and self.end > offset:
+            kept = self.queries.shape[2] - (self.end - offset)
+            self.queries = self.queries[..., :kept, :] if kept > 0 else None
+        self.end = min(self.end, offset)
+
+    def attention(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
+        """Attention mass each row gets from the remembered queries, (B, kv_heads, rows), summed over the
+        queries and over the query heads of each KV head (GQA).
+
+        A row is visible to a query when its position is not later (holes never), so rows stored since
+        (the step that compresses an ``end``-mode prompt) get nothing. With no query remembered (a trim
+        took them, or a cache rebuilt without them) the newest rows score highest.
+        """
+        if self.queries is None:
+            return positions.astype(mx.float32)
+        b, hq, w, d = self.queries.shape
+        hkv = keys.shape[1]
+        q = self.queries.astype(mx.float32).reshape(b, hkv, hq // hkv, w, d) * scale
+        logits = q @ mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)
+        logits = mx.where(visible(positions, w, self.end)[:, :, None], logits, -mx.inf)
+        return mx.softmax(logits, axis=-1).sum(axis=(2, 3))

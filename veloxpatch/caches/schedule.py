@@ -1,0 +1,49 @@
+"""When a cache compresses (``VELOX_COMPRESS``), and how many decode rows it lets gather first.
+
+A step of more than ``headroom`` tokens is a prompt chunk; any other (decode steps, speculative
+verification steps) is decode-sized. ``chunk`` compresses after every prompt chunk, so a layer holds at
+most budget + chunk rows while the prompt is read. ``end`` leaves the prompt's chunks alone: the first
+decode-sized step finds the prompt pending and compresses it before it attends, scored by the prompt's
+last window (SnapKV's one-shot mode). In decode a cache compresses once it holds budget + headroom rows
+(headroom: an eighth of the budget, 8 to 64), so the copy a compression costs is amortised.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class Schedule:
+    """The compression schedule of one cache, in ``mode`` (``end`` or ``chunk``)."""
+
+    max_headroom: ClassVar[int] = 64
+
+    def __init__(self, mode: str = "end") -> None:
+        self.mode = mode
+
+    def headroom(self, keep: int) -> int:
+        """Decode rows allowed above a budget of ``keep`` before compressing again (an eighth, 8 to 64)."""
+        return min(self.max_headroom, max(8, keep // 8))
+
+    def decode_sized(self, n: int) -> bool:
+        """Whether a step of ``n`` tokens is decode-sized under any budget (at most the largest headroom)."""
+        return n <= self.max_headroom
+
+    def due(self, rows: int, n: int, keep: int) -> bool:
+        """Whether a cache holding ``rows`` rows compresses to ``keep`` after a step of ``n`` tokens."""
+        if rows <= keep:
+            return False
+        room = self.headroom(keep)
+        if n > room:  # a prompt chunk
+            return self.mode == "chunk"
+        return rows >= keep + room
+
+    def pending(self, rows: int, n: int, keep: int) -> bool:
+        """Whether a decode-sized step of ``n`` tokens arrives over a prompt left uncompressed (``end`` mode):
+        then the prompt is compressed before the step attends, scored by the prompt's window."""
+        return n <= self.headroom(keep) and rows - n >= keep + self.headroom(keep)
+
+    def folds(self, n: int) -> bool:
+        """Whether a cross-layer cache may fold rows after a step of ``n`` tokens: after any step in ``chunk``
+        mode, after decode-sized ones in ``end`` mode (the whole prompt folds at the first decode step)."""
+        return self.mode == "chunk" or self.decode_sized(n)

@@ -1,0 +1,308 @@
+"""The one place that names what mlx_lm keeps private and veloxpatch's batched generation touches.
+
+:mod:`.batched` reaches into mlx_lm 0.32's ``BatchGenerator`` (the tuples of its waiting sequences,
+the caches of its prompt and generation batches), builds subclasses of ``KVCache`` and
+``BatchKVCache`` that override ``merge``, ``filter``, ``extend`` and ``extract`` and rely on
+``BatchKVCache.offset`` holding one position per sequence, and answers ``batch_generate`` itself
+with mlx_lm's ``BatchStats``, ``BatchResponse`` and ``wired_limit``. Each function here says which
+layout it assumes; :data:`LAYOUTS` checks every one of them against the installed mlx_lm without a
+model (a ``BatchGenerator`` over no model, a few one-row caches, signatures), and
+:func:`layout_problem` says what differs, so a changed mlx_lm turns batching off instead of
+corrupting it.
+
+mlx_lm is imported on first use (:func:`_mlx_lm`): importing veloxpatch never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import inspect
+from types import ModuleType
+from typing import Any, Callable, ContextManager, Iterator
+
+import mlx.core as mx
+
+from .._version import __version__
+
+CACHES_AT = 3
+"""Where a waiting sequence's cache list sits in its tuple in ``BatchGenerator._unprocessed_sequences``:
+``insert_segments`` queues (uid, segments, max_tokens, caches, all_tokens, sampler, logits processors,
+stop sequences) and ``_make_batch`` reads the caches back from there."""
+
+INSERT_ARGUMENTS = ("segments", "caches", "all_tokens")
+"""The ``insert_segments`` arguments :mod:`.batched` reads and rewrites by name."""
+
+BATCH_GENERATE = ("(model, tokenizer, prompts, prompt_caches, max_tokens, verbose, return_prompt_caches, "
+                  "return_token_ids, return_logprobs, **kwargs)")
+"""``batch_generate``'s parameters: the sequential answer takes them by these names."""
+
+OVERRIDDEN = {
+    "KVCache": {"merge": "(caches)", "update_and_fetch": "(self, keys, values)"},
+    "BatchKVCache": {"merge": "(caches)", "filter": "(self, batch_indices)", "extend": "(self, other)",
+                     "extract": "(self, idx)"},
+}
+"""mlx_lm's cache methods the :func:`mixed_into` subclasses override, as mlx_lm calls them."""
+
+BATCH_STATS = ("prompt_tokens", "prompt_time", "generation_tokens", "generation_steps", "decode_time", "wall_time",
+               "peak_memory", "prompt_tps", "generation_tps")
+"""What the sequential answer counts into ``BatchStats`` and reads back from it."""
+
+BATCH_RESPONSE = ("texts", "stats", "caches", "token_ids", "logprobs")
+"""The ``BatchResponse`` fields the sequential answer fills, by name."""
+
+
+def _mlx_lm(name: str) -> ModuleType:
+    """``mlx_lm.<name>``, imported here, at first use: importing veloxpatch must not cost mlx_lm's start-up.
+    (``import_module``, not ``from mlx_lm import``: ``mlx_lm.generate`` is also a function's name.)"""
+    return importlib.import_module(f"mlx_lm.{name}")
+
+
+# --------------------------------------------------------------------- BatchGenerator
+def new_sequence_caches(generator: Any) -> list:
+    """The cache list ``insert_segments`` makes for a sequence that brings none: ``make_prompt_cache``
+    of the ``model`` and ``max_kv_size`` the generator keeps under those names."""
+    return _mlx_lm("models.cache").make_prompt_cache(generator.model, generator.max_kv_size)
+
+
+def replace_waiting_caches(generator: Any, replace: Callable[[Any], Any]) -> None:
+    """Put ``replace(caches)`` in place of each waiting sequence's cache list: sequences wait in
+    ``generator._unprocessed_sequences``, tuples with their cache list at :data:`CACHES_AT`, until
+    their prefill group is merged."""
+    waiting = generator._unprocessed_sequences
+    for k in range(len(waiting)):
+        sequence = waiting[k]
+        waiting[k] = (*sequence[:CACHES_AT], replace(sequence[CACHES_AT]), *sequence[CACHES_AT + 1:])
+
+
+def replace_running_caches(generator: Any, replace: Callable[[Any], Any]) -> None:
+    """Put ``replace(cache)`` in place of each batch cache already running, in place: the per-layer
+    lists ``generator._prompt_batch.prompt_cache`` and ``generator._generation_batch.prompt_cache``,
+    which mlx_lm extends, filters and extracts from as it goes."""
+    for batch in (generator._prompt_batch.prompt_cache, generator._generation_batch.prompt_cache):
+        batch[:] = [replace(cache) for cache in batch]
+
+
+# --------------------------------------------------------------------- KVCache and BatchKVCache
+def mixed_into(mixin: type, base: str) -> type:
+    """``mixin`` on mlx_lm's ``models.cache.<base>`` (a name in :data:`OVERRIDDEN`), named as the mixin
+    without its "Mixin": the mixin may override the methods listed there, called as listed."""
+    parent = getattr(_mlx_lm("models.cache"), base)
+    return type(mixin.__name__.removesuffix("Mixin"), (mixin, parent),
+                {"__doc__": mixin.__doc__, "__module__": mixin.__module__})
+
+
+def kv_cache_holding(cls: type, keys: Any, values: Any, rows: int) -> Any:
+    """A new ``cls`` (a ``KVCache``) holding the first ``rows`` rows of ``keys``/``values``: a
+    ``KVCache`` made without arguments is its ``keys`` and ``values`` (capacity along axis 2, maybe
+    more than ``rows``) and ``offset`` (the rows held, which ``BatchKVCache.merge`` reads through ``size``)."""
+    cache = cls()
+    cache.keys, cache.values, cache.offset = keys, values, rows
+    return cache
+
+
+def kv_cache_rows(cache: Any) -> tuple[Any, Any, int]:
+    """A ``KVCache``'s ``keys``, ``values`` and ``offset`` (the rows of the first two it holds), as
+    :func:`kv_cache_holding` takes them; also what ``BatchKVCache.extract`` gives back for one sequence."""
+    return cache.keys, cache.values, cache.offset
+
+
+def batch_size(batch: Any) -> int:
+    """The sequences a ``BatchKVCache`` holds: its ``offset`` is an array with one entry per sequence."""
+    return batch.offset.shape[0]
+
+
+def sequence_offset(batch: Any, idx: int) -> int:
+    """Sequence ``idx``'s RoPE position in a ``BatchKVCache`` (its ``offset`` entry: the tokens it has
+    seen, counted apart from the rows the batch stores for it, which ``left_padding`` masks)."""
+    return int(batch.offset[idx].item())
+
+
+def shift_offsets(batch: Any, shift: list[int]) -> None:
+    """Move each sequence's position in a ``BatchKVCache`` by its ``shift`` entry, leaving its rows."""
+    batch.offset = batch.offset + mx.array(shift, dtype=batch.offset.dtype)
+
+
+def recast(batch: Any, cls: type) -> Any:
+    """``batch`` as a ``cls`` (a subclass of its class) sharing its arrays: a ``BatchKVCache``'s whole
+    state is its instance ``__dict__`` (keys, values, offset, left_padding, the row index...)."""
+    recast_batch = cls.__new__(cls)
+    vars(recast_batch).update(vars(batch))
+    return recast_batch
+
+
+# --------------------------------------------------------------------- batch_generate's answer
+def batch_stats() -> Any:
+    """An empty ``BatchStats``: counters (:data:`BATCH_STATS`) the sequential answer adds to."""
+    return _mlx_lm("generate").BatchStats()
+
+
+def batch_response(**fields: Any) -> Any:
+    """``batch_generate``'s ``BatchResponse``, from the :data:`BATCH_RESPONSE` fields by name."""
+    return _mlx_lm("generate").BatchResponse(**fields)
+
+
+def wired_limit(model: Any) -> ContextManager[None]:
+    """mlx_lm's ``wired_limit(model)``, which ``batch_generate`` runs its generator under."""
+    return _mlx_lm("generate").wired_limit(model)
+
+
+# --------------------------------------------------------------------- checking the layouts
+def _names(function: Callable) -> list[str]:
+    """``function``'s parameter names, ``*args`` and ``**kwargs`` marked: what callers bind to."""
+    prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return [prefix.get(p.kind, "") + p.name for p in inspect.signature(function).parameters.values()]
+
+
+def _parameters(function: Callable) -> str:
+    """``function``'s parameters as ``(a, b, *args, **kwargs)``, as :data:`OVERRIDDEN` writes them."""
+    return f"({', '.join(_names(function))})"
+
+
+@contextlib.contextmanager
+def _bare_generator(**settings: Any) -> Iterator[Any]:
+    """A real ``BatchGenerator`` over no model (it runs nothing until ``next``), closed afterwards."""
+    generator = _mlx_lm("generate").BatchGenerator(None, **settings)
+    try:
+        yield generator
+    finally:
+        generator.close()
+
+
+def _check_insert_arguments() -> str | None:
+    """``insert_segments`` takes :data:`INSERT_ARGUMENTS` by name (the wrapper binds and rewrites them)."""
+    found = _names(_mlx_lm("generate").BatchGenerator.insert_segments)
+    missing = [name for name in INSERT_ARGUMENTS if name not in found]
+    return f"no {', '.join(missing)} among its parameters {found}" if missing else None
+
+
+def _check_generator_attributes() -> str | None:
+    """A ``BatchGenerator`` keeps ``model`` and ``max_kv_size`` (:func:`new_sequence_caches`) and its
+    running batch caches as lists (:func:`replace_running_caches`)."""
+    with _bare_generator(max_kv_size=7) as generator:
+        if (getattr(generator, "model", "missing"), getattr(generator, "max_kv_size", "missing")) != (None, 7):
+            return "BatchGenerator(model, max_kv_size=...) keeps no .model and .max_kv_size"
+        for batch in ("_prompt_batch", "_generation_batch"):
+            caches = getattr(getattr(generator, batch, None), "prompt_cache", None)
+            if not isinstance(caches, list):
+                return f"BatchGenerator.{batch}.prompt_cache is {type(caches).__name__}, not a list of batch caches"
+    return None
+
+
+def _check_waiting_sequences() -> str | None:
+    """An inserted sequence waits as a tuple with its cache list at :data:`CACHES_AT`, and its prefill
+    group is merged by its first cache's ``merge`` into the group's ``prompt_cache``: what
+    :func:`replace_waiting_caches` and a joining sequence's ``merge`` override rely on."""
+    merged: list = []
+
+    class Probe:
+        @classmethod
+        def merge(cls, caches: list) -> str:
+            merged.append(caches)
+            return "merged"
+
+    caches = [Probe()]
+    generate = _mlx_lm("generate")
+    with _bare_generator() as generator:
+        inspect.unwrap(generate.BatchGenerator.insert_segments)(generator, [[[1, 2]]], caches=[caches])
+        waiting = list(generator._unprocessed_sequences)
+        if len(waiting) != 1 or not isinstance(waiting[0], tuple):
+            return f"one inserted sequence waits as {[type(w).__name__ for w in waiting]}, not one tuple"
+        at = [i for i, item in enumerate(waiting[0]) if item is caches]
+        if at != [CACHES_AT]:
+            return f"a waiting sequence holds its cache list at {at}, not at [{CACHES_AT}]"
+        group = generator._make_batch(1)
+    if merged != [caches] or group.prompt_cache != ["merged"]:
+        return "a prefill group is not merged by its first sequence's cache's merge into .prompt_cache"
+    return None
+
+
+def _check_overridden() -> str | None:
+    """Every method :data:`OVERRIDDEN` lists exists on mlx_lm's class with those parameters."""
+    cache_module = _mlx_lm("models.cache")
+    for base, methods in OVERRIDDEN.items():
+        for name, expected in methods.items():
+            method = getattr(getattr(cache_module, base), name, None)
+            found = "missing" if method is None else _parameters(method)
+            if found != expected:
+                return f"{base}.{name} is {found}, not {expected}"
+    return None
+
+
+def _check_batch_offsets() -> str | None:
+    """``BatchKVCache.offset`` holds one position per sequence, through ``merge`` (each sequence's rows),
+    ``extend`` and ``filter``; the state lives in the instance ``__dict__`` (:func:`recast`); ``extract``
+    gives one sequence's own rows back as a ``KVCache`` (:func:`kv_cache_rows`)."""
+    cache_module = _mlx_lm("models.cache")
+
+    def rows(n: int) -> Any:
+        return kv_cache_holding(cache_module.KVCache, mx.zeros((1, 1, n, 1)), mx.zeros((1, 1, n, 1)), n)
+
+    batch = cache_module.BatchKVCache.merge([rows(2), rows(1)])
+    if not isinstance(batch.offset, mx.array) or batch.offset.tolist() != [2, 1]:
+        return f"merging sequences of 2 and 1 rows gives offset {batch.offset}, not one position per sequence"
+    if "offset" not in vars(batch):
+        return "a BatchKVCache keeps its state outside its instance __dict__"
+    batch.extend(cache_module.BatchKVCache.merge([rows(3)]))
+    batch.filter([1, 2])
+    if batch_size(batch) != 2 or batch.offset.tolist() != [1, 3]:
+        return f"extend then filter leaves offset {batch.offset}, not the kept sequences' positions"
+    one = batch.extract(0)
+    if kv_cache_rows(one)[0].shape[2] != 1 or one.size() != 1:
+        return "extract does not give back one sequence's own rows as a KVCache"
+    return None
+
+
+def _check_batch_generate() -> str | None:
+    """``batch_generate`` has the parameters :data:`BATCH_GENERATE`."""
+    found = _parameters(_mlx_lm("generate").batch_generate)
+    return None if found == BATCH_GENERATE else f"its parameters are {found}"
+
+
+def _check_batch_results() -> str | None:
+    """``BatchStats`` has :data:`BATCH_STATS`, ``BatchResponse`` the fields :data:`BATCH_RESPONSE`, and
+    ``wired_limit`` takes the model first."""
+    generate = _mlx_lm("generate")
+    missing = [name for name in BATCH_STATS if not hasattr(generate.BatchStats(), name)]
+    if missing:
+        return f"BatchStats has no {', '.join(missing)}"
+    fields = [f.name for f in dataclasses.fields(generate.BatchResponse)]
+    if not set(BATCH_RESPONSE) <= set(fields):
+        return f"BatchResponse's fields are {fields}"
+    found = _names(generate.wired_limit)
+    return None if found[:1] == ["model"] else f"wired_limit takes {found}"
+
+
+LAYOUTS: dict[str, Callable[[], str | None]] = {
+    "BatchGenerator.insert_segments": _check_insert_arguments,
+    "BatchGenerator's state": _check_generator_attributes,
+    "BatchGenerator._unprocessed_sequences": _check_waiting_sequences,
+    "the KVCache/BatchKVCache protocol": _check_overridden,
+    "BatchKVCache.offset": _check_batch_offsets,
+    "batch_generate": _check_batch_generate,
+    "the BatchStats/BatchResponse/wired_limit API": _check_batch_results,
+}
+"""Each layout veloxpatch's batched generation relies on, by name, and its check: None when the
+installed mlx_lm has it, else what was found instead."""
+
+
+def check(name: str) -> str | None:
+    """What the installed mlx_lm has instead of layout ``name`` (None: what veloxpatch knows). A check
+    that raises has found a different layout too; what it raised is said."""
+    try:
+        return LAYOUTS[name]()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+
+
+@functools.cache
+def layout_problem() -> str | None:
+    """Every layout of :data:`LAYOUTS` the installed mlx_lm does not have, said in one line; None if it
+    has them all. Checked once per process (a few one-row caches and a generator over no model: about
+    a millisecond once mlx_lm.generate is imported): mlx_lm's classes do not change under a running app."""
+    found = {name: check(name) for name in LAYOUTS}
+    changed = [f"{name} is not the layout veloxpatch {__version__} knows ({what})"
+               for name, what in found.items() if what is not None]
+    return "; ".join(changed) or None

@@ -1,0 +1,74 @@
+"""PyramidKV (Cai et al., arXiv 2406.02069): SnapKV's selection with budgets that shrink with depth.
+
+Attention funnels through a model: lower layers spread it over the whole context, upper layers
+concentrate it on a few tokens (pyramidal information funneling). So lower layers get more rows and
+upper layers fewer: the budgets form an arithmetic sequence whose last (top) term is ``1/beta`` of the
+mean (``VELOX_PYRAMIDKV_BETA``, the paper's beta, 20 in its runs) and whose first (bottom) term is what
+keeps the mean at the configured budget, so the list holds as many rows as uniform SnapKV at the same
+``VELOX_BUDGET`` (tokens or a percentage: the mean is ``budget.resolve(offset)``). Inside a layer the
+rows are chosen exactly as SnapKV chooses them: this is SnapKV's policy (found by its id in the registry)
+with another :meth:`target`.
+
+Where this deviates from the paper, and why:
+
+* The sequence shapes the evictable part of the budget, above ``VELOX_SINK + VELOX_WINDOW``: every
+  layer keeps its sink and recent window, as every layer of the paper keeps its last alpha tokens
+  (the authors' code also builds the sequence on the budget without the window). So no layer's
+  budget is below sink + window.
+* No layer is given more rows than the tokens it has seen: the rows a lower layer cannot use on a
+  short context go to the layers above, in proportion to their terms (the authors' code clamps the
+  bottom term to the prompt length for the same reason). A budget at or above the context evicts
+  nothing anywhere, as with a uniform budget.
+* Budgets are integers: rounded by largest remainder, so they sum to exactly layers x budget.
+* A list without a coordinator, or with one member, uses the plain budget.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..caches.allocation import layer_budgets
+from ..caches.evicting import EvictingCache
+from ..registry import cache_class, method
+from ..settings import Setting, number_range
+
+
+KNOBS = (
+    Setting("VELOX_PYRAMIDKV_BETA", number_range(1), "20", "a number >= 1",
+            "PyramidKV: the top layer keeps 1/beta of the mean budget above sink + window (1: uniform).",
+            method="pyramidkv"),
+)
+
+
+@functools.lru_cache(maxsize=64)
+def pyramid(layers: int, beta: float) -> tuple[float, ...]:
+    """The paper's arithmetic sequence as shares of the mean, bottom layer first: the top term is
+    ``1/beta``, the bottom ``2 - 1/beta``, so they average 1."""
+    top = 1 / beta
+    bottom = 2 - top
+    return tuple(bottom + (top - bottom) * i / (layers - 1) for i in range(layers))
+
+
+@method("pyramidkv", "SnapKV's selection with budgets shrinking with depth (arithmetic; mean = the budget).", KNOBS,
+        composes=("snapkv",))
+class PyramidKVCache(EvictingCache):
+    """SnapKV's policy with a budget set by the layer's depth in its list."""
+
+    policy_class = cache_class("snapkv").policy_class  # SnapKV's knobs reach it too (``composes``)
+
+    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", beta: float = 20.0,
+                 **snapkv_knobs: object) -> None:
+        super().__init__(budget, sink, window, mode, **snapkv_knobs)
+        self.beta = beta
+
+    def knob_values(self) -> dict[str, object]:
+        return {**super().knob_values(), "beta": self.beta}
+
+    def target(self) -> int:
+        """This layer's term of the pyramid over the model's served layers (the plain budget alone)."""
+        depth, layers = self._depth()
+        budget = self.budget.resolve(self.offset)
+        floor = self.sink + self.window
+        if layers < 2 or depth >= layers:
+            return max(budget, floor)
+        return layer_budgets(pyramid(layers, self.beta), budget, floor, self.offset)[depth]

@@ -1,0 +1,166 @@
+"""The compression methods: one file each, found by id, with their knobs.
+
+A method is a cache class decorated with :func:`method` in a module of its own. The registry finds the
+modules itself the first time :data:`METHODS` is read: every module of the package ``veloxpatch.methods``
+(the built-in ones), then every entry point of the group ``veloxpatch.methods`` of the installed
+distributions, so a method can ship as a package of its own::
+
+    [project.entry-points."veloxpatch.methods"]
+    mymethod = "mypackage.mymethod"
+
+Loading a method module is plugin discovery by name (``importlib``), not an import of a higher layer: the
+registry knows no method, and nothing else changes when one is added. A plugin that fails to load is
+skipped with one WARNING naming it and the error (an app that never uses it keeps running), and is an
+error under ``VELOX_STRICT``; a built-in one that fails is a bug of veloxpatch and raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import pkgutil
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .log import log
+from .settings import PREFIX, Setting, strict_requested
+
+BUILTIN = "veloxpatch.methods"
+ENTRY_POINTS = "veloxpatch.methods"
+
+C = TypeVar("C", bound=type)
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """A registered method: its id, one line for ``veloxpatch methods``, its own knobs, its cache class,
+    the methods whose knobs also reach its caches (a method built on another: a tuple of ids, or a
+    function of the full knobs, e.g. SqueezeAttention's chosen policy), and whether its row policy can
+    pick the rows inside another method (``VELOX_SQUEEZE_POLICY``)."""
+
+    name: str
+    description: str
+    knobs: tuple[Setting, ...]
+    cls: type
+    composes: tuple[str, ...] | Callable[[Mapping[str, Any]], tuple[str, ...]] = ()
+    policy: bool = False
+
+    def composed(self, knobs: Mapping[str, Any]) -> tuple[str, ...]:
+        """The methods whose knobs reach this one's caches under ``knobs`` (by full key)."""
+        return self.composes(knobs) if callable(self.composes) else self.composes
+
+
+class MethodTable(Mapping[str, MethodInfo]):
+    """Every method by id. Reading it loads the built-in methods and the plugins, once; a method module
+    that asks for another method by id while the methods load gets it loaded first."""
+
+    def __init__(self) -> None:
+        self._infos: dict[str, MethodInfo] = {}
+        self._loaded = self._loading = False
+
+    def __getitem__(self, name: str) -> MethodInfo:
+        self.load()
+        if name not in self._infos and self._loading:
+            self._load_builtin(name)  # a method built on another asks for it while the methods load
+        return self._infos[name]
+
+    def __iter__(self) -> Iterator[str]:
+        self.load()
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        self.load()
+        return len(self._infos)
+
+    def add(self, info: MethodInfo) -> None:
+        """Register ``info``; a second method of the same id, or a knob another method has, is refused."""
+        if info.name in self._infos:
+            raise ValueError(f"a method named {info.name!r} is already registered "
+                             f"(by {self._infos[info.name].cls.__module__})")
+        taken = {k.name for m in self._infos.values() for k in m.knobs}
+        clash = [k.name for k in info.knobs if k.name in taken]
+        if clash:
+            raise ValueError(f"method {info.name!r} registers settings that already exist: {clash}")
+        self._infos[info.name] = info
+
+    def remove(self, name: str) -> None:
+        """Forget a method (a test's throwaway one)."""
+        self._infos.pop(name, None)
+
+    def load(self) -> None:
+        """Import every built-in method module, then every plugin's entry point (once per process)."""
+        if self._loaded:
+            return
+        self._loaded = self._loading = True
+        try:
+            package = importlib.import_module(BUILTIN)
+            for found in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+                importlib.import_module(f"{BUILTIN}.{found.name}")
+            for entry in sorted(importlib.metadata.entry_points(group=ENTRY_POINTS), key=lambda e: e.name):
+                self._load_plugin(entry)
+        finally:
+            self._loading = False
+
+    def _load_builtin(self, name: str) -> None:
+        """Import the built-in method ``name`` now, if there is one (its module is named by its id)."""
+        if importlib.util.find_spec(f"{BUILTIN}.{name}") is not None:
+            importlib.import_module(f"{BUILTIN}.{name}")
+
+    def _load_plugin(self, entry: importlib.metadata.EntryPoint) -> None:
+        """Load one plugin's entry point; it must register a method under its own name."""
+        try:
+            entry.load()
+            if entry.name not in self._infos:
+                raise ValueError(f"it registered no method named {entry.name!r}")
+        except Exception as error:
+            message = (f"method plugin {entry.name!r} ({entry.value}) is not loaded: "
+                       f"{type(error).__name__}: {error}")
+            if strict_requested():
+                raise RuntimeError(message) from error
+            log.warning(message)
+
+
+METHODS = MethodTable()
+
+
+def method(name: str, description: str, knobs: tuple[Setting, ...] = (), *,
+           composes: tuple[str, ...] | Callable[[Mapping[str, Any]], tuple[str, ...]] = (),
+           policy: bool = False) -> Callable[[C], C]:
+    """Class decorator: register a cache class as method ``name`` with its knobs (named
+    ``VELOX_<NAME>_*``, with ``method=name``)."""
+
+    def register(cls: C) -> C:
+        for knob in knobs:
+            if not knob.name.startswith(f"{PREFIX}{name.upper()}_") or knob.method != name:
+                raise ValueError(f"knob {knob.name} of {name} must be {PREFIX}{name.upper()}_* with method={name!r}")
+        cls.method = name
+        METHODS.add(MethodInfo(name, description, tuple(knobs), cls, composes, policy))
+        return cls
+
+    return register
+
+
+def cache_class(name: str) -> type:
+    """The cache class of method ``name``."""
+    return METHODS[name].cls
+
+
+def policies() -> tuple[str, ...]:
+    """The methods whose row policy can pick the rows inside another method, sorted."""
+    return tuple(sorted(name for name, info in METHODS.items() if info.policy))
+
+
+def knob_settings(kv: str, knobs: Mapping[str, Any]) -> dict[str, Setting]:
+    """Every knob that reaches ``kv``'s caches under ``knobs``, by the name its constructor takes
+    (``kernel``): its own, and those of the methods it is built on (``pyramidkv`` takes SnapKV's)."""
+    info = METHODS[kv]
+    found: dict[str, Setting] = {}
+    for name in (kv, *info.composed(knobs)):
+        for knob in METHODS[name].knobs:
+            short = knob.key[len(name) + 1:]
+            if short in found:
+                raise ValueError(f"{kv}: knob {short!r} comes from both {found[short].name} and {knob.name}")
+            found[short] = knob
+    return found

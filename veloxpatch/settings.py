@@ -1,0 +1,152 @@
+"""What a ``VELOX_*`` setting is: its parser, default, allowed values and doc, and the parsers they share.
+
+The bottom of the package: it imports nothing else of veloxpatch, so the method registry, the config and
+the light bootstrap can all use it. Every value, wherever it comes from (launcher option, environment,
+``VeloxConfig`` field), is parsed by its :class:`Setting` and fails with the same message.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+PREFIX = "VELOX_"
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off", "")
+
+
+class ConfigError(ValueError):
+    """A setting has a value that is not allowed; the message names the setting, value and rule."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """KV rows a layer keeps: a fixed number of tokens, or a fraction of the tokens it has seen."""
+
+    tokens: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Budget":
+        """``"1024"`` -> 1024 tokens, ``"25%"`` -> a quarter of the tokens seen; ValueError otherwise."""
+        text = text.strip()
+        if text.endswith("%"):
+            pct = float(text[:-1])
+            if not 0 < pct <= 100:
+                raise ValueError(text)
+            return cls(fraction=pct / 100)
+        value = int(text)
+        if value < 1:
+            raise ValueError(text)
+        return cls(tokens=value)
+
+    def resolve(self, seen: int) -> int:
+        """Rows to keep after ``seen`` tokens (a fraction rounds up, so 100% never evicts)."""
+        if self.tokens is not None:
+            return self.tokens
+        return math.ceil(self.fraction * seen)
+
+    def __str__(self) -> str:
+        if self.tokens is not None:
+            return str(self.tokens)
+        return f"{self.fraction * 100:g}%"
+
+
+def int_range(lo: int, hi: int | None) -> Callable[[str], int]:
+    """A parser taking an integer in ``[lo, hi]`` (no upper bound when ``hi`` is None)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lo or (hi is not None and value > hi):
+            raise ValueError
+        return value
+
+    return parse
+
+
+def number_range(lo: float, hi: float | None = None, above: bool = False) -> Callable[[str], float]:
+    """A parser taking a finite number at least ``lo`` (more than ``lo`` when ``above``) and at most ``hi``."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < lo or (above and value == lo) or (hi is not None and value > hi):
+            raise ValueError
+        return value
+
+    return parse
+
+
+def choice(options: tuple[str, ...] | Callable[[], tuple[str, ...]], upper: bool = False) -> Callable[[str], str]:
+    """A parser taking one of ``options`` in any case; the Setting turns its ValueError into the message.
+    ``options`` may be a function, for choices that grow as methods register (read when a value is parsed)."""
+
+    def parse(text: str) -> str:
+        value = text.strip().upper() if upper else text.strip().lower()
+        if value not in (options() if callable(options) else options):
+            raise ValueError
+        return value
+
+    return parse
+
+
+def boolean(text: str) -> bool:
+    """``1/0``, ``true/false``, ``yes/no``, ``on/off`` (and empty: false)."""
+    value = text.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise ValueError
+
+
+def strict_requested() -> bool:
+    """``VELOX_STRICT`` read from the environment alone, for code that runs before (or without) a config:
+    the bootstrap and the method registry's plugin loading."""
+    return os.environ.get("VELOX_STRICT", "").strip().lower() in TRUE
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``VELOX_*`` variable: how to parse it, its default, what is allowed, one line of doc."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: str
+    allowed: str | Callable[[], str]
+    doc: str
+    method: str | None = None
+    is_flag: bool = False
+
+    @property
+    def key(self) -> str:
+        """Attribute/knob name: ``VELOX_SNAPKV_KERNEL`` -> ``snapkv_kernel``."""
+        return self.name[len(PREFIX):].lower()
+
+    @property
+    def allowed_text(self) -> str:
+        """What values are allowed, in words (computed for settings whose choices grow)."""
+        return self.allowed() if callable(self.allowed) else self.allowed
+
+    @property
+    def option(self) -> str:
+        """Launcher option: ``VELOX_SNAPKV_KERNEL`` -> ``--snapkv-kernel``."""
+        return "--" + self.key.replace("_", "-")
+
+    def convert(self, value: Any) -> Any:
+        """Parse a string (or check a Python value) or raise :class:`ConfigError`."""
+        text = to_text(value)
+        try:
+            return self.parse(text)
+        except (ValueError, TypeError):
+            raise ConfigError(
+                f"{self.name}={text!r} is not allowed: expected {self.allowed_text}"
+            ) from None
+
+
+def to_text(value: Any) -> str:
+    """A Python value as the environment would spell it (booleans as 1/0)."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
