@@ -200,7 +200,7 @@ def _model_support(path: Path, config: VeloxConfig) -> None:
     """Probe the model at ``path`` with each method under the effective settings."""
     from mlx_lm.utils import load_model
 
-    from .eval.zoo import explain_patched
+    from .eval.zoo import explain_patched  # here: it imports mlx_lm, which the launcher never needs
 
     model, _ = load_model(path, lazy=True)
     click.echo(f"model {path} ({model_type(model)}):")

@@ -10,11 +10,14 @@ from typing import Any, Iterator
 
 import click
 
+import veloxpatch
+
 from ..assets import model_path
 from ..config import COMPRESS_MODES
-from . import report
+from . import report, tasks
 from .bench import LARGE_RANDOM, PEAK_NOTE, BenchSpec, run_bench
 from .harness import ALL_TASKS, TASKS, EvalSpec, Journal, run_eval
+from .random_model import build, config_for
 from .variants import known_methods, parse_spec, split_specs
 
 EVAL_COLUMNS = ("task", "context", "label", "result", "kv_bytes", "peak_bytes")
@@ -172,8 +175,6 @@ def bench_command(model, random_model, contexts, budget, methods, new_tokens, re
     step = prefill_step(prefill_step_option, model)
     spec = BenchSpec(_ints(contexts), budget, chosen, new_tokens, repeats, step, compress, share_prefill)
     if random_model:
-        from .random_model import build, config_for
-
         loaded, path = build(config_for("llama", **LARGE_RANDOM, max_position_embeddings=1 << 16)), "random llama 8x1024"
     else:
         loaded, _, path = load_model(model)
@@ -189,10 +190,6 @@ def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, se
     import mlx.core as mx
     import mlx_lm.models.cache as mlx_cache
     from mlx_lm import stream_generate
-
-    import veloxpatch
-
-    from . import tasks
 
     prompt, answer = tasks.passkey_example(tokenizer, context, seed, "heldout")
     rows = []
