@@ -19,6 +19,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 import veloxpatch
 from conftest import drain, random_tokens
 from veloxpatch import log
+from veloxpatch.fallback import StrictError
 from veloxpatch.integration import compat
 from veloxpatch.integration.version import mlx_lm_version
 
@@ -202,3 +203,22 @@ def test_a_changed_layout_is_an_error_under_strict(loaded, monkeypatch) -> None:
     caches = make_prompt_cache(model)
     assert type(caches[0]).__name__ == "SnapKVCache", "the rest stays patched under strict too"
     mx.eval(model(mx.array([[1, 2, 3]]), cache=caches))
+
+
+def test_without_a_kv_method_batching_is_mlx_lms_own_whatever_the_layout(loaded, monkeypatch, warnings) -> None:
+    """With only VELOX_FLOAT32 at work nothing of veloxpatch joins a batch: a changed layout says nothing, and
+    strict has nothing to refuse."""
+    model, tokenizer = loaded
+    extract_with_an_option(monkeypatch)  # mlx_lm still runs: only the layout veloxpatch knows has changed
+    prompts = [random_tokens(40, 3).tolist()]
+    expected = batch_generate(model, tokenizer, prompts, max_tokens=3, return_token_ids=True).token_ids
+    veloxpatch.patch(kv="none", float32="on", strict=True)
+    assert batch_generate(model, tokenizer, prompts, max_tokens=3, return_token_ids=True).token_ids == expected
+    assert not [w for w in warnings() if FALLBACK in w]
+
+
+def test_under_strict_batched_generation_on_mlx_lms_caches_is_an_error(loaded) -> None:
+    model, tokenizer = loaded
+    veloxpatch.patch(**BUDGET, strict=True)
+    with pytest.raises(StrictError, match="runs on mlx_lm's own batch caches, not compressed by snapkv"):
+        batch_generate(model, tokenizer, [[1, 2, 3]], max_tokens=2)

@@ -104,14 +104,41 @@ def test_an_unmodified_script_runs_the_plugin_compressed(plugin: Path, model_dir
     assert middle and all(p % STRIDE == 0 for p in middle), found["positions"]
 
 
+HALFWAY = textwrap.dedent('''
+    from veloxpatch.caches.evicting import EvictingCache
+    from veloxpatch.methods.snapkv import SnapKVCache
+    from veloxpatch.registry import method
+
+    @method("halfway", "registers, then its module fails")
+    class HalfwayCache(EvictingCache):
+        policy_class = SnapKVCache.policy_class
+
+    raise ImportError("something it needs is missing")
+''')
+
+
+def broken_plugins(folder: Path) -> None:
+    """Two plugins that fail: one names a module that does not exist, one registers a method and then raises."""
+    for name, module in (("broken", "velox_broken_missing"), ("halfway", "velox_halfway")):
+        dist = folder / f"velox_{name}-0.1.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: velox-{name}\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text(f"[veloxpatch.methods]\n{name} = {module}\n")
+    (folder / "velox_halfway.py").write_text(HALFWAY)
+
+
 def test_a_plugin_that_fails_to_load_is_named_and_skipped_unless_strict(tmp_path: Path) -> None:
-    dist = tmp_path / "velox_broken-0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: velox-broken\nVersion: 0.1\n")
-    (dist / "entry_points.txt").write_text("[veloxpatch.methods]\nbroken = velox_broken_missing\n")
+    broken_plugins(tmp_path)
     listed = launch(tmp_path, "methods")
     assert listed.returncode == 0 and "snapkv" in listed.stdout
     assert "method plugin 'broken' (velox_broken_missing) is not loaded: ModuleNotFoundError" in listed.stderr
+    assert "method plugin 'halfway' (velox_halfway) is not loaded: ImportError" in listed.stderr
+    assert "halfway" not in listed.stdout, "what a failing plugin registered is forgotten"
+    env = {**without_velox(), "PYTHONPATH": str(tmp_path)}
     strict = subprocess.run([LAUNCHER, "methods"], capture_output=True, text=True, timeout=300,
-                            env={**without_velox(), "PYTHONPATH": str(tmp_path), "VELOX_STRICT": "1"})
-    assert strict.returncode != 0 and "method plugin 'broken'" in strict.stderr
+                            env={**env, "VELOX_STRICT": "1"})
+    assert strict.returncode != 0 and "StrictError" in strict.stderr
+    assert "method plugin 'broken'" in strict.stderr and "method plugin 'halfway'" in strict.stderr, "every one named"
+    code = "import veloxpatch; veloxpatch.patch(kv='snapkv', strict=True)"
+    patched = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert patched.returncode != 0 and "StrictError" in patched.stderr and "method plugin 'halfway'" in patched.stderr

@@ -3,7 +3,8 @@
 Only plain full-attention ``KVCache`` slots are candidates. Sliding-window, SSM/linear, quantized,
 ``CacheList`` and any other slot stays exactly as the model made it. Which candidates really get
 our caches is decided by probing what the model does with them (:mod:`veloxpatch.eligibility`);
-a model that fails the probe runs on mlx_lm's own caches, said once at INFO with the reason. When
+a model that fails the probe runs on mlx_lm's own caches, said once with the reason (at INFO, or at WARNING when
+something raised; under ``VELOX_STRICT`` an error instead, :mod:`veloxpatch.fallback`). When
 the method's caches read layer inputs and outputs, the integration hooks the model's attention modules
 and decoder blocks before it calls the builder, so the probe runs the model as it will run.
 """

@@ -131,7 +131,10 @@ def _raised(error: BaseException) -> dict[str, Any]:
     """A verdict's record of ``error``: the error without its traceback (whose frames hold the model, and a
     verdict lives as long as its model), and the traceback as text."""
     trace = "".join(traceback.format_exception(error))
-    error.__traceback__ = None
+    chained: BaseException | None = error
+    while chained is not None:
+        chained.__traceback__ = None
+        chained = chained.__cause__ or chained.__context__
     return {"error": error, "trace": trace}
 
 

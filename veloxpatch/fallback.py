@@ -13,10 +13,9 @@ import traceback
 from typing import Any
 
 from .log import log, model_type, once
+from .settings import StrictError
 
-
-class StrictError(RuntimeError):
-    """Raised under ``VELOX_STRICT`` where veloxpatch would otherwise fall back to mlx_lm's own behaviour."""
+__all__ = ["StrictError", "fall_back", "notice"]
 
 
 def notice(message: str, config: Any, *, key: str, error: BaseException | None = None, level: int = logging.WARNING,

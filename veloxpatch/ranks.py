@@ -32,8 +32,9 @@ from .config import CORE_SETTINGS, ConfigError, VeloxConfig
 from .coordinators import Span, settle
 from .memo import per_model
 
-# settings that may differ per rank: they change nothing in the caches
-LOCAL_SETTINGS = ("log", "stats", "strict", "blas", "float32")
+# settings that may differ per rank: they change nothing in the caches (strict must agree: a strict rank raising
+# inside a build that its peers go on with would leave them waiting in a collective)
+LOCAL_SETTINGS = ("log", "stats", "blas", "float32")
 
 
 class RanksDisagree(ConfigError):

@@ -11,7 +11,7 @@ distributions, so a method can ship as a package of its own::
 Loading a method module is plugin discovery by name (``importlib``), not an import of a higher layer: the
 registry knows no method, and nothing else changes when one is added. A plugin that fails to load is
 skipped with one WARNING naming it and the error (an app that never uses it keeps running), and is an
-error under ``VELOX_STRICT``; a built-in one that fails is a bug of veloxpatch and raises.
+error under ``VELOX_STRICT``; a built-in one that fails is a bug of veloxpatch and every read raises it.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import importlib
 import importlib.metadata
 import importlib.util
 import pkgutil
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .log import log
-from .settings import PREFIX, Setting, strict_requested
+from .settings import PREFIX, Setting, StrictError, strict_requested
 
 BUILTIN = "veloxpatch.methods"
 ENTRY_POINTS = "veloxpatch.methods"
@@ -53,22 +54,30 @@ class MethodInfo:
 
 
 class MethodTable(Mapping[str, MethodInfo]):
-    """Every method by id. Reading it loads the built-in methods and the plugins, once; a method module
-    that asks for another method by id while the methods load gets it loaded first."""
+    """Every method by id. The first read loads the built-in methods, then the plugins, under a lock (a second
+    thread waits for the table to be whole). While they load, the loading thread sees the methods registered so
+    far, and a method asking for a built-in one by id (one built on another) gets it loaded first.
+
+    A built-in method that fails to import is a bug of veloxpatch: every read raises it. A plugin that fails is
+    rolled back (what it registered is forgotten), named in one WARNING and kept in :attr:`failures`; under
+    ``VELOX_STRICT`` (the environment: this runs before any config exists) the loading ends in a
+    :class:`StrictError` naming every one, and ``patch(strict=True)`` raises it too (:mod:`..integration`)."""
 
     def __init__(self) -> None:
         self._infos: dict[str, MethodInfo] = {}
         self._loaded = self._loading = False
+        self._lock = threading.RLock()
+        self.failures: list[str] = []
 
     def __getitem__(self, name: str) -> MethodInfo:
         self.load()
         if name not in self._infos and self._loading:
-            self._load_builtin(name)  # a method built on another asks for it while the methods load
+            self._load_builtin(name)
         return self._infos[name]
 
     def __iter__(self) -> Iterator[str]:
         self.load()
-        return iter(self._infos)
+        return iter(list(self._infos))
 
     def __len__(self) -> int:
         self.load()
@@ -86,22 +95,28 @@ class MethodTable(Mapping[str, MethodInfo]):
         self._infos[info.name] = info
 
     def remove(self, name: str) -> None:
-        """Forget a method (a test's throwaway one)."""
+        """Forget a method (a plugin rolled back, a test's throwaway one)."""
         self._infos.pop(name, None)
 
     def load(self) -> None:
         """Import every built-in method module, then every plugin's entry point (once per process)."""
         if self._loaded:
             return
-        self._loaded = self._loading = True
-        try:
-            package = importlib.import_module(BUILTIN)
-            for found in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-                importlib.import_module(f"{BUILTIN}.{found.name}")
-            for entry in sorted(importlib.metadata.entry_points(group=ENTRY_POINTS), key=lambda e: e.name):
-                self._load_plugin(entry)
-        finally:
-            self._loading = False
+        with self._lock:
+            if self._loaded or self._loading:
+                return
+            self._loading = True
+            try:
+                package = importlib.import_module(BUILTIN)
+                for found in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+                    importlib.import_module(f"{BUILTIN}.{found.name}")
+                for entry in sorted(importlib.metadata.entry_points(group=ENTRY_POINTS), key=lambda e: e.name):
+                    self._load_plugin(entry)
+                self._loaded = True
+            finally:
+                self._loading = False
+        if self.failures and strict_requested():
+            raise StrictError("; ".join(self.failures) + ", but VELOX_STRICT is set")
 
     def _load_builtin(self, name: str) -> None:
         """Import the built-in method ``name`` now, if there is one (its module is named by its id)."""
@@ -109,16 +124,19 @@ class MethodTable(Mapping[str, MethodInfo]):
             importlib.import_module(f"{BUILTIN}.{name}")
 
     def _load_plugin(self, entry: importlib.metadata.EntryPoint) -> None:
-        """Load one plugin's entry point; it must register a method under its own name."""
+        """Load one plugin's entry point; it must register a method under its own name, else what it registered
+        is forgotten and the failure is said (and kept)."""
+        before = set(self._infos)
         try:
             entry.load()
             if entry.name not in self._infos:
                 raise ValueError(f"it registered no method named {entry.name!r}")
         except Exception as error:
+            for name in set(self._infos) - before:
+                self.remove(name)
             message = (f"method plugin {entry.name!r} ({entry.value}) is not loaded: "
                        f"{type(error).__name__}: {error}")
-            if strict_requested():
-                raise RuntimeError(message) from error
+            self.failures.append(message)
             log.warning(message)
 
 
@@ -135,6 +153,8 @@ def method(name: str, description: str, knobs: tuple[Setting, ...] = (), *,
         for knob in knobs:
             if not knob.name.startswith(f"{PREFIX}{name.upper()}_") or knob.method != name:
                 raise ValueError(f"knob {knob.name} of {name} must be {PREFIX}{name.upper()}_* with method={name!r}")
+        if policy and getattr(cls, "policy_class", None) is None:
+            raise ValueError(f"method {name!r} is offered as a policy (policy=True) but its class has no policy_class")
         cls.method = name
         METHODS.add(MethodInfo(name, description, tuple(knobs), cls, composes, policy))
         return cls
@@ -155,12 +175,23 @@ def policies() -> tuple[str, ...]:
 def knob_settings(kv: str, knobs: Mapping[str, Any]) -> dict[str, Setting]:
     """Every knob that reaches ``kv``'s caches under ``knobs``, by the name its constructor takes
     (``kernel``): its own, and those of the methods it is built on (``pyramidkv`` takes SnapKV's)."""
-    info = METHODS[kv]
     found: dict[str, Setting] = {}
-    for name in (kv, *info.composed(knobs)):
+    for name in _composed(kv, knobs):
         for knob in METHODS[name].knobs:
             short = knob.key[len(name) + 1:]
             if short in found:
                 raise ValueError(f"{kv}: knob {short!r} comes from both {found[short].name} and {knob.name}")
             found[short] = knob
+    return found
+
+
+def _composed(kv: str, knobs: Mapping[str, Any]) -> list[str]:
+    """``kv`` and every method it is built on, through those built on others in turn (each once)."""
+    found: list[str] = []
+    todo = [kv]
+    while todo:
+        name = todo.pop(0)
+        if name not in found:
+            found.append(name)
+            todo.extend(METHODS[name].composed(knobs))
     return found

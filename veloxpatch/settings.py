@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     """A setting has a value that is not allowed; the message names the setting, value and rule."""
 
 
+class StrictError(RuntimeError):
+    """Raised under ``VELOX_STRICT`` where veloxpatch would otherwise fall back to mlx_lm's own behaviour
+    (:mod:`veloxpatch.fallback`)."""
+
+
 @dataclass(frozen=True)
 class Budget:
     """KV rows a layer keeps: a fixed number of tokens, or a fraction of the tokens it has seen."""

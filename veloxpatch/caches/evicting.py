@@ -23,9 +23,11 @@ from .selection import best_rows, protected
 
 class Policy(ABC):
     """Which rows an evicting cache keeps: a score per row (:meth:`score`), or a choice of its own
-    (:meth:`select`). Every hook receives the cache, so one policy object serves one cache and a copy of
-    the cache takes a copy of it; per-row state (H2O's accumulated attention) follows the store through
-    :meth:`kept` and :meth:`trimmed` and is saved through :meth:`state`."""
+    (:meth:`select`). Every hook receives the cache, so one policy object serves one cache; a copy of the cache
+    (``to_quantized``) takes a shallow copy of it, so a policy replaces its state rather than changing it in
+    place. Per-row state (H2O's accumulated attention) follows the store through :meth:`kept` and
+    :meth:`trimmed` and is saved through :meth:`state`. A method offered as a policy (``policy=True``) takes all
+    its knobs in its policy's constructor: SqueezeAttention builds it from them."""
 
     uses_queries: ClassVar[bool] = True  # the scores read the model's real queries
     prompt_state: ClassVar[str] = "window"  # what a prompt leaves in its cache: see CompressedKVCache.prompt_state
@@ -72,7 +74,7 @@ class Policy(ABC):
         """Arrays saved with the cache (after its queries)."""
         return ()
 
-    def load(self, state: tuple[Any, ...]) -> None:
+    def load(self, cache: EvictingCache, state: tuple[Any, ...]) -> None:
         """Restore what :meth:`state` saved (empty for a cache saved without it)."""
 
 
@@ -172,4 +174,4 @@ class EvictingCache(CompressedKVCache):
         return self.policy.state(self)
 
     def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
-        self.policy.load(extra)
+        self.policy.load(self, extra)

@@ -51,6 +51,7 @@ import mlx.core as mx
 import wrapt
 
 from ..caches import CompressedKVCache
+from ..caches.evicting import EvictingCache
 from ..fallback import StrictError, notice
 from ..log import once
 from . import compat
@@ -62,7 +63,7 @@ from .wrappers import ours
 def batch_insert_segments(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Caches made in here stay mlx_lm's; compressed caches handed in join as mlx_lm's (module doc)."""
     with batched_generation():
-        if not _layout_known():
+        if not _ours_to_batch() or not _layout_known():
             return wrapped(*args, **kwargs)
         _refused_under_strict()
         call = inspect.signature(wrapped).bind(*args, **kwargs)
@@ -74,7 +75,7 @@ def batch_insert_segments(wrapped: Callable, instance: Any, args: tuple, kwargs:
 def batch_generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Prompt caches with evicted rows run one sequence at a time, where they keep compressing and
     ``batch_generate`` has no tokens to re-read them from; any other call is mlx_lm's own."""
-    if not _layout_known():
+    if not _ours_to_batch() or not _layout_known():
         return wrapped(*args, **kwargs)
     try:
         call = inspect.signature(wrapped).bind(*args, **kwargs)
@@ -87,6 +88,11 @@ def batch_generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
     call.apply_defaults()
     options = call.arguments.pop("kwargs")
     return _sequential_batch(**call.arguments, options=options)
+
+
+def _ours_to_batch() -> bool:
+    """Whether a compression method is on (with only ``VELOX_FLOAT32`` at work, batching is mlx_lm's own)."""
+    return STATE.config is not None and STATE.config.enabled
 
 
 def _layout_known() -> bool:
@@ -103,7 +109,7 @@ def _refused_under_strict() -> None:
     """A batch runs on mlx_lm's batch caches, which hold every row it is given and every row it adds:
     compression does not go on there, a fallback that ``VELOX_STRICT`` turns into an error."""
     config = STATE.config
-    if config is not None and config.enabled and config.strict:
+    if config.strict:
         raise StrictError(f"mlx_lm's batched generation (BatchGenerator, batch_generate, the server's batched path) "
                           f"runs on mlx_lm's own batch caches, not compressed by {config.kv}, but VELOX_STRICT is set")
 
@@ -221,12 +227,12 @@ def _equal_rows(caches: list) -> list:
          "(a batch masks them alike); fuller heads and layers are compressed further")
     copies = copy.deepcopy(caches)
     for cache in copies:
-        if isinstance(cache, CompressedKVCache) and (cache.size() != fewest or cache.store.holes):
+        if isinstance(cache, EvictingCache) and (cache.size() != fewest or cache.store.holes):
             _shrink(cache, fewest)
     return copies
 
 
-def _shrink(cache: CompressedKVCache, keep: int) -> None:
+def _shrink(cache: EvictingCache, keep: int) -> None:
     """Compress ``cache`` to ``keep`` real rows per head, by its method or by recency without queries."""
     if cache.memory.queries is not None or not cache.uses_queries:
         scale = cache.memory.queries.shape[-1] ** -0.5 if cache.memory.queries is not None else 1.0

@@ -20,7 +20,7 @@ import wrapt
 from .. import ranks, stats
 from ..config import ConfigError, VeloxConfig, from_env
 from ..cpu import float32_wanted
-from ..fallback import fall_back
+from ..fallback import StrictError, fall_back, notice
 from ..log import configure as configure_logging
 from ..log import log
 from ..registry import METHODS
@@ -55,12 +55,12 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
     elif settings:
         config = config.replace(**settings)
     configure_logging(config.log)
+    if config.strict and METHODS.failures:  # each was said when it failed to load
+        raise StrictError("; ".join(METHODS.failures) + ", but VELOX_STRICT is set")
     found = version.mlx_lm_version()
     if not version.is_tested(found):
-        message = f"mlx-lm {found} is outside the tested range {version.TESTED_RANGE_TEXT}"
-        if config.strict:
-            raise RuntimeError(message)
-        log.warning("%s; running unpatched", message)
+        notice(f"mlx-lm {found} is outside the tested range {version.TESTED_RANGE_TEXT}; running unpatched", config,
+               key="version")
         return False
     with STATE.lock:
         STATE.config = config
@@ -99,9 +99,10 @@ def patch_from_env() -> bool:
     """The bootstrap: patch from ``VELOX_*``; a bad value is logged and the app runs unpatched."""
     try:
         loaded = from_env()
-    except ConfigError as error:
+    except Exception as error:  # a bad value (ConfigError), or a method module that fails to import
         configure_logging("WARNING")
-        log.error("%s; running unpatched", error)
+        reason = error if isinstance(error, ConfigError) else f"reading the settings failed ({type(error).__name__}: {error})"
+        log.error("%s; running unpatched", reason)
         if strict_requested():
             raise
         return False

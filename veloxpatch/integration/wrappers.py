@@ -43,7 +43,8 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
         return caches
     model = args[0] if args else kwargs["model"]
     try:
-        layer_io.prepare(model, config)
+        if builder.candidate_slots(caches):
+            layer_io.prepare(model, config)
         return builder.build(model, caches, config)
     except (RanksDisagree, StrictError):  # RanksDisagree: every rank raises it, never one method per rank
         raise

@@ -124,7 +124,7 @@ class H2O(Policy):
         self._account(cache)
         return (None if cache.empty() else self._mass(cache, cache.store.rows),)
 
-    def load(self, state: tuple[mx.array | None, ...]) -> None:
+    def load(self, cache: EvictingCache, state: tuple[mx.array | None, ...]) -> None:
         """Also a cache saved without it (rebuilt caches, e.g. from a batch): the mass restarts at zero."""
         self.mass = state[0] if state else None
 
