@@ -116,3 +116,58 @@ def test_eval_runs_ruler_tasks_and_a_rerun_skips_finished_cells(model_dir: Path,
         {k: v for k, v in r.items() if k != "key"} for r in journal]
     changed = CliRunner().invoke(main, args + ["--seed", "1"])
     assert changed.exit_code != 0 and "measured again" in repr(changed.exception), "other arguments recompute"
+
+
+class ConversationTokenizer(ChatTokenizer):
+    """A stand-in chat template that writes every role, as real ones do."""
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = False,
+                            **_: Any) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_followup_asks_the_other_number_in_a_conversation_that_starts_with_the_first_turn(
+        tokenizer: Any, chat: bool) -> None:
+    tok = ConversationTokenizer(tokenizer) if chat else tokenizer
+    ex = ruler.followup(tok, 1024, seed=2)
+    first_word = ex.turns[0][0].split("magic number for ")[1].split()[0]
+    second_word = ex.turns[1][0].split("magic number for ")[1].split()[0]
+    assert first_word != second_word and ex.wanted != ex.unwanted
+    assert f"numbers for {first_word} is: {ex.unwanted[0]}." in ex.prompt
+    assert f"numbers for {second_word} is: {ex.wanted[0]}." in ex.prompt, "both facts are in the document"
+    conversation = ruler.next_turn(tok, ex, f" {ex.unwanted[0]}.")
+    assert conversation.startswith(ex.prompt + f" {ex.unwanted[0]}."), "a cache of the first turn is its prefix"
+    assert conversation.endswith(ex.turns[1][1]) and ex.turns[1][0] in conversation[len(ex.prompt):]
+    assert ruler.score(f" {ex.wanted[0]}.", ex) and not ruler.score(f" {ex.wanted[0]}, {ex.unwanted[0]}", ex)
+
+
+def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path, monkeypatch) -> None:
+    """As the server's prompt-cache reuse: the caches keep the longest prefix of the new conversation's tokens
+    they hold, and only the rest is read."""
+    from mlx_lm.utils import load
+
+    model, tok = load(str(model_dir))
+    item = ruler.followup(tok, 300, seed=0)
+    turns: list[tuple[list[int], int, list[int]]] = []  # (tokens fed, tokens the caches held before, answer)
+    conversations: list[str] = []
+    turn, next_turn = harness._turn, ruler.next_turn
+
+    def recorded(model, tokenizer, tokens, caches, *args):
+        held = caches[0].offset
+        out = turn(model, tokenizer, tokens, caches, *args)
+        turns.append((tokens.tolist(), held, out))
+        return out
+
+    monkeypatch.setattr(harness, "_turn", recorded)
+    monkeypatch.setattr(ruler, "next_turn", lambda *args: conversations.append(next_turn(*args)) or conversations[-1])
+    variant = harness.variants(["snapkv"], [0.25])[-1]
+    harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128), {})
+    (first, start, answer), (second, held, _) = turns
+    cached, full = first + answer, tok.encode(conversations[0])
+    common = 0
+    while common < min(len(cached), len(full)) and cached[common] == full[common]:
+        common += 1
+    assert start == 0 and first == tok.encode(item.prompt)
+    assert held == common and second == full[common:] and held >= len(first) - 1

@@ -10,6 +10,9 @@ it would in a long chat, and scores the second half of the text, where the conte
 been compressed.
 
 The RULER-style tasks of ``ruler`` (for a real model) run the same way and are scored by their own rules.
+``followup`` is a chat of two turns on one cache list, each through ``generate_step``; the second turn is the whole
+conversation templated anew, and the caches keep the tokens it starts with and read the rest, as the server's
+prompt-cache reuse does. It depends on each variant's first answer, so every variant runs on its own prefill.
 Every (example, variant) result is appended to a JSONL journal of samples and every finished cell to a
 journal of cells, so a killed run keeps them and a rerun with the same arguments skips them.
 """
@@ -32,6 +35,7 @@ TASKS = ("passkey", "multikey", "perplexity")  # the default list, made for the 
 ALL_TASKS = TASKS + ruler.TASKS
 Item = tuple[str, str] | ruler.Example  # (prompt, answer) for the shipped model's tasks, or a RULER example
 PPL_STEP = 64
+FIRST_TURN = 24  # tokens a follow-up's first answer may take (a seven-digit number, then the end of the turn)
 
 
 @dataclass
@@ -156,19 +160,57 @@ def retrieval(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: Ev
     return _right(tokenizer, out, item), sum(c.nbytes for c in caches)
 
 
+def conversation(model: Any, tokenizer: Any, variant: Variant, item: ruler.Example, spec: EvalSpec,
+                 quant: dict[str, Any]) -> tuple[float, int]:
+    """A follow-up example's two turns on one cache list: the first answered to its end of turn (at most
+    :data:`FIRST_TURN` tokens); then the conversation so far and the second question, templated anew, of which
+    the caches keep the tokens they hold and read the rest (trimmed back first where the new text parts from
+    them, as the server does); (1.0 if the second answer is right else 0.0, KV bytes at the end)."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    tokens, steps = _prompt(tokenizer, item)
+    caches = variant.caches(model, tokens.size)
+    first = _turn(model, tokenizer, tokens, caches, FIRST_TURN, spec, quant)
+    answer = tokenizer.decode([t for t in first if t not in tokenizer.eos_token_ids])
+    cached, full = tokens.tolist() + first, tokenizer.encode(ruler.next_turn(tokenizer, item, answer))
+    keep = next((i for i, (a, b) in enumerate(zip(cached, full)) if a != b), min(len(cached), len(full)))
+    trim_prompt_cache(caches, len(cached) - keep)
+    out = _turn(model, tokenizer, mx.array(full[keep:]), caches, steps, spec, quant)
+    return _right(tokenizer, out, item), sum(c.nbytes for c in caches)
+
+
+def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit: int, spec: EvalSpec,
+          quant: dict[str, Any]) -> list[int]:
+    """One chat turn through mlx_lm's ``generate_step`` (as the shim patches it): greedy tokens up to the end of
+    the turn, which is fed to the caches as a chat's next turn finds it, or ``limit`` tokens."""
+    from mlx_lm.generate import generate_step  # the patched one, as mlx_lm chat calls it
+
+    out: list[int] = []
+    for token, _ in generate_step(tokens, model, max_tokens=limit, prompt_cache=caches,
+                                  prefill_step_size=spec.prefill_step, **quant):
+        out.append(token)
+        if token in tokenizer.eos_token_ids:
+            break
+    return out
+
+
 def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, spec: EvalSpec,
                layout: KVLayout) -> dict[Variant, Sample]:
-    """Every chosen variant on one example, sharing prefills where that is exact (``sharing``)."""
+    """Every chosen variant on one example, sharing prefills where that is exact (``sharing``); a follow-up
+    example's variants each on their own."""
     tokens, steps = _prompt(tokenizer, item)
     out: dict[Variant, Sample] = {}
     requests = []
-    modes = sharing.plan(model, chosen) if spec.share_prefill else {v: sharing.PLAIN for v in chosen}
+    chat = isinstance(item, ruler.Example) and bool(item.turns)
+    shared = spec.share_prefill and not chat
+    modes = sharing.plan(model, chosen) if shared else {v: sharing.PLAIN for v in chosen}
+    run = conversation if chat else retrieval
     for variant in chosen:
         mode = modes[variant]
         if mode == sharing.PLAIN:
             mx.clear_cache()
             mx.reset_peak_memory()
-            value, nbytes = retrieval(model, tokenizer, variant, item, spec, variant.generate_kwargs(layout))
+            value, nbytes = run(model, tokenizer, variant, item, spec, variant.generate_kwargs(layout))
             out[variant] = Sample(value, nbytes, mx.get_peak_memory())
         else:
             budget = sharing.HUGE if variant.method == "full" else variant.budget(tokens.size)

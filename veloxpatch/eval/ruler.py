@@ -15,6 +15,11 @@ Tasks and how an answer is scored (greedy output, case-insensitive):
                      right when every variable of the asked chain is named and no decoy variable is
     trip             a journey's stops told one per paragraph across the whole text; right when the output
                      names every city in the order visited (aggregation over the context, not one fact)
+    followup         a chat of two turns on one cache: magic numbers for two words; turn 1 asks the first, turn
+                     2 (the conversation templated anew after the first answer, its new tokens fed to the same
+                     caches, as the server's prompt-cache reuse does) the second; right when turn 2's answer has
+                     the second number and not the first (a cache compressed for the first question must still
+                     answer the next one)
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from .tasks import (
     random_key,
 )
 
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "trip")
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "trip", "followup")
 HELDOUT_MOD = 4  # one topic in four (by name hash) is held out: about 120k characters, enough for 8k tokens
 
 INSTRUCTION = "Read the following text and answer the question after it.\n\n"
@@ -63,6 +68,7 @@ class Example:
     wanted: tuple[str, ...]
     unwanted: tuple[str, ...] = ()
     ordered: bool = False
+    turns: tuple[tuple[str, str], ...] = ()  # (user message, answer start) of a chat's turns; ``wanted``: the last
 
 
 def split_of(topic: str) -> str:
@@ -93,18 +99,24 @@ def chat(tokenizer: Any, message: str, answer_prefix: str) -> str:
 
 
 def _build(tokenizer: Any, context: int, split: str, seed_text: str, needles: list[tuple[str, float]],
-           question: str, answer_prefix: str) -> str:
-    """Fit haystack + needles (text, depth) + question into ``context`` tokens."""
+           question: str, answer_prefix: str) -> tuple[str, str]:
+    """Fit haystack + needles (text, depth) + question into ``context`` tokens: the chat prompt, and the user's
+    message in it."""
     fill_seed = str(random.Random(seed_text).getstate())
     text = haystack_text(split)
+    messages: dict[str, str] = {}
 
     def build(n_chars: int) -> str:
         body = excerpt(text, n_chars, random.Random(fill_seed))
         for needle, depth in sorted(needles, key=lambda nd: -nd[1]):  # back to front keeps depths meaningful
             body = _insert_at_depth(body, needle, depth)
-        return chat(tokenizer, f"{INSTRUCTION}{body}\n{question}", answer_prefix)
+        message = f"{INSTRUCTION}{body}\n{question}"
+        prompt = chat(tokenizer, message, answer_prefix)
+        messages[prompt] = message
+        return prompt
 
-    return _fit(build, context, _len_fn(tokenizer))
+    prompt = _fit(build, context, _len_fn(tokenizer))
+    return prompt, messages[prompt]
 
 
 def _depths(rng: random.Random, n: int) -> list[float]:
@@ -118,7 +130,7 @@ def niah_single(tokenizer: Any, context: int, seed: int, split: str = "heldout")
     word, number = rng.choice(WORDS), random_key(rng, 7)
     question = f"What is the special magic number for {word} mentioned in the provided text?"
     prefix = f"The special magic number for {word} mentioned in the provided text is"
-    prompt = _build(tokenizer, context, split, f"{rng.random()}", [(NEEDLE.format(word=word, number=number),
+    prompt, _ = _build(tokenizer, context, split, f"{rng.random()}", [(NEEDLE.format(word=word, number=number),
                                                                       rng.random())], question, prefix)
     return Example(prompt, number, (number,))
 
@@ -132,7 +144,7 @@ def niah_multikey(tokenizer: Any, context: int, seed: int, split: str = "heldout
     needles = [(NEEDLE.format(word=w, number=n), d) for w, n, d in zip(words, numbers, _depths(rng, n_keys))]
     question = f"What is the special magic number for {words[asked]} mentioned in the provided text?"
     prefix = f"The special magic number for {words[asked]} mentioned in the provided text is"
-    prompt = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
+    prompt, _ = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
     others = tuple(n for i, n in enumerate(numbers) if i != asked)
     return Example(prompt, numbers[asked], (numbers[asked],), others)
 
@@ -145,7 +157,7 @@ def niah_multivalue(tokenizer: Any, context: int, seed: int, split: str = "heldo
     needles = [(NEEDLE.format(word=word, number=n), d) for n, d in zip(numbers, _depths(rng, n_values))]
     question = f"What are all the special magic numbers for {word} mentioned in the provided text?"
     prefix = f"The special magic numbers for {word} mentioned in the provided text are"
-    prompt = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
+    prompt, _ = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
     return Example(prompt, ", ".join(numbers), tuple(numbers))
 
 
@@ -172,7 +184,7 @@ def vt(tokenizer: Any, context: int, seed: int, split: str = "heldout", hops: in
         needles += [(f"{link}\n", d) for link, d in zip(links, sorted(next(depths) for _ in links))]
     question = f"Find all variables that are assigned the value {values[0]} in the text above."
     prefix = f"The variables assigned the value {values[0]} are:"
-    prompt = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
+    prompt, _ = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
     return Example(prompt, " ".join(chains[0]), tuple(chains[0]), tuple(n for c in chains[1:] for n in c))
 
 
@@ -188,13 +200,40 @@ def trip(tokenizer: Any, context: int, seed: int, split: str = "heldout", stops:
                for i, (city, d) in enumerate(zip(cities, _depths(rng, stops)))]
     question = f"List, in order, the cities the traveller {traveller} arrived in during the journey."
     prefix = f"The traveller {traveller} arrived in these cities, in order:"
-    prompt = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
+    prompt, _ = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
     return Example(prompt, ", ".join(cities), tuple(cities), ordered=True)
+
+
+def followup(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
+    """Two words' magic numbers at random depths; turn 1 asks the first, turn 2 (after the first answer) the second."""
+    rng = random.Random(f"followup/{split}/{seed}")
+    words = rng.sample(WORDS, 2)
+    numbers = [random_key(rng, 7) for _ in words]
+    depths = _depths(rng, 2)
+    rng.shuffle(depths)  # either number may come first in the text
+    needles = [(NEEDLE.format(word=w, number=n), d) for w, n, d in zip(words, numbers, depths)]
+    turns = tuple((f"What is the special magic number for {w} mentioned in the provided text?",
+                   f"The special magic number for {w} mentioned in the provided text is") for w in words)
+    prompt, message = _build(tokenizer, context, split, f"{rng.random()}", needles, *turns[0])
+    return Example(prompt, numbers[1], (numbers[1],), (numbers[0],), turns=((message, turns[0][1]), turns[1]))
+
+
+def next_turn(tokenizer: Any, ex: Example, first_answer: str) -> str:
+    """The whole conversation's text up to where the second answer starts: the first turn with the answer given,
+    then the second turn, through the chat template as the server's prompt-cache reuse writes it (it keeps the
+    cached tokens the new text starts with and feeds the rest); plain text without a template."""
+    (message, prefix), (question, next_prefix) = ex.turns
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return f"{ex.prompt}{first_answer}\n{question}\n{next_prefix}"
+    messages = [{"role": "user", "content": message}, {"role": "assistant", "content": prefix + first_answer},
+                {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + next_prefix
 
 
 GENERATORS: dict[str, Callable[..., Example]] = {
     "niah_single": niah_single, "niah_multikey": niah_multikey, "niah_multivalue": niah_multivalue,
-    "vt": vt, "trip": trip,
+    "vt": vt, "trip": trip, "followup": followup,
 }
 
 
