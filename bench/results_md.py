@@ -63,9 +63,14 @@ def row_labels(methods: list[tuple[str, int]]) -> dict[tuple[str, int], str]:
 
 
 def bench_table(rows: list[dict]) -> str:
+    """A bench run's table; the peak while reading (over the loaded model) where the run measured it."""
     shown = [{**r, "kv_MiB": r["kv_bytes"] / 2**20, "peak_MiB": r["peak_bytes"] / 2**20} for r in rows]
-    return markdown(shown, ["context", "variant", "budget", "prefill_s", "decode_tok_s", "decode_vs_vanilla",
-                            "kv_MiB", "kv_vs_vanilla", "peak_MiB"]) + "\n"
+    columns = ["context", "variant", "budget", "prefill_s", "decode_tok_s", "decode_vs_vanilla", "kv_MiB",
+               "kv_vs_vanilla", "peak_MiB"]
+    if all("read_peak_bytes" in r for r in rows):
+        shown = [{**r, "read_MiB": r["read_peak_bytes"] / 2**20} for r in shown]
+        columns += ["read_MiB", "read_vs_vanilla"]
+    return markdown(shown, columns) + "\n"
 
 
 def panel_cells(rows: list[dict], task: str, context: int) -> tuple[int, list[dict]]:

@@ -97,3 +97,29 @@ def test_the_prompt_peak_is_vanilla_s_while_nothing_is_evicted() -> None:
     veloxpatch.patch(kv="snapkv", budget=1 << 20, window=16)
     queries = len(model.layers) * tokens.size * model.args.hidden_size * 4  # query heads x head_dim = hidden
     assert peak() - vanilla < queries / 4, f"vanilla {vanilla} B; every layer's queries {queries} B"
+
+
+def test_the_reading_peak_is_the_memory_a_prompt_takes_while_it_is_read() -> None:
+    """``sharing.Reading`` (the eval's and bench's read_peak_bytes): ``end`` mode reads a prompt as mlx_lm does,
+    holding every row; ``chunk`` mode compresses between prefill steps and reads it in far less."""
+    from veloxpatch.eval import sharing
+
+    model = tiny("llama", seed=1)
+    tokens = random_tokens(2048, 34)
+
+    def read(**settings) -> int:
+        if settings:
+            veloxpatch.patch(**settings)
+        caches = make_prompt_cache(model)
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        reading = sharing.Reading()
+        sharing.whole(model, tokens, caches, 2, 256, reading)
+        return reading.peak
+
+    vanilla = read()
+    end = read(kv="snapkv", budget=64, window=16)
+    chunk = read(kv="snapkv", budget=64, window=16, compress="chunk")
+    assert vanilla > 0 and abs(end - vanilla) < 0.1 * vanilla, f"vanilla {vanilla} B, end mode {end} B"
+    assert chunk < 0.5 * vanilla, f"vanilla {vanilla} B, chunk mode {chunk} B"

@@ -48,3 +48,13 @@ def test_the_plot_draws_each_method_at_its_defaults_from_the_largest_run(tmp_pat
         ("full", 1.0), ("snapkv", 0.25), ("snapkv", 0.5)]
     (path,) = script.panels(rows, tmp_path)  # one figure: perplexity has none
     assert path == tmp_path / "passkey_1024.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_bench_table_shows_the_reading_peak_where_the_run_measured_it() -> None:
+    script = load_script()
+    older = {"context": 256, "variant": "vanilla", "budget": 256, "prefill_s": 1.0, "decode_tok_s": 9.0,
+             "decode_vs_vanilla": 1.0, "kv_bytes": 2**20, "kv_vs_vanilla": 1.0, "peak_bytes": 2**21}
+    assert "read_MiB" not in script.bench_table([older])
+    newer = {**older, "read_peak_bytes": 3 * 2**19, "read_vs_vanilla": 1.0}
+    header, _, row = script.bench_table([newer]).splitlines()[:3]
+    assert header.split("|")[-3:-1] == [" read_MiB ", " read_vs_vanilla "] and "| 1.5 | 1 |" in row

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from veloxpatch.assets import model_path
 from veloxpatch.cli import main
-from veloxpatch.eval import harness, ruler
+from veloxpatch.eval import harness, ruler, sharing
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,8 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
     monkeypatch.setattr(harness, "_turn", recorded)
     monkeypatch.setattr(ruler, "next_turn", lambda *args: conversations.append(next_turn(*args)) or conversations[-1])
     variant = harness.variants(["snapkv"], [0.25])[-1]
-    harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128), {})
+    reading = sharing.Reading()
+    harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128), {}, reading)
     (first, start, answer), (second, held, _) = turns
     cached, full = first + answer, tok.encode(conversations[0])
     common = 0
@@ -171,3 +172,4 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
         common += 1
     assert start == 0 and first == tok.encode(item.prompt)
     assert held == common and second == full[common:] and held >= len(first) - 1
+    assert reading.peak > 0, "reading both turns' prompts took memory"

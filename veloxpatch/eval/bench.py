@@ -56,7 +56,9 @@ PLAIN, OWN, SHARED = "plain", "own", "shared"
 PEAK_NOTE = ("peak_bytes: the most memory mlx held during the case's run (model weights included): with a shared "
              "or own prefill, the larger of its prefill group's peak (prompt[:-1]) and its own decode's peak (from "
              "the last prompt token, less the group's prefill kept aside for the other cases); both are in the "
-             "JSON/CSV as prefill_peak_bytes and decode_peak_bytes. prefill_s: time to the first token.")
+             "JSON/CSV as prefill_peak_bytes and decode_peak_bytes. read_peak_bytes: the most memory held while the "
+             "prompt was read (every token but the last), over what was held before (the loaded model). prefill_s: "
+             "time to the first token.")
 
 
 @dataclass
@@ -85,6 +87,7 @@ class Timing:
     peak_bytes: int
     prefill_peak_bytes: int
     decode_peak_bytes: int
+    read_peak_bytes: int  # the most memory held while the prompt was read, over the loaded model (sharing.Reading)
 
 
 @dataclass
@@ -114,11 +117,13 @@ def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: Bench
     gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
+    reading = sharing.Reading()
     tokens: list[int] = []
     start = time.perf_counter()
     first, prefill_peak = start, 0
     for n, (token, _) in enumerate(generate_step(prompt, model, max_tokens=spec.new_tokens, prompt_cache=caches,
-                                                 prefill_step_size=spec.prefill_step, **(extra or {}))):
+                                                 prefill_step_size=spec.prefill_step,
+                                                 prompt_progress_callback=reading.progress, **(extra or {}))):
         if n == 0:
             first = time.perf_counter()
             prefill_peak = mx.get_peak_memory()
@@ -127,7 +132,7 @@ def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: Bench
     end = time.perf_counter()
     prefill_peak, decode_peak = max(prefill_peak - held, 0), max(mx.get_peak_memory() - held, 0)
     return Timing(first - start, (spec.new_tokens - 1) / (end - first), sum(c.nbytes for c in caches),
-                  max(prefill_peak, decode_peak), prefill_peak, decode_peak), tokens
+                  max(prefill_peak, decode_peak), prefill_peak, decode_peak, reading.peak), tokens
 
 
 def median(timings: list[Timing]) -> Timing:
@@ -210,9 +215,11 @@ def _group(model: Any, prompt: mx.array, base: list[Any], members: list[tuple[in
     gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
+    reading = sharing.Reading()
     start = time.perf_counter()
     chunks = sharing.prefill(model, prompt, base, spec.prefill_step)
     prefill_s = time.perf_counter() - start
+    reading.done()
     prefill_peak = mx.get_peak_memory()
     held = sharing.kv_bytes(base)  # kept aside while a copy decodes: not the case's own
     last = prompt[-1:]
@@ -235,7 +242,8 @@ def _group(model: Any, prompt: mx.array, base: list[Any], members: list[tuple[in
             runs.append(_decode(model, last, caches, spec, held))
             del caches
         first_s, tok_s, kv, decode_peak = (statistics.median(r[k] for r in runs) for k in range(4))
-        timing = Timing(prefill_s + first_s, tok_s, kv, max(prefill_peak, decode_peak), prefill_peak, decode_peak)
+        timing = Timing(prefill_s + first_s, tok_s, kv, max(prefill_peak, decode_peak), prefill_peak, decode_peak,
+                        reading.peak)
         yield Measured(index, context, label, variant, timing, runs[-1][4], how)
 
 
@@ -286,4 +294,5 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = vanilla.get(r["context"])
         r["decode_vs_vanilla"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
         r["kv_vs_vanilla"] = r["kv_bytes"] / base["kv_bytes"] if base else None
+        r["read_vs_vanilla"] = r["read_peak_bytes"] / base["read_peak_bytes"] if base else None
     return rows

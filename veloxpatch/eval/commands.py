@@ -20,9 +20,9 @@ from .harness import ALL_TASKS, TASKS, EvalSpec, Journal, run_eval
 from .random_model import build, config_for
 from .variants import known_methods, parse_spec, split_specs
 
-EVAL_COLUMNS = ("task", "context", "label", "result", "kv_bytes", "peak_bytes")
+EVAL_COLUMNS = ("task", "context", "label", "result", "kv_bytes", "peak_bytes", "read_peak_bytes")
 BENCH_COLUMNS = ("context", "variant", "budget", "prefill_s", "decode_tok_s", "decode_vs_vanilla",
-                 "kv_bytes", "kv_vs_vanilla", "peak_bytes", "prefill")
+                 "kv_bytes", "kv_vs_vanilla", "peak_bytes", "read_peak_bytes", "read_vs_vanilla", "prefill")
 
 
 def _ints(text: str) -> list[int]:

@@ -54,11 +54,14 @@ class EvalSpec:
 
 @dataclass(frozen=True)
 class Sample:
-    """One variant on one example: the task's metric, KV bytes at the end, peak memory of the run."""
+    """One variant on one example: the task's metric, KV bytes at the end, peak memory of the run, and the most
+    memory held while a prompt was read, over the loaded model (``sharing.Reading``; None in journals written
+    before it was measured)."""
 
     value: float
     kv_bytes: float
     peak_bytes: float
+    read_peak_bytes: float | None = None
 
 
 @dataclass
@@ -72,13 +75,16 @@ class Cell:
     kv_bytes: float
     peak_bytes: float
     samples: int
+    read_peak_bytes: float | None = None
 
     @classmethod
     def of(cls, task: str, context: int, variant: Variant, samples: list[Sample]) -> "Cell":
-        """The mean of a variant's samples."""
+        """The mean of a variant's samples (the reading peak only when every sample has one)."""
         n = len(samples)
+        reads = [s.read_peak_bytes for s in samples]
+        read = None if None in reads else sum(reads) / n
         return cls(task, context, variant, sum(s.value for s in samples) / n, sum(s.kv_bytes for s in samples) / n,
-                   sum(s.peak_bytes for s in samples) / n, n)
+                   sum(s.peak_bytes for s in samples) / n, n, read)
 
     def row(self) -> dict[str, Any]:
         """The cell as JSON; an accuracy carries its 95% Wilson interval over the cell's samples."""
@@ -89,14 +95,15 @@ class Cell:
             "share": self.variant.share, "label": self.variant.label(), "knobs": self.variant.knob_values(),
             "metric": "accuracy" if accuracy else "perplexity",
             "value": self.metric, "ci95_low": low, "ci95_high": high,
-            "kv_bytes": self.kv_bytes, "peak_bytes": self.peak_bytes, "samples": self.samples,
+            "kv_bytes": self.kv_bytes, "peak_bytes": self.peak_bytes, "read_peak_bytes": self.read_peak_bytes,
+            "samples": self.samples,
         }
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "Cell":
         """The cell a journal line describes (``method`` carries a variant's knobs: ``snapkv[kernel=15]``)."""
         return cls(row["task"], row["context"], Variant.of(row["method"], row["share"]), row["value"],
-                   row["kv_bytes"], row["peak_bytes"], row["samples"])
+                   row["kv_bytes"], row["peak_bytes"], row["samples"], row.get("read_peak_bytes"))
 
 
 @dataclass
@@ -124,7 +131,7 @@ class Journal:
     def samples(self) -> dict[tuple[str, int, str, int], Sample]:
         """Examples already measured under this key, by (task, context, variant identity, seed)."""
         return {(r["task"], r["context"], identity(r["label"], r.get("knobs")), r["seed"]):
-                Sample(r["value"], r["kv_bytes"], r["peak_bytes"])
+                Sample(r["value"], r["kv_bytes"], r["peak_bytes"], r.get("read_peak_bytes"))
                 for r in self._rows(self.samples_path, ignore=("samples", "seed"))}
 
     def add(self, cell: Cell) -> None:
@@ -133,7 +140,8 @@ class Journal:
     def add_sample(self, task: str, context: int, variant: Variant, seed: int, sample: Sample) -> None:
         self._write(self.samples_path, {"task": task, "context": context, "label": variant.label(),
                                         "knobs": variant.knob_values(), "seed": seed, "value": sample.value,
-                                        "kv_bytes": sample.kv_bytes, "peak_bytes": sample.peak_bytes})
+                                        "kv_bytes": sample.kv_bytes, "peak_bytes": sample.peak_bytes,
+                                        "read_peak_bytes": sample.read_peak_bytes})
 
     def _rows(self, path: Path, ignore: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """The lines of ``path`` written under this key (its ``ignore`` fields aside)."""
@@ -149,45 +157,48 @@ class Journal:
             handle.write(json.dumps({**row, "key": self.key}) + "\n")
 
 
-def retrieval(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec,
-              quant: dict[str, Any]) -> tuple[float, int]:
-    """Greedy answer under the variant's cache, on its own prefill: (1.0 if right else 0.0, KV bytes at the end).
+def retrieval(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec, quant: dict[str, Any],
+              reading: sharing.Reading) -> tuple[float, int]:
+    """Greedy answer under the variant's cache, on its own prefill: (1.0 if right else 0.0, KV bytes at the end),
+    ``reading`` told when the prompt is read.
 
     ``quant`` is the variant's kv_bits arguments for mlx_lm (empty unless it is the quantized one)."""
     tokens, steps = _prompt(tokenizer, item)
     caches = variant.caches(model, tokens.size)
-    out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, **quant)]
+    out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, reading, **quant)]
     return _right(tokenizer, out, item), sum(c.nbytes for c in caches)
 
 
 def conversation(model: Any, tokenizer: Any, variant: Variant, item: ruler.Example, spec: EvalSpec,
-                 quant: dict[str, Any]) -> tuple[float, int]:
+                 quant: dict[str, Any], reading: sharing.Reading) -> tuple[float, int]:
     """A follow-up example's two turns on one cache list: the first answered to its end of turn (at most
     :data:`FIRST_TURN` tokens); then the conversation so far and the second question, templated anew, of which
     the caches keep the tokens they hold and read the rest (trimmed back first where the new text parts from
-    them, as the server does); (1.0 if the second answer is right else 0.0, KV bytes at the end)."""
+    them, as the server does); (1.0 if the second answer is right else 0.0, KV bytes at the end), ``reading``
+    told when each turn's prompt is read."""
     from mlx_lm.models.cache import trim_prompt_cache
 
     tokens, steps = _prompt(tokenizer, item)
     caches = variant.caches(model, tokens.size)
-    first = _turn(model, tokenizer, tokens, caches, FIRST_TURN, spec, quant)
+    first = _turn(model, tokenizer, tokens, caches, FIRST_TURN, spec, quant, reading)
     answer = tokenizer.decode([t for t in first if t not in tokenizer.eos_token_ids])
     cached, full = tokens.tolist() + first, tokenizer.encode(ruler.next_turn(tokenizer, item, answer))
     keep = next((i for i, (a, b) in enumerate(zip(cached, full)) if a != b), min(len(cached), len(full)))
     trim_prompt_cache(caches, len(cached) - keep)
-    out = _turn(model, tokenizer, mx.array(full[keep:]), caches, steps, spec, quant)
+    out = _turn(model, tokenizer, mx.array(full[keep:]), caches, steps, spec, quant, reading)
     return _right(tokenizer, out, item), sum(c.nbytes for c in caches)
 
 
 def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit: int, spec: EvalSpec,
-          quant: dict[str, Any]) -> list[int]:
+          quant: dict[str, Any], reading: sharing.Reading) -> list[int]:
     """One chat turn through mlx_lm's ``generate_step`` (as the shim patches it): greedy tokens up to the end of
     the turn, which is fed to the caches as a chat's next turn finds it, or ``limit`` tokens."""
     from mlx_lm.generate import generate_step  # the patched one, as mlx_lm chat calls it
 
     out: list[int] = []
     for token, _ in generate_step(tokens, model, max_tokens=limit, prompt_cache=caches,
-                                  prefill_step_size=spec.prefill_step, **quant):
+                                  prefill_step_size=spec.prefill_step, prompt_progress_callback=reading.progress,
+                                  **quant):
         out.append(token)
         if token in tokenizer.eos_token_ids:
             break
@@ -210,14 +221,15 @@ def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, sp
         if mode == sharing.PLAIN:
             mx.clear_cache()
             mx.reset_peak_memory()
-            value, nbytes = run(model, tokenizer, variant, item, spec, variant.generate_kwargs(layout))
-            out[variant] = Sample(value, nbytes, mx.get_peak_memory())
+            reading = sharing.Reading()
+            value, nbytes = run(model, tokenizer, variant, item, spec, variant.generate_kwargs(layout), reading)
+            out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
         else:
             budget = sharing.HUGE if variant.method == "full" else variant.budget(tokens.size)
             requests.append(sharing.Request(variant, budget, mode))
     for result in sharing.run(model, tokens, requests, steps, spec.prefill_step):
         out[result.request.variant] = Sample(_right(tokenizer, result.tokens, item), result.kv_bytes,
-                                             result.peak_bytes)
+                                             result.peak_bytes, result.read_peak_bytes)
     return {v: out[v] for v in chosen}
 
 
@@ -292,8 +304,10 @@ def _measure_each(model: Any, tokenizer: Any, task: str, item: Item, chosen: lis
     for variant in chosen:
         mx.clear_cache()
         mx.reset_peak_memory()
+        reading = sharing.Reading()  # the whole text is read: the run's peak
         value, nbytes = perplexity(model, tokenizer, variant, item[0], spec, variant.generate_kwargs(layout))  # type: ignore[index]
-        out[variant] = Sample(value, nbytes, mx.get_peak_memory())
+        reading.done()
+        out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
     return out
 
 

@@ -69,7 +69,8 @@ class Request:
 @dataclass
 class Result:
     """What a request produced: the greedy tokens (with log-probabilities), the cache list it ended with,
-    its KV bytes and the peak memory its run would have had on its own."""
+    its KV bytes, the peak memory its run would have had on its own, and the most memory it held while the
+    prompt was read (:class:`Reading`)."""
 
     request: Request
     tokens: list[int]
@@ -77,7 +78,26 @@ class Result:
     caches: list[Any]
     kv_bytes: int
     peak_bytes: int
+    read_peak_bytes: int
     shared: bool = field(default=True)  # False: it ran plain
+
+
+class Reading:
+    """The most memory held while a prompt is read (every token but the last, whose step starts decoding: where
+    ``end`` mode compresses), over what was held when the run began (the loaded model, and anything kept aside):
+    what a user must have free to read a long document. Made right before the run (after ``reset_peak_memory``);
+    :meth:`progress` is ``generate_step``'s ``prompt_progress_callback``, :meth:`done` a prefill of its own's end."""
+
+    def __init__(self) -> None:
+        self.start = mx.get_active_memory()
+        self.peak = 0
+
+    def progress(self, done: int, total: int) -> None:
+        if done == total - 1:
+            self.done()
+
+    def done(self) -> None:
+        self.peak = max(self.peak, mx.get_peak_memory() - self.start)
 
 
 def ours(caches: list[Any]) -> list[CompressedKVCache]:
@@ -138,13 +158,15 @@ def decode(model: Any, last: mx.array, caches: list[Any], max_tokens: int, step:
     return list(raw(last, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=step, **quant))
 
 
-def whole(model: Any, tokens: mx.array, caches: list[Any], max_tokens: int, step: int,
+def whole(model: Any, tokens: mx.array, caches: list[Any], max_tokens: int, step: int, reading: Reading | None = None,
           **quant: Any) -> list[tuple[int, mx.array]]:
-    """A plain run: mlx_lm's ``generate_step`` (as the shim patches it) on the whole prompt."""
+    """A plain run: mlx_lm's ``generate_step`` (as the shim patches it) on the whole prompt, ``reading`` told
+    when the prompt is read."""
     from mlx_lm.generate import generate_step
 
+    progress = reading.progress if reading is not None else None
     return list(generate_step(tokens, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=step,
-                              **quant))
+                              prompt_progress_callback=progress, **quant))
 
 
 # ----------------------------------------------------------------------------- moving a prefill
@@ -226,7 +248,9 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
     it can be)."""
     mx.clear_cache()
     mx.reset_peak_memory()
+    reading = Reading()
     chunks = prefill(model, tokens, base, step)
+    reading.done()
     prefill_peak = mx.get_peak_memory()
     last = tokens[-1:]
     for i, r in enumerate(members):
@@ -247,7 +271,7 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
         pairs = decode(model, last, caches, max_tokens, step)
         peak = max(prefill_peak, mx.get_peak_memory() - held)
         yield Result(r, [t for t, _ in pairs], [p for _, p in pairs], caches,
-                     kv_bytes(caches, dense=v.method == "full"), peak)
+                     kv_bytes(caches, dense=v.method == "full"), peak, reading.peak)
         del caches
 
 
@@ -255,9 +279,10 @@ def _plain(model: Any, tokens: mx.array, r: Request, max_tokens: int, step: int,
     caches = r.variant.caches(model, tokens.size, budget=r.budget)
     mx.clear_cache()
     mx.reset_peak_memory()
-    pairs = whole(model, tokens, caches, max_tokens, step)
+    reading = Reading()
+    pairs = whole(model, tokens, caches, max_tokens, step, reading)
     return Result(r, [t for t, _ in pairs], [p for _, p in pairs], caches, kv_bytes(caches),
-                  mx.get_peak_memory() - held, shared=False)
+                  mx.get_peak_memory() - held, reading.peak, shared=False)
 
 
 # ----------------------------------------------------------------------------- the check
