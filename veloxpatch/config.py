@@ -24,6 +24,7 @@ COMPRESS_MODES = ("end", "chunk")
 DRAFT_MODES = ("same", "none")
 FLOAT32_MODES = ("auto", "on", "off")
 BLAS_CHOICES = ("auto", "openblas", "none")
+TIER_BITS = (2, 3, 4, 8, 16)
 
 
 def _blas(text: str) -> str:
@@ -34,6 +35,16 @@ def _blas(text: str) -> str:
     if not os.path.isabs(value):
         raise ValueError
     return value
+
+
+def _tier(text: str) -> int:
+    """``off`` (or 0): no tier; else the bits its rows are kept at."""
+    value = text.strip().lower()
+    if value in ("off", "0", ""):
+        return 0
+    if int(value) not in TIER_BITS:
+        raise ValueError
+    return int(value)
 
 
 def _method(text: str) -> str:
@@ -52,6 +63,9 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "First tokens of the context that are never evicted (attention sinks)."),
     Setting("VELOX_WINDOW", int_range(1, None), "32", "an integer >= 1",
             "Most recent tokens that are never evicted; query-aware methods score with them."),
+    Setting("VELOX_TIER", _tier, "off", "off, or one of " + ", ".join(map(str, TIER_BITS)) + " (bits)",
+            "Rows a compression drops are kept at this many bits instead of lost (16: unquantized): prompt chunks "
+            "attend over them, and a prompt's selection can take them back (a follow-up question)."),
     Setting("VELOX_COMPRESS", choice(COMPRESS_MODES), "end", "one of " + ", ".join(COMPRESS_MODES),
             "When to compress the prompt: once at its end (best retrieval) or after each prefill chunk (bounded memory)."),
     Setting("VELOX_DRAFT_KV", choice(DRAFT_MODES), "same", "one of " + ", ".join(DRAFT_MODES),
@@ -102,6 +116,7 @@ class VeloxConfig:
     budget: Budget | int | str = "1024"
     sink: int = 4
     window: int = 32
+    tier: int | str = "off"
     compress: str = "end"
     draft_kv: str = "same"
     float32: str = "auto"
@@ -194,4 +209,6 @@ def make_cache(config: VeloxConfig) -> Any:
     """A fresh cache of the configured method, with its knobs (and those of the methods it is built on)."""
     settings = knob_settings(config.kv, config.knobs)
     knobs = {short: config.knobs[knob.key] for short, knob in settings.items()}
-    return METHODS[config.kv].cls(config.budget, config.sink, config.window, config.compress, **knobs)
+    cache = METHODS[config.kv].cls(config.budget, config.sink, config.window, config.compress, **knobs)
+    cache.use_tier(config.tier)
+    return cache

@@ -88,6 +88,10 @@ class CompressedKVCache(ABC):
         """The method's own knobs, saved with the cache so it loads back the same."""
         return {}
 
+    def use_tier(self, bits: int) -> None:
+        """Keep the rows a compression drops at ``bits`` (``VELOX_TIER``): an evicting cache does
+        (:mod:`.evicting`); a cross-layer one drops no row (it folds them), so there is nothing to keep."""
+
     def shared_parts(self) -> list[Any]:
         """Arrays (or trees of them) this layer uses together with other layers of its list; they
         count once over the list, in the first holder's ``nbytes``. Cross-layer methods list theirs."""
@@ -273,27 +277,31 @@ class CompressedKVCache(ABC):
                    sinks: mx.array | None, kept: mx.array | None = None) -> mx.array:
         """mlx's attention of this step with our mask (combined with the model's when it has information
         of its own); with ``kept``, the stored rows not in it are masked for this step."""
-        own = self._mask(queries, mask)
+        own = self._mask(queries, mask, keys.shape[2])
         if kept is not None:
             own = masks.restricted(kept, self.store.rows, queries.shape[2], queries.shape[1], own)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=own, sinks=sinks)
         self._forget_issued_masks()
         return out
 
-    def _mask(self, queries: mx.array, given: Any) -> Any:
-        """Our mask for this step, combined with the model's when it carries its own information."""
+    def _mask(self, queries: mx.array, given: Any, rows: int) -> Any:
+        """Our mask for this step over its ``rows`` key rows, combined with the model's when it carries its own
+        information. Every row held is in the past, so causal is right unless a hole (position -1) is among them."""
         n = queries.shape[2]
         own = self._position_mask(queries) if self.store.holes else (None if n == 1 else "causal")
         if not isinstance(given, mx.array) or self._issued(given):
             return own
         if own is None:
             return given
-        return masks.combined(own, given, self.size(), n)
+        return masks.combined(own, given, rows, n)
 
     def _position_mask(self, queries: mx.array) -> mx.array:
-        """(B, query heads, n, size) by the rows' positions: rows not in the store (folds) first, all seen."""
-        return masks.by_position(self.store.row_positions(), queries.shape[2], self.offset, queries.shape[1],
-                                 before=self.size() - self.store.rows)
+        """(B, query heads, n, rows) by the positions of the rows this step attends over."""
+        return masks.by_position(self._key_positions(), queries.shape[2], self.offset, queries.shape[1])
+
+    def _key_positions(self) -> mx.array:
+        """(B, kv_heads, rows): the position of every row attention runs over, in its order (-1: a hole)."""
+        return self.store.row_positions()
 
     def _issued(self, mask: mx.array) -> bool:
         """True if ``mask`` is one our caches handed the model (it carries nothing of its own)."""

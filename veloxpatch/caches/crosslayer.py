@@ -93,6 +93,14 @@ class CrossLayerCache(CompressedKVCache):
     def folded_rows(self) -> int:
         return sum(fold.end - fold.start for fold in self.folds)
 
+    def _key_positions(self) -> mx.array:
+        """The folds' positions (each fold a range of tokens), then the exact rows'."""
+        exact = self.store.row_positions()
+        if not self.folds:
+            return exact
+        ranges = mx.concatenate([mx.arange(fold.start, fold.end, dtype=exact.dtype) for fold in self.folds])
+        return mx.concatenate([mx.broadcast_to(ranges, (*exact.shape[:2], ranges.size)), exact], axis=-1)
+
     def empty(self) -> bool:
         return super().empty() and not self.folds
 

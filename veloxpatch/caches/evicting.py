@@ -19,6 +19,8 @@ import mlx.core as mx
 from .. import stats
 from .base import CompressedKVCache
 from .selection import best_rows, protected
+from .store import LATE
+from .tier import Tier
 
 
 class Policy(ABC):
@@ -88,6 +90,7 @@ class EvictingCache(CompressedKVCache):
     def __init__(self, budget: Any, sink: int = 4, window: int = 32, mode: str = "end", **knobs: Any) -> None:
         super().__init__(budget, sink, window, mode)
         self.policy = self.make_policy(**knobs)
+        self.tier: Tier | None = None  # where dropped rows go (VELOX_TIER), or None: dropped rows are lost
 
     def make_policy(self, **knobs: Any) -> Policy:
         """The policy picking this cache's rows, from the method's knobs."""
@@ -104,6 +107,11 @@ class EvictingCache(CompressedKVCache):
     def knob_values(self) -> dict[str, Any]:
         return self.policy.knob_values()
 
+    def use_tier(self, bits: int) -> None:
+        """Keep the rows compressions drop at ``bits`` per element (:mod:`.tier`; 16: unquantized), or lose them
+        (0)."""
+        self.tier = Tier(bits) if bits else None
+
     # ----------------------------------------------------------------- what a method may set
     def target(self) -> int:
         """Rows to keep now: the budget, but never fewer than the protected sink + window."""
@@ -113,6 +121,35 @@ class EvictingCache(CompressedKVCache):
         """Every step's real queries and the keys they attended, before the step compresses: the policy's
         (a method reporting to its coordinator adds its own)."""
         self.policy.observe(self, queries, keys, scale)
+
+    # ----------------------------------------------------------------- the tier
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store and fetch the step's rows. With a tier, a prompt chunk and a step over a pending prompt first take
+        the tier's rows back: the chunk then attends over the whole context, and the compression after it (or the
+        selection at the end of the prompt) chooses among every row, with that prompt's own queries."""
+        if self.tier is not None and self.tier.rows and self._takes_back(keys.shape[2]):
+            self._take_back()
+        return super().update_and_fetch(keys, values)
+
+    def _takes_back(self, n: int) -> bool:
+        """Whether a step of ``n`` tokens is a prompt chunk, or a decode-sized step that ``attend`` will find over
+        a pending prompt: asked before the step is stored, of the budget ``target()`` will give with its tokens
+        seen."""
+        self.offset += n
+        try:
+            keep = self.target()
+        finally:
+            self.offset -= n
+        return n > self.headroom(keep) or self.schedule.pending(self.store.rows + n, n, keep)
+
+    def _take_back(self) -> None:
+        """The tier's rows back into the store, in time order (to the policy a compaction: ``kept``); time order
+        matters to a policy that looks at neighbouring rows (SnapKV's pooling)."""
+        self.store.extend(*self.tier.drain())
+        positions = self.store.row_positions()
+        order = mx.argsort(mx.where(positions < 0, LATE, positions), axis=-1)
+        self.policy.kept(self, order)
+        self.store.keep(order, 0)
 
     # ----------------------------------------------------------------- the attention route
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
@@ -143,12 +180,26 @@ class EvictingCache(CompressedKVCache):
         self.keep_rows(self.select(keep, scale))
 
     def keep_rows(self, index: mx.array) -> None:
-        """Compact storage to the rows ``index`` (B, kv_heads, keep), ascending per head."""
+        """Compact storage to the rows ``index`` (B, kv_heads, keep), ascending per head; with a tier, the rows
+        that go are handed to it."""
+        if self.tier is not None:
+            self._to_tier(index)
         self.policy.kept(self, index)
         keep = index.shape[-1]
         self.evicted = self.evicted or keep < self.store.rows
         self.store.keep(index, self.headroom(keep))
         stats.totals.compressions += 1
+
+    def _to_tier(self, index: mx.array) -> None:
+        """Hand the rows not in ``index`` to the tier."""
+        rows = self.store.rows
+        positions = self.store.row_positions()
+        kept = mx.put_along_axis(mx.zeros(positions.shape, mx.bool_), index, mx.array(True), axis=-1)
+        gone = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : rows - index.shape[-1]]
+        if gone.shape[-1]:
+            keys, values = self.store.fetch()
+            self.tier.take(*(mx.take_along_axis(a, gone[..., None], axis=2) for a in (keys, values)),
+                           mx.take_along_axis(positions, gone, axis=-1))
 
     def protected(self, positions: mx.array) -> mx.array:
         """Rows never evicted: the first ``sink`` tokens and the last ``window`` tokens."""
@@ -158,20 +209,35 @@ class EvictingCache(CompressedKVCache):
     def trim(self, n: int) -> int:
         n = super().trim(n)
         self.policy.trimmed(self)
+        if self.tier is not None:
+            self.tier.trim_to(self.offset)
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> CompressedKVCache:
+        """The base's quantized copy (``kv_bits`` applies to the rows held; the tier keeps its own format), with
+        a policy and tier of its own."""
         out = super().to_quantized(group_size, bits)
         if out is not self:
-            out.policy = copy.copy(self.policy)
+            out.policy, out.tier = copy.copy(self.policy), copy.deepcopy(self.tier)
         return out
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + self.policy.nbytes
+        return super().nbytes + self.policy.nbytes + (0 if self.tier is None else self.tier.nbytes)
+
+    def _meta(self) -> dict[str, Any]:
+        if self.tier is None:
+            return super()._meta()
+        return {**super()._meta(), "tier_bits": self.tier.bits, "tier_group": self.tier.store.group_size}
 
     def _extra_state(self) -> tuple[Any, ...]:
-        return self.policy.state(self)
+        """The policy's arrays, then (with a tier) the tier's rows (None while it is empty)."""
+        policy = self.policy.state(self)
+        return policy if self.tier is None else (*policy, self.tier.state)
 
     def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
-        self.policy.load(self, extra)
+        if "tier_bits" in info:
+            *extra, held = extra
+            self.use_tier(info["tier_bits"])
+            self.tier.load(held, info["tier_group"])
+        self.policy.load(self, tuple(extra))

@@ -32,14 +32,10 @@ def visible(positions: mx.array, n: int, end: int) -> mx.array:
     return (rows >= 0) & (rows <= query_positions[:, None])
 
 
-def by_position(positions: mx.array, n: int, end: int, query_heads: int, before: int = 0) -> mx.array:
-    """(B, query_heads, n, before + rows): :func:`visible` for the last ``n`` tokens before ``end``, repeated
-    over the query heads of each KV head, after ``before`` rows every query sees (rows attention runs over
-    that are not in the store, all in the past: a cross-layer cache's folds)."""
-    seen = mx.repeat(visible(positions, n, end), query_heads // positions.shape[1], axis=1)
-    if not before:
-        return seen
-    return mx.concatenate([mx.ones((*seen.shape[:3], before), mx.bool_), seen], axis=-1)
+def by_position(positions: mx.array, n: int, end: int, query_heads: int) -> mx.array:
+    """(B, query_heads, n, rows): :func:`visible` for the last ``n`` tokens before ``end``, repeated over the
+    query heads of each KV head."""
+    return mx.repeat(visible(positions, n, end), query_heads // positions.shape[1], axis=1)
 
 
 def restricted(kept: mx.array, rows: int, n: int, query_heads: int, given: Any) -> mx.array:

@@ -20,6 +20,7 @@ import mlx.core as mx
 
 Parts = tuple[mx.array, ...]
 HOLE = -1
+LATE = 2**30  # a hole's sort key: after every position
 
 
 def encode(x: mx.array, bits: int | None, group_size: int) -> Parts:
@@ -48,9 +49,14 @@ def _head(parts: Parts, rows: int) -> Parts:
     return tuple(p if p.shape[2] == rows else p[..., :rows, :] for p in parts)
 
 
-def _take(parts: Parts, index: mx.array) -> Parts:
+def take_rows(parts: Parts, index: mx.array) -> Parts:
     """Rows ``index`` (B, H, k) of each array, gathered per head."""
     return tuple(mx.take_along_axis(p, index[..., None], axis=2) for p in parts)
+
+
+def joined(first: Parts, second: Parts) -> Parts:
+    """Each array of ``first`` followed by its counterpart's rows in ``second``."""
+    return tuple(mx.concatenate([a, b], axis=2) for a, b in zip(first, second))
 
 
 class RowStore:
@@ -98,13 +104,35 @@ class RowStore:
     # ----------------------------------------------------------------- writing
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
         """Write ``keys``/``values`` (B, H, n, d) as the rows of positions ``start .. start+n-1``."""
+        b, h, n = keys.shape[:3]
+        self._write(keys, values, mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32), (b, h, n)))
+
+    def extend(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
+        """Write rows with the positions ``positions`` (B, H, n; -1: a hole) after the stored ones, whatever their
+        positions: the caller restores time order (a compaction in position order)."""
+        self._write(keys, values, positions.astype(mx.int32))
+        self.holes = self.holes or bool((positions < 0).any().item())
+
+    def merge(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
+        """Add rows (B, H, n, d) with the positions ``positions`` (B, H, n; -1: a hole), earlier or later than the
+        rows held: time order per head is kept (holes last), and rows that are holes in every head go. No spare
+        capacity is left (the next append grows the store)."""
+        keys_parts, values_parts = self.encode(keys), self.encode(values)
+        positions = positions.astype(mx.int32)
+        if self.rows:
+            held_keys, held_values, held_positions = self.state
+            keys_parts, values_parts = joined(held_keys, keys_parts), joined(held_values, values_parts)
+            positions = mx.concatenate([held_positions, positions], axis=-1)
+        when = mx.where(positions < 0, LATE, positions)
+        order = mx.argsort(when, axis=-1)[..., : int((when < LATE).sum(axis=-1).max().item())]
+        self.load((take_rows(keys_parts, order), take_rows(values_parts, order),
+                   mx.take_along_axis(positions, order, axis=-1)))
+
+    def _write(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
+        """Encode ``keys``/``values`` (B, H, n, d) and write them, with ``positions`` (B, H, n), after the stored rows."""
         n = keys.shape[2]
         self._reserve(n, keys, values)
-        b, h = keys.shape[:2]
-        new = (
-            self.encode(keys), self.encode(values),
-            (mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32)[:, None], (b, h, n, 1)),),
-        )
+        new = (self.encode(keys), self.encode(values), (positions[..., None],))
         for stored, fresh in zip((self.keys, self.values, (self.positions,)), new):
             for target, part in zip(stored, fresh):
                 target[..., self.rows : self.rows + n, :] = part
@@ -112,7 +140,7 @@ class RowStore:
 
     def keep(self, index: mx.array, spare: int) -> None:
         """Compact to rows ``index`` (B, H, k), ascending per head, plus ``spare`` free rows."""
-        self._rebuild(lambda parts: _grow(_take(_head(parts, self.rows), index), spare))
+        self._rebuild(lambda parts: _grow(take_rows(_head(parts, self.rows), index), spare))
         self.rows = index.shape[-1]
         if self.holes:
             self.holes = bool((self.row_positions() < 0).any().item())
@@ -165,6 +193,7 @@ class RowStore:
         return _head(self.keys, self.rows), _head(self.values, self.rows), self.row_positions()
 
     def load(self, state: tuple[Any, ...]) -> None:
+        """Hold exactly the rows ``state`` gives (as :attr:`state` returns them)."""
         keys, values, positions = state
         if positions is None:
             return

@@ -1,0 +1,174 @@
+"""The second tier (VELOX_TIER): rows a compression drops kept at low bits, read by prompt chunks, taken back by a
+prompt's selection; and the contracts (trim, save/load, speculative rewind, bytes) with it."""
+
+from __future__ import annotations
+
+import gc
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import veloxpatch
+from conftest import (
+    EVICTING, assert_a_rejected_draft_leaves_no_trace, assert_round_trip, greedy, prefill, random_tokens, tiny,
+)
+from veloxpatch.config import Budget, ConfigError, VeloxConfig
+from veloxpatch.eval.random_model import build, config_for
+from veloxpatch.methods.snapkv import SnapKVCache
+
+SCALE = 0.25
+
+
+def wide() -> object:
+    """A random llama whose head_dim (32) mlx can quantize in groups of 32."""
+    return build(config_for("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=256), 3)
+
+
+def every_position_once(cache) -> bool:
+    """Whether the store and the tier together hold each token seen exactly once, per head."""
+    held = mx.concatenate([cache.store.row_positions(), cache.tier.positions()], axis=-1)
+    held = mx.sort(mx.where(held < 0, 2**30, held), axis=-1)[..., : cache.offset]
+    return bool(mx.array_equal(held, mx.broadcast_to(mx.arange(cache.offset), held.shape)).item())
+
+
+@pytest.mark.parametrize("method", EVICTING)
+@pytest.mark.parametrize("mode", ["end", "chunk"])
+def test_a_lossless_tier_loses_no_token_and_decoding_stays_within_the_budget(method: str, mode: str) -> None:
+    model = tiny("qwen3", seed=2, layers=4)
+    veloxpatch.patch(kv=method, budget=40, window=8, compress=mode, tier="16")
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(200, 41), caches, steps=30, chunk=64)
+    assert all(c.tier is not None and c.tier.rows > 0 and every_position_once(c) for c in caches)
+    assert all(c.size() < c.target() + c.headroom(c.target()) for c in caches), "decoding runs over the budget"
+
+
+def test_reading_in_chunks_over_a_lossless_tier_is_reading_with_the_full_cache() -> None:
+    """Each prompt chunk takes the tier's rows back and attends over every row: the logits are mlx_lm's."""
+    model = tiny("llama", seed=1)
+    tokens = random_tokens(300, 5)
+
+    def chunk_logits() -> list[mx.array]:
+        caches = make_prompt_cache(model)
+        return [model(tokens[None, s : s + 100], cache=caches) for s in range(0, 300, 100)]
+
+    expected = chunk_logits()
+    veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="chunk", tier="16")
+    got = chunk_logits()
+    for want, have in zip(expected, got):
+        assert (mx.abs(want - have).max() / mx.abs(want).max()).item() < 1e-4
+
+
+def test_a_four_bit_tier_reads_as_close_as_mlx_lms_four_bit_cache_in_far_fewer_bytes() -> None:
+    """The last prompt chunk's output against the full cache's: a 4-bit tier (the budget exact, the rest at 4 bits)
+    errs no more than mlx_lm's own 4-bit KV cache (every row at 4 bits) does, give or take a tenth."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    model = wide()
+    tokens = random_tokens(1024, 6)
+
+    def last_chunk(quantize=None) -> tuple[mx.array, list]:
+        caches = make_prompt_cache(model)
+        for start in range(0, tokens.size - 128, 128):
+            model(tokens[None, start : min(start + 128, tokens.size - 129)], cache=caches)
+            if quantize:
+                quantize(caches)
+        return model(tokens[None, -129:], cache=caches)[:, -1], caches
+
+    expected, full = last_chunk()
+    dense = sum(c.nbytes for c in full)
+
+    def error(got: mx.array) -> float:
+        return (mx.linalg.norm(got - expected) / mx.linalg.norm(expected)).item()
+
+    theirs, _ = last_chunk(lambda caches: maybe_quantize_kv_cache(caches, 0, 32, 4))
+    veloxpatch.patch(kv="snapkv", budget=128, window=16, compress="chunk", tier="4")
+    ours, caches = last_chunk()
+    assert all(c.tier.store.bits == 4 and c.tier.store.group_size == 32 for c in caches)
+    assert error(ours) < 1.1 * error(theirs), (error(ours), error(theirs))
+    tier_bytes = sum(c.tier.nbytes for c in caches)
+    assert sum(c.nbytes for c in caches) < 0.45 * dense and tier_bytes < 0.25 * dense
+
+
+def planted(rows: int, at: tuple[int, ...], d: int = 8) -> mx.array:
+    """Keys (1, 2, rows, d) of small noise, with a strong key along axis i at position ``at[i]``."""
+    keys = mx.random.normal((1, 2, rows, d), key=mx.random.key(11)) * 0.1
+    for axis, position in enumerate(at):
+        keys[:, :, position, :] = mx.zeros((d,)).at[axis].add(8.0)
+    return keys
+
+
+def asking(axis: int, n: int, d: int = 8) -> mx.array:
+    """Queries (1, 4, n, d) that all look along ``axis``."""
+    return mx.broadcast_to(mx.zeros((d,)).at[axis].add(4.0), (1, 4, n, d))
+
+
+def step(cache, keys: mx.array, queries: mx.array) -> None:
+    k, v = cache.update_and_fetch(keys, keys)
+    cache.attend(queries, k, v, scale=SCALE)
+
+
+@pytest.mark.parametrize("tier", [0, 16])
+def test_a_new_prompt_takes_back_the_rows_its_question_needs(tier: int) -> None:
+    """A row the first question did not need goes to the tier; the next prompt's question brings it back."""
+    cache = SnapKVCache(Budget(tokens=12), sink=1, window=4, kernel=1)
+    cache.use_tier(tier)
+    prompt = planted(80, at=(17, 40))
+    step(cache, prompt, asking(0, 80))  # the document, and a question about the row at 17
+    step(cache, mx.random.normal((1, 2, 1, 8), key=mx.random.key(3)) * 0.1, asking(0, 1))  # its first answer step
+    kept = cache.store.row_positions()[0, 0].tolist()
+    assert 17 in kept and 40 not in kept
+    step(cache, mx.random.normal((1, 2, 70, 8), key=mx.random.key(4)) * 0.1, asking(1, 70))  # the next question
+    step(cache, mx.random.normal((1, 2, 1, 8), key=mx.random.key(5)) * 0.1, asking(1, 1))
+    kept = cache.store.row_positions()[0, 0].tolist()
+    assert (40 in kept) == bool(tier), kept
+
+
+def test_trim_forgets_the_tiers_rows_of_the_rewound_tokens_and_a_rejected_draft_leaves_no_trace() -> None:
+    model = tiny("llama")
+    veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="chunk", tier="16")
+    caches = make_prompt_cache(model)
+    prefill(model, caches, random_tokens(200, 14), chunk=50)
+    assert all(c.tier.rows == 200 - 48 for c in caches)
+    assert_a_rejected_draft_leaves_no_trace(model, caches, steps=20)
+    offsets = [c.offset for c in caches]
+    for cache in caches:
+        assert cache.trim(60) == 60 and cache.tier.positions().max().item() < cache.offset == offsets[0] - 60
+        assert every_position_once(cache)
+
+
+def test_a_list_with_a_tier_saves_and_loads_back(tmp_path) -> None:
+    model = wide()
+    veloxpatch.patch(kv="h2o", budget=48, window=8, compress="chunk", tier="4")
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(200, 8), caches, steps=10, chunk=64)
+    loaded = assert_round_trip(str(tmp_path / "tier.safetensors"), model, caches)
+    assert all(c.tier.store.bits == 4 and c.tier.rows == o.tier.rows for c, o in zip(loaded, caches))
+
+
+def test_the_process_holds_what_the_caches_say_far_below_the_full_cache() -> None:
+    model = wide()
+    tokens = random_tokens(2048, 9)
+
+    def held(**settings) -> tuple[int, list]:
+        if settings:
+            veloxpatch.patch(**settings)
+        gc.collect()
+        before = mx.get_active_memory()
+        caches = make_prompt_cache(model)
+        prefill(model, caches, tokens, chunk=256)
+        mx.eval([c.state for c in caches])
+        gc.collect()
+        return mx.get_active_memory() - before, caches
+
+    vanilla, _ = held()
+    used, caches = held(kv="snapkv", budget=128, window=16, compress="chunk", tier="2")
+    assert used <= sum(c.nbytes for c in caches) + 65536 * len(caches)
+    assert used < 0.35 * vanilla, f"held {used} B, the full cache {vanilla} B"
+
+
+def test_the_tier_setting_names_what_it_allows() -> None:
+    assert VeloxConfig(tier="off").tier == 0 and VeloxConfig(tier=4).tier == 4
+    with pytest.raises(ConfigError, match=r"VELOX_TIER='5' is not allowed: expected off, or one of 2, 3, 4, 8, 16"):
+        VeloxConfig(tier="5")
