@@ -166,6 +166,18 @@ def test_knob_variants_parse_label_and_reach_the_caches(loaded: tuple[Any, mx.ar
             parse_spec(bad)
 
 
+def test_a_variant_sets_its_tier_and_when_it_compresses(loaded: tuple[Any, mx.array]) -> None:
+    model, _ = loaded
+    variant = Variant.of("snapkv[tier=4,compress=chunk]", 0.25)
+    assert variant.label() == "snapkv[compress=chunk,tier=4]@0.25"
+    caches = variant.caches(model, 1000)
+    assert {(c.tier.bits, c.schedule.mode) for c in caches} == {(4, "chunk")}
+    assert {c.tier for c in Variant.of("snapkv", 0.25).caches(model, 1000)} == {None}
+    assert "tier" not in Variant.of("snapkv", 0.25).knob_values(), "journals written before it stay valid"
+    with pytest.raises(ValueError, match="VELOX_TIER"):
+        parse_spec("snapkv[tier=5]")
+
+
 def test_a_variant_sets_the_window_of_any_method_and_counts_it_only_where_given(loaded: tuple[Any, mx.array]) -> None:
     model, _ = loaded
     variant = Variant.of("xquant[window=1]", 0.25)
@@ -187,7 +199,7 @@ def test_methods_built_on_snapkv_take_its_knobs(loaded: tuple[Any, mx.array]) ->
     assert make_cache(config).policy.kernel == 9
     assert Variant.of("squeeze[policy=h2o]", 0.25).knob_values() == {"policy": "h2o", "signal": "cosine",
                                                                       "strength": 0.5}
-    with pytest.raises(ValueError, match=r"kernel is not a knob of squeeze here \(policy, signal, strength, window\)"):
+    with pytest.raises(ValueError, match=r"kernel is not a knob of squeeze here \(compress, policy, signal, strength, tier, window\)"):
         parse_spec("squeeze[policy=h2o,kernel=31]")
 
 

@@ -28,7 +28,8 @@ from veloxpatch.config import Setting, setting
 Knobs = tuple[tuple[str, Any], ...]  # (knob name without the method prefix, value), sorted by name
 
 # settings any registry method's variant may set, beside its own knobs
-GENERAL = {"window": setting("VELOX_WINDOW")}
+# core settings a variant may set for itself: snapkv[window=8], snapkv[tier=4,compress=chunk]
+GENERAL = {"window": setting("VELOX_WINDOW"), "tier": setting("VELOX_TIER"), "compress": setting("VELOX_COMPRESS")}
 # a token budget may not be smaller than the rows every method protects (default sink + window)
 PROTECTED = int(setting("VELOX_SINK").default) + int(setting("VELOX_WINDOW").default)
 
