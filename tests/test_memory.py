@@ -99,27 +99,61 @@ def test_the_prompt_peak_is_vanilla_s_while_nothing_is_evicted() -> None:
     assert peak() - vanilla < queries / 4, f"vanilla {vanilla} B; every layer's queries {queries} B"
 
 
+def read_peak(model, tokens: mx.array, **settings) -> int:
+    """``sharing.Reading``'s peak for ``tokens`` read in 256-token steps under ``settings`` (none: unpatched)."""
+    from veloxpatch.eval import sharing
+
+    veloxpatch.patch(**settings) if settings else veloxpatch.unpatch()
+    caches = make_prompt_cache(model)
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    reading = sharing.Reading()
+    sharing.whole(model, tokens, caches, 2, 256, reading)
+    return reading.peak
+
+
 def test_the_reading_peak_is_the_memory_a_prompt_takes_while_it_is_read() -> None:
     """``sharing.Reading`` (the eval's and bench's read_peak_bytes): ``end`` mode reads a prompt as mlx_lm does,
     holding every row; ``chunk`` mode compresses between prefill steps and reads it in far less."""
-    from veloxpatch.eval import sharing
-
     model = tiny("llama", seed=1)
     tokens = random_tokens(2048, 34)
-
-    def read(**settings) -> int:
-        if settings:
-            veloxpatch.patch(**settings)
-        caches = make_prompt_cache(model)
-        gc.collect()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        reading = sharing.Reading()
-        sharing.whole(model, tokens, caches, 2, 256, reading)
-        return reading.peak
-
-    vanilla = read()
-    end = read(kv="snapkv", budget=64, window=16)
-    chunk = read(kv="snapkv", budget=64, window=16, compress="chunk")
+    vanilla = read_peak(model, tokens)
+    end = read_peak(model, tokens, kv="snapkv", budget=64, window=16)
+    chunk = read_peak(model, tokens, kv="snapkv", budget=64, window=16, compress="chunk")
     assert vanilla > 0 and abs(end - vanilla) < 0.1 * vanilla, f"vanilla {vanilla} B, end mode {end} B"
     assert chunk < 0.5 * vanilla, f"vanilla {vanilla} B, chunk mode {chunk} B"
+
+
+def test_reading_in_chunks_with_a_tier_holds_one_layer_s_context_at_a_time(monkeypatch) -> None:
+    """A prompt chunk takes the tier's rows back (the whole context, at full precision) and the layer is evaluated
+    before the next takes its own: left lazy, every layer's would be alive at once (0.75x vanilla here, against
+    0.49x). The scores of a chunk are bounded (blocks of queries) so that the rows, not the scores, are measured."""
+    from veloxpatch.caches import blocks
+    from veloxpatch.eval.random_model import build, config_for
+
+    monkeypatch.setattr(blocks, "SCORE_BYTES", 2**20)
+    model = build(config_for("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=256, num_hidden_layers=6, vocab_size=1024), 3)
+    mx.eval(model.parameters())
+    tokens = random_tokens(4096, 35) % 1024
+    vanilla = read_peak(model, tokens)
+    tiered = read_peak(model, tokens, kv="snapkv", budget=256, window=16, compress="chunk", tier="2")
+    assert tiered < 0.6 * vanilla, f"vanilla {vanilla} B, chunk mode with a 2-bit tier {tiered} B"
+
+
+def test_a_long_chunk_attends_in_blocks_of_queries_with_the_same_output() -> None:
+    from veloxpatch.caches import blocks
+
+    queries, keys, values = (mx.random.normal(s, key=mx.random.key(i)) for i, s in
+                             enumerate([(1, 4, 300, 32), (1, 2, 900, 32), (1, 2, 900, 32)]))
+    sinks = mx.random.normal((4,), key=mx.random.key(9))
+    for mask in ("causal", None, mx.random.uniform(shape=(1, 4, 300, 900), key=mx.random.key(7)) > 0.3):
+        for sink in (None, sinks):
+            want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.2, mask=mask, sinks=sink)
+            saved, blocks.SCORE_BYTES = blocks.SCORE_BYTES, 4 * 4 * 900 * 70  # blocks of 70 queries
+            try:
+                got = blocks.attention(queries, keys, values, 0.2, mask, sink)
+            finally:
+                blocks.SCORE_BYTES = saved
+            assert mx.array_equal(want, got).item(), (type(mask).__name__, sink is None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .settings import strict_requested  # stdlib only: this module must stay light
+from .settings import ConfigError, strict_requested  # stdlib only: this module must stay light
 
 DISABLED = ("", "none")
 
@@ -26,6 +26,7 @@ def install() -> None:
     """
     if _read("VELOX_KV") in DISABLED and _read("VELOX_FLOAT32") == "off":
         return
+    sys.excepthook = _config_errors_exit_2(sys.excepthook)
     try:
         import wrapt
 
@@ -34,3 +35,19 @@ def install() -> None:
         if strict_requested():
             raise
         print(f"veloxpatch: ERROR: bootstrap failed ({error}); running unpatched", file=sys.stderr)
+
+
+def _config_errors_exit_2(previous):  # type: ignore[no-untyped-def]
+    """An excepthook under which a setting the app's model cannot take (a :class:`ConfigError` raised while its
+    caches are built, e.g. ``VELOX_KV_MEMORY`` below what one layer needs) ends the process as a bad launcher
+    option does: its message and exit status 2. Anything else goes to the hook the app had."""
+
+    def hook(kind, error, trace):  # type: ignore[no-untyped-def]
+        if not isinstance(error, ConfigError):
+            return previous(kind, error, trace)
+        print(f"veloxpatch: error: {error}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+
+    return hook

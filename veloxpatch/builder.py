@@ -15,10 +15,11 @@ import logging
 from typing import Any
 
 from . import eligibility, ranks
+from .caches.memory import MemoryPlan, device_bytes
 from .config import VeloxConfig, make_cache
 from .coordinators import coordinators_of
 from .fallback import notice
-from .log import log, model_type
+from .log import log, model_type, once
 
 NO_SLOT = "no plain full-attention KVCache slot; running unpatched"
 
@@ -39,13 +40,18 @@ def mlx_caches(model: Any) -> list[Any]:
 
 
 def explain(model: Any, config: VeloxConfig) -> str:
-    """What ``config``'s method does on ``model``, in one line (the attention route must be patched, and the
-    layer hooks installed where the method asks for them: :func:`veloxpatch.integration.layer_io.prepare`)."""
+    """What ``config``'s method does on ``model``, in one line, with what ``VELOX_KV_MEMORY`` gives it (the
+    attention route must be patched, and the layer hooks installed where the method asks for them:
+    :func:`veloxpatch.integration.layer_io.prepare`)."""
     caches = mlx_caches(model)
     slots = candidate_slots(caches)
     if not slots:
         return NO_SLOT
-    return eligibility.verdict(model, caches, slots, config).describe(len(slots))
+    found = eligibility.verdict(model, caches, slots, config)
+    text = found.describe(len(slots))
+    if config.kv_memory and found.slots:
+        text += "; " + memory_plan(caches, found, config).describe()  # ConfigError when it cannot hold the floor
+    return text
 
 
 def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
@@ -74,7 +80,32 @@ def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
     built = eligibility.assemble(caches, found.slots, lambda: make_cache(config), config.kv)
     for coordinator in coordinators_of(built):
         coordinator.span = span
+    if config.kv_memory:
+        _limit(name, built, found, config)
     return built
+
+
+def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> MemoryPlan:
+    """``VELOX_KV_MEMORY`` as rows per layer for the slots ``found`` serves (ConfigError when it cannot hold
+    the rows every layer keeps)."""
+    served = {id(caches[i]): found.layouts[i] for i in found.slots}
+    others = tuple(layout for i, layout in enumerate(found.layouts) if i not in found.slots)
+    policy = make_cache(config).policy
+    return MemoryPlan(config.kv_memory.resolve(device_bytes()), str(config.kv_memory), tuple(served.values()),
+                      others, policy.queries_held(config.window), config.sink + config.window, config.tier,
+                      policy.row_bytes_per_head)
+
+
+def _limit(name: str, built: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> None:
+    """Give every compressed cache of the list the plan (said once at INFO; slots it cannot bound at WARNING, an
+    error under strict)."""
+    plan = memory_plan(built, found, config)
+    for i in found.slots:
+        built[i].limit = plan
+    once(f"memory plan {name} {plan.setting}", logging.INFO, f"{name}: {plan.describe()}")
+    if plan.unbounded:
+        notice(f"{name}: VELOX_KV_MEMORY={plan.setting} cannot bound {plan.unbounded} cache slot(s) that stay "
+               "mlx_lm's: they grow with the context", config, key=f"{name} memory unbounded")
 
 
 def _left(name: str, config: VeloxConfig, found: eligibility.Verdict, candidates: int) -> None:

@@ -198,15 +198,21 @@ def _cpu_speed(config: VeloxConfig) -> None:
 
 def _model_support(path: Path, config: VeloxConfig) -> None:
     """Probe the model at ``path`` with each method under the effective settings."""
-    from mlx_lm.utils import load_model
+    from .eval.zoo import explain_patched, load_as_patched  # here: it imports mlx_lm, which the launcher never needs
 
-    from .eval.zoo import explain_patched  # here: it imports mlx_lm, which the launcher never needs
-
-    model, _ = load_model(path, lazy=True)
+    model = load_as_patched(path, config)
     click.echo(f"model {path} ({model_type(model)}):")
     width = max(map(len, METHODS))
+    failed = None
     for name in sorted(METHODS):
-        click.echo(f"  {name:<{width}}  {explain_patched(model, config.replace(kv=name))}")
+        bounded = getattr(METHODS[name].cls, "bounds_memory", False)
+        try:
+            line = explain_patched(model, config.replace(kv=name, kv_memory=config.kv_memory if bounded else "off"))
+        except ConfigError as error:  # VELOX_KV_MEMORY too small for this model
+            line, failed = f"invalid configuration: {error}", failed or (name == config.kv and error)
+        click.echo(f"  {name:<{width}}  {line}")
+    if failed:
+        raise SystemExit(2)
 
 
 @main.command("fetch-model")

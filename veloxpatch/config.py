@@ -14,9 +14,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from .registry import METHODS, knob_settings
-from .settings import PREFIX, Budget, ConfigError, Setting, boolean, choice, int_range, to_text
+from .settings import PREFIX, Budget, ConfigError, Memory, Setting, boolean, choice, int_range, to_text
 
-__all__ = ["Budget", "ConfigError", "Setting", "VeloxConfig", "all_settings", "choice", "from_env", "int_range",
+__all__ = ["Budget", "ConfigError", "Memory", "Setting", "VeloxConfig", "all_settings", "choice", "from_env", "int_range",
            "make_cache", "setting"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -59,6 +59,11 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "KV-cache compression method; unset or `none` passes every cache through."),
     Setting("VELOX_BUDGET", Budget.parse, "1024", "an integer >= 1 or a percentage in (0, 100]",
             "KV rows kept per layer: tokens (`1024`) or a share of the tokens seen (`25%`)."),
+    Setting("VELOX_KV_MEMORY", Memory.parse, "off", "off, bytes (`2GB`, `512MiB`, `1000000`) or a percentage in "
+            "(0, 100] of the device's memory",
+            "Memory the KV cache may hold (every layer, mlx_lm's own slots too): turned into rows per layer from the "
+            "model's KV layout when the cache list is built; with VELOX_BUDGET the stricter wins, and `end` mode "
+            "compresses a prompt that would pass it. Methods that evict only."),
     Setting("VELOX_SINK", int_range(0, None), "4", "an integer >= 0",
             "First tokens of the context that are never evicted (attention sinks)."),
     Setting("VELOX_WINDOW", int_range(1, None), "32", "an integer >= 1",
@@ -114,6 +119,7 @@ class VeloxConfig:
 
     kv: str = "none"
     budget: Budget | int | str = "1024"
+    kv_memory: Memory | str = "off"
     sink: int = 4
     window: int = 32
     tier: int | str = "off"
@@ -131,6 +137,7 @@ class VeloxConfig:
             object.__setattr__(self, s.key, s.convert(getattr(self, s.key)))
         object.__setattr__(self, "knobs", self._checked_knobs(dict(self.knobs)))
         self._check_budget()
+        self._check_kv_memory()
 
     def _checked_knobs(self, given: dict[str, Any]) -> dict[str, Any]:
         by_key = {s.key: s for s in all_settings() if s.method}
@@ -146,6 +153,13 @@ class VeloxConfig:
                 f"VELOX_BUDGET={tokens} is not allowed: it must be at least "
                 f"VELOX_SINK + VELOX_WINDOW = {self.sink} + {self.window} = {self.sink + self.window}"
             )
+
+    def _check_kv_memory(self) -> None:
+        if self.enabled and self.kv_memory and not getattr(METHODS[self.kv].cls, "bounds_memory", False):
+            evicting = sorted(m for m, e in METHODS.items() if getattr(e.cls, "bounds_memory", False))
+            raise ConfigError(
+                f"VELOX_KV_MEMORY={self.kv_memory} is not allowed with VELOX_KV={self.kv}: it bounds the methods "
+                f"that evict rows ({', '.join(evicting)}); {self.kv} keeps every token in a form of its own")
 
     @property
     def enabled(self) -> bool:

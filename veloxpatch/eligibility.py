@@ -22,13 +22,14 @@ from __future__ import annotations
 import copy
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
 
 from . import stats
 from .caches import CompressedKVCache
+from .caches.memory import SlotLayout, layout_of
 from .config import Budget, VeloxConfig, make_cache
 from .coordinators import Coordinator
 from .memo import per_model
@@ -53,6 +54,7 @@ class Verdict:
     reason: str = ""
     error: BaseException | None = None  # what was raised, its traceback dropped (it would keep the model alive)
     trace: str = ""  # that traceback, as text
+    layouts: tuple[SlotLayout, ...] = ()  # what every slot of the list held per token in the probe (VELOX_KV_MEMORY)
 
     def describe(self, candidates: int) -> str:
         """One line for a user: what runs compressed and what does not, and why."""
@@ -103,7 +105,8 @@ def _probe_keeping_stats(model: Any, caches: list[Any], slots: tuple[int, ...], 
 
 def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig) -> Verdict:
     """Drop the slots the model misuses until the rest pass, then check outputs and eviction."""
-    expected = _run(model, copy.deepcopy(caches), EXACT_CHUNKS)
+    plain = copy.deepcopy(caches)
+    expected = _run(model, plain, EXACT_CHUNKS)
     left: dict[int, str] = {}
     candidates = list(slots)
     while candidates:
@@ -124,7 +127,21 @@ def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxC
     if problems:
         raised = _raised(evicting.error) if evicting.error is not None else {}
         return Verdict((), left, f"fails once rows are evicted ({problems[0]})", **raised)
-    return Verdict(tuple(candidates), left)
+    return Verdict(tuple(candidates), left, layouts=_layouts(plain, run))
+
+
+def _layouts(plain: list[Any], run: _Run) -> tuple[SlotLayout, ...]:
+    """Every slot's layout as mlx_lm's caches held it, with the bytes of one remembered query where our cache
+    served the slot."""
+    out = []
+    for i, cache in enumerate(plain):
+        layout = layout_of(cache)
+        queries = getattr(run.caches[i], "memory", None)
+        if queries is not None and queries.queries is not None:
+            q = queries.queries
+            layout = replace(layout, query_bytes=q.shape[1] * q.shape[3] * q.dtype.size)
+        out.append(layout)
+    return tuple(out)
 
 
 def _raised(error: BaseException) -> dict[str, Any]:

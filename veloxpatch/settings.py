@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 PREFIX = "VELOX_"
@@ -57,6 +57,64 @@ class Budget:
         if self.tokens is not None:
             return str(self.tokens)
         return f"{self.fraction * 100:g}%"
+
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(frozen=True)
+class Memory:
+    """An amount of memory: bytes (``2GB``, ``512MiB``, ``1000000``), a share of the device's (``25%``), or
+    none (``off``; false)."""
+
+    bytes: int | None = None
+    fraction: float | None = None
+    text: str = field(default="", compare=False)  # as the user wrote it, for messages
+
+    @classmethod
+    def parse(cls, text: str) -> "Memory":
+        """``"off"`` -> none, ``"25%"`` -> a quarter of the device's memory, ``"1.5GiB"`` -> bytes."""
+        given = text.strip()
+        text = given.lower().replace(" ", "")
+        if text in ("off", "0", "none", ""):
+            return cls()
+        if text.endswith("%"):
+            pct = float(text[:-1])
+            if not 0 < pct <= 100:
+                raise ValueError(text)
+            return cls(fraction=pct / 100, text=given)
+        number = text.rstrip("kmgtib")
+        unit = text[len(number):]
+        if unit not in UNITS:
+            raise ValueError(text)
+        amount = float(number) * UNITS[unit]
+        if not math.isfinite(amount) or amount < 1:
+            raise ValueError(text)
+        return cls(bytes=int(amount), text=given)
+
+    def __bool__(self) -> bool:
+        return self.bytes is not None or self.fraction is not None
+
+    def resolve(self, device: int) -> int:
+        """Bytes, a share of ``device`` bytes where it is one."""
+        return self.bytes if self.bytes is not None else int(self.fraction * device)
+
+    def __str__(self) -> str:
+        if self.text:
+            return self.text
+        if self.fraction is not None:
+            return f"{self.fraction * 100:g}%"
+        return "off" if self.bytes is None else str(self.bytes)
+
+
+def size_text(n: float) -> str:
+    """Bytes as a user reads them (``512 MiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def int_range(lo: int, hi: int | None) -> Callable[[str], int]:

@@ -31,7 +31,7 @@ from .. import stats
 from ..config import Budget
 from ..coordinators import Coordinator
 from ..log import once
-from . import masks
+from . import blocks, masks
 from .queries import QueryMemory
 from .schedule import Schedule
 from .store import RowStore
@@ -50,6 +50,7 @@ class CompressedKVCache(ABC):
     store_step: ClassVar[int] = 256  # rows the store grows by (KVCache's step)
     wants_layer_io: ClassVar[bool] = False  # see_block_input / see_attention(_input) are called (layer_io)
     uses_budget: ClassVar[bool] = True  # False: VELOX_BUDGET changes nothing it does (the eval measures it once)
+    bounds_memory: ClassVar[bool] = False  # True: VELOX_KV_MEMORY can cap its rows (the methods that evict)
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
         self.budget = budget
@@ -280,7 +281,7 @@ class CompressedKVCache(ABC):
         own = self._mask(queries, mask, keys.shape[2])
         if kept is not None:
             own = masks.restricted(kept, self.store.rows, queries.shape[2], queries.shape[1], own)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=own, sinks=sinks)
+        out = blocks.attention(queries, keys, values, scale, own, sinks)
         self._forget_issued_masks()
         return out
 

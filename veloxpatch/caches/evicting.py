@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from .. import stats
 from .base import CompressedKVCache
+from .memory import MemoryPlan
 from .selection import best_rows, protected
 from .store import LATE
 from .tier import Tier
@@ -38,6 +39,12 @@ class Policy(ABC):
         """How many recent queries its cache remembers (:mod:`.queries`): the observation window, none for a
         policy that reads no queries."""
         return window if self.uses_queries else 0
+
+    row_bytes_per_head: ClassVar[int] = 0  # bytes it keeps per stored row and KV head (VELOX_KV_MEMORY counts them)
+
+    def queries_held(self, window: int) -> int:
+        """The most queries its cache holds between steps (VELOX_KV_MEMORY counts them): those remembered."""
+        return self.remembered(window)
 
     def knob_values(self) -> dict[str, Any]:
         """The policy's knobs, saved with its cache."""
@@ -80,17 +87,26 @@ class Policy(ABC):
         """Restore what :meth:`state` saved (empty for a cache saved without it)."""
 
 
+def _mask(positions: mx.array, index: mx.array) -> mx.array:
+    """True at the rows ``index`` (B, kv_heads, k) names, over rows shaped like ``positions``."""
+    return mx.put_along_axis(mx.zeros(positions.shape, mx.bool_), index, mx.array(True), axis=-1)
+
+
 class EvictingCache(CompressedKVCache):
     """A per-layer cache holding at most its budget (plus decode headroom) of rows, chosen by its policy.
 
     ``policy_class`` is the method's policy; the method's knobs (constructor keywords) go to it."""
 
     policy_class: ClassVar[type[Policy]]
+    bounds_memory = True
 
     def __init__(self, budget: Any, sink: int = 4, window: int = 32, mode: str = "end", **knobs: Any) -> None:
         super().__init__(budget, sink, window, mode)
         self.policy = self.make_policy(**knobs)
         self.tier: Tier | None = None  # where dropped rows go (VELOX_TIER), or None: dropped rows are lost
+        self.limit: MemoryPlan | None = None  # VELOX_KV_MEMORY's rows per layer (set by the builder), or None
+        self.scale = 1.0  # the attention's scale, seen at every step (a capped tier ranks what it takes by score)
+        self.took_back = False  # this step took the tier's rows back into the store (evaluated after it)
 
     def make_policy(self, **knobs: Any) -> Policy:
         """The policy picking this cache's rows, from the method's knobs."""
@@ -115,7 +131,25 @@ class EvictingCache(CompressedKVCache):
     # ----------------------------------------------------------------- what a method may set
     def target(self) -> int:
         """Rows to keep now: the budget, but never fewer than the protected sink + window."""
-        return max(self.budget.resolve(self.offset), self.sink + self.window)
+        return max(self.budget_rows(), self.sink + self.window)
+
+    def budget_rows(self) -> int:
+        """The budget's rows after the tokens seen, or ``VELOX_KV_MEMORY``'s where that is stricter."""
+        rows = self.budget.resolve(self.offset)
+        return rows if self.limit is None else min(rows, self.limit.keep_cap(self.batch))
+
+    @property
+    def batch(self) -> int:
+        """Sequences in this cache (1 before the first step)."""
+        return 1 if self.store.keys is None else self.store.keys[0].shape[0]
+
+    def _over_limit(self, n: int, keep: int) -> int | None:
+        """After a prompt chunk of ``n`` tokens left uncompressed (``end`` mode): the rows to compress to when
+        the store holds more than ``VELOX_KV_MEMORY`` allows (its cap, or ``keep`` if more), else None."""
+        if self.limit is None or n <= self.headroom(keep):
+            return None
+        rows = max(self.limit.keep_cap(self.batch), keep)
+        return rows if self.store.rows > rows else None
 
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
         """Every step's real queries and the keys they attended, before the step compresses: the policy's
@@ -127,7 +161,8 @@ class EvictingCache(CompressedKVCache):
         """Store and fetch the step's rows. With a tier, a prompt chunk and a step over a pending prompt first take
         the tier's rows back: the chunk then attends over the whole context, and the compression after it (or the
         selection at the end of the prompt) chooses among every row, with that prompt's own queries."""
-        if self.tier is not None and self.tier.rows and self._takes_back(keys.shape[2]):
+        self.took_back = self.tier is not None and bool(self.tier.rows) and self._takes_back(keys.shape[2])
+        if self.took_back:
             self._take_back()
         return super().update_and_fetch(keys, values)
 
@@ -159,6 +194,7 @@ class EvictingCache(CompressedKVCache):
         pending prompt compresses it first: the step's keys were fetched before, so the rows about to go
         are masked for it."""
         n = queries.shape[2]
+        self.scale = scale
         keep = self.target()
         kept = self.select(keep, scale) if self.schedule.pending(self.store.rows, n, keep) else None
         out = self._attention(queries, keys, values, scale, mask, sinks, kept)
@@ -168,7 +204,19 @@ class EvictingCache(CompressedKVCache):
             self.keep_rows(kept)
         elif self.schedule.due(self.store.rows, n, keep):
             self.compress(keep, scale)
+        elif (capped := self._over_limit(n, keep)) is not None:
+            self.compress(capped, scale)
+        if self.took_back:
+            self._settle(out)
         return out
+
+    def _settle(self, out: mx.array) -> None:
+        """After a step that took the tier back: evaluate what this layer keeps, so its rows at full precision
+        (the whole context) are freed before the next layer takes its own back. Left lazy, one graph holds every
+        layer's at once, and reading with a tier peaks as high as the full cache."""
+        self.took_back = False
+        held = [(s.keys, s.values, s.positions) for s in (self.store, self.tier.store) if s.positions is not None]
+        mx.eval(out, held)
 
     # ----------------------------------------------------------------- selection and compaction
     def select(self, keep: int, scale: float) -> mx.array:
@@ -191,13 +239,19 @@ class EvictingCache(CompressedKVCache):
         stats.totals.compressions += 1
 
     def _to_tier(self, index: mx.array) -> None:
-        """Hand the rows not in ``index`` to the tier."""
-        rows = self.store.rows
+        """Hand the rows not in ``index`` to the tier; under ``VELOX_KV_MEMORY``, only as many as its share
+        holds, the best of them by the policy's score (the rest are lost)."""
         positions = self.store.row_positions()
-        kept = mx.put_along_axis(mx.zeros(positions.shape, mx.bool_), index, mx.array(True), axis=-1)
-        gone = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : rows - index.shape[-1]]
+        keys, values = self.store.fetch()
+        kept = _mask(positions, index)
+        room = self.store.rows - index.shape[-1]
+        if self.limit is not None:
+            room = min(room, self.limit.tier_rows(index.shape[-1], self.batch) - self.tier.rows)
+            if 0 < room < self.store.rows - index.shape[-1]:
+                scores = self.policy.score(self, keys, positions, self.scale)
+                kept = kept | ~_mask(positions, best_rows(scores, positions, kept, index.shape[-1] + room))
+        gone = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : max(room, 0)]
         if gone.shape[-1]:
-            keys, values = self.store.fetch()
             self.tier.take(*(mx.take_along_axis(a, gone[..., None], axis=2) for a in (keys, values)),
                            mx.take_along_axis(positions, gone, axis=-1))
 

@@ -15,10 +15,11 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm.models
 
-from .. import builder
+from .. import builder, cpu
 from ..registry import METHODS
 from ..config import VeloxConfig
 from ..integration import active_config, layer_io, patch, unpatch
+from ..integration.float32 import upcast
 from .random_model import build
 
 SMALL: dict[str, Any] = dict(
@@ -196,6 +197,17 @@ def _support(model_type: str, methods: list[str]) -> list[str]:
         return [f"not built: {reason}"] * len(methods)
     model = build(small_config(model_type))
     return [explain_patched(model, VeloxConfig(kv=method)) for method in methods]
+
+
+def load_as_patched(path: Any, config: VeloxConfig) -> Any:
+    """The model at ``path``, loaded lazily in the dtype a patched app would run it in (``VELOX_FLOAT32``): its
+    KV rows, and so what ``VELOX_KV_MEMORY`` holds, have that dtype."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path, lazy=True)
+    if cpu.float32_wanted(config.float32):
+        upcast(model)
+    return model
 
 
 def explain_patched(model: Any, config: VeloxConfig) -> str:

@@ -25,6 +25,7 @@ import wrapt
 
 from .. import builder, stats
 from ..fallback import StrictError, fall_back
+from ..settings import ConfigError
 from ..caches import CompressedKVCache
 from ..coordinators import coordinators_of
 from ..log import once
@@ -46,7 +47,8 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
         if builder.candidate_slots(caches):
             layer_io.prepare(model, config)
         return builder.build(model, caches, config)
-    except (RanksDisagree, StrictError):  # RanksDisagree: every rank raises it, never one method per rank
+    # RanksDisagree: every rank raises it, never one method per rank; ConfigError: a setting this model cannot take
+    except (RanksDisagree, StrictError, ConfigError):
         raise
     except Exception as error:  # the host app must keep running
         fall_back("building compressed caches", error, config, model=model, instead="it runs on mlx_lm's own caches")

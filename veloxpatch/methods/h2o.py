@@ -41,6 +41,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..caches.evicting import EvictingCache, Policy
+from ..caches.schedule import Schedule
 from ..registry import method
 
 BLOCK_ELEMENTS = 1 << 24  # float32 probabilities per block of queries: 64 MB
@@ -77,6 +78,11 @@ class H2O(Policy):
     """Ranks rows by the attention they have accumulated since they were stored."""
 
     prompt_state = "own"  # the prompt's accumulated attention
+    row_bytes_per_head = 4  # the float32 mass
+
+    def queries_held(self, window: int) -> int:
+        """Decode queries wait in the queue until they pass the largest headroom."""
+        return Schedule.max_headroom + 1
 
     def __init__(self) -> None:
         self.mass: mx.array | None = None  # (B, kv_heads, <= rows) float32, row-aligned with the store

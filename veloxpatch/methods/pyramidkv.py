@@ -67,7 +67,7 @@ class PyramidKVCache(EvictingCache):
     def target(self) -> int:
         """This layer's term of the pyramid over the model's served layers (the plain budget alone)."""
         depth, layers = self._depth()
-        budget = self.budget.resolve(self.offset)
+        budget = self.budget_rows()
         floor = self.sink + self.window
         if layers < 2 or depth >= layers:
             return max(budget, floor)

@@ -244,7 +244,7 @@ class SqueezeCache(EvictingCache):
 
     def target(self) -> int:
         """This layer's share of layers x budget, or the plain budget while the list has no shares."""
-        budget = self.budget.resolve(self.offset)
+        budget = self.budget_rows()
         floor = self.sink + self.window
         shares, index = self._shares()
         if shares is None:
@@ -259,7 +259,7 @@ class SqueezeCache(EvictingCache):
         coordinator = self.coordinator
         if not isinstance(coordinator, SqueezeCoordinator):
             return
-        if queries.shape[2] <= self.headroom(max(self.budget.resolve(self.offset), self.sink + self.window)):
+        if queries.shape[2] <= self.headroom(max(self.budget_rows(), self.sink + self.window)):
             coordinator.close()
         elif self.block_input is not None:
             self.awaiting = True

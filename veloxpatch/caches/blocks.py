@@ -1,0 +1,43 @@
+"""Attention of a long prompt chunk in blocks of queries, so its scores never take more than a bound.
+
+On the CPU (and wherever mlx's fused attention falls back to plain operations) a step's attention holds a
+(query heads x chunk x rows) score matrix in float32: for a 512-token chunk over an 8k-token context on
+SmolLM2-135M, 151 MB per layer, more than the whole compressed cache. Queries are independent, so computing them
+a block at a time, each evaluated before the next, gives the same output with at most ``SCORE_BYTES`` of scores
+alive. A decode step, or a chunk whose scores fit, runs as one call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+SCORE_BYTES = 32 * 2**20  # the most scores (float32) one block of queries may hold
+MIN_BLOCK = 64  # fewer queries at a time would cost more in calls than it saves
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+              sinks: mx.array | None) -> mx.array:
+    """mlx's ``scaled_dot_product_attention`` of ``queries`` (B, heads, n, d) over ``keys``/``values``, whose
+    last ``n`` rows are the step's own (every other row is in the past), with ``mask`` None (every row), ``"causal"``
+    or an array ending in (n, rows)."""
+    b, heads, n, _ = queries.shape
+    rows = keys.shape[2]
+    block = max(MIN_BLOCK, SCORE_BYTES // max(1, 4 * b * heads * rows))
+    if block >= n:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    parts = []
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        if isinstance(mask, mx.array):
+            seen, part_mask = rows, mask[..., start:stop, :]
+        elif mask is None:
+            seen, part_mask = rows, None
+        else:  # "causal", aligned to the last row: the block's queries see the rows up to their own
+            seen, part_mask = rows - n + stop, mask
+        part = mx.fast.scaled_dot_product_attention(queries[:, :, start:stop], keys[:, :, :seen],
+                                                    values[:, :, :seen], scale=scale, mask=part_mask, sinks=sinks)
+        mx.eval(part)  # left lazy, every block's scores would be alive at once
+        parts.append(part)
+    return mx.concatenate(parts, axis=2)
