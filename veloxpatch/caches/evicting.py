@@ -92,6 +92,38 @@ def _mask(positions: mx.array, index: mx.array) -> mx.array:
     return mx.put_along_axis(mx.zeros(positions.shape, mx.bool_), index, mx.array(True), axis=-1)
 
 
+class Snapshot:
+    """An evicting cache as its last prompt left it: after the first decode-sized step that follows a prompt chunk
+    (in ``end`` mode, the step whose selection compressed the prompt). It shares the cache's arrays: a store writes
+    new rows in place only past the rows it holds, and a compaction makes new arrays, so the snapshot costs
+    nothing until decoding compacts (then the rows it keeps alive, counted in ``nbytes``). The server deep-copies
+    a cached prompt before it trims it, so the snapshot of the cache it keeps stays whole for the next request."""
+
+    def __init__(self, cache: EvictingCache) -> None:
+        self.offset, self.evicted = cache.offset, cache.evicted
+        self.store, self.memory, self.policy = (copy.copy(x) for x in (cache.store, cache.memory, cache.policy))
+        self.tier = None if cache.tier is None else copy.copy(cache.tier)
+        if self.tier is not None:
+            self.tier.store = copy.copy(cache.tier.store)
+
+    def restore(self, cache: EvictingCache) -> None:
+        """Put the cache back as the prompt left it. The snapshot is used up: the cache writes its next rows in
+        place into the arrays they now share."""
+        cache.offset, cache.evicted = self.offset, self.evicted
+        cache.store, cache.memory, cache.policy, cache.tier = self.store, self.memory, self.policy, self.tier
+        cache.read = None
+
+    def nbytes(self, cache: EvictingCache) -> int:
+        """Bytes it holds that the cache does not: its remembered queries once the cache remembers newer ones, and
+        its rows and policy state once the cache has compacted past them."""
+        held = 0 if self.memory.queries is cache.memory.queries else self.memory.nbytes
+        if self.store.keys is not cache.store.keys:
+            held += self.store.nbytes + self.policy.nbytes
+        if self.tier is not None and (cache.tier is None or self.tier.store.keys is not cache.tier.store.keys):
+            held += self.tier.nbytes
+        return held
+
+
 class EvictingCache(CompressedKVCache):
     """A per-layer cache holding at most its budget (plus decode headroom) of rows, chosen by its policy.
 
@@ -107,6 +139,8 @@ class EvictingCache(CompressedKVCache):
         self.limit: MemoryPlan | None = None  # VELOX_KV_MEMORY's rows per layer (set by the builder), or None
         self.scale = 1.0  # the attention's scale, seen at every step (a capped tier ranks what it takes by score)
         self.took_back = False  # this step took the tier's rows back into the store (evaluated after it)
+        self.reading = False  # a prompt chunk came since the last decode-sized step
+        self.read: Snapshot | None = None  # this cache as its last prompt left it (restored by a trim back into it)
 
     def make_policy(self, **knobs: Any) -> Policy:
         """The policy picking this cache's rows, from the method's knobs."""
@@ -208,6 +242,10 @@ class EvictingCache(CompressedKVCache):
             self.compress(capped, scale)
         if self.took_back:
             self._settle(out)
+        if n > self.headroom(keep):
+            self.reading = True
+        elif self.reading:  # under VELOX_KV_MEMORY the target wins: no snapshot, whose queries it does not count
+            self.reading, self.read = False, None if self.limit is not None else Snapshot(self)
         return out
 
     def _settle(self, out: mx.array) -> None:
@@ -261,6 +299,14 @@ class EvictingCache(CompressedKVCache):
 
     # ----------------------------------------------------------------- the protocol, with the policy's part
     def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens. A trim back into the last prompt starts from the cache as that prompt left
+        it (:class:`Snapshot`), not from what decoding compressed since: the server's prompt-cache reuse then
+        answers a repeated request as it answered the first time."""
+        n = min(n, self.offset)
+        if self.read is not None and self.offset - n < self.read.offset:
+            end, done = self.offset - n, self.offset - self.read.offset
+            self.read.restore(self)
+            return done + self.trim(self.offset - end)
         n = super().trim(n)
         self.policy.trimmed(self)
         if self.tier is not None:
@@ -272,12 +318,13 @@ class EvictingCache(CompressedKVCache):
         a policy and tier of its own."""
         out = super().to_quantized(group_size, bits)
         if out is not self:
-            out.policy, out.tier = copy.copy(self.policy), copy.deepcopy(self.tier)
+            out.policy, out.tier, out.read = copy.copy(self.policy), copy.deepcopy(self.tier), None
         return out
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + self.policy.nbytes + (0 if self.tier is None else self.tier.nbytes)
+        held = 0 if self.read is None else self.read.nbytes(self)
+        return super().nbytes + self.policy.nbytes + (0 if self.tier is None else self.tier.nbytes) + held
 
     def _meta(self) -> dict[str, Any]:
         if self.tier is None:

@@ -1,0 +1,89 @@
+"""A request repeated on a cache its first answer was decoded on answers the same: a trim back into the last prompt
+starts from the cache as that prompt left it (``caches/evicting.py``, ``Snapshot``), not from what decoding
+compressed since. In process for every evicting method and mode, and through the real ``mlx_lm server``."""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+import veloxpatch
+from conftest import EVICTING, greedy, random_tokens, tiny
+from serving import post, running
+from veloxpatch.assets import model_path
+from veloxpatch.eval import tasks
+
+PROMPT = 600
+
+
+def served_again(caches: list, prompt: mx.array) -> list:
+    """What the server does with a repeated prompt: a deep copy of the cache it kept, trimmed to the prompt but
+    its last token, which it reads again."""
+    again = copy.deepcopy(caches)
+    trim_prompt_cache(again, caches[0].offset - (prompt.size - 1))
+    return again
+
+
+@pytest.mark.parametrize("method", EVICTING)
+@pytest.mark.parametrize("mode", ["end", "chunk"])
+def test_a_repeated_prompt_gets_the_same_answer(method: str, mode: str) -> None:
+    model = tiny("llama", seed=1)
+    prompt = random_tokens(PROMPT, 3)
+    veloxpatch.patch(kv=method, budget=64, window=8, compress=mode)
+    caches = make_prompt_cache(model)
+    first = greedy(model, prompt, caches, steps=80, chunk=128)
+    assert sum(c.evicted for c in caches) and all(c.read is not None for c in caches)
+    again = served_again(caches, prompt)
+    assert greedy(model, prompt[-1:], again, steps=80, chunk=128) == first
+    assert all(c.read is not None for c in caches), "the cache the server keeps keeps its snapshot"
+
+
+def test_a_trim_deeper_than_the_prompt_trims_what_the_prompt_left() -> None:
+    model = tiny("llama", seed=1)
+    prompt = random_tokens(PROMPT, 4)
+    veloxpatch.patch(kv="snapkv", budget=64, window=8)
+    caches = make_prompt_cache(model)
+    greedy(model, prompt, caches, steps=1, chunk=128)
+    left = copy.deepcopy(caches)
+    greedy(model, mx.array([7]), caches, steps=60, chunk=128)
+    assert all(c.read.nbytes(c) > 0 for c in caches), "decoding compacted: the snapshot holds rows of its own"
+    assert all(c.nbytes > c.store.nbytes + c.memory.nbytes for c in caches)
+    for cache in (caches, left):
+        trim_prompt_cache(cache, cache[0].offset - 300)
+    for got, want in zip(caches, left):
+        assert got.offset == 300 and got.read is None
+        assert mx.array_equal(got.store.row_positions(), want.store.row_positions()).item()
+        assert mx.array_equal(got.store.fetch()[0], want.store.fetch()[0]).item()
+
+
+def test_under_a_memory_target_no_snapshot_is_kept() -> None:
+    model = tiny("llama", seed=1)
+    veloxpatch.patch(kv="snapkv", budget=64, window=8, kv_memory="1GB")
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(PROMPT, 5), caches, steps=3, chunk=128)
+    assert all(c.read is None for c in caches)
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "streamingllm"])
+def test_the_server_answers_a_repeated_request_as_the_first_time(method: str, tmp_path: Path) -> None:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    prompt, _ = tasks.passkey_example(load_tokenizer(model_path()), 1024, 2006, depth=0.5)
+    log = tmp_path / "log"
+    serve = [sys.executable, "-m", "veloxpatch.cli", "run", "-m", "mlx_lm", "server", "--model", str(model_path()),
+             "--log-level", "INFO"]
+    with running(serve, log, {"VELOX_KV": method, "VELOX_BUDGET": "96"}) as url:
+        texts = []
+        for _ in range(2):
+            status, body = post(url, {"prompt": prompt, "max_tokens": 40, "temperature": 0})
+            assert status == 200, body
+            texts.append(body["choices"][0]["text"])
+    processed = [int(m) for m in re.findall(r"Prompt processing progress: 0/(\d+)", log.read_text())]
+    assert processed[1] < 5, f"the second request reused the first one's cache ({processed})"
+    assert texts[0] == texts[1]
