@@ -1,7 +1,10 @@
 """VELOX_KV_MEMORY on a real model: a long prompt whose vanilla KV is larger than the target, read and answered
 under it, measured by what the process holds (``mx.get_active_memory``) over the loaded model.
 
-    python bench/kv_memory.py --model M [--context 8192] [--target 64MiB] [--prefill-step 512] [--out DIR]
+    python bench/kv_memory.py --model M [--context 8192] [--target 64MiB] [--budget 100%] [--prefill-step 512]
+                              [--out DIR]
+
+``--target off`` measures the read peaks of the modes at ``--budget`` alone.
 
 For vanilla mlx_lm and for SnapKV under the target (``end`` and ``chunk`` mode, with and without a 4-bit tier), one
 niah_single prompt of ``--context`` tokens through mlx_lm's ``generate_step`` (32 new tokens): the memory held after
@@ -34,9 +37,9 @@ VARIANTS = {
 }
 
 
-def measure(model, tokenizer, prompt: mx.array, step: int, settings: dict, target: str) -> dict:
+def measure(model, tokenizer, prompt: mx.array, step: int, settings: dict, target: str, budget: str) -> dict:
     """One run: held after, read peak, nbytes, the answer."""
-    veloxpatch.patch(**settings, budget="100%", kv_memory=target) if settings else veloxpatch.unpatch()
+    veloxpatch.patch(**settings, budget=budget, kv_memory=target) if settings else veloxpatch.unpatch()
     gc.collect()
     mx.clear_cache()
     base = mx.get_active_memory()
@@ -58,6 +61,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--target", default="64MiB")
+    parser.add_argument("--budget", default="100%")
     parser.add_argument("--prefill-step", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path)
@@ -69,13 +73,15 @@ def main() -> None:
     prompt = mx.array(tokenizer.encode(example.prompt))
     rows = []
     for name, settings in VARIANTS.items():
-        row = {"variant": name, **measure(model, tokenizer, prompt, args.prefill_step, settings, args.target)}
+        row = {"variant": name,
+               **measure(model, tokenizer, prompt, args.prefill_step, settings, args.target, args.budget)}
         row["right"] = ruler.score(row["answer"], example)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    target = Memory.parse(args.target).bytes / 2**20
+    target = Memory.parse(args.target)
+    limit = f"VELOX_KV_MEMORY={args.target} ({target.bytes / 2**20:.1f} MiB)" if target.bytes else "no memory target"
     lines = [f"**{args.context}-token niah_single prompt, {args.prefill_step}-token prefill steps, "
-             f"VELOX_KV_MEMORY={args.target} ({target:.1f} MiB)**", "",
+             f"VELOX_BUDGET={args.budget}, {limit}**", "",
              "| variant | held after, MiB | read peak, MiB | nbytes, MiB | right |", "|---|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['held_MiB']:.1f} | {r['read_peak_MiB']:.1f} | {r['nbytes_MiB']:.1f} | "
               f"{'yes' if r['right'] else 'no'} |" for r in rows]

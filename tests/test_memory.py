@@ -49,7 +49,9 @@ def test_held_memory_does_not_grow_with_the_prompt_chunk() -> None:
     long, caches = held(prefill(random_tokens(2048, 30), model), model)
     reported = sum(c.nbytes for c in caches)
     assert long <= reported + SLACK * len(caches), f"held {long} B, the caches report {reported} B"
-    assert long - short < SLACK, f"held {short} B after 512 tokens, {long} B after 2048"
+    # the regression this guards against grew 512 KiB per layer; what an earlier test leaves in mlx's allocator
+    # moves it by up to ~40 KB (seen after tests/test_tier.py), so the bound is the per-layer slack
+    assert long - short < SLACK * len(caches), f"held {short} B after 512 tokens, {long} B after 2048"
 
 
 def test_held_memory_after_decoding_is_far_below_vanilla() -> None:
@@ -157,3 +159,25 @@ def test_a_long_chunk_attends_in_blocks_of_queries_with_the_same_output() -> Non
             finally:
                 blocks.SCORE_BYTES = saved
             assert mx.array_equal(want, got).item(), (type(mask).__name__, sink is None)
+
+
+def test_a_tier_holds_what_it_reports_after_decoding() -> None:
+    """Nothing a step returns depends on the tier, so its arrays are evaluated when it takes rows: left lazy, each
+    kept what it was made from (the rows at full precision, the tier before) alive, and the process held 3x the
+    caches' nbytes here (twice on the shipped model after 32 decode steps)."""
+    from veloxpatch.eval.random_model import build, config_for
+
+    model = build(config_for("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=256), 3)  # head_dim 32: mlx quantizes it, in groups of 32
+    mx.eval(model.parameters())
+    tokens = random_tokens(1024, 36)
+    veloxpatch.patch(kv="snapkv", budget=64, window=16, tier="4")
+    gc.collect()
+    before = mx.get_active_memory()
+    caches = make_prompt_cache(model)
+    for _ in generate_step(tokens, model, max_tokens=60, prompt_cache=caches, prefill_step_size=256):
+        pass
+    gc.collect()  # nothing evaluated after the last step: what is held is what the steps left
+    used = mx.get_active_memory() - before
+    assert all(c.tier.rows for c in caches)
+    assert used <= sum(c.nbytes for c in caches) + SLACK * len(caches), used

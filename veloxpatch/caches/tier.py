@@ -56,6 +56,9 @@ class Tier:
         if self.store.positions is None:
             self.store = RowStore(*self._format(keys), step=1)
         self.store.merge(keys, values, positions)
+        # nothing a step returns depends on the tier: left lazy, its arrays would keep what they were made from
+        # (the rows at full precision, the tier before) alive until the next prompt reads them (3x the bytes)
+        mx.eval(self.store.keys, self.store.values, self.store.positions)
 
     def drain(self) -> tuple[mx.array, mx.array, mx.array]:
         """Every row (decoded) and its position, and the tier empty after."""
