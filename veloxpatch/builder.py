@@ -50,7 +50,7 @@ def explain(model: Any, config: VeloxConfig) -> str:
     found = eligibility.verdict(model, caches, slots, config)
     text = found.describe(len(slots))
     if config.kv_memory and found.slots:
-        text += "; " + memory_plan(caches, found, config).describe()  # ConfigError when it cannot hold the floor
+        text += "; " + memory_plan(caches, found, config, make_cache(config).policy).describe()  # ConfigError when it cannot hold the floor
     return text
 
 
@@ -85,12 +85,11 @@ def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
     return built
 
 
-def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> MemoryPlan:
-    """``VELOX_KV_MEMORY`` as rows per layer for the slots ``found`` serves (ConfigError when it cannot hold
-    the rows every layer keeps)."""
+def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConfig, policy: Any) -> MemoryPlan:
+    """``VELOX_KV_MEMORY`` as rows per layer for the slots ``found`` serves, whose caches pick rows with ``policy``
+    (ConfigError when it cannot hold the rows every layer keeps)."""
     served = {id(caches[i]): found.layouts[i] for i in found.slots}
     others = tuple(layout for i, layout in enumerate(found.layouts) if i not in found.slots)
-    policy = make_cache(config).policy
     return MemoryPlan(config.kv_memory.resolve(device_bytes()), str(config.kv_memory), tuple(served.values()),
                       others, policy.queries_held(config.window), config.sink + config.window, config.tier,
                       policy.row_bytes_per_head)
@@ -99,7 +98,7 @@ def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConf
 def _limit(name: str, built: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> None:
     """Give every compressed cache of the list the plan (said once at INFO; slots it cannot bound at WARNING, an
     error under strict)."""
-    plan = memory_plan(built, found, config)
+    plan = memory_plan(built, found, config, built[found.slots[0]].policy)  # a cache made here would count as built
     for i in found.slots:
         built[i].limit = plan
     once(f"memory plan {name} {plan.setting}", logging.INFO, f"{name}: {plan.describe()}")
