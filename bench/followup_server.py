@@ -2,7 +2,7 @@
 cache and compressed, each chat sent turn after turn as a client sends it (the server reusing its prompt cache).
 
     python bench/followup_server.py --model M [--context 1024] [--samples 10] [--budget 25%] [--kv snapkv]
-                                    [--out DIR]
+                                    [--compress end|chunk] [--tier BITS] --out DIR
 
 Three turns per chat (``ruler.followup`` and ``ruler.ask_first_again``): a document's first question, a second about
 another fact, then the first again. Each chat runs on a server of its own (``veloxpatch run -m mlx_lm server``),
@@ -48,10 +48,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--budget", default="25%")
     parser.add_argument("--kv", default="snapkv")
+    parser.add_argument("--compress", choices=["end", "chunk"], default="end")
+    parser.add_argument("--tier", default="off", help="VELOX_TIER: off, or the bits of the tier dropped rows go to")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     tokenizer = load_tokenizer(Path(args.model))
-    variants = {"full": {}, f"{args.kv}@{args.budget}": {"VELOX_KV": args.kv, "VELOX_BUDGET": args.budget}}
+    ours = {"VELOX_KV": args.kv, "VELOX_BUDGET": args.budget, "VELOX_COMPRESS": args.compress, "VELOX_TIER": args.tier}
+    label = args.kv + "".join(f"[{k}={v}]" for k, v, default in (("compress", args.compress, "end"),
+                                                                    ("tier", args.tier, "off")) if v != default)
+    variants = {"full": {}, f"{label}@{args.budget}": ours}
     journal = args.out / "chats.jsonl"
     args.out.mkdir(parents=True, exist_ok=True)
     done = [json.loads(line) for line in journal.read_text().splitlines()] if journal.exists() else []
