@@ -47,11 +47,8 @@ def smollm2() -> str:
     return fetched_folder("smollm2")
 
 
-def chats(folder: str) -> list[ruler.Example]:
+def chats(tokenizer) -> list[ruler.Example]:
     """The followup examples with a third turn that asks the first question again."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    tokenizer = load_tokenizer(Path(folder))
     return [ruler.ask_first_again(ruler.followup(tokenizer, CONTEXT, seed)) for seed in SEEDS]
 
 
@@ -65,7 +62,7 @@ def served(folder: str, log: Path, env: dict[str, str]) -> list[list[str]]:
     serve = [sys.executable, "-m", "veloxpatch.cli", "run", "-m", "mlx_lm", "server", "--model", folder,
              "--log-level", "INFO"]
     out = []
-    for ex in chats(folder):
+    for ex in chats(tokenizer):
         with running(serve, log.with_suffix(f".{len(out)}.log"), env) as url:
             out.append(serving.chat(url, tokenizer, ex, harness.FIRST_TURN))
     return out
