@@ -2,7 +2,7 @@
 tensor or pipeline parallelism and prints, as one JSON line, what each method does on this rank.
 
 ``python ranks_worker.py tp|pp FOLDER methods`` runs every method at a budget above the context and
-at a small one; ``python ranks_worker.py tp FOLDER mismatch`` builds caches with a budget that
+at a small one (every evicting one also with a 4-bit tier); ``python ranks_worker.py tp FOLDER mismatch`` builds caches with a budget that
 differs by rank and prints the error; ``stats`` generates with ``VELOX_STATS`` on.
 """
 
@@ -42,27 +42,33 @@ def agree(tokens: list[int]) -> bool:
     return all(row == tokens for row in rows)
 
 
-def small_budget(model, method: str) -> dict:
-    """Tokens, their agreement, and what the caches hold at a budget far below the prompt."""
-    veloxpatch.patch(kv=method, compress="chunk", knobs=SMALL_KNOBS.get(method, {}), **SMALL)
+def small_budget(model, method: str, tier: str = "off") -> dict:
+    """Tokens, their agreement, and what the caches hold at a budget far below the prompt (with
+    ``tier``, the rows the tier holds and their positions too)."""
+    veloxpatch.patch(kv=method, compress="chunk", knobs=SMALL_KNOBS.get(method, {}), tier=tier, **SMALL)
     caches = make_prompt_cache(model)
     tokens = greedy(model, caches)
     ours = [c for c in caches if isinstance(c, CompressedKVCache)]
     kept = ours[0].store.row_positions()[0, 0].tolist() if ours and not isinstance(ours[0], CrossLayerCache) else []
+    tiers = [c.tier for c in ours if getattr(c, "tier", None) is not None]
     return {"agree": agree(tokens), "ours": len(ours), "sizes": [c.size() for c in ours], "kept": kept,
             "offsets": [c.offset for c in ours], "evicted": any(c.evicted for c in ours),
             "folded": any(getattr(c, "folds", None) for c in ours),
-            "cross_layer": isinstance(ours[0], CrossLayerCache) if ours else False}
+            "cross_layer": isinstance(ours[0], CrossLayerCache) if ours else False,
+            "tier_rows": [t.rows for t in tiers],
+            "tier_kept": tiers[0].positions()[0, 0].tolist() if tiers and tiers[0].rows else []}
 
 
 def methods(model, folder: str) -> dict:
     single = greedy(*_single(folder))
     plain = greedy(model, make_prompt_cache(model))
-    out = {"single": single, "plain": plain, "plain_agree": agree(plain), "methods": {}}
+    out = {"single": single, "plain": plain, "plain_agree": agree(plain), "methods": {}, "tier": {}}
     for method in sorted(METHODS):
         veloxpatch.patch(kv=method, budget=4096)
         exact = greedy(model, make_prompt_cache(model))
         out["methods"][method] = {"exact": exact, **small_budget(model, method)}
+        if not issubclass(METHODS[method].cls, CrossLayerCache):
+            out["tier"][method] = small_budget(model, method, tier="4")
         veloxpatch.unpatch()
     return out
 

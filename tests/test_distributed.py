@@ -5,8 +5,8 @@ tiny random llama split by heads (tensor parallel) and a tiny random ministral3 
 Every registered method, coordinator and cross-layer ones included, under both splits: at a budget
 above the context the tokens equal the unpatched split run and the model run whole in one process;
 at a small budget every rank's caches hold at most budget + headroom rows (cross-layer ones fold
-instead) and the ranks agree on the tokens. Settings that differ between ranks are an error on
-every rank before any generation.
+instead) and the ranks agree on the tokens; with a 4-bit tier (VELOX_TIER) the evicting ones keep every
+dropped row in it. Settings that differ between ranks are an error on every rank before any generation.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from veloxpatch.registry import METHODS
 from veloxpatch.eval import zoo
 from veloxpatch.eval.random_model import build, write_byte_tokenizer, write_model_dir
 from veloxpatch.launching import free_ring_port
-from conftest import run_group
+from conftest import EVICTING, run_group
 from test_launcher import LAUNCHER, MLX_LAUNCH
 
 WORKER = Path(__file__).with_name("ranks_worker.py")
@@ -82,6 +82,22 @@ def test_every_method_on_every_rank(runs, split: str, method: str) -> None:
             assert got["folded"] and got["sizes"] == got["offsets"], f"{case}: {got}"
         else:
             assert got["evicted"] and max(got["sizes"]) <= 16, f"{case}: rows exceed budget + headroom: {got}"
+
+
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_every_evicting_method_with_a_tier_on_every_rank(runs, split: str) -> None:
+    """VELOX_TIER=4 at the small budget: the rows each rank's caches drop go to its tier (store and tier together
+    hold every token once), the store stays within budget + headroom, and the ranks agree on the tokens and, for
+    TOVA's whole-layer choice, on the rows kept and tiered."""
+    for method in EVICTING:
+        for rank in (runs[split][0], runs[split][1]):
+            got, case = rank["tier"][method], f"{method} with a tier, {split} parallel, rank {rank['rank']}"
+            assert got["agree"] and got["evicted"] and max(got["sizes"]) <= 16, f"{case}: {got}"
+            assert len(got["tier_rows"]) == got["ours"] >= 2 and min(got["tier_rows"]) > 0, f"{case}: {got}"
+            assert [s + t for s, t in zip(got["sizes"], got["tier_rows"])] == got["offsets"], f"{case}: rows lost"
+    if split == "tensor":
+        tova = [runs[split][rank]["tier"]["tova"] for rank in (0, 1)]
+        assert tova[0]["kept"] == tova[1]["kept"] and tova[0]["tier_kept"] == tova[1]["tier_kept"], tova
 
 
 def test_tovas_choice_for_a_whole_layer_is_the_same_on_every_rank(runs) -> None:

@@ -9,6 +9,7 @@ import sys
 
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import speculative_generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 import veloxpatch
@@ -20,10 +21,10 @@ from veloxpatch.assets import model_path as shipped_model_path
 from veloxpatch.settings import Memory
 
 
-def wide() -> object:
+def wide(seed: int = 3) -> object:
     """A random llama whose head_dim (32) mlx can quantize in groups of 32 (the tier's)."""
     model = build(config_for("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                             intermediate_size=256), 3)
+                             intermediate_size=256), seed)
     mx.eval(model.parameters())
     return model
 
@@ -117,6 +118,31 @@ def test_a_prompt_whose_vanilla_kv_exceeds_the_target_runs_under_it(mode: str, t
     assert peak < vanilla_peak * 0.6, "the prompt is read within the target (plus a step's rows), in either mode"
     if tier != "off":
         assert all(0 < c.tier.rows <= c.limit.tier_rows(c.target(), 1) for c in caches)
+
+
+def test_a_model_and_its_draft_hold_the_target_together() -> None:
+    """Speculative decoding reads the same tokens into the model's list and the draft's, each planned for the whole
+    target when it was built: they share one plan, and both together hold the target, in what the process holds."""
+    model, draft = wide(), wide(seed=4)
+    tokens = random_tokens(1536, 5)
+    target = 1536 * SlotLayout(2, 32, 32, 4).row_bytes * len(model.layers) // 4  # a quarter of the model's own KV
+    veloxpatch.patch(kv="snapkv", budget="100%", compress="chunk", tier="4", kv_memory=str(target))
+
+    def speculate(caches) -> list[int]:
+        return [t for t, _, _ in speculative_generate_step(tokens, model, draft, num_draft_tokens=3, max_tokens=12,
+                                                           prefill_step_size=256, prompt_cache=caches)]
+
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    caches = make_prompt_cache(model) + make_prompt_cache(draft)  # as the server builds them
+    answer = speculate(caches)
+    gc.collect()
+    assert len({id(c.limit) for c in caches}) == 1 and len(caches[0].limit.ours) == 2 * len(model.layers)
+    assert all(c.evicted and c.tier.rows > 0 for c in caches)
+    assert sum(c.nbytes for c in caches) <= target
+    assert mx.get_active_memory() - base <= target * 1.02
+    assert speculate(None) == answer, "a generation that builds its own lists shares the plan alike"
 
 
 def test_the_stricter_of_budget_and_memory_wins() -> None:

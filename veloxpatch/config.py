@@ -63,7 +63,8 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "(0, 100] of the device's memory",
             "Memory the KV cache may hold (every layer, mlx_lm's own slots too): turned into rows per layer from the "
             "model's KV layout when the cache list is built; with VELOX_BUDGET the stricter wins, and `end` mode "
-            "compresses a prompt that would pass it. Methods that evict only."),
+            "compresses a prompt that would pass it; a speculative draft's caches share it with the model's. Methods "
+            "that evict only."),
     Setting("VELOX_SINK", int_range(0, None), "4", "an integer >= 0",
             "First tokens of the context that are never evicted (attention sinks)."),
     Setting("VELOX_WINDOW", int_range(1, None), "32", "an integer >= 1",

@@ -1,6 +1,7 @@
 """``VELOX_KV_MEMORY``: the bytes a cache list may hold, turned into rows per layer (and tier rows).
 
-A plan is made once per cache list, when it is built, from what the probe saw each slot hold per token with
+A plan is made once per cache list, when it is built (a model's and its speculative draft's lists then share one:
+:meth:`MemoryPlan.shared_with`), from what the probe saw each slot hold per token with
 mlx_lm's own caches (:class:`SlotLayout`). The slots that stay mlx_lm's are paid for first: a rotating window
 at its full size, a state of fixed size as it is; a plain cache that stays mlx_lm's grows with the context and
 cannot be bounded (the builder says so). Our caches share the rest equally per layer: each holds at most
@@ -15,7 +16,7 @@ tokens, held until the compression after it) and the activations of the forward 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -149,6 +150,11 @@ class MemoryPlan:
         row per token)."""
         growing = sum(s.row_bytes for s in (*self.ours, *self.others) if s.bounded_bytes() is None)
         return max(0, self.total - self.fixed) // max(1, growing)
+
+    def shared_with(self, other: MemoryPlan) -> MemoryPlan:
+        """One plan for this list and ``other``, which read the same tokens (a model and its speculative draft):
+        the total for both together, the same rows per layer in both (a ConfigError where both cannot fit)."""
+        return replace(self, ours=self.ours + other.ours, others=self.others + other.others)
 
     def describe(self) -> str:
         """One line for ``veloxpatch info``."""

@@ -85,7 +85,10 @@ def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
     call = inspect.signature(wrapped).bind(*args, **kwargs)
     try:
         _draft_caches(call.arguments)
+        _share_memory_plan(call.arguments)
         _start_generation(call.arguments.get("prompt_cache"), call.arguments.get("model"))
+    except ConfigError:  # the model and its draft together cannot fit VELOX_KV_MEMORY: a setting, not our fault
+        raise
     except Exception as error:
         fall_back("starting a speculative generation", error, STATE.config,
                   instead="it runs on its caches as they are (the draft's caches unchanged)")
@@ -118,17 +121,20 @@ def _draft_caches(arguments: dict[str, Any]) -> None:
     """With ``VELOX_DRAFT_KV=none`` the draft model keeps mlx_lm's own caches.
 
     Without a prompt cache, mlx_lm would build both lists itself; we build them the same way (the
-    main model's compressed). A given list's draft part (after the main model's layers) has its
+    main model's compressed), also under ``VELOX_KV_MEMORY``, whose plan the two lists then share. A given list's draft part (after the main model's layers) has its
     empty compressed slots swapped for mlx_lm's; one that already holds rows stays (said once).
     """
     config = STATE.config
-    if config is None or config.draft_kv != "none":
+    if config is None or (config.draft_kv != "none" and not config.kv_memory):
         return
     model, draft = arguments["model"], arguments["draft_model"]
-    plain = builder.mlx_caches(draft)
+    make = sys.modules["mlx_lm.models.cache"].make_prompt_cache
+    plain = builder.mlx_caches(draft) if config.draft_kv == "none" else make(draft)
     caches = arguments.get("prompt_cache")
     if caches is None:
-        arguments["prompt_cache"] = sys.modules["mlx_lm.models.cache"].make_prompt_cache(model) + plain
+        arguments["prompt_cache"] = make(model) + plain
+        return
+    if config.draft_kv != "none":
         return
     first = len(model.layers)
     for i, cache in enumerate(caches[first:], start=first):
@@ -138,6 +144,26 @@ def _draft_caches(arguments: dict[str, Any]) -> None:
             caches[i] = plain[i - first]
         else:
             once("draft history", logging.INFO, "a draft cache that already holds rows stays compressed")
+
+
+def _share_memory_plan(arguments: dict[str, Any]) -> None:
+    """Under ``VELOX_KV_MEMORY`` a model and its draft read the same tokens into two lists, each planned
+    for the whole target when it was built: fresh ones get one plan for both, so together they hold the
+    target (a list that already holds rows, or one planned jointly before, keeps its plan)."""
+    caches, first = arguments.get("prompt_cache"), len(arguments["model"].layers)
+    if not isinstance(caches, (list, tuple)):
+        return
+    parts = [[c for c in ours(part) if getattr(c, "limit", None) is not None] for part in (caches[:first], caches[first:])]
+    if not all(parts) or not all(c.empty() for c in parts[0] + parts[1]):
+        return
+    main, draft = parts[0][0].limit, parts[1][0].limit
+    if main is draft:
+        return
+    plan = main.shared_with(draft)
+    for cache in parts[0] + parts[1]:
+        cache.limit = plan
+    once(f"memory plan shared {plan.setting}", logging.INFO,
+         f"the model and its draft share {plan.describe()}")
 
 
 def ours(caches: Any) -> list[CompressedKVCache]:
