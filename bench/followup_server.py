@@ -75,7 +75,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     lines = [f"**followup through `mlx_lm server`, {args.context} tokens, three turns, n={args.samples}**", "",
              "| variant | turn 1 | turn 2 (follow-up) | turn 3 (the first again) |", "|---|---|---|---|"]
-    for name in variants:
+    for name in dict.fromkeys(r["variant"] for r in done):  # every variant the journal holds, in the order run
         rows = [r for r in done if r["variant"] == name and r["context"] == args.context and r["seed"] < args.samples]
         cells = []
         for turn in range(3):

@@ -4,8 +4,9 @@ For each type, built tiny with random weights (``veloxpatch.eval.zoo``), and eac
 tokens at a budget above the context equal unpatched mlx_lm's, and a budget far below the prompt
 really evicts and raises nothing, compressing between prefill chunks or at the prompt's end. A
 40-token prompt in 16-token prefill chunks makes chunked prefill (and compression between chunks)
-happen. The small budget runs each method in one compress mode per type, the modes alternating over
-methods and types, so every (method, mode) pair meets half the zoo at half the time.
+happen. The small budget runs each method in one compress mode per type, and each evicting one with or without a
+4-bit tier (VELOX_TIER, which then holds every row the store dropped), alternating over methods and types, so every
+(method, mode, tier) meets a quarter of the zoo at a quarter of the time.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
-from conftest import random_tokens
+from conftest import EVICTING, random_tokens
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
@@ -64,7 +65,8 @@ def test_every_model_type_runs_exactly_compressed_or_unpatched(model_type: str, 
     offset = zoo.model_types().index(model_type)
     for i, method in enumerate(sorted(METHODS)):
         compress = COMPRESS_MODES[(i + offset) % len(COMPRESS_MODES)]
-        case = f"{method}, compressing at {compress}"
+        tier = ("off", "4")[(i + offset) // len(COMPRESS_MODES) % 2]
+        case = f"{method}, compressing at {compress}, tier {tier}"
         veloxpatch.patch(kv=method, compress=compress, budget=4096, log="INFO")
         caches = make_prompt_cache(model)
         assert greedy(model, caches) == expected, f"{case}: tokens differ at a budget above the context"
@@ -73,7 +75,8 @@ def test_every_model_type_runs_exactly_compressed_or_unpatched(model_type: str, 
                     and line.endswith("running unpatched")]
             assert len(said) == 1, f"{case}: left unpatched without one INFO line naming {model_type}: {info_lines}"
             continue
-        veloxpatch.patch(kv=method, compress=compress, log="INFO", knobs=SMALL_KNOBS.get(method, {}), **SMALL_BUDGET)
+        veloxpatch.patch(kv=method, compress=compress, log="INFO", knobs=SMALL_KNOBS.get(method, {}),
+                         tier=tier if method in EVICTING else "off", **SMALL_BUDGET)
         caches = make_prompt_cache(model)
         greedy(model, caches)
         ours = [c for c in caches if isinstance(c, CompressedKVCache)]
@@ -83,6 +86,8 @@ def test_every_model_type_runs_exactly_compressed_or_unpatched(model_type: str, 
             continue
         assert any(c.evicted for c in ours), f"{case}: nothing was evicted at budget {SMALL_BUDGET['budget']}"
         assert max(c.size() for c in ours) <= 16, f"{case}: rows exceed budget + decode headroom"
+        if tier != "off":
+            assert all(c.tier.rows > 0 and c.size() + c.tier.rows == c.offset for c in ours), f"{case}: rows lost"
 
 
 def test_the_line_for_a_model_left_unpatched_names_it_the_method_and_why(info_lines: list[str]) -> None:

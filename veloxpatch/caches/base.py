@@ -164,8 +164,12 @@ class CompressedKVCache(ABC):
             return None
         if window_size is None and not return_array:
             return "causal"
-        self.issued_mask = masks.causal(self.size() + n, n, window_size)
+        self.issued_mask = masks.causal(self.rows_before(n) + n, n, window_size)
         return self.issued_mask
+
+    def rows_before(self, n: int) -> int:
+        """Rows a step of ``n`` tokens will attend over besides its own: the stored ones."""
+        return self.size()
 
     def size(self) -> int:
         """Rows attention runs over: the stored ones (cross-layer caches add their folded rows)."""

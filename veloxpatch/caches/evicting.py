@@ -200,6 +200,12 @@ class EvictingCache(CompressedKVCache):
             self._take_back()
         return super().update_and_fetch(keys, values)
 
+    def rows_before(self, n: int) -> int:
+        """The stored rows, and the tier's where the step will take them back: a model that applies the mask it
+        asked for itself (multi-head latent attention scores its rotary part so) needs it as wide as the keys."""
+        back = self.tier is not None and bool(self.tier.rows) and self._takes_back(n)
+        return self.size() + (self.tier.rows if back else 0)
+
     def _takes_back(self, n: int) -> bool:
         """Whether a step of ``n`` tokens is a prompt chunk, or a decode-sized step that ``attend`` will find over
         a pending prompt: asked before the step is stored, of the budget ``target()`` will give with its tokens
