@@ -93,6 +93,28 @@ def test_openblas_is_searched_for_on_linux_only(monkeypatch, fake_blas: Path, tm
         cpu.choose_blas("openblas", "Linux", "x86_64")
 
 
+@pytest.mark.parametrize("argv0, preload, expected", [
+    ("/venv/bin/veloxpatch", "", True), ("/src/veloxpatch/__main__.py", "", True),
+    ("/venv/bin/pytest", "", False), ("/venv/bin/veloxpatch", "LIB", False)],
+    ids=["the command", "python -m veloxpatch", "a test's CliRunner", "already preloaded"])
+def test_eval_and_bench_run_again_with_the_blas_preloaded(monkeypatch, fake_blas: Path, argv0: str, preload: str,
+                                                         expected: bool) -> None:
+    """Their timings and long runs are mlx's matmuls: started as the command, they exec themselves again once with
+    the library VELOX_BLAS chooses preloaded (and say so in a result's record)."""
+    from veloxpatch.eval import commands
+
+    calls = []
+    monkeypatch.setattr(commands.os, "execve", lambda exe, argv, env: calls.append((argv, env["LD_PRELOAD"])))
+    monkeypatch.setattr(commands.sys, "argv", [argv0, "bench", "--contexts", "256"])
+    monkeypatch.setenv("VELOX_BLAS", str(fake_blas))
+    monkeypatch.setenv("LD_PRELOAD", str(fake_blas) if preload else "")
+    commands.with_fast_blas()
+    assert calls == ([([commands.sys.executable, "-m", "veloxpatch", "bench", "--contexts", "256"], str(fake_blas))]
+                     if expected else [])
+    assert cpu.blas_in_use({"LD_PRELOAD": str(fake_blas)}) == f"preloaded {fake_blas}"
+    assert cpu.blas_in_use({}) == "mlx's bundled BLAS"
+
+
 def test_float16_weights_load_as_float32_and_generate_the_hand_cast_tokens(float16_dir: Path) -> None:
     plain, tokenizer = load(str(float16_dir))
     assert dtypes(plain) == {mx.float16}

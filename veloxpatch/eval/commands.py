@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 import time
@@ -12,8 +13,10 @@ import click
 
 import veloxpatch
 
+from .. import cpu
 from ..assets import model_path
 from ..config import COMPRESS_MODES
+from ..settings import ConfigError
 from . import report, tasks
 from .bench import LARGE_RANDOM, PEAK_NOTE, BenchSpec, run_bench
 from .harness import ALL_TASKS, TASKS, EvalSpec, Journal, run_eval
@@ -91,7 +94,28 @@ def load_model(model: str | None) -> tuple[Any, Any, str]:
 def machine() -> str:
     import mlx.core as mx
 
-    return f"{platform.machine()} {platform.system()}, mlx {mx.__version__} on {mx.default_device()}"
+    return (f"{platform.machine()} {platform.system()}, mlx {mx.__version__} on {mx.default_device()}, "
+            f"{cpu.blas_in_use(dict(os.environ))}")
+
+
+def with_fast_blas() -> None:
+    """Run this ``veloxpatch eval|bench`` again with the BLAS ``VELOX_BLAS`` chooses preloaded, as ``veloxpatch
+    run`` does for an app: on the CPU the wheel's reference BLAS makes every matmul (and so every timing and
+    every long eval) about 30x slower. Only a process started as the command re-executes (a library call, or a
+    test's CliRunner, is left as it is), and only once: the library is then preloaded."""
+    argv0 = Path(sys.argv[0])
+    if argv0.name != "veloxpatch" and argv0.parts[-2:] != ("veloxpatch", "__main__.py"):
+        return
+    try:
+        choice = cpu.choose_blas(os.environ.get("VELOX_BLAS", "auto"))
+    except ConfigError as error:
+        raise click.UsageError(str(error)) from None
+    if choice.path is None or cpu.is_preloaded(dict(os.environ), choice.path):
+        return
+    click.echo(f"veloxpatch: preloading {choice.path} for this run ({choice.reason}; VELOX_BLAS=none keeps mlx's "
+               "own)", err=True)
+    env = cpu.with_preload(dict(os.environ), choice.path)
+    os.execve(sys.executable, [sys.executable, "-m", "veloxpatch", *sys.argv[1:]], env)
 
 
 def finish(rows: list[dict[str, Any]], columns: tuple[str, ...], out: Path, stem: str, meta: dict[str, Any]) -> None:
@@ -124,6 +148,7 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
 
     Accuracies show their 95% Wilson interval and sample count. Finished cells go to OUT/eval.cells.jsonl and
     finished examples to OUT/eval.samples.jsonl as they finish; a rerun with the same arguments skips them."""
+    with_fast_blas()
     chosen = [t.strip() for t in task_list.split(",") if t.strip()]
     if any(t not in ALL_TASKS for t in chosen):
         raise click.BadParameter(f"{chosen} not allowed: choose from {', '.join(ALL_TASKS)}", param_hint="--tasks")
@@ -171,6 +196,7 @@ def bench_command(model, random_model, contexts, budget, methods, new_tokens, re
     prefill_s is the time to the first token; peak_bytes the most memory mlx held during a case (weights
     included): with a shared or own prefill (the prefill column), the larger of the prefill group's peak and
     the case's own decode peak (less the prefill kept aside for other cases)."""
+    with_fast_blas()
     chosen = _methods(methods)
     step = prefill_step(prefill_step_option, model)
     spec = BenchSpec(_ints(contexts), budget, chosen, new_tokens, repeats, step, compress, share_prefill)
