@@ -49,6 +49,16 @@ def test_unknown_names_get_the_closest_valid_name() -> None:
     assert warnings[1].startswith("unknown setting VELOX_ZZZ") and "did you mean" not in warnings[1]
 
 
+@pytest.mark.parametrize("method", ["xkv", "minicache", "xquant"])
+def test_a_tier_given_to_a_method_that_drops_no_row_is_said_to_do_nothing(method: str) -> None:
+    warnings = from_env({"VELOX_KV": method, "VELOX_TIER": "4"}).warnings
+    assert warnings == [f"VELOX_TIER=4 does nothing with VELOX_KV={method}: it keeps the rows a method drops, and "
+                        f"{method} drops none (it keeps every token in a form of its own); it is for chunkkv, h2o, "
+                        "pyramidkv, snapkv, squeeze, streamingllm, tova"]
+    assert from_env({"VELOX_KV": method}).warnings == [], "the default says nothing"
+    assert from_env({"VELOX_KV": "snapkv", "VELOX_TIER": "4"}).warnings == []
+
+
 def test_python_form_matches_the_environment_form() -> None:
     env = {"VELOX_KV": "snapkv", "VELOX_BUDGET": "25%", "VELOX_SNAPKV_POOL": "max", "VELOX_STATS": "yes"}
     loaded = from_env(env)

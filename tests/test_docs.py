@@ -59,14 +59,16 @@ def test_a_method_registered_later_appears_on_both_pages(monkeypatch: pytest.Mon
     written from those, so it appears without anyone editing them. Faked here in what the generator reads."""
     knob = SimpleNamespace(name="VELOX_MYMETHOD_DEPTH", option="--mymethod-depth", default="3",
                            allowed_text="an integer", doc="MyMethod: how deep.", method="mymethod")
-    info = SimpleNamespace(name="mymethod", description="One line about it.", knobs=(knob,))
+    info = SimpleNamespace(name="mymethod", description="One line about it.", knobs=(knob,),
+                           cls=type("MyCache", (), {"bounds_memory": True}))
     real_doc = docs._method_doc
     monkeypatch.setattr(docs, "METHODS", {**docs.METHODS, "mymethod": info})
     monkeypatch.setattr(docs, "all_settings", lambda: (*all_settings(), knob))
     monkeypatch.setattr(docs, "_method_doc", lambda name: "Its paper, its deviations." if name == "mymethod"
                         else real_doc(name))
     text = docs.methods_markdown()
-    assert "\n## mymethod\n\nOne line about it.\n" in text and "Its paper, its deviations." in text
+    assert "\n## mymethod\n\nOne line about it.\n\nIt evicts rows: `VELOX_KV_MEMORY`" in text
+    assert "Its paper, its deviations." in text
     assert rows(text)["VELOX_MYMETHOD_DEPTH"] == ["`--mymethod-depth`", "`3`", "an integer", "MyMethod: how deep."]
     assert rows(docs.settings_markdown())["VELOX_MYMETHOD_DEPTH"] == ["`3`", "an integer", "MyMethod: how deep."]
 

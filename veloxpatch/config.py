@@ -205,7 +205,19 @@ def from_env(environ: Mapping[str, str] | None = None) -> LoadedConfig:
         value = s.convert(s.default if raw is None else raw)
         (core if s.key in _CORE_KEYS else knobs)[s.key] = value
     config = VeloxConfig(**core, knobs=knobs)
-    return LoadedConfig(config, sources, unknown_names(environ))
+    return LoadedConfig(config, sources, unknown_names(environ) + idle_settings(config, sources))
+
+
+def idle_settings(config: VeloxConfig, sources: Mapping[str, str]) -> list[str]:
+    """Warnings for settings given that the chosen method does not use: ``VELOX_TIER`` keeps the rows a method
+    drops, and only the methods that evict drop any."""
+    if not (config.enabled and config.tier and sources.get("VELOX_TIER", "default") != "default"):
+        return []
+    if getattr(METHODS[config.kv].cls, "bounds_memory", False):
+        return []
+    evicting = sorted(m for m, e in METHODS.items() if getattr(e.cls, "bounds_memory", False))
+    return [f"VELOX_TIER={config.tier} does nothing with VELOX_KV={config.kv}: it keeps the rows a method drops, and "
+            f"{config.kv} drops none (it keeps every token in a form of its own); it is for {', '.join(evicting)}"]
 
 
 def unknown_names(environ: Mapping[str, str]) -> list[str]:

@@ -80,7 +80,7 @@ def methods_markdown() -> str:
              " ".join(f"[`{n}`](#{n})" for n in names), ""]
     for name in names:
         info = METHODS[name]
-        lines += [f"## {name}", "", info.description, ""]
+        lines += [f"## {name}", "", info.description, "", _memory_settings(info.cls), ""]
         if info.knobs:
             lines += [*_table(info.knobs, option=True), ""]
         else:
@@ -89,6 +89,15 @@ def methods_markdown() -> str:
         if doc:
             lines += ["From its code:", "", doc, ""]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _memory_settings(cls: type) -> str:
+    """What ``VELOX_KV_MEMORY`` and ``VELOX_TIER`` do with a method: both serve the methods that evict rows."""
+    if getattr(cls, "bounds_memory", False):
+        return ("It evicts rows: `VELOX_KV_MEMORY` caps the rows it keeps, and `VELOX_TIER` keeps the rows it drops at "
+                "low bits.")
+    return ("It drops no row (it keeps every token in a form of its own): `VELOX_KV_MEMORY` is refused with it, and "
+            "`VELOX_TIER` does nothing (said at start).")
 
 
 def main(argv: list[str]) -> int:
