@@ -18,8 +18,15 @@ from conftest import EVICTING, greedy, random_tokens, tiny
 from serving import post, running
 from veloxpatch.assets import model_path
 from veloxpatch.eval import tasks
+from veloxpatch.eval.random_model import build, config_for
 
 PROMPT = 600
+
+
+def wide() -> object:
+    """A random llama whose head_dim (32) mlx can quantize in groups of 32 (a 4-bit tier's)."""
+    return build(config_for("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=256), 1)
 
 
 def served_again(caches: list, prompt: mx.array) -> list:
@@ -32,14 +39,22 @@ def served_again(caches: list, prompt: mx.array) -> list:
 
 @pytest.mark.parametrize("method", EVICTING)
 @pytest.mark.parametrize("mode", ["end", "chunk"])
-def test_a_repeated_prompt_gets_the_same_answer(method: str, mode: str) -> None:
-    model = tiny("llama", seed=1)
+@pytest.mark.parametrize("tier", ["off", "4"])
+def test_a_repeated_prompt_gets_the_same_answer(method: str, mode: str, tier: str) -> None:
+    model = wide() if tier != "off" else tiny("llama", seed=1)
     prompt = random_tokens(PROMPT, 3)
-    veloxpatch.patch(kv=method, budget=64, window=8, compress=mode)
+    veloxpatch.patch(kv=method, budget=64, window=8, compress=mode, tier=tier)
     caches = make_prompt_cache(model)
     first = greedy(model, prompt, caches, steps=80, chunk=128)
     assert sum(c.evicted for c in caches) and all(c.read is not None for c in caches)
     again = served_again(caches, prompt)
+    if tier != "off":  # the snapshot keeps no tier: the one rebuilt is the one the prompt left
+        assert all(c.read.nbytes(c) > 0 for c in caches), "decoding compacted (and tiered rows) after the prompt"
+        just_read = make_prompt_cache(model)
+        greedy(model, prompt, just_read, steps=1, chunk=128)
+        for got, want in zip(again, just_read):
+            assert mx.array_equal(got.tier.positions(), want.tier.positions()).item()
+            assert mx.allclose(got.tier.fetch()[0], want.tier.fetch()[0], atol=1e-5).item()
     assert greedy(model, prompt[-1:], again, steps=80, chunk=128) == first
     assert all(c.read is not None for c in caches), "the cache the server keeps keeps its snapshot"
 

@@ -20,7 +20,7 @@ from .. import stats
 from .base import CompressedKVCache
 from .memory import MemoryPlan
 from .selection import best_rows, protected
-from .store import LATE
+from .store import LATE, RowStore
 from .tier import Tier
 
 
@@ -102,25 +102,46 @@ class Snapshot:
     def __init__(self, cache: EvictingCache) -> None:
         self.offset, self.evicted = cache.offset, cache.evicted
         self.store, self.memory, self.policy = (copy.copy(x) for x in (cache.store, cache.memory, cache.policy))
-        self.tier = None if cache.tier is None else copy.copy(cache.tier)
-        if self.tier is not None:
-            self.tier.store = copy.copy(cache.tier.store)
 
     def restore(self, cache: EvictingCache) -> None:
         """Put the cache back as the prompt left it. The snapshot is used up: the cache writes its next rows in
         place into the arrays they now share."""
+        if cache.tier is not None:
+            cache.tier = self._tier_then(cache)
         cache.offset, cache.evicted = self.offset, self.evicted
-        cache.store, cache.memory, cache.policy, cache.tier = self.store, self.memory, self.policy, self.tier
+        cache.store, cache.memory, cache.policy = self.store, self.memory, self.policy
         cache.read = None
+
+    def _tier_then(self, cache: EvictingCache) -> Tier:
+        """The tier as the prompt left it, rebuilt from what the cache holds now instead of kept as a copy (the
+        tier is most of what a cache holds): without a memory target (which keeps no snapshot) nothing the prompt
+        saw is lost since, only moved between store and tier, so its tier is every row held now from before the
+        prompt's end that its store does not hold. The tier's rows stay as they are stored; rows of the store now
+        are tiered again (exact ones for the first time; one a later prompt took back, requantized)."""
+        kept = self.store.row_positions()
+        seen = mx.zeros((*kept.shape[:2], self.offset + 1), mx.bool_)
+        seen = mx.put_along_axis(seen, mx.where(kept < 0, self.offset, kept), mx.array(True), axis=-1)
+
+        def then(positions: mx.array) -> mx.array:  # the positions of rows the prompt's tier held; -1 elsewhere
+            inside = (positions >= 0) & (positions < self.offset)
+            stored = mx.take_along_axis(seen, mx.where(inside, positions, self.offset), axis=-1)
+            return mx.where(inside & ~stored, positions, -1)
+
+        tier = Tier(cache.tier.bits)
+        if cache.tier.rows:
+            keys, values, positions = cache.tier.store.state
+            tier.store = RowStore(cache.tier.store.bits, cache.tier.store.group_size, step=1)
+            tier.store.load((keys, values, then(positions)))
+        if cache.store.rows:
+            tier.take(*cache.store.fetch(), then(cache.store.row_positions()))
+        return tier
 
     def nbytes(self, cache: EvictingCache) -> int:
         """Bytes it holds that the cache does not: its remembered queries once the cache remembers newer ones, and
-        its rows and policy state once the cache has compacted past them."""
+        its rows and policy state once the cache has compacted past them (no tier: :meth:`_tier_then`)."""
         held = 0 if self.memory.queries is cache.memory.queries else self.memory.nbytes
         if self.store.keys is not cache.store.keys:
             held += self.store.nbytes + self.policy.nbytes
-        if self.tier is not None and (cache.tier is None or self.tier.store.keys is not cache.tier.store.keys):
-            held += self.tier.nbytes
         return held
 
 
