@@ -157,10 +157,9 @@ class VeloxConfig:
 
     def _check_kv_memory(self) -> None:
         if self.enabled and self.kv_memory and not getattr(METHODS[self.kv].cls, "bounds_memory", False):
-            evicting = sorted(m for m, e in METHODS.items() if getattr(e.cls, "bounds_memory", False))
             raise ConfigError(
                 f"VELOX_KV_MEMORY={self.kv_memory} is not allowed with VELOX_KV={self.kv}: it bounds the methods "
-                f"that evict rows ({', '.join(evicting)}); {self.kv} keeps every token in a form of its own")
+                f"that evict rows ({', '.join(evicting_methods())}); {self.kv} keeps every token in a form of its own")
 
     @property
     def enabled(self) -> bool:
@@ -213,11 +212,16 @@ def idle_settings(config: VeloxConfig, sources: Mapping[str, str]) -> list[str]:
     drops, and only the methods that evict drop any."""
     if not (config.enabled and config.tier and sources.get("VELOX_TIER", "default") != "default"):
         return []
-    if getattr(METHODS[config.kv].cls, "bounds_memory", False):
+    if config.kv in evicting_methods():
         return []
-    evicting = sorted(m for m, e in METHODS.items() if getattr(e.cls, "bounds_memory", False))
     return [f"VELOX_TIER={config.tier} does nothing with VELOX_KV={config.kv}: it keeps the rows a method drops, and "
-            f"{config.kv} drops none (it keeps every token in a form of its own); it is for {', '.join(evicting)}"]
+            f"{config.kv} drops none (it keeps every token in a form of its own); it is for "
+            f"{', '.join(evicting_methods())}"]
+
+
+def evicting_methods() -> list[str]:
+    """The registered methods that evict rows, by name: those VELOX_KV_MEMORY bounds and VELOX_TIER serves."""
+    return sorted(m for m, e in METHODS.items() if getattr(e.cls, "bounds_memory", False))
 
 
 def unknown_names(environ: Mapping[str, str]) -> list[str]:

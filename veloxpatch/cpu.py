@@ -107,7 +107,7 @@ def with_preload(env: dict[str, str], library: str) -> dict[str, str]:
     return {**env, "LD_PRELOAD": ":".join([*preloaded(env), library])}
 
 
-def blas_in_use(env: dict[str, str], arch: str | None = None) -> str:
+def blas_in_use(env: dict[str, str]) -> str:
     """The BLAS this process runs mlx's matmuls on, for a result's record: a preloaded OpenBLAS, or the wheel's."""
     found = [p for p in preloaded(env) if "blas" in os.path.basename(p).lower()]
     return f"preloaded {found[0]}" if found else "mlx's bundled BLAS"
