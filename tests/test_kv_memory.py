@@ -145,6 +145,18 @@ def test_a_model_and_its_draft_hold_the_target_together() -> None:
     assert speculate(None) == answer, "a generation that builds its own lists shares the plan alike"
 
 
+def test_a_target_that_holds_the_model_but_not_its_draft_too_is_an_error_naming_the_smallest() -> None:
+    model, draft = wide(), wide(seed=4)
+    veloxpatch.patch(kv="snapkv", kv_memory="1GB")
+    alone = make_prompt_cache(model)[0].limit.smallest()
+    target = alone * 3 // 2  # each list fits on its own
+    veloxpatch.patch(kv="snapkv", kv_memory=str(target))
+    caches = make_prompt_cache(model) + make_prompt_cache(draft)
+    with pytest.raises(ConfigError, match=rf"VELOX_KV_MEMORY={target} is not allowed here: it must be at least "):
+        next(speculative_generate_step(random_tokens(64, 6), model, draft, num_draft_tokens=2, max_tokens=2,
+                                       prompt_cache=caches))
+
+
 def test_the_stricter_of_budget_and_memory_wins() -> None:
     model = wide()
     tokens = random_tokens(1200, 2)
