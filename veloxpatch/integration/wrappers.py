@@ -121,8 +121,9 @@ def _draft_caches(arguments: dict[str, Any]) -> None:
     """With ``VELOX_DRAFT_KV=none`` the draft model keeps mlx_lm's own caches.
 
     Without a prompt cache, mlx_lm would build both lists itself; we build them the same way (the
-    main model's compressed), also under ``VELOX_KV_MEMORY``, whose plan the two lists then share. A given list's draft part (after the main model's layers) has its
-    empty compressed slots swapped for mlx_lm's; one that already holds rows stays (said once).
+    main model's compressed), also under ``VELOX_KV_MEMORY``, whose plan the two lists then share.
+    A given list's draft part (after the main model's layers) has its empty compressed slots swapped
+    for mlx_lm's; one that already holds rows stays (said once).
     """
     config = STATE.config
     if config is None or (config.draft_kv != "none" and not config.kv_memory):
@@ -153,7 +154,8 @@ def _share_memory_plan(arguments: dict[str, Any]) -> None:
     caches, first = arguments.get("prompt_cache"), len(arguments["model"].layers)
     if not isinstance(caches, (list, tuple)):
         return
-    parts = [[c for c in ours(part) if getattr(c, "limit", None) is not None] for part in (caches[:first], caches[first:])]
+    parts = [[c for c in ours(part) if getattr(c, "limit", None) is not None]
+             for part in (caches[:first], caches[first:])]
     if not all(parts) or not all(c.empty() for c in parts[0] + parts[1]):
         return
     main, draft = parts[0][0].limit, parts[1][0].limit
