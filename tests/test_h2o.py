@@ -18,7 +18,7 @@ SCALE = 0.35
 
 # --------------------------------------------------------------------- the reference, from the paper
 def h2o_reference(keys: np.ndarray, queries: np.ndarray, chunks: list[int], budget: int, sink: int, window: int,
-                  mode: str) -> tuple[list[np.ndarray], dict]:
+                  mode: str, tier: bool = False) -> tuple[list[np.ndarray], dict]:
     """Kept positions, (B, kv_heads, rows), after every step, and the final scores by (b, h) and position.
 
     H2O's score of a cached token is the attention probability every query has paid it since it
@@ -26,7 +26,9 @@ def h2o_reference(keys: np.ndarray, queries: np.ndarray, chunks: list[int], budg
     KV head); the sinks and the recent window stay, the rest is the top of the score. Eviction
     follows the cache's schedule: after a prefill chunk in ``chunk`` mode, when a decode step
     leaves ``budget + headroom`` rows, and, in ``end`` mode, before the first decode-sized step
-    attends over a prompt left whole (that step then sees only the rows kept and its own).
+    attends over a prompt left whole (that step then sees only the rows kept and its own). With a lossless
+    ``tier``, no row is lost: a prompt chunk, and a decode-sized step over a pending prompt, see every token so far
+    (the tier's rows come back with the score they had), decode steps only the rows kept.
     """
     batch, kv_heads = keys.shape[:2]
     group = queries.shape[1] // kv_heads
@@ -50,6 +52,8 @@ def h2o_reference(keys: np.ndarray, queries: np.ndarray, chunks: list[int], budg
             rows[bh] = rows[bh] + new
             score[bh].update({p: 0.0 for p in new})
         count = len(rows[heads[0]])
+        if tier and (n > room or count - n >= keep + room):
+            rows, count = {bh: list(range(offset)) for bh in heads}, offset
         chosen = {bh: choose(bh) for bh in heads} if n <= room and count - n >= keep + room else None
         for b, h in heads:
             seen = set(chosen[(b, h)]) | set(new) if chosen else set(rows[(b, h)])
@@ -109,6 +113,33 @@ def assert_mass_is_the_references(cache: H2OCache, score: dict) -> None:
     want = np.array([[[score[(b, h)][p] for p in positions[b, h]] for h in range(positions.shape[1])]
                      for b in range(positions.shape[0])])
     assert np.allclose(mass, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("mode", ["chunk", "end"])
+def test_a_row_keeps_its_mass_through_a_lossless_tier_and_back(seed: int, mode: str) -> None:
+    """A chat: a prompt, its answer, a second prompt, its answer. The rows a compression drops take their mass
+    into the tier; the second prompt takes them back with it (queries queued before it counted over the rows they
+    saw), and chooses as the reference, which loses no row and no score. Decode-sized steps are no longer than the
+    window: the reference does not model a step that compresses a prompt and loses some of its own rows."""
+    case = random_case(300 + seed)
+    rng = np.random.default_rng(seed)
+    case["chunks"] += [int(rng.integers(9, 60))] + rng.integers(1, 4, size=int(rng.integers(10, 40))).tolist()
+    case["chunks"] = [n if n > 8 else min(n, case["window"]) for n in case["chunks"]]
+    batch, kv_heads = case["keys"].shape[:2]
+    case["keys"], case["queries"] = random_rows(300 + seed, batch, kv_heads, case["queries"].shape[1] // kv_heads,
+                                                sum(case["chunks"]))
+    cache = H2OCache(Budget(tokens=case["budget"]), case["sink"], case["window"], mode=mode)
+    cache.use_tier(16)
+    expected = h2o_reference(case["keys"], case["queries"], case["chunks"], case["budget"], case["sink"],
+                             case["window"], mode, tier=True)
+    for step, (got, want) in enumerate(zip(feed(cache, case["keys"], case["queries"], case["chunks"]), expected[0])):
+        assert got.shape == want.shape and (got == want).all(), f"step {step} ({case['chunks'][step]} tokens)"
+    assert_mass_is_the_references(cache, expected[1])
+    if cache.tier.rows:
+        positions = np.array(cache.tier.positions())
+        want = [[[expected[1][(b, h)][p] for p in positions[b, h]] for h in range(kv_heads)] for b in range(batch)]
+        assert np.allclose(np.array(cache.tier.extra), np.array(want), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -74,6 +74,15 @@ class Policy(ABC):
     def trimmed(self, cache: EvictingCache) -> None:
         """The cache was trimmed back to its ``offset``: per-row state of the rows gone goes too."""
 
+    def row_state(self, cache: EvictingCache) -> mx.array | None:
+        """Per-row state of every stored row, (B, kv_heads, rows), that goes into the tier with the rows a
+        compression drops and comes back with them (H2O's accumulated attention); None: the policy keeps none."""
+        return None
+
+    def taking_back(self, cache: EvictingCache, state: mx.array | None) -> None:
+        """The tier's rows are about to be appended after the stored ones (then put in time order: :meth:`kept`),
+        with ``state``, what :meth:`row_state` gave them when they left (None: they left without one)."""
+
     @property
     def nbytes(self) -> int:
         """Bytes the policy holds besides the cache's rows and queries."""
@@ -132,8 +141,9 @@ class Snapshot:
             keys, values, positions = cache.tier.store.state
             tier.store = RowStore(cache.tier.store.bits, cache.tier.store.group_size, step=1)
             tier.store.load((keys, values, then(positions)))
+            tier.extra = cache.tier.extra
         if cache.store.rows:
-            tier.take(*cache.store.fetch(), then(cache.store.row_positions()))
+            tier.take(*cache.store.fetch(), then(cache.store.row_positions()), cache.policy.row_state(cache))
         return tier
 
     def nbytes(self, cache: EvictingCache) -> int:
@@ -239,9 +249,11 @@ class EvictingCache(CompressedKVCache):
         return n > self.headroom(keep) or self.schedule.pending(self.store.rows + n, n, keep)
 
     def _take_back(self) -> None:
-        """The tier's rows back into the store, in time order (to the policy a compaction: ``kept``); time order
-        matters to a policy that looks at neighbouring rows (SnapKV's pooling)."""
-        self.store.extend(*self.tier.drain())
+        """The tier's rows back into the store, with the policy's state of them, in time order (to the policy a
+        compaction: ``kept``); time order matters to a policy that looks at neighbouring rows (SnapKV's pooling)."""
+        keys, values, positions, state = self.tier.drain()
+        self.policy.taking_back(self, state)
+        self.store.extend(keys, values, positions)
         positions = self.store.row_positions()
         order = mx.argsort(mx.where(positions < 0, LATE, positions), axis=-1)
         self.policy.kept(self, order)
@@ -317,8 +329,10 @@ class EvictingCache(CompressedKVCache):
                 kept = kept | ~_mask(positions, best_rows(scores, positions, kept, index.shape[-1] + room))
         gone = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : max(room, 0)]
         if gone.shape[-1]:
-            self.tier.take(*(mx.take_along_axis(a, gone[..., None], axis=2) for a in (keys, values)),
-                           mx.take_along_axis(positions, gone, axis=-1))
+            state = self.policy.row_state(self)
+            rows = (mx.take_along_axis(a, gone[..., None], axis=2) for a in (keys, values))
+            self.tier.take(*rows, mx.take_along_axis(positions, gone, axis=-1),
+                           None if state is None else mx.take_along_axis(state, gone, axis=-1))
 
     def protected(self, positions: mx.array) -> mx.array:
         """Rows never evicted: the first ``sink`` tokens and the last ``window`` tokens."""

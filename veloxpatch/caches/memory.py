@@ -94,7 +94,7 @@ class MemoryPlan:
     queries: int  # queries a cache holds between steps (its observation window, or H2O's queue)
     floor: int  # the fewest rows a layer keeps (sink + window)
     tier_bits: int = 0
-    policy_row_bytes: int = 0  # per row and KV head, what the policy keeps beside the row (H2O's mass)
+    policy_row_bytes: int = 0  # per row and KV head, what the policy keeps beside the row, in store and tier alike
 
     def __post_init__(self) -> None:
         if self.keep_cap(1) < self.floor:
@@ -137,7 +137,7 @@ class MemoryPlan:
         if not self.tier_bits:
             return 0
         held = (keep + Schedule().headroom(keep) + SLACK) * batch * self._row_bytes()
-        per_row = batch * sum(s.tier_row_bytes(self.tier_bits) for s in self.ours)
+        per_row = batch * sum(s.tier_row_bytes(self.tier_bits) + s.heads * self.policy_row_bytes for s in self.ours)
         return max(0, (self._available(batch) - held) // max(1, per_row))
 
     def smallest(self) -> int:

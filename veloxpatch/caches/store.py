@@ -113,10 +113,11 @@ class RowStore:
         self._write(keys, values, positions.astype(mx.int32))
         self.holes = self.holes or bool((positions < 0).any().item())
 
-    def merge(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
+    def merge(self, keys: mx.array, values: mx.array, positions: mx.array) -> mx.array:
         """Add rows (B, H, n, d) with the positions ``positions`` (B, H, n; -1: a hole), earlier or later than the
         rows held: time order per head is kept (holes last), and rows that are holes in every head go. No spare
-        capacity is left (the next append grows the store)."""
+        capacity is left (the next append grows the store). Returns where each row now held came from, (B, H,
+        rows) indexes into the rows held before followed by the new ones, for state that follows the rows."""
         keys_parts, values_parts = self.encode(keys), self.encode(values)
         positions = positions.astype(mx.int32)
         if self.rows:
@@ -127,6 +128,7 @@ class RowStore:
         order = mx.argsort(when, axis=-1)[..., : int((when < LATE).sum(axis=-1).max().item())]
         self.load((take_rows(keys_parts, order), take_rows(values_parts, order),
                    mx.take_along_axis(positions, order, axis=-1)))
+        return order
 
     def _write(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
         """Encode ``keys``/``values`` (B, H, n, d) and write them, with ``positions`` (B, H, n), after the stored rows."""

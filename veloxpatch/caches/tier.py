@@ -10,7 +10,8 @@ earlier question, can come back for the next one (a chat's follow-up, the server
 
 Rows come back as the tier holds them (dequantized): at 16 bits exactly, at fewer with the quantization error.
 The tier keeps its rows in time order per head (holes last), as the row store does, so a trim stays exact; rows
-taken back merge into the store in time order too (SnapKV pools scores over neighbouring rows).
+taken back merge into the store in time order too (SnapKV pools scores over neighbouring rows). A policy's state of
+a row (H2O's accumulated attention: :meth:`~.evicting.Policy.row_state`) goes with the row and comes back with it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..log import once
-from .store import Parts, RowStore
+from .store import RowStore
 
 
 class Tier:
@@ -30,6 +31,7 @@ class Tier:
     def __init__(self, bits: int) -> None:
         self.bits = bits
         self.store = RowStore()
+        self.extra: mx.array | None = None  # (B, kv_heads, rows) float32: the policy's state of each row, or None
 
     @property
     def rows(self) -> int:
@@ -41,7 +43,7 @@ class Tier:
 
     @property
     def nbytes(self) -> int:
-        return self.store.nbytes
+        return self.store.nbytes + (0 if self.extra is None else self.extra.nbytes)
 
     def fetch(self) -> tuple[mx.array, mx.array]:
         """Every row, decoded (holes included)."""
@@ -51,36 +53,49 @@ class Tier:
         """(B, kv_heads, rows) positions; -1: a hole."""
         return self.store.row_positions()
 
-    def take(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
-        """Add rows (B, kv_heads, n, head_dim) with their positions (B, kv_heads, n), keeping time order."""
+    def take(self, keys: mx.array, values: mx.array, positions: mx.array, extra: mx.array | None = None) -> None:
+        """Add rows (B, kv_heads, n, head_dim) with their positions (B, kv_heads, n), keeping time order, and the
+        policy's state of them (B, kv_heads, n), if it keeps one (rows that come without it get zeros)."""
+        held = self.store.rows
         if self.store.positions is None:
             self.store = RowStore(*self._format(keys), step=1)
-        self.store.merge(keys, values, positions)
+        order = self.store.merge(keys, values, positions)
+        if extra is not None or self.extra is not None:
+            before = _or_zeros(self.extra, (*positions.shape[:2], held))
+            self.extra = mx.take_along_axis(mx.concatenate([before, _or_zeros(extra, positions.shape)], axis=-1),
+                                            order, axis=-1)
         # nothing a step returns depends on the tier: left lazy, its arrays would keep what they were made from
         # (the rows at full precision, the tier before) alive until the next prompt reads them (3x the bytes)
-        mx.eval(self.store.keys, self.store.values, self.store.positions)
+        mx.eval(self.store.keys, self.store.values, self.store.positions, self.extra)
 
-    def drain(self) -> tuple[mx.array, mx.array, mx.array]:
-        """Every row (decoded) and its position, and the tier empty after."""
+    def drain(self) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
+        """Every row (decoded), its position and the policy's state of it (None: kept none), and the tier empty
+        after."""
         keys, values = self.fetch()
-        positions = self.positions()
-        self.store = RowStore(self.store.bits, self.store.group_size, step=1)
-        return keys, values, positions
+        positions, extra = self.positions(), self.extra
+        self.store, self.extra = RowStore(self.store.bits, self.store.group_size, step=1), None
+        return keys, values, positions, extra
 
     def trim_to(self, prefix: int) -> None:
         """Forget every row whose position is ``prefix`` or later."""
         self.store.trim_to(prefix)
+        if self.extra is not None:
+            self.extra = self.extra[..., : self.store.rows]
 
     @property
-    def state(self) -> tuple[Parts, Parts, mx.array] | None:
-        """What a prompt-cache file keeps: the rows as stored and their positions (None while empty)."""
-        return None if self.store.rows == 0 else self.store.state
+    def state(self) -> tuple[Any, ...] | None:
+        """What a prompt-cache file keeps: the rows as stored, their positions and (if the policy keeps one) its
+        state of them; None while empty."""
+        if self.store.rows == 0:
+            return None
+        return self.store.state if self.extra is None else (*self.store.state, self.extra)
 
-    def load(self, state: tuple[Any, Any, Any] | None, group_size: int) -> None:
+    def load(self, state: tuple[Any, ...] | None, group_size: int) -> None:
         """Restore what :attr:`state` saved, stored in groups of ``group_size``."""
         if state is not None:
             self.store = RowStore(None if self.bits == 16 else self.bits, group_size, step=1)
-            self.store.load(state)
+            self.store.load(tuple(state[:3]))
+            self.extra = state[3] if len(state) > 3 else None
 
     def _format(self, rows: mx.array) -> tuple[int | None, int]:
         """(bits, group size) mlx can store rows of this head_dim in: the widest group that divides it, or
@@ -95,3 +110,8 @@ class Tier:
                  "tier keeps them unquantized")
             return None, 64
         return self.bits, group
+
+
+def _or_zeros(extra: mx.array | None, shape: tuple[int, ...]) -> mx.array:
+    """``extra``, or zeros of ``shape`` for rows that came without a policy's state."""
+    return mx.zeros(shape, mx.float32) if extra is None else extra

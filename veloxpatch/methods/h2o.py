@@ -6,8 +6,9 @@ accumulated attention is a cheap, greedy oracle of what later tokens will need. 
 the attention probabilities it pays the rows it sees (softmax over them, summed over the query
 heads that share a KV head) to a per-row accumulator, from prefill on: a row starts at the mass its
 own step gives it, a compression gathers the mass with the rows kept, a trim drops it with the rows
-trimmed, and it is saved with the cache. Rows are ranked per KV head by this sum; the sinks and the
-recent window are kept. In ``end`` mode the prompt's accumulated mass decides the first compression.
+trimmed, and it is saved with the cache; with a tier (``VELOX_TIER``) a dropped row keeps its mass there
+and brings it back when a prompt takes it back. Rows are ranked per KV head by this sum; the sinks and
+the recent window are kept. In ``end`` mode the prompt's accumulated mass decides the first compression.
 
 Decode steps do no work for this on the hot path: their queries are queued and accounted in one
 vectorised pass when scores are needed (a compression), when the queue outgrows the decode headroom
@@ -108,6 +109,17 @@ class H2O(Policy):
 
     def kept(self, cache: EvictingCache, index: mx.array) -> None:
         self.mass = mx.take_along_axis(self._mass(cache, cache.store.rows), index, axis=-1)
+
+    def row_state(self, cache: EvictingCache) -> mx.array:
+        """The mass of every stored row: a row the tier takes keeps what it earned. Queries still queued are
+        those of the step compressing an ``end`` mode prompt, accounted after the compaction (the module doc)."""
+        return self._mass(cache, cache.store.rows)
+
+    def taking_back(self, cache: EvictingCache, state: mx.array | None) -> None:
+        """Queued queries are accounted over the rows they saw, then the rows coming back bring their mass."""
+        self._account(cache)
+        if state is not None:
+            self.mass = mx.concatenate([self._mass(cache, cache.store.rows), state], axis=-1)
 
     def trimmed(self, cache: EvictingCache) -> None:
         """The trimmed rows' mass goes, and so do the trimmed tokens' queued queries: what they
