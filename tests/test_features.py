@@ -1,0 +1,166 @@
+"""Patching by what the installed mlx_lm offers: each feature all ours or all mlx_lm's, said once; the version gate."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import mlx_lm.generate  # noqa: F401  (imported before any snapshot of what is bound where)
+import mlx_lm.models.llama  # noqa: F401  (so is tiny()'s model, a holder of the attention function)
+import pytest
+from click.testing import CliRunner
+
+import veloxpatch
+import veloxpatch.log
+from conftest import tiny
+from veloxpatch.cli import main
+from veloxpatch.fallback import StrictError
+from veloxpatch.integration import features, version
+from veloxpatch.integration.state import STATE
+
+@pytest.fixture
+def records(monkeypatch) -> Iterator[list[logging.LogRecord]]:
+    """veloxpatch's log records from this test (messages said once before are said again)."""
+    monkeypatch.setattr(veloxpatch.log, "_said", set())
+    found: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = found.append
+    logger = logging.getLogger("veloxpatch")
+    logger.addHandler(handler)
+    yield found
+    logger.removeHandler(handler)
+
+
+def bindings() -> dict[str, Any]:
+    """Every module-level binding and class attribute a feature names, where mlx_lm defines it and in every
+    module that holds a copy: what a patch changes and an unpatch must give back, exactly."""
+    found: dict[str, Any] = {}
+    for feature in features.FEATURES:
+        module = sys.modules[feature.module]
+        for target in feature.targets:
+            owner = features.owner_of(module, target)
+            attr = target.name.rpartition(".")[2]
+            if "." in target.name:
+                found[target.name] = vars(owner).get(attr) if owner is not None else None
+                continue
+            for name, holder in list(sys.modules.items()):
+                if name.startswith("mlx_lm") and attr in getattr(holder, "__dict__", {}):
+                    found[f"{name}.{attr}"] = vars(holder)[attr]
+    return found
+
+
+def wrapped(name: str, before: dict[str, Any]) -> bool:
+    """Whether the binding ``name`` is now our wrapper of what it was before."""
+    now = bindings()[name]
+    return now is not before[name] and getattr(now, "__wrapped__", None) is before[name]
+
+
+def test_a_missing_target_leaves_its_feature_to_mlx_lm_and_patches_the_rest(monkeypatch, records) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    generate = sys.modules["mlx_lm.generate"]
+    monkeypatch.delattr(generate.BatchGenerator, "insert_segments")
+    before = bindings()
+    assert veloxpatch.patch(kv="snapkv", budget=64, log="INFO")
+    assert type(sys.modules["mlx_lm.models.cache"].make_prompt_cache(tiny("llama"))[0]).__name__ == "SnapKVCache"
+    for name in ("mlx_lm.models.base.scaled_dot_product_attention", "mlx_lm.generate.generate_step",
+                 "mlx_lm.generate.speculative_generate_step", "mlx_lm.utils.load_model",
+                 "mlx_lm.models.cache.load_prompt_cache"):
+        assert wrapped(name, before), name
+    assert make_prompt_cache is before["mlx_lm.models.cache.make_prompt_cache"]  # this test's own early copy
+    assert bindings()["mlx_lm.generate.batch_generate"] is before["mlx_lm.generate.batch_generate"], "all or nothing"
+    off = [r.getMessage() for r in records if "batched generation" in r.getMessage()]
+    assert off == [f"batched generation stays mlx_lm's: BatchGenerator.insert_segments is not in mlx-lm "
+                   f"{version.mlx_lm_version()}"]
+    assert [r.levelno for r in records if "batched generation" in r.getMessage()] == [logging.INFO]
+    assert STATE.features["batched generation"] is not None and STATE.features["prompt caches"] is None
+    veloxpatch.unpatch()
+    assert bindings() == before
+    with pytest.raises(StrictError, match="insert_segments is not in mlx-lm .*, but VELOX_STRICT is set"):
+        veloxpatch.patch(kv="snapkv", budget=64, strict=True)
+    assert not veloxpatch.is_patched() and bindings() == before, "a strict refusal leaves nothing patched"
+
+
+def test_a_changed_signature_is_a_missing_target_too(monkeypatch, records) -> None:
+    generate = sys.modules["mlx_lm.generate"]
+
+    def insert_segments(self, prompts, max_tokens=None):  # an mlx_lm whose parameters moved
+        return []
+
+    monkeypatch.setattr(generate.BatchGenerator, "insert_segments", insert_segments)
+    before = bindings()
+    assert veloxpatch.patch(kv="snapkv", budget=64, log="INFO")
+    assert bindings()["BatchGenerator.insert_segments"] is insert_segments
+    assert bindings()["mlx_lm.generate.batch_generate"] is before["mlx_lm.generate.batch_generate"]
+    assert wrapped("mlx_lm.generate.generate_step", before)
+    assert "insert_segments(self, prompts, max_tokens) does not take segments, caches, all_tokens by name" in \
+        STATE.features["batched generation"]
+    veloxpatch.unpatch()
+    assert bindings() == before
+
+
+def test_an_essential_feature_off_leaves_all_of_mlx_lm_as_it_is(monkeypatch, records) -> None:
+    base = sys.modules["mlx_lm.models.base"]
+
+    def scaled_dot_product_attention(queries, keys, values, scale, mask=None):  # no cache parameter
+        raise AssertionError("never called here")
+
+    monkeypatch.setattr(base, "scaled_dot_product_attention", scaled_dot_product_attention)
+    before = bindings()
+    assert veloxpatch.patch(kv="snapkv", budget=64) is False
+    assert not veloxpatch.is_patched() and bindings() == before
+    [said] = [r for r in records if r.levelno == logging.WARNING]
+    assert said.getMessage().startswith("the attention route cannot be patched, so attention cannot reach "
+                                        "compressed caches: scaled_dot_product_attention(queries, keys, values, "
+                                        "scale, mask) does not start with (queries, keys, values, cache, scale, "
+                                        "mask, sinks)")
+    with pytest.raises(StrictError, match="attention route cannot be patched"):
+        veloxpatch.patch(kv="snapkv", budget=64, strict=True)
+    assert bindings() == before
+
+
+def test_the_shipped_mlx_lm_offers_every_feature() -> None:
+    assert features.survey() == {f.name: None for f in features.FEATURES}
+
+
+@pytest.mark.parametrize("found", ["0.33.0", "1.0.2"])
+def test_newer_than_the_newest_tested_is_patched_with_one_warning(monkeypatch, records, found: str) -> None:
+    monkeypatch.setattr(version, "mlx_lm_version", lambda: found)
+    assert veloxpatch.patch(kv="snapkv", budget=64)
+    assert veloxpatch.patch(kv="snapkv", budget=128)
+    assert type(sys.modules["mlx_lm.models.cache"].make_prompt_cache(tiny("llama"))[0]).__name__ == "SnapKVCache"
+    warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert warnings == [f"mlx-lm {found} is newer than 0.32, the newest veloxpatch is tested with; patching each "
+                        "feature whose checks pass"]
+    veloxpatch.unpatch()
+    with pytest.raises(StrictError, match=f"mlx-lm {found} is newer than 0.32.*VELOX_STRICT"):
+        veloxpatch.patch(kv="snapkv", budget=64, strict=True)
+    assert not veloxpatch.is_patched()
+
+
+@pytest.mark.parametrize("found", ["0.27.1", "0.26.4", None])
+def test_older_than_the_floor_passes_through(monkeypatch, records, found: str | None) -> None:
+    monkeypatch.setattr(version, "mlx_lm_version", lambda: found)
+    before = bindings()
+    assert veloxpatch.patch(kv="snapkv", budget=64) is False
+    assert not veloxpatch.is_patched() and bindings() == before
+    [said] = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert said.endswith("the oldest veloxpatch patches; running unpatched")
+    with pytest.raises(StrictError, match="oldest veloxpatch patches"):
+        veloxpatch.patch(kv="snapkv", budget=64, strict=True)
+
+
+def test_tested_patch_releases_and_the_floor(monkeypatch) -> None:
+    assert not version.too_old("0.28.0") and not version.newer_than_tested("0.32.9")
+    assert version.newer_than_tested("0.33.0.dev1") and version.too_old("0.27.9")
+
+
+def test_info_lists_each_feature(monkeypatch) -> None:
+    monkeypatch.delattr(sys.modules["mlx_lm.generate"].BatchGenerator, "insert_segments")
+    out = CliRunner().invoke(main, ["info"], env={"VELOX_KV": "snapkv"}).output
+    assert "features:\n  attention route      on\n  prompt caches        on\n" in out
+    assert (f"  batched generation   off: BatchGenerator.insert_segments is not in mlx-lm "
+            f"{version.mlx_lm_version()}\n") in out
+
