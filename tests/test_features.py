@@ -67,10 +67,9 @@ def test_a_missing_target_leaves_its_feature_to_mlx_lm_and_patches_the_rest(monk
     assert type(sys.modules["mlx_lm.models.cache"].make_prompt_cache(tiny("llama"))[0]).__name__ == "SnapKVCache"
     for name in ("mlx_lm.models.base.scaled_dot_product_attention", "mlx_lm.generate.generate_step",
                  "mlx_lm.generate.speculative_generate_step", "mlx_lm.utils.load_model",
-                 "mlx_lm.models.cache.load_prompt_cache"):
+                 "mlx_lm.models.cache.load_prompt_cache", "mlx_lm.generate.batch_generate"):
         assert wrapped(name, before), name
     assert make_prompt_cache is before["mlx_lm.models.cache.make_prompt_cache"]  # this test's own early copy
-    assert bindings()["mlx_lm.generate.batch_generate"] is before["mlx_lm.generate.batch_generate"], "all or nothing"
     off = [r.getMessage() for r in records if "batched generation" in r.getMessage()]
     assert off == [f"batched generation stays mlx_lm's: BatchGenerator.insert_segments is not in mlx-lm "
                    f"{version.mlx_lm_version()}"]
@@ -83,20 +82,40 @@ def test_a_missing_target_leaves_its_feature_to_mlx_lm_and_patches_the_rest(monk
     assert not veloxpatch.is_patched() and bindings() == before, "a strict refusal leaves nothing patched"
 
 
-def test_a_changed_signature_is_a_missing_target_too(monkeypatch, records) -> None:
+def test_a_changed_signature_leaves_the_whole_feature_to_mlx_lm(monkeypatch, records) -> None:
     generate = sys.modules["mlx_lm.generate"]
 
-    def insert_segments(self, prompts, max_tokens=None):  # an mlx_lm whose parameters moved
-        return []
+    def speculative_generate_step(prompt, model, *, prompt_cache=None):  # no draft model any more
+        yield from ()
 
-    monkeypatch.setattr(generate.BatchGenerator, "insert_segments", insert_segments)
+    monkeypatch.setattr(generate, "speculative_generate_step", speculative_generate_step)
     before = bindings()
     assert veloxpatch.patch(kv="snapkv", budget=64, log="INFO")
-    assert bindings()["BatchGenerator.insert_segments"] is insert_segments
-    assert bindings()["mlx_lm.generate.batch_generate"] is before["mlx_lm.generate.batch_generate"]
-    assert wrapped("mlx_lm.generate.generate_step", before)
-    assert "insert_segments(self, prompts, max_tokens) does not take segments, caches, all_tokens by name" in \
-        STATE.features["batched generation"]
+    assert bindings()["mlx_lm.generate.speculative_generate_step"] is speculative_generate_step
+    assert bindings()["mlx_lm.generate.generate_step"] is before["mlx_lm.generate.generate_step"], "all or nothing"
+    assert wrapped("mlx_lm.generate.batch_generate", before) and wrapped("BatchGenerator.insert_segments", before)
+    assert STATE.features["generation start"] == (
+        "speculative_generate_step(prompt, model, prompt_cache) does not take draft_model by name "
+        f"(mlx-lm {version.mlx_lm_version()})")
+    [said] = [r for r in records if r.levelno == logging.INFO]
+    assert said.getMessage().startswith("generations start on caches as they are")
+    veloxpatch.unpatch()
+    assert bindings() == before
+
+
+def test_batch_generate_of_mlx_lm_0_31_leaves_only_the_sequential_answer_off(monkeypatch, records) -> None:
+    generate = sys.modules["mlx_lm.generate"]
+
+    def batch_generate(model, tokenizer, prompts, prompt_caches=None, max_tokens=128, verbose=False,
+                       return_prompt_caches=False, **kwargs):
+        return None
+
+    monkeypatch.setattr(generate, "batch_generate", batch_generate)
+    before = bindings()
+    assert veloxpatch.patch(kv="snapkv", budget=64, log="INFO")
+    assert bindings()["mlx_lm.generate.batch_generate"] is batch_generate
+    assert wrapped("BatchGenerator.insert_segments", before), "a batch still keeps its caches mlx_lm's"
+    assert "does not match (model, tokenizer, prompts, prompt_caches" in STATE.features["sequential batch_generate"]
     veloxpatch.unpatch()
     assert bindings() == before
 
@@ -160,7 +179,7 @@ def test_tested_patch_releases_and_the_floor(monkeypatch) -> None:
 def test_info_lists_each_feature(monkeypatch) -> None:
     monkeypatch.delattr(sys.modules["mlx_lm.generate"].BatchGenerator, "insert_segments")
     out = CliRunner().invoke(main, ["info"], env={"VELOX_KV": "snapkv"}).output
-    assert "features:\n  attention route      on\n  prompt caches        on\n" in out
-    assert (f"  batched generation   off: BatchGenerator.insert_segments is not in mlx-lm "
-            f"{version.mlx_lm_version()}\n") in out
+    assert "features:\n  attention route           on\n  prompt caches             on\n" in out
+    assert (f"  batched generation        off: BatchGenerator.insert_segments is not in mlx-lm "
+            f"{version.mlx_lm_version()}\n  sequential batch_generate on\n") in out
 

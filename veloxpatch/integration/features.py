@@ -51,7 +51,7 @@ class Target:
         elif missing or loose:
             wanted = f"take {', '.join(missing)} by name" if missing else f"take {', '.join(loose)} as keyword-only"
         elif self.exactly is not None and parameters(function) != self.exactly:
-            wanted = f"be {self.exactly}"
+            wanted = f"match {self.exactly}"
         else:
             return None
         return f"{self.name}{parameters(function)} does not {wanted}"
@@ -86,8 +86,10 @@ FEATURES: tuple[Feature, ...] = (
            "no generation counted)"),
     Feature("batched generation", "mlx_lm.generate", (
         Target("BatchGenerator.insert_segments", batched.batch_insert_segments, named=compat.INSERT_ARGUMENTS),
-        Target("batch_generate", batched.batch_generate, exactly=compat.BATCH_GENERATE),
     ), off="batched generation stays mlx_lm's"),
+    Feature("sequential batch_generate", "mlx_lm.generate", (
+        Target("batch_generate", batched.batch_generate, exactly=compat.BATCH_GENERATE),
+    ), off="batch_generate stays mlx_lm's"),
     Feature("float32 load", "mlx_lm.utils", (
         Target("load_model", float32.load_model, leading=("model_path", "lazy")),
     ), off="VELOX_FLOAT32 has no effect: models keep their dtype"),
