@@ -183,3 +183,11 @@ def test_info_lists_each_feature(monkeypatch) -> None:
     assert (f"  batched generation        off: BatchGenerator.insert_segments is not in mlx-lm "
             f"{version.mlx_lm_version()}\n  sequential batch_generate on\n") in out
 
+
+
+def test_our_caches_answer_mlx_lm_0_28s_len_and_stay_true_when_empty() -> None:
+    """mlx-lm 0.28/0.29 sort a batch's sequences by ``cache_length``, the ``len`` of each cache."""
+    veloxpatch.patch(kv="snapkv", budget=64)
+    caches = sys.modules["mlx_lm.models.cache"].make_prompt_cache(tiny("llama"))
+    assert [len(c) for c in caches] == [c.size() for c in caches] == [0] * len(caches)
+    assert all(caches)
