@@ -8,8 +8,9 @@ once plain, then per method at a small budget and at one above the context, both
 ``veloxpatch run`` and through ``import veloxpatch.auto``. A small budget must compress (our cache
 class, fewer KV bytes than ``VELOX_KV=none`` run the same way: the launcher and the import may run the
 weights as float32, VELOX_FLOAT32); a big one must give plain mlx_lm's tokens, for a method that has a
-budget (xquant keeps every token, quantized: it is never exact, and only its compression is checked). Prints one Markdown row per
-(method, path) and exits 1 if any fails: run it under each mlx-lm version (noxfile.py does).
+budget (xquant keeps every token, quantized: it is never exact, and only its compression is checked).
+Prints one Markdown row per (method, path) and exits 1 if any fails: run it under each mlx-lm version
+(noxfile.py does).
 """
 
 from __future__ import annotations

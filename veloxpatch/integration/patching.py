@@ -126,8 +126,8 @@ def _version_accepted(config: VeloxConfig) -> bool:
     the newest tested is patched, said once in a warning (under ``strict``, refused)."""
     found = version.mlx_lm_version()
     if version.too_old(found):
-        what = "mlx-lm is not installed" if found is None else f"mlx-lm {found} is older than {version.text(version.OLDEST)}"
-        notice(f"{what}, the oldest veloxpatch patches; running unpatched", config, key="version")
+        what = "is not installed" if found is None else f"{found} is older than {version.text(version.OLDEST)}"
+        notice(f"mlx-lm {what}, the oldest veloxpatch patches; running unpatched", config, key="version")
         return False
     if version.newer_than_tested(found):
         notice(f"mlx-lm {found} is newer than {version.text(version.NEWEST_TESTED)}, the newest veloxpatch is tested "
