@@ -159,6 +159,13 @@ def test_a_changed_layout_is_named_with_what_was_found(monkeypatch, name: str) -
     assert compat.layout_problem() == f"{name} is not the layout veloxpatch {veloxpatch.__version__} knows ({what})"
 
 
+def test_a_changed_batch_generate_leaves_batches_joining_compressed_caches(monkeypatch) -> None:
+    """mlx-lm 0.31's batch_generate takes fewer parameters: only the sequential answer relies on them."""
+    batch_generate_renamed_caches(monkeypatch)
+    assert compat.layout_problem(compat.BATCHING) is None
+    assert compat.layout_problem().startswith("batch_generate is not the layout")
+
+
 def test_a_prefill_group_merged_another_way_is_caught(monkeypatch) -> None:
     """A prefill group merged some other way than by its first sequence's caches' merge."""
     merged_without_the_first_cache(monkeypatch)

@@ -21,7 +21,7 @@ from . import cpu, launching, models
 from ._version import __version__
 from .config import ConfigError, VeloxConfig, all_settings, from_env
 from .eval.commands import COMMANDS
-from .integration import version
+from .integration import compat, features, version
 from .launching import SHIM_DIR
 from .log import model_type
 from .registry import METHODS
@@ -145,8 +145,8 @@ def info(model_path: str | None) -> None:
 
     click.echo(f"veloxpatch {__version__}  python {platform.python_version()}  {platform.platform()}")
     found = version.mlx_lm_version()
-    gate = "tested" if version.is_tested(found) else f"NOT in tested range {version.TESTED_RANGE_TEXT}"
-    click.echo(f"mlx {mx.__version__}  mlx-lm {found} ({gate})  backend {mx.default_device()}")
+    click.echo(f"mlx {mx.__version__}  mlx-lm {found} ({version.describe(found)})  backend {mx.default_device()}")
+    _features(found)
     errors = invalid_settings(dict(os.environ))
     if errors:
         click.echo("invalid configuration:")
@@ -165,6 +165,19 @@ def info(model_path: str | None) -> None:
     _rank()
     if model_path is not None:
         _model_support(Path(model_path), config)
+
+
+def _features(found: str | None) -> None:
+    """Each feature veloxpatch patches in mlx_lm: on, or off and why (mlx_lm is imported to look)."""
+    if version.too_old(found):
+        return
+    click.echo("features:")
+    found_features = features.survey()
+    for name, problem in found_features.items():
+        click.echo(f"  {name:<25} {'on' if problem is None else 'off: ' + problem}")
+    layouts = compat.layout_problem(compat.BATCHING) if found_features["batched generation"] is None else None
+    if layouts is not None:
+        click.echo(f"  (batches run on mlx_lm's own caches only, from their first call: {layouts})")
 
 
 def _rank() -> None:

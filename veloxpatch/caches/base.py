@@ -175,6 +175,14 @@ class CompressedKVCache(ABC):
         """Rows attention runs over: the stored ones (cross-layer caches add their folded rows)."""
         return self.store.rows
 
+    def __len__(self) -> int:
+        """:meth:`size`, under the name mlx-lm 0.28 and 0.29 ask for (``cache_length``, batch sorting)."""
+        return self.size()
+
+    def __bool__(self) -> bool:
+        """Always true, as mlx_lm's caches: with ``__len__`` an empty cache would otherwise be false."""
+        return True
+
     def empty(self) -> bool:
         return self.store.positions is None
 

@@ -33,7 +33,10 @@
 Every mlx_lm layout this relies on is reached through :mod:`.compat`, and checked there once, at the
 first batched call (:func:`_layout_known`). Where the installed mlx_lm differs, both entries pass
 through to mlx_lm, which then batches its own caches only (one warning naming what differs; an error
-under ``VELOX_STRICT``), while everything else stays patched.
+under ``VELOX_STRICT``), while everything else stays patched; where only what ``batch_generate``'s
+sequential answer relies on differs (:data:`.compat.ANSWERING`), that entry alone passes through.
+Whether the two entries are wrapped at all is decided when mlx_lm.generate is imported
+(:mod:`.features`: a name missing, or parameters different).
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from .wrappers import ours
 def batch_insert_segments(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Caches made in here stay mlx_lm's; compressed caches handed in join as mlx_lm's (module doc)."""
     with batched_generation():
-        if not _ours_to_batch() or not _layout_known():
+        if not _ours_to_batch() or not _layout_known(compat.BATCHING):
             return wrapped(*args, **kwargs)
         _refused_under_strict()
         call = inspect.signature(wrapped).bind(*args, **kwargs)
@@ -75,7 +78,7 @@ def batch_insert_segments(wrapped: Callable, instance: Any, args: tuple, kwargs:
 def batch_generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """Prompt caches with evicted rows run one sequence at a time, where they keep compressing and
     ``batch_generate`` has no tokens to re-read them from; any other call is mlx_lm's own."""
-    if not _ours_to_batch() or not _layout_known():
+    if not _ours_to_batch() or not _layout_known(tuple(compat.LAYOUTS)):
         return wrapped(*args, **kwargs)
     try:
         call = inspect.signature(wrapped).bind(*args, **kwargs)
@@ -95,13 +98,15 @@ def _ours_to_batch() -> bool:
     return STATE.config is not None and STATE.config.enabled
 
 
-def _layout_known() -> bool:
-    """True when mlx_lm's batched generation is laid out as :mod:`.compat` knows. Otherwise batching
-    runs on mlx_lm's own caches only, said once; under ``VELOX_STRICT`` that is an error instead."""
-    problem = compat.layout_problem()
+def _layout_known(names: tuple[str, ...]) -> bool:
+    """True when mlx_lm's batched generation has the layouts ``names`` as :mod:`.compat` knows them.
+    Otherwise batching runs on mlx_lm's own caches only, said once; under ``VELOX_STRICT`` that is an
+    error instead."""
+    problem = compat.layout_problem(names)
     if problem is None:
         return True
-    notice(f"batched generation runs on mlx_lm's own caches only: {problem}", STATE.config, key="batched layout")
+    notice(f"batched generation runs on mlx_lm's own caches only: {problem}", STATE.config,
+           key=f"batched layout: {problem}")
     return False
 
 

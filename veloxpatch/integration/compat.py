@@ -288,6 +288,14 @@ LAYOUTS: dict[str, Callable[[], str | None]] = {
 installed mlx_lm has it, else what was found instead."""
 
 
+ANSWERING = ("batch_generate", "the BatchStats/BatchResponse/wired_limit API")
+"""The layouts only ``batch_generate``'s sequential answer relies on."""
+
+BATCHING = tuple(name for name in LAYOUTS if name not in ANSWERING)
+"""The layouts a batch joining compressed caches relies on (``insert_segments``): where only the answering
+ones differ (mlx-lm 0.31's ``batch_generate`` takes fewer parameters), batches still join them."""
+
+
 def check(name: str) -> str | None:
     """What the installed mlx_lm has instead of layout ``name`` (None: what veloxpatch knows). A check
     that raises has found a different layout too; what it raised is said."""
@@ -298,11 +306,12 @@ def check(name: str) -> str | None:
 
 
 @functools.cache
-def layout_problem() -> str | None:
-    """Every layout of :data:`LAYOUTS` the installed mlx_lm does not have, said in one line; None if it
-    has them all. Checked once per process (a few one-row caches and a generator over no model: about
-    a millisecond once mlx_lm.generate is imported): mlx_lm's classes do not change under a running app."""
-    found = {name: check(name) for name in LAYOUTS}
+def layout_problem(names: tuple[str, ...] = tuple(LAYOUTS)) -> str | None:
+    """Every layout of ``names`` (all of :data:`LAYOUTS` by default) the installed mlx_lm does not have, said
+    in one line; None if it has them all. Checked once per process (a few one-row caches and a generator
+    over no model: about a millisecond once mlx_lm.generate is imported): mlx_lm's classes do not change
+    under a running app."""
+    found = {name: check(name) for name in names}
     changed = [f"{name} is not the layout veloxpatch {__version__} knows ({what})"
                for name, what in found.items() if what is not None]
     return "; ".join(changed) or None

@@ -6,11 +6,16 @@ original (``from .models.cache import make_prompt_cache`` copies the function), 
 generate, server, chat, ... and a user's own early import all see it; modules imported later copy
 the wrapper from the definer. Hooks are registered once per process and check the state, so any
 order of import / patch / unpatch works and nothing is wrapped twice.
+
+What is wrapped is grouped into features (:mod:`.features`), decided when their defining module is
+first seen after a patch: a feature mlx_lm offers whole is bound, any other is said once and left
+alone, so whatever the mlx-lm version, every feature is either all ours or all mlx_lm's.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import sys
 from types import ModuleType
 from typing import Any, Callable
@@ -25,30 +30,18 @@ from ..log import configure as configure_logging
 from ..log import log
 from ..registry import METHODS
 from ..settings import strict_requested
-from . import batched, float32, version, wrappers
+from . import features, version
+from .features import Feature
 from .state import STATE, Swap
-
-# defining module -> what it defines that we replace (a function, or Class.method), and the wrapper for each
-TARGETS: dict[str, dict[str, Callable[[Any], Any]]] = {
-    "mlx_lm.models.base": {"scaled_dot_product_attention": wrappers.scaled_dot_product_attention},
-    "mlx_lm.models.cache": {"make_prompt_cache": wrappers.make_prompt_cache,
-                            "load_prompt_cache": wrappers.load_prompt_cache},
-    "mlx_lm.generate": {
-        "generate_step": wrappers.generation_start,
-        "speculative_generate_step": wrappers.speculative_start,
-        "BatchGenerator.insert_segments": batched.batch_insert_segments,
-        "batch_generate": batched.batch_generate,
-    },
-    "mlx_lm.utils": {"load_model": float32.load_model},
-}
-
 
 def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
     """Switch compressed caches (and ``VELOX_FLOAT32``) on for mlx_lm; True if mlx_lm is (or will be) patched.
 
     ``config`` or keyword settings (``patch(kv="snapkv", budget="25%")``); neither means the
-    ``VELOX_*`` environment. Calling it again only swaps the config. Outside the tested mlx_lm
-    range it warns and passes through (raises under ``strict``).
+    ``VELOX_*`` environment. Calling it again only swaps the config. mlx-lm older than
+    :data:`.version.OLDEST` passes through with a warning; one newer than the newest tested is
+    patched with a warning; each feature (:mod:`.features`) is patched where mlx_lm offers it
+    whole. Under ``strict`` each of these is a :class:`StrictError` instead, and nothing stays patched.
     """
     if config is None:
         config = VeloxConfig(**settings) if settings else from_env().config
@@ -57,19 +50,20 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
     configure_logging(config.log)
     if config.strict and METHODS.failures:  # each was said when it failed to load
         raise StrictError("; ".join(METHODS.failures) + ", but VELOX_STRICT is set")
-    found = version.mlx_lm_version()
-    if not version.is_tested(found):
-        notice(f"mlx-lm {found} is outside the tested range {version.TESTED_RANGE_TEXT}; running unpatched", config,
-               key="version")
+    if not _version_accepted(config):
         return False
     with STATE.lock:
         STATE.config = config
         _register_hooks()
-        for name in TARGETS:
-            if name in sys.modules:
-                _apply(sys.modules[name])
+        try:
+            for name in features.MODULES:
+                if name in sys.modules and STATE.active:
+                    _apply(sys.modules[name])
+        except StrictError:  # nothing stays half-patched
+            unpatch()
+            raise
         _register_stats(config)
-    return True
+        return STATE.active
 
 
 def unpatch() -> None:
@@ -79,6 +73,7 @@ def unpatch() -> None:
         for swap in STATE.swaps.values():
             _rebind(swap, swap.replacement, swap.original)
         STATE.swaps.clear()
+        STATE.features.clear()
         cache_module = sys.modules.get("mlx_lm.models.cache")
         for cls in (info.cls for info in METHODS.values()):
             if cache_module is not None and vars(cache_module).get(cls.__name__) is cls:
@@ -126,11 +121,25 @@ def on_mlx_lm_import(module: ModuleType) -> None:
         patch_from_env()
 
 
+def _version_accepted(config: VeloxConfig) -> bool:
+    """False (said, or a StrictError) for an mlx-lm older than the floor or not installed; a newer one than
+    the newest tested is patched, said once in a warning (under ``strict``, refused)."""
+    found = version.mlx_lm_version()
+    if version.too_old(found):
+        what = "is not installed" if found is None else f"{found} is older than {version.text(version.OLDEST)}"
+        notice(f"mlx-lm {what}, the oldest veloxpatch patches; running unpatched", config, key="version")
+        return False
+    if version.newer_than_tested(found):
+        notice(f"mlx-lm {found} is newer than {version.text(version.NEWEST_TESTED)}, the newest veloxpatch is tested "
+               "with; patching each feature whose checks pass", config, key=f"version {found}")
+    return True
+
+
 def _register_hooks() -> None:
     if STATE.hooks_registered:
         return
     STATE.hooks_registered = True
-    for name in TARGETS:
+    for name in features.MODULES:
         wrapt.register_post_import_hook(_on_import, name)
 
 
@@ -140,19 +149,47 @@ def _on_import(module: ModuleType) -> None:
             return
         try:
             _apply(module)
+        except StrictError:  # nothing stays half-patched
+            unpatch()
+            raise
         except Exception as error:
             fall_back(f"patching {module.__name__}", error, STATE.config)
 
 
 def _apply(module: ModuleType) -> None:
-    """Bind our wrapper for each target name this module defines (once)."""
-    for name, wrap in TARGETS[module.__name__].items():
-        if name not in STATE.swaps:
-            owner_name, _, attr = name.rpartition(".")
-            owner = getattr(module, owner_name) if owner_name else None
-            original = vars(owner if owner is not None else module)[attr]
-            STATE.swaps[name] = Swap(attr, original, wrap(original), owner)
-        swap = STATE.swaps[name]
+    """Patch every feature ``module`` defines that the installed mlx_lm offers whole; decide each once per
+    patch, and say each that is off (an essential one off unpatches everything)."""
+    for feature in features.in_module(module.__name__):
+        if feature.name not in STATE.features:
+            STATE.features[feature.name] = features.problem(feature, module)
+            _said_off(feature, STATE.features[feature.name])
+        if not STATE.active:
+            return
+        if STATE.features[feature.name] is None:
+            _bind(feature, module)
+
+
+def _said_off(feature: Feature, problem: str | None) -> None:
+    """A feature that is off, said once: at INFO, or for an essential one a WARNING, and then nothing of
+    veloxpatch stays patched. Under ``VELOX_STRICT`` a :class:`StrictError` either way."""
+    if problem is None:
+        return
+    if not feature.essential:
+        notice(f"{feature.off}: {problem}", STATE.config, key=f"feature off: {feature.name}", level=logging.INFO)
+        return
+    notice(f"the {feature.name} cannot be patched, so {feature.off}: {problem}; running unpatched", STATE.config,
+           key=f"feature off: {feature.name}")
+    unpatch()
+
+
+def _bind(feature: Feature, module: ModuleType) -> None:
+    """Bind our wrapper for each of ``feature``'s names in ``module`` (each wrapped once per patch)."""
+    for target in feature.targets:
+        if target.name not in STATE.swaps:
+            original = features.original(module, target)
+            owner = features.owner_of(module, target) if "." in target.name else None
+            STATE.swaps[target.name] = Swap(target.name.rpartition(".")[2], original, target.wrapper(original), owner)
+        swap = STATE.swaps[target.name]
         _rebind(swap, swap.original, swap.replacement)
     if module.__name__ == "mlx_lm.models.cache":
         for cls in (info.cls for info in METHODS.values()):  # load_prompt_cache looks classes up here by name

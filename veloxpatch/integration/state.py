@@ -1,5 +1,5 @@
-"""What is patched right now: the active config, every attribute swapped (for exact undo), and
-whether this thread is inside mlx_lm's batched generation."""
+"""What is patched right now: the active config, every attribute swapped (for exact undo), each feature
+decided (on, or off and why), and whether this thread is inside mlx_lm's batched generation."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ class PatchState:
     lock: threading.RLock = field(default_factory=threading.RLock)
     config: VeloxConfig | None = None
     swaps: dict[str, Swap] = field(default_factory=dict)
+    features: dict[str, str | None] = field(default_factory=dict)
+    """Each feature decided since the last patch (:mod:`.features`): None when patched, else why it is off."""
     hooks_registered: bool = False
     stats_registered: bool = False
 

@@ -1,12 +1,27 @@
-"""The mlx_lm versions veloxpatch is tested with; outside them the shim passes through."""
+"""Which mlx_lm versions veloxpatch patches: a floor, and the newest one it was tested with.
+
+pip installs veloxpatch next to whatever mlx-lm the app pinned, as long as it is at least the floor
+(``pyproject.toml`` has no upper cap, so installing veloxpatch never moves the app's mlx-lm). What is
+patched is then decided at run time, feature by feature (:mod:`.features`): below the floor nothing
+is; above the newest tested minor the features whose checks pass are, with one warning naming the
+version (an error under ``VELOX_STRICT``).
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
 import re
 
-TESTED_MLX_LM = ((0, 32, 0), (0, 33, 0))  # [low, high)
-TESTED_RANGE_TEXT = ">=0.32.0,<0.33.0"
+OLDEST = (0, 28)
+"""The oldest mlx-lm minor veloxpatch patches (pyproject's ``mlx-lm>=0.28``); older ones pass through."""
+
+NEWEST_TESTED = (0, 32)
+"""The newest mlx-lm minor the test suite ran on; a newer one is patched where its checks pass, with a warning."""
+
+
+def text(release: tuple[int, ...]) -> str:
+    """``(0, 32)`` -> ``"0.32"``."""
+    return ".".join(map(str, release))
 
 
 def mlx_lm_version() -> str | None:
@@ -28,9 +43,20 @@ def parse(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def is_tested(version: str | None) -> bool:
-    """True if ``version`` lies in the tested range."""
-    if version is None:
-        return False
-    low, high = TESTED_MLX_LM
-    return low <= parse(version) < high
+def too_old(version: str | None) -> bool:
+    """True for a version below :data:`OLDEST` (or none at all): veloxpatch does not patch it."""
+    return version is None or parse(version)[:2] < OLDEST
+
+
+def newer_than_tested(version: str) -> bool:
+    """True for a minor above :data:`NEWEST_TESTED` (a patch release of a tested minor counts as tested)."""
+    return parse(version)[:2] > NEWEST_TESTED
+
+
+def describe(version: str | None) -> str:
+    """What veloxpatch makes of ``version``, as ``veloxpatch info`` says it."""
+    if too_old(version):
+        return f"older than {text(OLDEST)}: passes through"
+    if newer_than_tested(version):
+        return f"newer than the newest tested, {text(NEWEST_TESTED)}: patched where its checks pass"
+    return f"tested range {text(OLDEST)} to {text(NEWEST_TESTED)}"

@@ -1,0 +1,40 @@
+"""The mlx-lm compatibility matrix in one command: ``pipx run nox`` (or ``pip install nox; nox``).
+
+One session per supported mlx-lm minor: a fresh virtualenv with this checkout and that minor (pip picks
+an mlx it accepts), then ``bench/compat_check.py`` (the shipped model compressed at a small budget and
+exact above the context, through ``veloxpatch run`` and ``import veloxpatch.auto``) and the tests that
+matter for compatibility. CI runs the newest only; run the matrix before a release and whenever mlx-lm
+is bumped (``nox -s "compat(mlx_lm='0.30')"`` for one minor; test files after ``--`` replace the list), and
+update docs/compatibility.md.
+"""
+
+from __future__ import annotations
+
+import nox
+
+MINORS = ["0.28", "0.29", "0.30", "0.31", "0.32"]
+
+TESTS = [
+    "tests/test_features.py",  # what is patched, by feature, on this mlx-lm
+    "tests/test_patching.py",  # import orders, exact unpatch, batch_generate on mlx_lm's caches
+    "tests/test_launcher.py",  # veloxpatch run
+    "tests/test_exactness.py",  # generate / stream_generate token for token at a budget above the context
+    "tests/test_speculative.py",
+    "tests/test_server.py",  # the server on loopback
+    "tests/test_batched.py",
+    "tests/test_contracts.py",  # save/load and the cache protocol
+]
+
+nox.options.default_venv_backend = "venv"
+
+
+@nox.session
+@nox.parametrize("mlx_lm", MINORS)
+def compat(session: nox.Session, mlx_lm: str) -> None:
+    """This checkout against mlx-lm ``mlx_lm``.* (its newest patch release)."""
+    session.install("-e", ".[test]", f"mlx-lm=={mlx_lm}.*")
+    session.run("python", "-c", "import importlib.metadata as m; print('mlx-lm', m.version('mlx-lm'), "
+                "'mlx', m.version('mlx'))")
+    session.run("veloxpatch", "info", env={"VELOX_KV": "snapkv"})
+    session.run("python", "bench/compat_check.py")
+    session.run("python", "-m", "pytest", "-q", "-n", "0", *(session.posargs or TESTS))

@@ -1,0 +1,147 @@
+"""What veloxpatch replaces in mlx_lm, grouped into features, and whether the installed mlx_lm offers each.
+
+mlx-lm changes between minors: ``BatchGenerator.insert_segments`` appeared in 0.31, ``batch_generate``'s
+parameters changed in 0.32. So nothing is patched by version: a feature is patched where every name it
+wraps exists and takes the parameters its wrapper reads (checked with ``inspect.signature``, without a
+model), and otherwise not at all, so that no feature is ever half mlx_lm's and half ours. Each feature
+lives in one defining module, so it is decided when that module is imported.
+
+Two features are the shim itself (``essential``): without the attention route or the prompt caches
+nothing can be compressed, so either being off leaves the whole of mlx_lm as it is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable
+
+from . import batched, compat, float32, version, wrappers
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One name an mlx_lm module defines that veloxpatch replaces (a function, or ``Class.method``), its
+    wrapper, and the parameters that wrapper reads, so a changed signature turns the feature off instead
+    of reaching the wrapper."""
+
+    name: str
+    wrapper: Callable[[Any], Any]
+    leading: tuple[str, ...] = ()
+    """The first positional parameters, in this order: the wrapper reads them by position."""
+    keyword_only: tuple[str, ...] = ()
+    """Parameters the wrapper reads from the call's keywords alone (so they must be keyword-only)."""
+    named: tuple[str, ...] = ()
+    """Parameters the wrapper binds by name (``inspect.signature(...).bind``)."""
+    exactly: str | None = None
+    """The whole parameter list, as :func:`parameters` writes it: the wrapper answers the call itself."""
+
+    def problem(self, function: Callable) -> str | None:
+        """What in ``function``'s parameters this wrapper cannot work with; None if nothing."""
+        found = inspect.signature(function).parameters
+        positional = [p.name for p in found.values() if p.kind in _POSITIONAL]
+        missing = [n for n in self.named if n not in found]
+        loose = [n for n in self.keyword_only if n not in found or found[n].kind is not inspect.Parameter.KEYWORD_ONLY]
+        if positional[:len(self.leading)] != list(self.leading):
+            wanted = f"start with ({', '.join(self.leading)})"
+        elif missing or loose:
+            wanted = f"take {', '.join(missing)} by name" if missing else f"take {', '.join(loose)} as keyword-only"
+        elif self.exactly is not None and parameters(function) != self.exactly:
+            wanted = f"match {self.exactly}"
+        else:
+            return None
+        return f"{self.name}{parameters(function)} does not {wanted}"
+
+
+@dataclass(frozen=True)
+class Feature:
+    """Names of one defining module patched together, or (where any is missing or different) none of them."""
+
+    name: str
+    module: str
+    targets: tuple[Target, ...]
+    off: str
+    """What happens while it is off, said in the one line that says so."""
+    essential: bool = False
+    """Off means the whole shim passes through (nothing can be compressed without it)."""
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("attention route", "mlx_lm.models.base", (
+        Target("scaled_dot_product_attention", wrappers.scaled_dot_product_attention, leading=wrappers.SDPA_PARAMS),
+    ), off="attention cannot reach compressed caches", essential=True),
+    Feature("prompt caches", "mlx_lm.models.cache", (
+        Target("make_prompt_cache", wrappers.make_prompt_cache, leading=("model",)),
+        Target("load_prompt_cache", wrappers.load_prompt_cache),
+    ), off="no compressed cache can be built", essential=True),
+    Feature("generation start", "mlx_lm.generate", (
+        Target("generate_step", wrappers.generation_start, leading=("prompt", "model"), keyword_only=("prompt_cache",)),
+        Target("speculative_generate_step", wrappers.speculative_start,
+               named=("model", "draft_model", "prompt_cache")),
+    ), off="generations start on caches as they are (coordinators not reset, the draft's caches compressed too, "
+           "no generation counted)"),
+    Feature("batched generation", "mlx_lm.generate", (
+        Target("BatchGenerator.insert_segments", batched.batch_insert_segments, named=compat.INSERT_ARGUMENTS),
+    ), off="batched generation stays mlx_lm's"),
+    Feature("sequential batch_generate", "mlx_lm.generate", (
+        Target("batch_generate", batched.batch_generate, exactly=compat.BATCH_GENERATE),
+    ), off="batch_generate stays mlx_lm's"),
+    Feature("float32 load", "mlx_lm.utils", (
+        Target("load_model", float32.load_model, leading=("model_path", "lazy")),
+    ), off="VELOX_FLOAT32 has no effect: models keep their dtype"),
+)
+"""Every feature, in the order ``veloxpatch info`` lists them."""
+
+MODULES = tuple(dict.fromkeys(f.module for f in FEATURES))
+"""The defining modules veloxpatch hooks."""
+
+
+def parameters(function: Callable) -> str:
+    """``function``'s parameters as ``(a, b, *args, **kwargs)``: what callers bind to."""
+    prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return f"({', '.join(prefix.get(p.kind, '') + p.name for p in inspect.signature(function).parameters.values())})"
+
+
+def in_module(name: str) -> list[Feature]:
+    """The features defined in module ``name``."""
+    return [f for f in FEATURES if f.module == name]
+
+
+def owner_of(module: ModuleType, target: Target) -> Any:
+    """Where ``target`` is defined in ``module``: the module itself, or the class its name starts with
+    (None where that class is missing)."""
+    owner_name, _, _ = target.name.rpartition(".")
+    return getattr(module, owner_name, None) if owner_name else module
+
+
+def original(module: ModuleType, target: Target) -> Any:
+    """What ``module`` defines under ``target``'s name, on the class itself for a method (an inherited one
+    is not that class's to replace); None if nothing."""
+    owner = owner_of(module, target)
+    return None if owner is None else vars(owner).get(target.name.rpartition(".")[2])
+
+
+def problem(feature: Feature, module: ModuleType) -> str | None:
+    """Why ``feature`` cannot be patched in ``module`` (a name missing, or parameters its wrapper cannot
+    work with), for the first target that fails; None when all of them can."""
+    for target in feature.targets:
+        function = original(module, target)
+        if function is None:
+            return f"{target.name} is not in mlx-lm {version.mlx_lm_version()}"
+        try:
+            found = target.problem(function)
+        except (TypeError, ValueError) as error:  # inspect.signature cannot read it
+            found = f"{target.name} has no readable signature ({error})"
+        if found is not None:
+            return f"{found} (mlx-lm {version.mlx_lm_version()})"
+    return None
+
+
+def survey() -> dict[str, str | None]:
+    """Each feature against the installed mlx_lm, importing its defining modules (``veloxpatch info``):
+    None where it would be patched, else why not."""
+    return {f.name: problem(f, importlib.import_module(f.module)) for f in FEATURES}
