@@ -150,7 +150,8 @@ def test_a_long_chunk_attends_in_blocks_of_queries_with_the_same_output() -> Non
     queries, keys, values = (mx.random.normal(s, key=mx.random.key(i)) for i, s in
                              enumerate([(1, 4, 300, 32), (1, 2, 900, 32), (1, 2, 900, 32)]))
     sinks = mx.random.normal((4,), key=mx.random.key(9))
-    for mask in ("causal", None, mx.random.uniform(shape=(1, 4, 300, 900), key=mx.random.key(7)) > 0.3):
+    for mask in ("causal", None, mx.random.uniform(shape=(1, 4, 300, 900), key=mx.random.key(7)) > 0.3,
+                 mx.random.uniform(shape=(1, 1, 1, 900), key=mx.random.key(8)) > 0.3):  # the last: one row for all
         for sink in (None, sinks):
             want = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.2, mask=mask, sinks=sink)
             saved, blocks.SCORE_BYTES = blocks.SCORE_BYTES, 4 * 4 * 900 * 70  # blocks of 70 queries
@@ -159,6 +160,37 @@ def test_a_long_chunk_attends_in_blocks_of_queries_with_the_same_output() -> Non
             finally:
                 blocks.SCORE_BYTES = saved
             assert mx.array_equal(want, got).item(), (type(mask).__name__, sink is None)
+
+
+def test_slots_left_to_mlx_lm_attend_their_prompt_chunks_in_blocks_with_the_same_logits(monkeypatch) -> None:
+    """A sliding-window slot stays mlx_lm's; with a method on (on the CPU) its prompt chunks attend in blocks of
+    queries as ours do: the same logits, bit for bit, and a decode step, or a run with no method, as before."""
+    from veloxpatch.caches import blocks
+    from veloxpatch.integration import wrappers
+
+    model = tiny("gemma3_text", seed=4)
+    tokens = random_tokens(400, 37)
+    calls: list[tuple[int, bool]] = []
+    decide = wrappers._in_blocks
+    monkeypatch.setattr(blocks, "SCORE_BYTES", 4 * 4 * 200 * 40)  # blocks of 40 queries
+    monkeypatch.setattr(blocks, "MIN_BLOCK", 8)
+    monkeypatch.setattr(wrappers, "_in_blocks", lambda c, q: calls.append((q.shape[2], decide(c, q))) or calls[-1][1])
+
+    def logits() -> list[mx.array]:
+        caches = make_prompt_cache(model)
+        return [model(tokens[None, s : s + n], cache=caches) for s, n in ((0, 200), (200, 199), (399, 1))]
+
+    veloxpatch.patch(float32="auto")  # the route is on, no method: mlx_lm's attention as it is
+    expected = logits()
+    assert calls and not any(blocked for _, blocked in calls)
+    calls.clear()
+    veloxpatch.patch(kv="snapkv", budget=4096)
+    kinds = {type(c).__name__ for c in make_prompt_cache(model)}  # the probe's forwards, then ours alone
+    calls.clear()
+    got = logits()
+    assert kinds == {"RotatingKVCache", "SnapKVCache"}
+    assert sorted(calls) == [(1, False), (1, False), (199, True), (199, True), (200, True), (200, True)], calls
+    assert all(mx.array_equal(a, b).item() for a, b in zip(expected, got))
 
 
 def test_a_tier_holds_what_it_reports_after_decoding() -> None:

@@ -30,8 +30,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     parts = []
     for start in range(0, n, block):
         stop = min(n, start + block)
-        if isinstance(mask, mx.array):
-            seen, part_mask = rows, mask[..., start:stop, :]
+        if isinstance(mask, mx.array):  # one row per query, or one row for every query (broadcast)
+            seen, part_mask = rows, mask[..., start:stop, :] if mask.shape[-2] == n else mask
         elif mask is None:
             seen, part_mask = rows, None
         else:  # "causal", aligned to the last row: the block's queries see the rows up to their own

@@ -21,12 +21,15 @@ import logging
 import sys
 from typing import Any, Callable
 
+import mlx.core as mx
 import wrapt
 
 from .. import builder, stats
 from ..fallback import StrictError, fall_back
 from ..settings import ConfigError
-from ..caches import CompressedKVCache
+from ..caches import CompressedKVCache, blocks
+from ..caches.schedule import Schedule
+from ..cpu import cpu_backend
 from ..coordinators import coordinators_of
 from ..log import once
 from ..ranks import RanksDisagree
@@ -57,14 +60,26 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
 
 @wrapt.decorator
 def scaled_dot_product_attention(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    cache = kwargs["cache"] if "cache" in kwargs else (args[3] if len(args) > 3 else None)
-    if not isinstance(cache, CompressedKVCache):
-        return wrapped(*args, **kwargs)
     call = dict(zip(SDPA_PARAMS, args), **kwargs)
-    return cache.attend(
-        call["queries"], call["keys"], call["values"],
-        scale=call["scale"], mask=call.get("mask"), sinks=call.get("sinks"),
-    )
+    cache = call.get("cache")
+    if isinstance(cache, CompressedKVCache):
+        return cache.attend(call["queries"], call["keys"], call["values"], scale=call["scale"], mask=call.get("mask"),
+                            sinks=call.get("sinks"))
+    if _in_blocks(cache, call["queries"]):
+        return blocks.attention(call["queries"], call["keys"], call["values"], call["scale"], call.get("mask"),
+                                call.get("sinks"))
+    return wrapped(*args, **kwargs)
+
+
+def _in_blocks(cache: Any, queries: mx.array) -> bool:
+    """Whether a prompt chunk over one of mlx_lm's own plain caches (a slot that stays mlx_lm's: a sliding window,
+    a layer the probe turned away) is attended in blocks of queries as ours are, with a method on and on the CPU
+    (where mlx materialises the whole score matrix; its fused GPU kernels need no help). The same attention, far
+    less memory while a long prompt is read: Gemma 3 270M, whose 15 sliding-window layers stay mlx_lm's, read 8192
+    tokens in 2048-token steps at 318 MiB over the model, 221 MiB so (docs/results.md)."""
+    config = STATE.config
+    return (config is not None and config.enabled and not hasattr(cache, "bits")
+            and queries.shape[2] > Schedule.max_headroom and cpu_backend())
 
 
 @wrapt.decorator
