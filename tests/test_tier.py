@@ -151,6 +151,19 @@ def test_a_list_with_a_tier_saves_and_loads_back(tmp_path) -> None:
         assert cache.tier.extra.shape[-1] == cache.tier.rows > 0 and cache.tier.positions().max().item() < 110
 
 
+def test_a_tier_its_head_dim_keeps_unquantized_saves_and_loads_back_so(tmp_path) -> None:
+    """No group of 32 or 64 divides a head_dim of 16: the 4-bit tier keeps its rows as they are, and a loaded one
+    too (it was loaded as 4-bit, and the next rows it took raised in mx.quantize)."""
+    model = tiny("llama")
+    veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="chunk", tier="4")
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(200, 8), caches, steps=10, chunk=64)
+    assert all(c.tier.store.bits is None and c.tier.fetch()[0].shape[-1] == 16 for c in caches)
+    loaded = assert_round_trip(str(tmp_path / "tier.safetensors"), model, caches)
+    greedy(model, random_tokens(100, 9), loaded, steps=2, chunk=64)  # takes the tier back, then gives rows to it
+    assert all(c.tier.store.bits is None and every_position_once(c) for c in loaded)
+
+
 def test_the_process_holds_what_the_caches_say_far_below_the_full_cache() -> None:
     model = wide()
     tokens = random_tokens(2048, 9)

@@ -91,9 +91,10 @@ class Tier:
         return self.store.state if self.extra is None else (*self.store.state, self.extra)
 
     def load(self, state: tuple[Any, ...] | None, group_size: int) -> None:
-        """Restore what :attr:`state` saved, stored in groups of ``group_size``."""
+        """Restore what :attr:`state` saved, stored in groups of ``group_size``: quantized where its keys are a
+        quantized triple, else as they are (16 bits, or a head_dim no group divides: :meth:`_format`)."""
         if state is not None:
-            self.store = RowStore(None if self.bits == 16 else self.bits, group_size, step=1)
+            self.store = RowStore(None if len(state[0]) == 1 else self.bits, group_size, step=1)
             self.store.load(tuple(state[:3]))
             self.extra = state[3] if len(state) > 3 else None
 
