@@ -170,14 +170,16 @@ def test_joined_sequence_batches_with_plain_ones_first_in_the_call(loaded) -> No
     assert type(history[0]) is KVCache and history[0].offset == 60, "the caller's caches stay as they were"
 
 
+@pytest.mark.parametrize("tier", ["off", "4"])
 @pytest.mark.parametrize("started", [False, True], ids=["plain-waiting", "plain-running"])
-def test_joined_sequence_comes_back_as_a_compressed_cache(loaded, started: bool) -> None:
+def test_joined_sequence_comes_back_as_a_compressed_cache(loaded, started: bool, tier: str) -> None:
     """Inserted after a plain sequence (still waiting, or already in a running batch), the evicted
-    cache's sequence comes back out as a compressed cache holding its rows at their positions."""
+    cache's sequence comes back out as a compressed cache holding its rows at their positions (with a tier,
+    its tier setting and an empty tier: a batch keeps the exact rows only)."""
     model, _ = loaded
     plain = random_tokens(20, 30).tolist()
     plain_expected = alone(model, plain, make_prompt_cache(model), 4)
-    veloxpatch.patch(**BUDGET)
+    veloxpatch.patch(**BUDGET, tier=tier)
     evicted = prefilled(model, random_tokens(90, 31).tolist())
     prompt = random_tokens(6, 32).tolist()
     expected = alone(model, prompt, frozen(evicted), 4)
@@ -202,6 +204,7 @@ def test_joined_sequence_comes_back_as_a_compressed_cache(loaded, started: bool)
     model(mx.array(seen)[None], cache=reference)
     for got, want in zip(back, reference):
         assert type(got) is type(want) and got.offset == want.offset == 90 + len(seen)
+        assert (got.tier is None) == (tier == "off") and (got.tier is None or got.tier.rows == 0)
         assert mx.array_equal(got.store.row_positions(), want.store.row_positions())
         assert mx.allclose(got.keys, want.keys, atol=1e-4) and mx.allclose(got.values, want.values, atol=1e-4)
     more = random_tokens(3, 33).tolist()

@@ -164,6 +164,20 @@ def test_a_tier_its_head_dim_keeps_unquantized_saves_and_loads_back_so(tmp_path)
     assert all(c.tier.store.bits is None and every_position_once(c) for c in loaded)
 
 
+@pytest.mark.parametrize("method", EVICTING)
+def test_a_cache_rebuilt_from_the_base_layout_keeps_an_empty_tier(method: str) -> None:
+    """What a batch gives back (rows, positions, queries, settings; integration/batched.py) loads with the tier
+    setting and no tier rows: it raised ValueError, so a sequence with a tier could not leave a batch."""
+    model = tiny("llama")
+    veloxpatch.patch(kv=method, budget=48, window=8, compress="chunk", tier="4")
+    caches = make_prompt_cache(model)
+    prefill(model, caches, random_tokens(200, 15), chunk=50)
+    for cache in caches:
+        *rows, queries = cache.state[:4]
+        rebuilt = type(cache).from_state((*rows, queries, cache.meta_state))
+        assert rebuilt.tier is not None and rebuilt.tier.rows == 0 and rebuilt.size() == cache.size()
+
+
 def test_the_process_holds_what_the_caches_say_far_below_the_full_cache() -> None:
     model = wide()
     tokens = random_tokens(2048, 9)

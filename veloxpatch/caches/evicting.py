@@ -378,8 +378,11 @@ class EvictingCache(CompressedKVCache):
         return policy if self.tier is None else (*policy, self.tier.state)
 
     def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
+        """The policy's arrays and the tier's rows; a cache rebuilt from the base layout alone (a batch gives back
+        the rows it kept, and nothing else) keeps its tier setting with an empty tier."""
         if "tier_bits" in info:
-            *extra, held = extra
             self.use_tier(info["tier_bits"])
-            self.tier.load(held, info["tier_group"])
+            if extra:
+                *extra, held = extra
+                self.tier.load(held, info["tier_group"])
         self.policy.load(self, tuple(extra))
