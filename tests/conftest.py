@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +22,7 @@ from mlx_lm.models.cache import (
 )
 
 import veloxpatch
+import veloxpatch.log
 from veloxpatch.registry import METHODS
 from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.caches.evicting import EvictingCache
@@ -39,6 +42,19 @@ def tiny(arch: str, seed: int = 0, layers: int | None = None):
 
 def random_tokens(n: int, seed: int) -> mx.array:
     return mx.random.randint(0, VOCAB, (n,), key=mx.random.key(seed))
+
+
+@pytest.fixture
+def records(monkeypatch) -> Iterator[list[logging.LogRecord]]:
+    """veloxpatch's log records from this test, DEBUG included (messages said once before are said again)."""
+    monkeypatch.setattr(veloxpatch.log, "_said", set())
+    found: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = found.append
+    logger = logging.getLogger("veloxpatch")
+    logger.addHandler(handler)
+    yield found
+    logger.removeHandler(handler)
 
 
 @pytest.fixture(autouse=True)

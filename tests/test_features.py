@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import mlx_lm.generate  # noqa: F401  (imported before any snapshot of what is bound where)
@@ -13,25 +12,11 @@ import pytest
 from click.testing import CliRunner
 
 import veloxpatch
-import veloxpatch.log
 from conftest import tiny
 from veloxpatch.cli import main
 from veloxpatch.fallback import StrictError
 from veloxpatch.integration import features, version
 from veloxpatch.integration.state import STATE
-
-@pytest.fixture
-def records(monkeypatch) -> Iterator[list[logging.LogRecord]]:
-    """veloxpatch's log records from this test (messages said once before are said again)."""
-    monkeypatch.setattr(veloxpatch.log, "_said", set())
-    found: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = found.append
-    logger = logging.getLogger("veloxpatch")
-    logger.addHandler(handler)
-    yield found
-    logger.removeHandler(handler)
-
 
 def bindings() -> dict[str, Any]:
     """Every module-level binding and class attribute a feature names, where mlx_lm defines it and in every

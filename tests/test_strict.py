@@ -12,7 +12,6 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
-import veloxpatch.log
 from conftest import random_tokens, tiny
 from veloxpatch.caches.evicting import EvictingCache, Policy
 from veloxpatch.eval import zoo
@@ -39,19 +38,6 @@ def broken() -> Iterator[str]:
 
     yield "broken"
     METHODS.remove("broken")
-
-
-@pytest.fixture
-def records(monkeypatch) -> Iterator[list[logging.LogRecord]]:
-    """veloxpatch's log records from this test, DEBUG included (messages said once before are said again)."""
-    monkeypatch.setattr(veloxpatch.log, "_said", set())
-    found: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = found.append
-    logger = logging.getLogger("veloxpatch")
-    logger.addHandler(handler)
-    yield found
-    logger.removeHandler(handler)
 
 
 def generate(model, caches) -> list[int]:

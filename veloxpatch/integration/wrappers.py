@@ -78,8 +78,8 @@ def _in_blocks(cache: Any, queries: mx.array) -> bool:
     less memory while a long prompt is read: Gemma 3 270M, whose 15 sliding-window layers stay mlx_lm's, read 8192
     tokens in 2048-token steps at 318 MiB over the model, 221 MiB so (docs/results.md)."""
     config = STATE.config
-    return (config is not None and config.enabled and not hasattr(cache, "bits")
-            and queries.shape[2] > Schedule.max_headroom and cpu_backend())
+    return (queries.shape[2] > Schedule.max_headroom and config is not None and config.enabled
+            and not hasattr(cache, "bits") and cpu_backend())  # a decode step stops at the first test
 
 
 @wrapt.decorator
