@@ -4,7 +4,9 @@
 
 ``VELOX_COMPRESS=chunk`` compresses after every prefill chunk (each chunk scored by its own last
 queries, memory bounded during the prompt); ``end`` keeps every prompt row and compresses once
-decoding starts, scored by the prompt's last window (the paper's one-shot mode). Each cell runs
+decoding starts, scored by the prompt's last window (the paper's one-shot mode). Each runs without a
+tier, and ``chunk`` once more with the default tier (4 bits, three budgets: ``VELOX_TIER``,
+``VELOX_TIER_SIZE``), whose rows the chunks attend over and the prompt's end takes back. Each cell runs
 mlx_lm's ``generate_step`` on held-out passkey and multi-key prompts (seeds 3000..) through the
 real shim, and records the process's peak memory (``mx.get_peak_memory``) and the caches' largest ``nbytes``
 after any prefill chunk, per run (medians in the table). Prints a
@@ -28,6 +30,9 @@ from veloxpatch.assets import model_path
 from veloxpatch.eval import tasks
 
 EXAMPLES = {"passkey": tasks.passkey_example, "multikey": tasks.multikey_example}
+# the schedules compared, by the name the table gives them: their settings
+MODES = {"chunk": {"compress": "chunk", "tier": "off"}, "end": {"compress": "end", "tier": "off"},
+         "chunk + 4-bit tier": {"compress": "chunk", "tier": "4", "tier_size": "3x"}}
 
 
 def run_one(model, tokenizer, prompt: str, answer: str, prefill_step: int) -> tuple[bool, float, float]:
@@ -53,7 +58,7 @@ def cell(model, tokenizer, task: str, mode: str | None, share: float, args: argp
     """Accuracy and median peak memory of one (task, mode, budget) over the samples."""
     veloxpatch.unpatch()
     if mode is not None:
-        veloxpatch.patch(kv="snapkv", budget=max(round(share * args.context), 36), compress=mode)
+        veloxpatch.patch(kv="snapkv", budget=max(round(share * args.context), 36), **MODES[mode])
     results = [run_one(model, tokenizer, *EXAMPLES[task](tokenizer, args.context, 3000 + i), args.prefill_step)
                for i in range(args.samples)]
     return {"task": task, "mode": mode or "full cache", "budget": share, "n": args.samples,
@@ -75,7 +80,7 @@ def main() -> None:
     for task in EXAMPLES:
         rows.append(cell(model, tokenizer, task, None, 1.0, args))
         for share in (float(s) for s in args.budgets.split(",")):
-            rows += [cell(model, tokenizer, task, mode, share, args) for mode in ("chunk", "end")]
+            rows += [cell(model, tokenizer, task, mode, share, args) for mode in MODES]
     print("| task | mode | budget | n | accuracy | process peak MiB | KV peak MiB |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['task']} | {r['mode']} | {r['budget']:g} | {r['n']} | {r['accuracy']:.2f} | {r['peak_MiB']} "

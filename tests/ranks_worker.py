@@ -45,7 +45,8 @@ def agree(tokens: list[int]) -> bool:
 def small_budget(model, method: str, tier: str = "off") -> dict:
     """Tokens, their agreement, and what the caches hold at a budget far below the prompt (with
     ``tier``, the rows the tier holds and their positions too)."""
-    veloxpatch.patch(kv=method, compress="chunk", knobs=SMALL_KNOBS.get(method, {}), tier=tier, **SMALL)
+    veloxpatch.patch(kv=method, compress="chunk", knobs=SMALL_KNOBS.get(method, {}), tier=tier, tier_size="all",
+                     **SMALL)
     caches = make_prompt_cache(model)
     tokens = greedy(model, caches)
     ours = [c for c in caches if isinstance(c, CompressedKVCache)]

@@ -145,6 +145,23 @@ def test_both_modes_decode_within_the_budget_with_index_reuse(mode: str) -> None
     assert_within_budget(caches, 230)
 
 
+def test_a_capped_tier_takes_the_leaders_next_best_chunks_in_every_layer_of_its_block() -> None:
+    """The default tier holds three budgets: past them, a follower tiers the positions its leader tiered (and
+    scores nothing), so a later prompt taking the tier back finds the leader's choice in every layer."""
+    model = four_layers()
+    veloxpatch.patch(kv="chunkkv", budget=48, window=8, compress="chunk", tier="16", tier_size="1x",
+                     knobs={"chunkkv_reuse": 2})
+    caches = make_prompt_cache(model)
+    prefill(model, caches, random_tokens(400, 16), chunk=50)
+
+    def tiered(cache) -> list:
+        return sorted(cache.tier.positions()[0, 0].tolist())
+
+    assert all(c.tier.rows == 48 for c in caches)
+    assert tiered(caches[1]) == tiered(caches[0]) and tiered(caches[3]) == tiered(caches[2])
+    assert followers_keep_their_leaders_rows(caches)
+
+
 def test_a_rewind_after_eviction_is_exact_and_followers_stay_with_their_leader(monkeypatch) -> None:
     """A deep rewind leaves fewer rows than the budget, holes included: the leader keeps some holes
     at its next compression and its followers keep as many of their own, not falling back."""

@@ -36,7 +36,7 @@ def test_nbytes_is_what_the_arrays_hold_and_the_process_holds_less_than_unpatche
         mx.clear_cache()
         before = mx.get_active_memory()
         if patched:
-            veloxpatch.patch(kv=method, **settings)
+            veloxpatch.patch(kv=method, compress="end", **settings)
         caches = make_prompt_cache(model)
         greedy(model, prompt, caches, steps=2, chunk=512)
         mx.eval([c.state for c in caches])
@@ -59,7 +59,7 @@ def test_nbytes_is_what_the_arrays_hold_and_the_process_holds_less_than_unpatche
 @pytest.mark.parametrize("method", CROSS_LAYER)
 def test_a_saved_list_loads_back_with_its_shared_parts_linked_again(tmp_path, method: str) -> None:
     model = tiny("qwen3", seed=2, layers=4)
-    veloxpatch.patch(kv=method, budget="25%", window=8, knobs=PAIRED[method])
+    veloxpatch.patch(kv=method, budget="25%", window=8, compress="end", knobs=PAIRED[method])
     caches = make_prompt_cache(model)
     greedy(model, random_tokens(300, 12), caches, steps=3, chunk=100)
     assert all(len(c.folds) == 1 for c in caches)

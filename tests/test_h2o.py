@@ -11,7 +11,7 @@ import veloxpatch
 from conftest import decoded, random_case, random_rows, softmax
 from conftest import feed as feed_rows
 from veloxpatch.methods.h2o import H2OCache, received_mass
-from veloxpatch.config import Budget
+from veloxpatch.config import Budget, TierSize
 
 SCALE = 0.35
 
@@ -130,7 +130,7 @@ def test_a_row_keeps_its_mass_through_a_lossless_tier_and_back(seed: int, mode: 
     case["keys"], case["queries"] = random_rows(300 + seed, batch, kv_heads, case["queries"].shape[1] // kv_heads,
                                                 sum(case["chunks"]))
     cache = H2OCache(Budget(tokens=case["budget"]), case["sink"], case["window"], mode=mode)
-    cache.use_tier(16)
+    cache.use_tier(16, TierSize(None))
     expected = h2o_reference(case["keys"], case["queries"], case["chunks"], case["budget"], case["sink"],
                              case["window"], mode, tier=True)
     for step, (got, want) in enumerate(zip(feed(cache, case["keys"], case["queries"], case["chunks"]), expected[0])):

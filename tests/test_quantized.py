@@ -33,7 +33,7 @@ def next_logits(model, caches: list) -> mx.array:
 
 
 def test_to_quantized_keeps_the_rows_in_fewer_bytes_and_attends_the_same(model) -> None:
-    veloxpatch.patch(kv="snapkv", budget=64, window=8)
+    veloxpatch.patch(kv="snapkv", budget=64, window=8, tier="off")
     caches = prefilled(model)
     quantized = [c.to_quantized(group_size=32, bits=8) for c in caches]
     assert [type(q) for q in quantized] == [type(c) for c in caches]
@@ -51,7 +51,7 @@ def test_to_quantized_keeps_the_rows_in_fewer_bytes_and_attends_the_same(model) 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_kv_bits_in_generate_step_stores_our_rows_quantized(model, bits: int) -> None:
-    veloxpatch.patch(kv="snapkv", budget=64, window=8)
+    veloxpatch.patch(kv="snapkv", budget=64, window=8, tier="off")
     sizes = {}
     for kv_bits in (None, bits):
         caches = make_prompt_cache(model)
@@ -64,7 +64,7 @@ def test_kv_bits_in_generate_step_stores_our_rows_quantized(model, bits: int) ->
 
 
 def test_a_quantized_cache_saves_and_loads_back(model, tmp_path) -> None:
-    veloxpatch.patch(kv="streamingllm", budget=64, window=8)
+    veloxpatch.patch(kv="streamingllm", budget=64, window=8, tier="off")
     caches = [c.to_quantized(group_size=32, bits=4) for c in prefilled(model)]
     path = str(tmp_path / "q.safetensors")
     save_prompt_cache(path, caches)
@@ -74,7 +74,7 @@ def test_a_quantized_cache_saves_and_loads_back(model, tmp_path) -> None:
 
 
 def test_a_format_mlx_cannot_store_is_refused_once_and_the_cache_stays(caplog) -> None:
-    veloxpatch.patch(kv="snapkv", budget=64, window=8)
+    veloxpatch.patch(kv="snapkv", budget=64, window=8, tier="off")
     caches = prefilled(tiny("llama"))  # head_dim 16: no group of 32 fits
     with caplog.at_level(logging.WARNING, logger="veloxpatch"):
         again = [c.to_quantized(group_size=32, bits=8) for c in caches]

@@ -199,7 +199,7 @@ def test_methods_built_on_snapkv_take_its_knobs(loaded: tuple[Any, mx.array]) ->
     assert make_cache(config).policy.kernel == 9
     assert Variant.of("squeeze[policy=h2o]", 0.25).knob_values() == {"policy": "h2o", "signal": "cosine",
                                                                       "strength": 0.5}
-    with pytest.raises(ValueError, match=r"kernel is not a knob of squeeze here \(compress, policy, signal, strength, tier, window\)"):
+    with pytest.raises(ValueError, match=r"kernel is not a knob of squeeze here \(compress, policy, signal, strength, tier, tier_size, window\)"):
         parse_spec("squeeze[policy=h2o,kernel=31]")
 
 

@@ -306,7 +306,7 @@ def test_every_policy_decodes_within_each_layers_own_budget(policy: str, mode: s
 
 def test_the_schedule_is_set_by_the_prompt_and_frozen_while_decoding() -> None:
     model = four_layers()
-    veloxpatch.patch(kv="squeeze", budget=40, window=8, knobs={"squeeze_strength": 0.75})
+    veloxpatch.patch(kv="squeeze", budget=40, window=8, compress="end", knobs={"squeeze_strength": 0.75})
     caches = make_prompt_cache(model)
     (coordinator,) = coordinators_of(caches)
     prompt = random_tokens(300, 9)

@@ -13,7 +13,7 @@ import veloxpatch
 from conftest import (
     EVICTING, assert_a_rejected_draft_leaves_no_trace, assert_round_trip, greedy, prefill, random_tokens, tiny,
 )
-from veloxpatch.config import Budget, ConfigError, VeloxConfig
+from veloxpatch.config import Budget, ConfigError, TierSize, VeloxConfig
 from veloxpatch.eval.random_model import build, config_for
 from veloxpatch.methods.snapkv import SnapKVCache
 
@@ -37,7 +37,7 @@ def every_position_once(cache) -> bool:
 @pytest.mark.parametrize("mode", ["end", "chunk"])
 def test_a_lossless_tier_loses_no_token_and_decoding_stays_within_the_budget(method: str, mode: str) -> None:
     model = tiny("qwen3", seed=2, layers=4)
-    veloxpatch.patch(kv=method, budget=40, window=8, compress=mode, tier="16")
+    veloxpatch.patch(kv=method, budget=40, window=8, compress=mode, tier="16", tier_size="all")
     caches = make_prompt_cache(model)
     greedy(model, random_tokens(200, 41), caches, steps=30, chunk=64)
     assert all(c.tier is not None and c.tier.rows > 0 and every_position_once(c) for c in caches)
@@ -54,7 +54,7 @@ def test_reading_in_chunks_over_a_lossless_tier_is_reading_with_the_full_cache()
         return [model(tokens[None, s : s + 100], cache=caches) for s in range(0, 300, 100)]
 
     expected = chunk_logits()
-    veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="chunk", tier="16")
+    veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="chunk", tier="16", tier_size="all")
     got = chunk_logits()
     for want, have in zip(expected, got):
         assert (mx.abs(want - have).max() / mx.abs(want).max()).item() < 1e-4
@@ -83,7 +83,7 @@ def test_a_four_bit_tier_reads_as_close_as_mlx_lms_four_bit_cache_in_far_fewer_b
         return (mx.linalg.norm(got - expected) / mx.linalg.norm(expected)).item()
 
     theirs, _ = last_chunk(lambda caches: maybe_quantize_kv_cache(caches, 0, 32, 4))
-    veloxpatch.patch(kv="snapkv", budget=128, window=16, compress="chunk", tier="4")
+    veloxpatch.patch(kv="snapkv", budget=128, window=16, compress="chunk", tier="4", tier_size="all")
     ours, caches = last_chunk()
     assert all(c.tier.store.bits == 4 and c.tier.store.group_size == 32 for c in caches)
     assert error(ours) < 1.1 * error(theirs), (error(ours), error(theirs))
@@ -125,9 +125,35 @@ def test_a_new_prompt_takes_back_the_rows_its_question_needs(tier: int) -> None:
     assert (40 in kept) == bool(tier), kept
 
 
+def test_a_tier_holds_its_size_in_budgets_the_best_dropped_rows_by_the_methods_score() -> None:
+    """Twenty rows that the question scores in order of their strength: the budget keeps the seven best (beside
+    the sink and the window), a tier of one budget (12 rows) the next twelve; the weakest is lost with the noise."""
+    positions = [10 + 8 * i for i in range(20)]
+    keys = mx.random.normal((1, 2, 200, 8), key=mx.random.key(12)) * 0.1
+    for i, position in enumerate(positions):
+        keys[:, :, position, :] = mx.zeros((8,)).at[0].add(2.0 + 0.2 * i)
+    cache = SnapKVCache(Budget(tokens=12), sink=1, window=4, mode="chunk", kernel=1)
+    cache.use_tier(16, TierSize(1.0))
+    step(cache, keys, asking(0, 200))
+    stored, tiered = (sorted(set(p[0, 0].tolist()) - {-1}) for p in (cache.store.row_positions(), cache.tier.positions()))
+    assert stored == [0, *positions[13:], *range(196, 200)] and tiered == positions[1:13], (stored, tiered)
+
+
+@pytest.mark.parametrize("size", ["1x", "3x"])
+def test_the_default_tier_stays_within_its_budgets_while_a_long_prompt_is_read_and_decoded(size: str) -> None:
+    model = tiny("qwen3", seed=2, layers=4)
+    veloxpatch.patch(kv="snapkv", budget=40, window=8, tier="16", tier_size=size)
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(600, 42), caches, steps=30, chunk=64)
+    cap = TierSize.parse(size).rows(40)
+    assert all(c.tier.rows == cap for c in caches), [c.tier.rows for c in caches]
+    held = [mx.concatenate([c.store.row_positions(), c.tier.positions()], axis=-1) for c in caches]
+    assert all(len(set(h[0, 0].tolist()) - {-1}) == c.size() + cap for h, c in zip(held, caches)), "a row held twice"
+
+
 def test_trim_forgets_the_tiers_rows_of_the_rewound_tokens_and_a_rejected_draft_leaves_no_trace() -> None:
     model = tiny("llama")
-    veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="chunk", tier="16")
+    veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="chunk", tier="16", tier_size="all")
     caches = make_prompt_cache(model)
     prefill(model, caches, random_tokens(200, 14), chunk=50)
     assert all(c.tier.rows == 200 - 48 for c in caches)
@@ -155,7 +181,7 @@ def test_a_tier_its_head_dim_keeps_unquantized_saves_and_loads_back_so(tmp_path)
     """No group of 32 or 64 divides a head_dim of 16: the 4-bit tier keeps its rows as they are, and a loaded one
     too (it was loaded as 4-bit, and the next rows it took raised in mx.quantize)."""
     model = tiny("llama")
-    veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="chunk", tier="4")
+    veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="chunk", tier="4", tier_size="all")
     caches = make_prompt_cache(model)
     greedy(model, random_tokens(200, 8), caches, steps=10, chunk=64)
     assert all(c.tier.store.bits is None and c.tier.fetch()[0].shape[-1] == 16 for c in caches)
@@ -203,3 +229,9 @@ def test_the_tier_setting_names_what_it_allows() -> None:
     assert VeloxConfig(tier="off").tier == 0 and VeloxConfig(tier=4).tier == 4
     with pytest.raises(ConfigError, match=r"VELOX_TIER='5' is not allowed: expected off, or one of 2, 3, 4, 8, 16"):
         VeloxConfig(tier="5")
+    assert VeloxConfig().tier_size == TierSize(3.0) and VeloxConfig(tier_size="ALL").tier_size.rows(40) is None
+    assert VeloxConfig(tier_size="0.5").tier_size.rows(40) == 20 and str(VeloxConfig(tier_size="1.5x").tier_size) == "1.5x"
+    for bad in ("0x", "-1x", "nanx", "two"):
+        with pytest.raises(ConfigError, match=rf"VELOX_TIER_SIZE='{bad}' is not allowed: expected a multiple of the "
+                                              r"budget \(`3x`, `0.5x`\) or `all`"):
+            VeloxConfig(tier_size=bad)

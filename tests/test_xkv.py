@@ -79,7 +79,7 @@ def test_full_rank_rebuilds_the_rows_and_low_rank_rows_fold_with_a_small_error()
 
 def test_a_fold_longer_than_the_limit_is_an_error_naming_the_setting() -> None:
     model = tiny("llama")
-    veloxpatch.patch(kv="xkv", budget="50%", window=8, knobs={"xkv_max_ctx": 50})
+    veloxpatch.patch(kv="xkv", budget="50%", window=8, compress="end", knobs={"xkv_max_ctx": 50})
     caches = make_prompt_cache(model)
     with pytest.raises(ConfigError, match="VELOX_XKV_MAX_CTX=50 is exceeded: a fold of 92 tokens"):
         greedy(model, random_tokens(100, 2), caches, steps=2, chunk=100)

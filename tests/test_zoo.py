@@ -76,7 +76,7 @@ def test_every_model_type_runs_exactly_compressed_or_unpatched(model_type: str, 
             assert len(said) == 1, f"{case}: left unpatched without one INFO line naming {model_type}: {info_lines}"
             continue
         veloxpatch.patch(kv=method, compress=compress, log="INFO", knobs=SMALL_KNOBS.get(method, {}),
-                         tier=tier if method in EVICTING else "off", **SMALL_BUDGET)
+                         tier=tier if method in EVICTING else "off", tier_size="all", **SMALL_BUDGET)
         caches = make_prompt_cache(model)
         greedy(model, caches)
         ours = [c for c in caches if isinstance(c, CompressedKVCache)]

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from .registry import METHODS, knob_settings
-from .settings import PREFIX, Budget, ConfigError, Memory, Setting, boolean, choice, int_range, to_text
+from .settings import (
+    PREFIX, Budget, ConfigError, Memory, Setting, TierSize, boolean, choice, int_range, to_text,
+)
 
-__all__ = ["Budget", "ConfigError", "Memory", "Setting", "VeloxConfig", "all_settings", "choice", "from_env", "int_range",
+__all__ = ["Budget", "ConfigError", "Memory", "Setting", "TierSize", "VeloxConfig", "all_settings", "choice", "from_env", "int_range",
            "make_cache", "setting"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -69,11 +71,18 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "First tokens of the context that are never evicted (attention sinks)."),
     Setting("VELOX_WINDOW", int_range(1, None), "32", "an integer >= 1",
             "Most recent tokens that are never evicted; query-aware methods score with them."),
-    Setting("VELOX_TIER", _tier, "off", "off, or one of " + ", ".join(map(str, TIER_BITS)) + " (bits)",
+    Setting("VELOX_TIER", _tier, "4", "off, or one of " + ", ".join(map(str, TIER_BITS)) + " (bits)",
             "Rows a compression drops are kept at this many bits instead of lost (16: unquantized): prompt chunks "
-            "attend over them, and a prompt's selection can take them back (a follow-up question)."),
-    Setting("VELOX_COMPRESS", choice(COMPRESS_MODES), "end", "one of " + ", ".join(COMPRESS_MODES),
-            "When to compress the prompt: once at its end (best retrieval) or after each prefill chunk (bounded memory)."),
+            "attend over them, and a prompt's selection can take them back (a follow-up question). Methods that "
+            "evict only."),
+    Setting("VELOX_TIER_SIZE", TierSize.parse, "3x", "a multiple of the budget (`3x`, `0.5x`) or `all`",
+            "The most rows a layer's tier holds, in budgets of that layer (where more are dropped, the best by the "
+            "method's score stay), or `all`: every row dropped (grows with the context). Under VELOX_KV_MEMORY the "
+            "tier takes the bytes the budget leaves instead."),
+    Setting("VELOX_COMPRESS", choice(COMPRESS_MODES), "chunk", "one of " + ", ".join(COMPRESS_MODES),
+            "When to compress the prompt: after each prefill chunk (memory bounded while it is read; with a tier, "
+            "retrieval as good as `end` in our measurements) or once at its end (the whole prompt's rows are held "
+            "until then)."),
     Setting("VELOX_DRAFT_KV", choice(DRAFT_MODES), "same", "one of " + ", ".join(DRAFT_MODES),
             "Speculative decoding: the draft model's cache is compressed like the main one, or stays mlx_lm's."),
     Setting("VELOX_FLOAT32", choice(FLOAT32_MODES), "auto", "one of " + ", ".join(FLOAT32_MODES),
@@ -123,8 +132,9 @@ class VeloxConfig:
     kv_memory: Memory | str = "off"
     sink: int = 4
     window: int = 32
-    tier: int | str = "off"
-    compress: str = "end"
+    tier: int | str = "4"
+    tier_size: TierSize | str = "3x"
+    compress: str = "chunk"
     draft_kv: str = "same"
     float32: str = "auto"
     blas: str = "auto"
@@ -241,5 +251,5 @@ def make_cache(config: VeloxConfig) -> Any:
     settings = knob_settings(config.kv, config.knobs)
     knobs = {short: config.knobs[knob.key] for short, knob in settings.items()}
     cache = METHODS[config.kv].cls(config.budget, config.sink, config.window, config.compress, **knobs)
-    cache.use_tier(config.tier)
+    cache.use_tier(config.tier, config.tier_size)
     return cache

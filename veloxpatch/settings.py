@@ -108,6 +108,32 @@ class Memory:
         return "off" if self.bytes is None else str(self.bytes)
 
 
+@dataclass(frozen=True)
+class TierSize:
+    """The most rows a tier holds per layer: ``budgets`` times the layer's budget (``3x``), or every row its
+    cache drops (``all``: None)."""
+
+    budgets: float | None = 3.0
+
+    @classmethod
+    def parse(cls, text: str) -> "TierSize":
+        """``"3x"`` (or ``"3"``) -> three budgets, ``"all"`` -> no bound."""
+        value = text.strip().lower()
+        if value == "all":
+            return cls(None)
+        budgets = float(value[:-1] if value.endswith("x") else value)
+        if not (math.isfinite(budgets) and budgets > 0):
+            raise ValueError(text)
+        return cls(budgets)
+
+    def rows(self, keep: int) -> int | None:
+        """Rows beside a store of ``keep`` rows; None: no bound."""
+        return None if self.budgets is None else int(self.budgets * keep)
+
+    def __str__(self) -> str:
+        return "all" if self.budgets is None else f"{self.budgets:g}x"
+
+
 def size_text(n: float) -> str:
     """Bytes as a user reads them (``512 MiB``)."""
     for unit in ("B", "KiB", "MiB", "GiB"):

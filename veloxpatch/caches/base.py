@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from .. import stats
-from ..config import Budget
+from ..config import Budget, TierSize
 from ..coordinators import Coordinator
 from ..log import once
 from . import blocks, masks
@@ -89,8 +89,9 @@ class CompressedKVCache(ABC):
         """The method's own knobs, saved with the cache so it loads back the same."""
         return {}
 
-    def use_tier(self, bits: int) -> None:
-        """Keep the rows a compression drops at ``bits`` (``VELOX_TIER``): an evicting cache does
+    def use_tier(self, bits: int, size: TierSize = TierSize()) -> None:
+        """Keep the rows a compression drops at ``bits``, at most ``size`` (``VELOX_TIER``,
+        ``VELOX_TIER_SIZE``): an evicting cache does
         (:mod:`.evicting`); a cross-layer one drops no row (it folds them), so there is nothing to keep."""
 
     def shared_parts(self) -> list[Any]:

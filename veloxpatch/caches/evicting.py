@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from .. import stats
+from ..config import TierSize
 from .base import CompressedKVCache
 from .memory import MemoryPlan
 from .selection import best_rows, protected
@@ -63,6 +64,14 @@ class Policy(ABC):
         keys, _ = cache.store.fetch()
         positions = cache.store.row_positions()
         return best_rows(self.score(cache, keys, positions, scale), positions, cache.protected(positions), keep)
+
+    def tier_choice(self, cache: EvictingCache, kept: mx.array, total: int, scale: float) -> mx.array:
+        """Where a compression drops more rows than the tier has room for: ``total`` rows (B, kv_heads, total),
+        the ones ``kept`` marks (those the store keeps) and the best of the others by :meth:`score`. The tier
+        takes those the store does not keep."""
+        keys, _ = cache.store.fetch()
+        positions = cache.store.row_positions()
+        return best_rows(self.score(cache, keys, positions, scale), positions, kept, total)
 
     def observe(self, cache: EvictingCache, queries: mx.array, keys: mx.array, scale: float) -> None:
         """Every step's real queries and the keys they attended, one per stored row in storage order, before
@@ -167,6 +176,7 @@ class EvictingCache(CompressedKVCache):
         super().__init__(budget, sink, window, mode)
         self.policy = self.make_policy(**knobs)
         self.tier: Tier | None = None  # where dropped rows go (VELOX_TIER), or None: dropped rows are lost
+        self.tier_size = TierSize()  # the most rows the tier holds (VELOX_TIER_SIZE)
         self.limit: MemoryPlan | None = None  # VELOX_KV_MEMORY's rows per layer (set by the builder), or None
         self.scale = 1.0  # the attention's scale, seen at every step (a capped tier ranks what it takes by score)
         self.took_back = False  # this step took the tier's rows back into the store (evaluated after it)
@@ -188,10 +198,11 @@ class EvictingCache(CompressedKVCache):
     def knob_values(self) -> dict[str, Any]:
         return self.policy.knob_values()
 
-    def use_tier(self, bits: int) -> None:
-        """Keep the rows compressions drop at ``bits`` per element (:mod:`.tier`; 16: unquantized), or lose them
-        (0)."""
+    def use_tier(self, bits: int, size: TierSize = TierSize()) -> None:
+        """Keep the rows compressions drop at ``bits`` per element (:mod:`.tier`; 16: unquantized), at most
+        ``size`` of them, or lose them (0)."""
         self.tier = Tier(bits) if bits else None
+        self.tier_size = size
 
     # ----------------------------------------------------------------- what a method may set
     def target(self) -> int:
@@ -316,23 +327,33 @@ class EvictingCache(CompressedKVCache):
         stats.totals.compressions += 1
 
     def _to_tier(self, index: mx.array) -> None:
-        """Hand the rows not in ``index`` to the tier; under ``VELOX_KV_MEMORY``, only as many as its share
-        holds, the best of them by the policy's score (the rest are lost)."""
+        """Hand the rows not in ``index`` to the tier, as many as it has room for (:meth:`tier_rows`): the best
+        of them by the policy's score where they do not all fit (the rest are lost)."""
         positions = self.store.row_positions()
         keys, values = self.store.fetch()
         kept = _mask(positions, index)
-        room = self.store.rows - index.shape[-1]
-        if self.limit is not None:
-            room = min(room, self.limit.tier_rows(index.shape[-1], self.batch) - self.tier.rows)
-            if 0 < room < self.store.rows - index.shape[-1]:
-                scores = self.policy.score(self, keys, positions, self.scale)
-                kept = kept | ~_mask(positions, best_rows(scores, positions, kept, index.shape[-1] + room))
+        dropped = self.store.rows - index.shape[-1]
+        room = min(dropped, self.tier_rows(index.shape[-1], keys) - self.tier.rows)
+        if 0 < room < dropped:
+            kept = kept | ~_mask(positions, self.policy.tier_choice(self, kept, index.shape[-1] + room, self.scale))
         gone = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : max(room, 0)]
         if gone.shape[-1]:
             state = self.policy.row_state(self)
             rows = (mx.take_along_axis(a, gone[..., None], axis=2) for a in (keys, values))
             self.tier.take(*rows, mx.take_along_axis(positions, gone, axis=-1),
                            None if state is None else mx.take_along_axis(state, gone, axis=-1))
+
+    def tier_rows(self, keep: int, keys: mx.array) -> int:
+        """The most rows like ``keys`` the tier may hold beside a store of ``keep`` rows: ``VELOX_KV_MEMORY``'s
+        share, else the bytes of ``VELOX_TIER_SIZE`` budgets at the tier's bits (so the tier is bounded by the
+        budget, as the store is), or every row. The memory plan's share is that of a layer at the list's mean
+        budget (:meth:`budget_rows`), whatever this layer keeps: PyramidKV and SqueezeAttention move rows
+        between layers around that mean, and a tier sized by each layer's own budget would take the bytes a
+        deeper budget frees in every layer at once."""
+        if self.limit is not None:
+            return self.limit.tier_rows(self.budget_rows(), self.batch)
+        rows = self.tier_size.rows(keep)
+        return self.offset if rows is None else self.tier.rows_like(rows, keys)
 
     def protected(self, positions: mx.array) -> mx.array:
         """Rows never evicted: the first ``sink`` tokens and the last ``window`` tokens."""
@@ -370,7 +391,8 @@ class EvictingCache(CompressedKVCache):
     def _meta(self) -> dict[str, Any]:
         if self.tier is None:
             return super()._meta()
-        return {**super()._meta(), "tier_bits": self.tier.bits, "tier_group": self.tier.store.group_size}
+        return {**super()._meta(), "tier_bits": self.tier.bits, "tier_group": self.tier.store.group_size,
+                "tier_size": str(self.tier_size)}
 
     def _extra_state(self) -> tuple[Any, ...]:
         """The policy's arrays, then (with a tier) the tier's rows (None while it is empty)."""
@@ -381,7 +403,7 @@ class EvictingCache(CompressedKVCache):
         """The policy's arrays and the tier's rows; a cache rebuilt from the base layout alone (a batch gives back
         the rows it kept, and nothing else) keeps its tier setting with an empty tier."""
         if "tier_bits" in info:
-            self.use_tier(info["tier_bits"])
+            self.use_tier(info["tier_bits"], TierSize.parse(info.get("tier_size", "all")))
             if extra:
                 *extra, held = extra
                 self.tier.load(held, info["tier_group"])

@@ -27,9 +27,14 @@ from veloxpatch.config import Setting, setting
 
 Knobs = tuple[tuple[str, Any], ...]  # (knob name without the method prefix, value), sorted by name
 
-# settings any registry method's variant may set, beside its own knobs
-# core settings a variant may set for itself: snapkv[window=8], snapkv[tier=4,compress=chunk]
-GENERAL = {"window": setting("VELOX_WINDOW"), "tier": setting("VELOX_TIER"), "compress": setting("VELOX_COMPRESS")}
+# core settings a variant may set for itself, beside its method's knobs: snapkv[window=8],
+# snapkv[tier=4,compress=chunk,tier_size=3x]
+GENERAL = {"window": setting("VELOX_WINDOW"), "tier": setting("VELOX_TIER"), "compress": setting("VELOX_COMPRESS"),
+           "tier_size": setting("VELOX_TIER_SIZE")}
+# what a variant gets of those it does not set: the methods compared in SnapKV's one-shot mode without a tier (the
+# papers' setting, the one a prompt's prefill can be shared in, and the one every journal line written before the
+# default became `chunk` with a 4-bit tier measured); the users' default is `snapkv[compress=chunk,tier=4]`
+BASELINE = {"compress": "end", "tier": "off"}
 # a token budget may not be smaller than the rows every method protects (default sink + window)
 PROTECTED = int(setting("VELOX_SINK").default) + int(setting("VELOX_WINDOW").default)
 
@@ -187,7 +192,7 @@ class Variant:
         extra = {} if compress is None else {"compress": compress}
         settings = _settings(self.method, {k: str(v) for k, v in self.knobs})
         knobs = {settings[k].key: v for k, v in self.knobs if k not in GENERAL}
-        general = {k: v for k, v in self.knobs if k in GENERAL}
+        general = {**BASELINE, **{k: v for k, v in self.knobs if k in GENERAL}}
         return {"kv": self.method, "budget": budget, "knobs": knobs, **general, **extra}
 
     def caches(self, model: Any, context: int, compress: str | None = None, budget: int | None = None) -> list[Any]:

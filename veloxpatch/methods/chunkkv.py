@@ -74,6 +74,9 @@ def keep_order(scores: mx.array, positions: mx.array, protected: mx.array, chunk
     return mx.where(valid, key, HOLE_LAST)
 
 
+KEPT, TIER = "kept", "tier"  # what a leader's published choice is: its store's rows, or those and its tier's
+
+
 class ChunkKVIndexReuseCoordinator(Coordinator):
     """Carries the positions a block's leader layer keeps to the other layers of its block.
 
@@ -82,17 +85,18 @@ class ChunkKVIndexReuseCoordinator(Coordinator):
     """
 
     @staticmethod
-    def topic(layer: int, block: int) -> tuple[str, int, int]:
-        """The name a block's choice is published under: layers ``block * k .. block * k + block - 1``."""
-        return ("chunkkv kept positions", block, layer // block)
+    def topic(layer: int, block: int, what: str) -> tuple[str, int, int]:
+        """The name a block's choice is published under: layers ``block * k .. block * k + block - 1``;
+        ``what``: the rows its store keeps (``kept``), or those and the ones its tier takes (``tier``)."""
+        return (f"chunkkv {what} positions", block, layer // block)
 
-    def share(self, layer: int, block: int, positions: mx.array) -> None:
+    def share(self, layer: int, block: int, positions: mx.array, what: str = KEPT) -> None:
         """The leader ``layer`` keeps ``positions`` (B, kv_heads, keep) in this forward."""
-        self.publish(self.topic(layer, block), positions)
+        self.publish(self.topic(layer, block, what), positions)
 
-    def shared(self, layer: int, block: int) -> mx.array | None:
+    def shared(self, layer: int, block: int, what: str = KEPT) -> mx.array | None:
         """The positions ``layer``'s leader kept in this forward, or None."""
-        return self.latest(self.topic(layer, block))
+        return self.latest(self.topic(layer, block, what))
 
 
 class ChunkKV(Policy):
@@ -114,13 +118,22 @@ class ChunkKV(Policy):
 
     def select(self, cache: EvictingCache, keep: int, scale: float) -> mx.array:
         """A follower applies its leader's choice when it can; a leader publishes its own."""
+        return self._block_choice(cache, keep, scale, KEPT)
+
+    def tier_choice(self, cache: EvictingCache, kept: mx.array, total: int, scale: float) -> mx.array:
+        """The rows kept and the best whole chunks after them (the same order :meth:`select` cut at its
+        budget), chosen for the block as :meth:`select` is: the block's layers then tier the same positions,
+        and a follower can follow its leader when a later prompt takes them back."""
+        return self._block_choice(cache, total, scale, TIER)
+
+    def _block_choice(self, cache: EvictingCache, keep: int, scale: float, what: str) -> mx.array:
         if self._follower(cache):
-            kept = self._leaders_rows(cache, keep)
+            kept = self._leaders_rows(cache, keep, what)
             return kept if kept is not None else self.choose(cache, keep, scale)
         index = self.choose(cache, keep, scale)
         if self.reuse > 1 and isinstance(cache.coordinator, ChunkKVIndexReuseCoordinator):
             positions = mx.take_along_axis(cache.store.row_positions(), index, axis=-1)
-            cache.coordinator.share(cache.layer, self.reuse, positions)
+            cache.coordinator.share(cache.layer, self.reuse, positions, what)
         return index
 
     def choose(self, cache: EvictingCache, keep: int, scale: float) -> mx.array:
@@ -134,12 +147,12 @@ class ChunkKV(Policy):
     def _follower(self, cache: EvictingCache) -> bool:
         return self.reuse > 1 and cache.layer % self.reuse != 0
 
-    def _leaders_rows(self, cache: EvictingCache, keep: int) -> mx.array | None:
-        """The rows holding the positions this block's leader kept in this forward, or None (said
-        once) when there is no such choice or it does not fit this layer."""
+    def _leaders_rows(self, cache: EvictingCache, keep: int, what: str) -> mx.array | None:
+        """The rows holding the positions this block's leader chose (``what``) in this forward, or None
+        (said once) when there is no such choice or it does not fit this layer."""
         coordinator = cache.coordinator
         shared = isinstance(coordinator, ChunkKVIndexReuseCoordinator)
-        chosen = coordinator.shared(cache.layer, self.reuse) if shared else None
+        chosen = coordinator.shared(cache.layer, self.reuse, what) if shared else None
         positions = cache.store.row_positions()
         if chosen is None:
             return _fallback("its leader layer did not compress in this forward")
