@@ -21,6 +21,7 @@ TESTS = [
     "tests/test_exactness.py",  # generate / stream_generate token for token at a budget above the context
     "tests/test_speculative.py",
     "tests/test_server.py",  # the server on loopback
+    "tests/test_server_exit.py",  # the server stopped by SIGINT exits with status 0 (about 70 s)
     "tests/test_batched.py",
     "tests/test_contracts.py",  # save/load and the cache protocol
 ]

@@ -102,19 +102,30 @@ def test_the_users_own_sitecustomize_still_runs(app: Path, tmp_path: Path) -> No
     assert "patched True SnapKVCache" in result.stdout
 
 
-def test_mlx_lm_generate_module_runs_patched(model_dir: Path) -> None:
-    result = launch("run", "--kv", "snapkv", "--budget", "40", "--window", "8", "--stats",
+@pytest.mark.parametrize("method", ["snapkv", "xquant"])
+def test_mlx_lm_generate_module_runs_patched(model_dir: Path, method: str) -> None:
+    result = launch("run", "--kv", method, "--budget", "40", "--window", "8", "--stats",
                     "-m", "mlx_lm", "generate", "--model", str(model_dir),
                     "--prompt", "hello world " * 12, "--max-tokens", "20", "--ignore-chat-template")
     assert result.returncode == 0, result.stderr
     assert "Generation: " in result.stdout
-    summary = [line for line in result.stderr.splitlines() if line.startswith("veloxpatch: snapkv")]
-    assert summary and "compression(s)" in summary[0], result.stderr
+    summary = [line for line in result.stderr.splitlines() if line.startswith(f"veloxpatch: {method}")]
+    assert summary, result.stderr
+    if method == "snapkv":
+        assert "compression(s)" in summary[0] and "fold(s)" not in summary[0], summary
+    else:  # every token kept, most as X or its latent at 4 bits: no "0 compression(s) ... 100.0%" alone
+        assert "compression(s)" not in summary[0] and "fold(s)" in summary[0], summary
+        assert "(100.0%, VELOX_BUDGET does not apply): " in summary[0] and "4-bit" in summary[0], summary
 
 
 def test_methods_and_info(app: Path) -> None:
     listed = json.loads(launch("methods", "--json").stdout)
     assert {m["name"] for m in listed} >= {"snapkv", "streamingllm"}
+    budgets = {m["name"]: (m["uses_budget"], m["budget"]) for m in listed}
+    assert budgets["snapkv"] == (True, "VELOX_BUDGET is the rows it keeps per layer.")
+    assert budgets["xquant"][0] is False and budgets["xquant"][1].startswith("VELOX_BUDGET does not apply: it keeps "
+                                                                           "every token")
+    assert "does not apply" in launch("methods").stdout.split("\nxquant")[1].split("\n")[0]
     info = launch("info", env={"VELOX_KV": "snapkv"})
     assert info.returncode == 0 and "VELOX_KV               snapkv     (environment (VELOX_KV))" in info.stdout
     bad = launch("info", env={"VELOX_WINDOW": "0", "VELOX_LOG": "loud"})

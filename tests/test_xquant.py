@@ -14,6 +14,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, s
 
 import veloxpatch
 import veloxpatch.log
+from veloxpatch import stats
 from conftest import (
     assert_a_rejected_draft_leaves_no_trace, assert_round_trip, drain, greedy, random_tokens, speculated, tiny,
 )
@@ -276,6 +277,34 @@ def test_cross_layer_groups_hold_the_first_layers_x_once_and_the_others_deltas()
     hidden = model.args.hidden_size
     four, two = (hidden * bits // 8 + 2 * hidden // 64 * 4 for bits in (4, 2))  # a float32 scale and bias per 64
     assert folded == pytest.approx(alone * (four + two) / (2 * four), rel=0.01), "4-bit X in half, 2-bit deltas"
+
+
+@pytest.mark.parametrize("latent, cl", [(True, 4), (False, 1), (False, 2)])
+def test_the_stats_line_says_every_token_is_kept_and_in_which_form(monkeypatch, latent: bool, cl: int) -> None:
+    """xquant evicts nothing and ignores the budget: its VELOX_STATS line says every token is kept, how many as
+    the 4-bit latent, X or deltas (K and V rebuilt) and how many exact, counts its folds rather than "0
+    compression(s)", and gives its bytes against a dense cache's."""
+    monkeypatch.setattr(stats, "totals", stats._Totals())
+    model = gqa_model() if latent else tiny("llama", layers=4)
+    caches = xquant_caches(model, bits=4, group=32, cl=cl, cl_bits=2)
+    greedy(model, random_tokens(300, 3), caches, steps=3, chunk=100)
+    rebuilt = sum(c.folded_rows() for c in caches)
+    exact = sum(c.store.rows for c in caches)
+    seen = sum(c.offset for c in caches)
+    assert rebuilt + exact == seen and exact < seen / 4
+    if latent:
+        held = f"{rebuilt} as a 4-bit GQA latent (K and V rebuilt from it)"
+    elif cl == 1:
+        held = f"{rebuilt} as 4-bit X (K and V rebuilt from it)"
+    else:  # layers 0 and 2 anchor a group (their X), 1 and 3 keep deltas from it; a tie keeps layer order
+        held = (f"{rebuilt // 2} as 4-bit X (K and V rebuilt from it), "
+                f"{rebuilt // 2} as 2-bit deltas from their group's 4-bit X (XQuant-CL; K and V rebuilt from it)")
+    line = stats.summary("xquant", caches=caches)
+    nbytes, dense = sum(c.nbytes for c in caches), sum(c.dense_nbytes() for c in caches)
+    assert line == (f"veloxpatch: xquant | 1 generation(s), 4 layer cache(s) built, 4 fold(s) | live: {seen}/{seen} "
+                    f"rows kept (100.0%, VELOX_BUDGET does not apply): {held}, {exact} exact | KV "
+                    f"{nbytes / 2**20:.2f} MiB vs {dense / 2**20:.2f} MiB dense ({100 * nbytes / dense:.1f}%)")
+    assert nbytes < dense / 2
 
 
 def test_attention_it_cannot_rebuild_keeps_exact_rows_with_one_log_line(monkeypatch, caplog) -> None:

@@ -105,7 +105,8 @@ def _with_blas(env: dict[str, str], config: VeloxConfig) -> dict[str, str]:
 def methods(as_json: bool) -> None:
     """List the compression methods, their knobs and what each does."""
     rows = [
-        {"name": m.name, "description": m.description,
+        {"name": m.name, "description": m.description, "uses_budget": getattr(m.cls, "uses_budget", True),
+         "budget": getattr(m.cls, "budget_use", ""),
          "knobs": [{"name": k.name, "option": k.option, "default": k.default,
                     "allowed": k.allowed_text, "doc": k.doc} for k in m.knobs]}
         for m in sorted(METHODS.values(), key=lambda m: m.name)
@@ -115,7 +116,7 @@ def methods(as_json: bool) -> None:
         return
     width = max(len(r["name"]) for r in rows)
     for r in rows:
-        click.echo(f"{r['name']:<{width}}  {r['description']}")
+        click.echo(f"{r['name']:<{width}}  {' '.join(filter(None, (r['description'], r['budget'])))}")
         for k in r["knobs"]:
             click.echo(f"{'':<{width}}    {k['name']} ({k['option']}, default {k['default']}): {k['doc']}")
 

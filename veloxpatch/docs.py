@@ -80,7 +80,9 @@ def methods_markdown() -> str:
              " ".join(f"[`{n}`](#{n})" for n in names), ""]
     for name in names:
         info = METHODS[name]
-        lines += [f"## {name}", "", info.description, "", _memory_settings(info.cls), ""]
+        budget = getattr(info.cls, "budget_use", "")
+        lines += [f"## {name}", "", info.description, "", " ".join(filter(None, (budget, _memory_settings(info.cls)))),
+                  ""]
         if info.knobs:
             lines += [*_table(info.knobs, option=True), ""]
         else:

@@ -4,11 +4,17 @@ Caches register themselves here when they are built; copies made without ``__ini
 server's ``copy.deepcopy`` of prompt caches, a quantized copy) are registered by whoever hands them
 on, with ``built=False``. The summary reads the live ones, so nothing is counted twice and nothing is
 kept alive by the statistics.
+
+Rows kept are not all alike: an evicting method keeps exact rows (or rows mlx_lm's ``kv_bits`` quantized), a
+cross-layer method keeps every token but most of them folded (xquant: as a 4-bit latent or X, with K and V rebuilt
+when attention runs), so the line says how many rows are held in which form (each cache's ``kept_forms()``), whether
+the budget applies, and the bytes against a dense cache's.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +25,9 @@ _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 class _Totals:
     caches_built: int = 0
     compressions: int = 0
+    """Evictions: a layer's rows compressed to its budget (each layer counts)."""
+    folds: int = 0
+    """Cross-layer methods: a layer's exact rows folded into its method's form (each layer counts)."""
     generations: int = 0
 
 
@@ -35,21 +44,45 @@ def track(cache: Any, built: bool = True) -> None:
     _live.add(cache)
 
 
-def counts() -> list[int]:
-    """This process's numbers for the summary: generations, caches built, compressions, and over the
-    live caches tokens seen, rows kept, bytes held and the bytes a dense cache would hold."""
-    live = list(_live)
-    return [totals.generations, totals.caches_built, totals.compressions, sum(c.offset for c in live),
-            sum(c.size() for c in live), sum(c.nbytes for c in live), sum(c.dense_nbytes() for c in live)]
+def counts(caches: list[Any] | None = None) -> list[int]:
+    """This process's numbers for the summary (summed over ranks as they are): generations, caches built,
+    compressions, folds, and over the live caches (or ``caches``) tokens seen, rows kept, rows kept in a form
+    other than exact, bytes held and the bytes a dense cache would hold."""
+    live = list(_live) if caches is None else caches
+    return [totals.generations, totals.caches_built, totals.compressions, totals.folds, sum(c.offset for c in live),
+            sum(c.size() for c in live), sum(sum(forms(c).values()) for c in live), sum(c.nbytes for c in live),
+            sum(c.dense_nbytes() for c in live)]
 
 
-def summary(method: str, numbers: list[int] | None = None, who: str = "") -> str:
-    """One line: method, caches, tokens seen vs rows kept, physical bytes vs a dense cache; of this
-    process, or of ``numbers`` (summed over the ranks of a distributed run), ``who`` naming them."""
-    generations, built, compressions, seen, kept, nbytes, dense = counts() if numbers is None else numbers
+def forms(cache: Any) -> dict[str, int]:
+    """The rows ``cache`` keeps in a form other than exact keys and values, by form in words."""
+    kept_forms = getattr(cache, "kept_forms", None)
+    return {} if kept_forms is None else kept_forms()
+
+
+def summary(method: str, numbers: list[int] | None = None, who: str = "", caches: list[Any] | None = None) -> str:
+    """One line: method, caches, compressions or folds, tokens seen vs rows kept (in which forms, and whether the
+    budget applies), physical bytes vs a dense cache; of the live caches (or ``caches``), or of ``numbers`` (summed
+    over the ranks of a distributed run), ``who`` naming them. Rows kept in other forms whose words are not known
+    here (summed over ranks) are said as "folded or quantized"."""
+    live = list(_live) if caches is None else caches
+    numbers = counts(live) if numbers is None else numbers
+    generations, built, compressions, folds, seen, kept, other, nbytes, dense = numbers
+    by_form: Counter[str] = Counter()
+    for cache in live:
+        by_form.update(forms(cache))
+    if sum(by_form.values()) != other:
+        by_form = Counter({"folded or quantized": other} if other else {})
+    steps = [f"{compressions} compression(s)"] if compressions or not folds else []
+    steps += [f"{folds} fold(s)"] if folds else []
     share = f"{100 * kept / seen:.1f}%" if seen else "n/a"
+    if live and not any(getattr(c, "uses_budget", True) for c in live):
+        share += ", VELOX_BUDGET does not apply"
+    parts = [f"{rows} {form}" for form, rows in by_form.most_common()]
+    held = f": {', '.join([*parts, f'{kept - other} exact'])}" if parts else ""
+    ratio = f" ({100 * nbytes / dense:.1f}%)" if dense else ""
     return (
-        f"veloxpatch{who}: {method} | {generations} generation(s), {built} layer cache(s) built, "
-        f"{compressions} compression(s) | live: {kept}/{seen} rows kept ({share}), "
-        f"KV {nbytes / 2**20:.2f} MiB vs {dense / 2**20:.2f} MiB dense"
+        f"veloxpatch{who}: {method} | {generations} generation(s), {built} layer cache(s) built, {', '.join(steps)} | "
+        f"live: {kept}/{seen} rows kept ({share}){held} | KV {nbytes / 2**20:.2f} MiB vs {dense / 2**20:.2f} MiB "
+        f"dense{ratio}"
     )

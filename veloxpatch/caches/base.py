@@ -51,6 +51,7 @@ class CompressedKVCache(ABC):
     wants_layer_io: ClassVar[bool] = False  # see_block_input / see_attention(_input) are called (layer_io)
     uses_budget: ClassVar[bool] = True  # False: VELOX_BUDGET changes nothing it does (the eval measures it once)
     bounds_memory: ClassVar[bool] = False  # True: VELOX_KV_MEMORY can cap its rows (the methods that evict)
+    budget_use: ClassVar[str] = "VELOX_BUDGET is the rows it keeps per layer."  # said by `veloxpatch methods`
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
         self.budget = budget
@@ -233,6 +234,13 @@ class CompressedKVCache(ABC):
         storage shared across layers that this layer is the first holder of (counted once per list)."""
         shared = 0 if self.coordinator is None else self.coordinator.owned_nbytes(self)
         return self.store.nbytes + self.memory.nbytes + shared
+
+    def kept_forms(self) -> dict[str, int]:
+        """The rows of :meth:`size` held in a form other than exact keys and values, by that form in words (the
+        ``VELOX_STATS`` line): here the rows mlx_lm's ``kv_bits`` quantized."""
+        if self.store.bits is None or self.store.bits == 16 or not self.store.rows:
+            return {}
+        return {f"at {self.store.bits} bits (kv_bits)": self.store.rows}
 
     def dense_nbytes(self) -> int:
         """Bytes a plain KVCache would need for the same tokens (for statistics)."""

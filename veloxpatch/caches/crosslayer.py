@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .. import stats
 from ..config import Budget
 from ..log import once
 from .base import CompressedKVCache
@@ -92,6 +93,18 @@ class CrossLayerCache(CompressedKVCache):
 
     def folded_rows(self) -> int:
         return sum(fold.end - fold.start for fold in self.folds)
+
+    def folded_as(self) -> str | None:
+        """The form of the folded rows, in words for the stats line (None: they are exact keys and values)."""
+        return "folded with other layers"
+
+    def kept_forms(self) -> dict[str, int]:
+        """The exact rows' form (the base's) and the folded ones'."""
+        found = super().kept_forms()
+        form, rows = self.folded_as(), self.folded_rows()
+        if form is not None and rows:
+            found[form] = found.get(form, 0) + rows
+        return found
 
     def _key_positions(self) -> mx.array:
         """The folds' positions (each fold a range of tokens), then the exact rows'."""
@@ -212,6 +225,7 @@ class CrossLayerCache(CompressedKVCache):
         """Replace the exact rows ``[start, end)`` by this layer's fold."""
         owns, shared = result
         self.folds.append(Fold(start, end, owns[at], shared, group))
+        stats.totals.folds += 1
         rows = self.store.rows
         first = end - start  # exact rows begin at ``start`` (no holes: checked before contributing)
         index = mx.broadcast_to(mx.arange(first, rows), (*self.store.row_positions().shape[:2], rows - first))

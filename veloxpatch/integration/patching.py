@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import sys
+import threading
 from types import ModuleType
 from typing import Any, Callable
 
@@ -30,7 +31,7 @@ from ..log import configure as configure_logging
 from ..log import log
 from ..registry import METHODS
 from ..settings import strict_requested
-from . import features, version
+from . import features, threads, version
 from .features import Feature
 from .state import STATE, Swap
 
@@ -55,6 +56,7 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
     with STATE.lock:
         STATE.config = config
         _register_hooks()
+        _guard_exit()
         try:
             for name in features.MODULES:
                 if name in sys.modules and STATE.active:
@@ -206,6 +208,24 @@ def _rebind(swap: Swap, old: Any, new: Any) -> None:
         namespace = getattr(module, "__dict__", None)
         if isinstance(namespace, dict) and namespace.get(swap.name) is old:
             setattr(module, swap.name, new)
+
+
+def _guard_exit() -> None:
+    """Note the threads running now and every one started while patched, and at exit let the finished ones
+    leave the OS before the interpreter finalizes (:mod:`.threads`: mlx's per-thread random key would otherwise
+    abort the exit)."""
+    name = "threading.Thread.start"
+    if name not in STATE.swaps:
+        original = vars(threading.Thread)["start"]
+        STATE.swaps[name] = Swap("start", original, threads.track(original), threading.Thread)
+    swap = STATE.swaps[name]
+    _rebind(swap, swap.original, swap.replacement)
+    for thread in threading.enumerate():  # those started before the patch
+        if thread is not threading.main_thread():
+            threads.note(thread)
+    if not STATE.exit_registered:
+        STATE.exit_registered = True
+        atexit.register(threads.settle)
 
 
 def _register_stats(config: VeloxConfig) -> None:

@@ -15,7 +15,7 @@ from ..log import once
 
 @dataclass
 class Swap:
-    """One function replaced in mlx_lm: the original and our replacement, bound on ``owner`` (a class)
+    """One function replaced in mlx_lm (or ``threading.Thread.start``, :mod:`.threads`): the original and our replacement, bound on ``owner`` (a class)
     or, when that is None, at every module-level binding of ``name``."""
 
     name: str
@@ -33,6 +33,7 @@ class PatchState:
     """Each feature decided since the last patch (:mod:`.features`): None when patched, else why it is off."""
     hooks_registered: bool = False
     stats_registered: bool = False
+    exit_registered: bool = False
 
     @property
     def active(self) -> bool:

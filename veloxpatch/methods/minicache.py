@@ -101,6 +101,7 @@ class MiniCacheCache(CrossLayerCache):
     """Folds older rows of a layer pair into shared directions, per-layer norms and retained exact rows."""
 
     uses_budget = False
+    budget_use = "VELOX_BUDGET does not apply: it keeps every token, merged across a pair of layers or exact."
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end", start: float = 0.5,
                  t: float = 0.6, gamma: float = 0.05) -> None:
@@ -111,6 +112,9 @@ class MiniCacheCache(CrossLayerCache):
 
     def knob_values(self) -> dict[str, object]:
         return {"start": self.start, "t": self.t, "gamma": self.gamma}
+
+    def folded_as(self) -> str:
+        return "merged across a pair of layers (their most dissimilar tokens exact)"
 
     def group(self) -> tuple[int, ...]:
         """The pair (S + 2i, S + 2i + 1) this layer belongs to, as member indexes, or this layer alone

@@ -55,6 +55,7 @@ class PyramidKVCache(EvictingCache):
     """SnapKV's policy with a budget set by the layer's depth in its list."""
 
     policy_class = cache_class("snapkv").policy_class  # SnapKV's knobs reach it too (``composes``)
+    budget_use = "VELOX_BUDGET is the rows it keeps per layer on average (deeper layers keep fewer)."
 
     def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", beta: float = 20.0,
                  **snapkv_knobs: object) -> None:

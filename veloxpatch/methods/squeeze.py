@@ -219,6 +219,7 @@ class SqueezeCache(EvictingCache):
 
     coordinator_class = SqueezeCoordinator
     wants_layer_io = True  # the cosine signal compares the block input with the attention output
+    budget_use = "VELOX_BUDGET is the rows it keeps per layer on average (moved between layers)."
 
     def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", policy: str = "snapkv",
                  strength: float = 0.5, signal: str = "cosine", share: float | None = None, **knobs: Any) -> None:

@@ -74,6 +74,9 @@ KNOBS = (
 class XKVCache(CrossLayerCache):
     """Folds older rows into a token factor shared by the layer group and a projection of its own."""
 
+    budget_use = ("It keeps every token; with VELOX_XKV_RANK=auto, VELOX_BUDGET is the bytes its folded rows may take "
+                  "(the rank follows).")
+
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end", group: int = 4,
                  rank: str = "auto", energy: float = 1.0, max_ctx: int = 65536) -> None:
         super().__init__(budget, sink, window, mode)
@@ -86,6 +89,9 @@ class XKVCache(CrossLayerCache):
 
     def knob_values(self) -> dict[str, object]:
         return {"group": self.group_layers, "rank": self.rank, "energy": self.energy, "max_ctx": self.max_ctx}
+
+    def folded_as(self) -> str:
+        return f"as low-rank factors (a token basis per group of {self.group_layers} layers)"
 
     def group(self) -> tuple[int, ...]:
         """This layer's block of ``VELOX_XKV_GROUP`` consecutive members."""

@@ -85,6 +85,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .. import stats
 from ..settings import Budget, Setting, choice, int_range
 from ..log import model_type, once
 from ..memo import per_model
@@ -143,6 +144,8 @@ class XQuantCache(CrossLayerCache):
 
     wants_layer_io = True
     uses_budget = False
+    budget_use = ("VELOX_BUDGET does not apply: it keeps every token, all but the exact window at VELOX_XQUANT_BITS "
+                  "bits (4 by default).")
 
     def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end", bits: int = 4,
                  group: int = 64, cl: int = 4, cl_bits: int = 3, latent: str = "auto") -> None:
@@ -389,6 +392,20 @@ class XQuantCache(CrossLayerCache):
         first = self.layer // self.cl * self.cl
         return tuple(range(first, min(first + self.cl, size)))
 
+    def folded_as(self) -> str | None:
+        """What a released row is kept as, in words for the stats line (None: exact, on a layer that cannot
+        rebuild)."""
+        if self.exact:
+            return None
+        held = "unquantized" if self.bits == 16 else f"{self.bits}-bit"
+        if self.latent_on:
+            return f"as a {held} GQA latent (K and V rebuilt from it)"
+        group = self.group()
+        if len(group) > 1 and self.layer != group[0]:
+            deltas = "unquantized" if self.cl_bits == 16 else f"{self.cl_bits}-bit"
+            return f"as {deltas} deltas from their group's {held} X (XQuant-CL; K and V rebuilt from it)"
+        return f"as {held} X (K and V rebuilt from it)"
+
     def shared_parts(self) -> list[Any]:
         """The group's X, held with the anchor (nothing for a layer alone)."""
         return [fold.shared for fold in self.folds if fold.shared is not None]
@@ -410,6 +427,7 @@ class XQuantCache(CrossLayerCache):
             self.folds = [Fold(0, end, rows, None, (self.layer,))]
         else:
             self.folds = [replace(self.folds[0], end=end)]
+        stats.totals.folds += 1
         rows, gone = self.store.rows, end - start
         index = mx.broadcast_to(mx.arange(gone, rows), (*self.store.row_positions().shape[:2], rows - gone))
         self.store.keep(index, self.min_fold())

@@ -1,0 +1,105 @@
+"""A clean exit for a process whose threads used mlx: the shim's workaround for a fault of mlx's.
+
+mlx's Python binding keeps each thread's default random key in a C++ ``thread_local`` (``PyKeySequence``,
+mlx's ``python/src/random.cpp``) whose destructor takes the GIL to drop the Python list holding the key. A
+``thread_local`` is destroyed when its OS thread ends, which is after Python counts the thread as finished:
+``Thread.join()`` returns once the thread's Python state is gone, before its C++ destructors have run. When the
+main thread has begun finalizing the interpreter by then, the destructor's ``PyGILState_Ensure`` ends the thread
+with ``pthread_exit``, whose unwinding meets the destructor's implicit ``noexcept`` and calls ``std::terminate``:
+"terminate called without an active exception", SIGABRT (status -6, 134 from a shell). Any thread that drew from
+the default key qualifies: ``mlx_lm server``'s generation thread builds the model, whose layers draw their
+initial weights from it, and the server joins that thread just before it exits, so without this a stop by SIGINT
+aborts most of the time. Four lines of mlx alone do it (docs/DESIGN.md, "A clean exit").
+
+While patched, :func:`track` (wrapped around ``threading.Thread.start``) notes each started thread's native id
+(the patch notes those already running). At exit, :func:`settle` (an ``atexit`` handler: those run after the
+interpreter has joined its non-daemon threads and before it finalizes) waits until every noted thread that has
+finished in Python has left the OS too (``/proc/self/task``, Linux), sleeping meanwhile so the GIL is free for
+their destructors; at most :data:`LIMIT_S`, and usually no time at all. Where ``/proc`` is missing it gives the
+GIL away for :data:`FALLBACK_S` once. A daemon thread still running at exit cannot be helped this way: one that
+drew from the key aborts the process when the interpreter stops it (mlx_lm's server has none such: its HTTP
+handler threads never draw from it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import wrapt
+
+LIMIT_S = 2.0
+"""The longest :func:`settle` waits for finished threads to leave the OS."""
+FALLBACK_S = 0.05
+"""Without ``/proc/self/task``: how long :func:`settle` sleeps, once, when a noted thread has finished."""
+PRUNE_AT = 256
+"""Noted threads kept before those already gone from the OS are forgotten (a server starts one per request)."""
+TASKS = "/proc/self/task"
+
+_noted: dict[int, weakref.ref[threading.Thread]] = {}
+_lock = threading.Lock()
+
+
+@wrapt.decorator
+def track(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """For ``threading.Thread.start``: start the thread, then note it for :func:`settle`."""
+    started = wrapped(*args, **kwargs)
+    note(instance if isinstance(instance, threading.Thread) else args[0])
+    return started
+
+
+def note(thread: threading.Thread) -> None:
+    """Remember ``thread`` (by its native id) until it has left the OS."""
+    native = getattr(thread, "native_id", None)
+    if native is None:
+        return
+    with _lock:
+        if len(_noted) >= PRUNE_AT:
+            _prune()
+        _noted[native] = weakref.ref(thread)
+
+
+def finished() -> list[int]:
+    """The native ids of noted threads that are done in Python (their OS thread may still be ending)."""
+    with _lock:
+        return [native for native, ref in _noted.items() if (thread := ref()) is None or not thread.is_alive()]
+
+
+def tasks() -> set[int] | None:
+    """The native ids of this process's OS threads now; None where the system does not list them."""
+    try:
+        return {int(name) for name in os.listdir(TASKS)}
+    except (OSError, ValueError):
+        return None
+
+
+def settle(limit: float = LIMIT_S) -> list[int]:
+    """Wait, at most ``limit`` seconds, until every noted thread finished in Python has ended in the OS too;
+    the native ids of those still there (none, normally)."""
+    waiting = finished()
+    if not waiting:
+        return []
+    deadline = time.monotonic() + limit
+    while True:
+        present = tasks()
+        if present is None:
+            time.sleep(FALLBACK_S)
+            return []
+        waiting = [native for native in waiting if native in present]
+        if not waiting or time.monotonic() >= deadline:
+            return waiting
+        time.sleep(0.001)
+
+
+def _prune() -> None:
+    """Forget noted threads that are gone from the OS (all finished ones where the OS does not say); holds
+    ``_lock``."""
+    present = tasks()
+    for native, ref in list(_noted.items()):
+        thread = ref()
+        done = thread is None or not thread.is_alive()
+        if done and (present is None or native not in present):
+            del _noted[native]
