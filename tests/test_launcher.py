@@ -25,12 +25,14 @@ APP = textwrap.dedent("""
                       "shim_on_path": any("_shim" in p for p in sys.path)}))
     code = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 0
     if "--check-patch" in sys.argv:
-        import veloxpatch, mlx_lm
+        import veloxpatch, mlx_lm, mlx.core
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_lm.models.llama import Model, ModelArgs
         args = ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
                          num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=50)
-        print("patched", veloxpatch.is_patched(), type(make_prompt_cache(Model(args))[0]).__name__)
+        model = Model(args)
+        mlx.core.eval(model.parameters())  # the probe never evaluates a model the app has not
+        print("patched", veloxpatch.is_patched(), type(make_prompt_cache(model)[0]).__name__)
     if "--spawn" in sys.argv:
         child = "import mlx_lm, veloxpatch; print('child', veloxpatch.is_patched())"
         print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip())

@@ -17,7 +17,7 @@ from veloxpatch.integration import wrappers
 # Prints the class of a tiny llama's first cache slot and whether attention is routed.
 PROBE = textwrap.dedent("""
     def probe(tag):
-        import sys, mlx_lm.models.cache as c, mlx_lm.models.base as b, mlx_lm.models.llama as llama
+        import sys, mlx.core as mx, mlx_lm.models.cache as c, mlx_lm.models.base as b, mlx_lm.models.llama as llama
         from mlx_lm.models.llama import Model, ModelArgs
         import veloxpatch.integration.wrappers as w
         args = ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
@@ -26,7 +26,9 @@ PROBE = textwrap.dedent("""
         routed = llama.scaled_dot_product_attention is b.scaled_dot_product_attention
         wrapped = hasattr(b.scaled_dot_product_attention, "__wrapped__")
         double = hasattr(getattr(b.scaled_dot_product_attention, "__wrapped__", None), "__wrapped__")
-        print(tag, type(gen.make_prompt_cache(Model(args))[0]).__name__, routed, wrapped, double)
+        model = Model(args)
+        mx.eval(model.parameters())  # the probe never evaluates a model the app has not
+        print(tag, type(gen.make_prompt_cache(model)[0]).__name__, routed, wrapped, double)
 """)
 
 

@@ -24,15 +24,19 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
 import veloxpatch.log
+from veloxpatch import builder, eligibility, structure
 from veloxpatch.caches import CompressedKVCache
 from veloxpatch.registry import METHODS, cache_class
 from veloxpatch.cli import main
-from veloxpatch.config import COMPRESS_MODES
+from veloxpatch.config import COMPRESS_MODES, VeloxConfig
 from veloxpatch.eligibility import assemble
 from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.eval import zoo
 from veloxpatch.eval.random_model import build
+from veloxpatch.integration import layer_io
 
+# model types whose forward cannot run a prefix of their layers, so the probe runs all of them
+PROBED_WHOLE = {"kimi_k3": "its forward walks range(self.num_layers), not its layer list"}
 SMALL_BUDGET = dict(budget=8, sink=2, window=4)
 SMALL_KNOBS = {"minicache": {"minicache_start": 0.0}}  # zoo models have two layers: pair them both
 
@@ -88,6 +92,32 @@ def test_every_model_type_runs_exactly_compressed_or_unpatched(model_type: str, 
         assert max(c.size() for c in ours) <= 16, f"{case}: rows exceed budget + decode headroom"
         if tier != "off":
             assert all(c.tier.rows > 0 and c.size() + c.tier.rows == c.offset for c in ours), f"{case}: rows lost"
+
+
+@pytest.mark.parametrize("model_type", zoo.model_types())
+def test_every_model_type_gets_the_same_verdict_from_a_prefix_of_its_layers_as_from_all(model_type: str,
+                                                                                      records) -> None:
+    """Built three times as deep, where the probe runs a prefix holding every kind of layer twice (one method per
+    type, in turn): slots served, slots left and why, the reason, the layouts, as a probe of every layer finds."""
+    reason = zoo.unbuildable(model_type)
+    if reason:
+        pytest.skip(reason)
+    model = build(zoo.deep_config(model_type))
+    caches = builder.mlx_caches(model)
+    slots = builder.candidate_slots(caches)
+    if not slots:
+        pytest.skip("no plain full-attention KVCache slot: nothing to probe")
+    method = sorted(METHODS)[zoo.model_types().index(model_type) % len(METHODS)]
+    config = VeloxConfig(kv=method, log="DEBUG")
+    veloxpatch.patch(config)
+    layer_io.prepare(model, config)
+    found, whole = (eligibility._probe(model, caches, slots, config, whole) for whole in (False, True))
+    assert (found.slots, found.left, found.reason, found.layouts, type(found.error)) == (
+        whole.slots, whole.left, whole.reason, whole.layouts, type(whole.error)), method
+    part = structure.prefix(model, caches)
+    if part is not None and part.length < len(caches):
+        whole_said = [r for r in records if "probing every layer" in r.getMessage()]
+        assert bool(whole_said) == (model_type in PROBED_WHOLE), "the prefix was not used" if whole_said else ""
 
 
 def test_the_line_for_a_model_left_unpatched_names_it_the_method_and_why(info_lines: list[str]) -> None:

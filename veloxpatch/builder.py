@@ -7,6 +7,11 @@ a model that fails the probe runs on mlx_lm's own caches, said once with the rea
 something raised; under ``VELOX_STRICT`` an error instead, :mod:`veloxpatch.fallback`). When
 the method's caches read layer inputs and outputs, the integration hooks the model's attention modules
 and decoder blocks before it calls the builder, so the probe runs the model as it will run.
+
+The probe runs the model, so it never meets a model whose parameters are not evaluated yet (mlx-lm's own tests
+build 35B-parameter configs and only read output shapes; ``load(lazy=True)``): its forward would be what evaluates
+them, all at once, before the app asked for it. Such a list stays mlx_lm's, said once at INFO (an error under
+``VELOX_STRICT``), and nothing is kept: the first list made after the app has evaluated the model is probed.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import eligibility, ranks
+from . import eligibility, ranks, structure
 from .caches.memory import MemoryPlan, device_bytes
 from .config import VeloxConfig, make_cache
 from .coordinators import coordinators_of
@@ -22,6 +27,8 @@ from .fallback import notice
 from .log import log, model_type, once
 
 NO_SLOT = "no plain full-attention KVCache slot; running unpatched"
+LAZY = ("its parameters are not evaluated yet, and the probe would evaluate them before the app does (the first "
+        "cache list made once they are is probed); running unpatched")
 
 
 def candidate_slots(caches: list[Any]) -> tuple[int, ...]:
@@ -47,7 +54,9 @@ def explain(model: Any, config: VeloxConfig) -> str:
     slots = candidate_slots(caches)
     if not slots:
         return NO_SLOT
-    found = eligibility.verdict(model, caches, slots, config)
+    if unprobed_and_lazy(model, slots, config):
+        return LAZY
+    found = eligibility.verdict(model, caches, slots, config, whole=ranks.is_split(model))
     text = found.describe(len(slots))
     if config.kv_memory and found.slots:
         text += "; " + memory_plan(caches, found, config, make_cache(config).policy).describe()  # ConfigError when it cannot hold the floor
@@ -60,9 +69,12 @@ def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
     part, whatever its own verdict."""
     name = model_type(model)
     slots = candidate_slots(caches)
+    if slots and unprobed_and_lazy(model, slots, config):  # before the ranks agree: every rank's model is alike
+        notice(f"{name} with {config.kv}: {LAZY}", config, key=f"{name} {config.kv} lazy", level=logging.INFO)
+        return caches
     if slots:
         ranks.settled(model)
-        found = eligibility.verdict(model, caches, slots, config)
+        found = eligibility.verdict(model, caches, slots, config, whole=ranks.is_split(model))
     else:
         found = eligibility.Verdict((), reason=NO_SLOT.removesuffix("; running unpatched"))
     members = len({id(caches[i]) for i in found.slots})
@@ -83,6 +95,11 @@ def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
     if config.kv_memory:
         _limit(name, built, found, config)
     return built
+
+
+def unprobed_and_lazy(model: Any, slots: tuple[int, ...], config: VeloxConfig) -> bool:
+    """Whether the probe would run on ``model`` now and evaluate parameters the app has not evaluated yet."""
+    return not eligibility.probed(model, slots, config) and structure.unevaluated(model)
 
 
 def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConfig, policy: Any) -> MemoryPlan:

@@ -11,28 +11,36 @@ layer's KV to other layers. So the builder probes each model once, with a few du
 3. at a budget below the probe's length (prefill and decode compressions), nothing raises.
 
 A slot failing 1 stays mlx_lm's and the others are probed again; failing 2 or 3 leaves the whole
-model to mlx_lm. Each verdict carries the reason, in words a user can act on, and the error when one was
-raised (our code, or the model's, running with our caches): the builder logs that as a WARNING, not as a
-model the probe merely turned away, and ``VELOX_STRICT`` makes any verdict that leaves a slot to mlx_lm an
-error.
+model to mlx_lm.
+
+The probe's cost does not grow with depth: where the model's layers map one to one onto the cache list, it runs
+the shortest prefix of the layers holding every kind of layer (:mod:`veloxpatch.structure`: the forward gets that
+many caches and a view of the model with that many layers), and each slot past the prefix gets the verdict of its
+kind. The whole model is probed where that cannot stand: no such prefix, a forward that fails over the prefix, two
+layers of one kind that fared differently, or a model split across ranks (its ranks must run the same forwards).
+
+Each verdict carries the reason, in words a user can act on, and the error when one was raised (our code, or the
+model's, running with our caches): the builder logs that as a WARNING, not as a model the probe merely turned away,
+and ``VELOX_STRICT`` makes any verdict that leaves a slot to mlx_lm an error.
 """
 
 from __future__ import annotations
 
 import copy
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
 
-from . import stats
+from . import stats, structure
 from .caches import CompressedKVCache
 from .caches.memory import SlotLayout, layout_of
 from .config import Budget, VeloxConfig, make_cache
 from .coordinators import Coordinator
-from .memo import per_model
+from .log import log
+from .memo import known, per_model
 
 # token chunks fed to the model: two prefill chunks, then decode steps (ids valid in any vocabulary)
 EXACT_CHUNKS = ((1, 2), (3, 4), (5,))
@@ -81,21 +89,33 @@ def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], Compres
     return out
 
 
-def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig) -> Verdict:
+def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
+            whole: bool = False) -> Verdict:
     """The probe's verdict for ``model`` under ``config`` (kept while the model lives); never raises.
 
-    ``caches`` is a fresh list from mlx_lm and ``slots`` its plain ``KVCache`` slots. The
-    attention route must be patched, or no call reaches our caches.
+    ``caches`` is a fresh list from mlx_lm and ``slots`` its plain ``KVCache`` slots; ``whole`` probes every layer
+    (a model split across ranks). The attention route must be patched, or no call reaches our caches. The probe
+    evaluates the model: the builder asks :func:`probed` and :func:`veloxpatch.structure.unevaluated` first.
     """
-    key = (slots, config.kv, config.compress, tuple(sorted(config.knobs.items())))
-    return per_model(_verdicts, model, key, lambda: _probe_keeping_stats(model, caches, slots, config))
+    return per_model(_verdicts, model, _key(slots, config),
+                     lambda: _probe_keeping_stats(model, caches, slots, config, whole))
 
 
-def _probe_keeping_stats(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig) -> Verdict:
+def probed(model: Any, slots: tuple[int, ...], config: VeloxConfig) -> bool:
+    """Whether :func:`verdict` has a verdict kept for ``model``, ``slots`` and ``config`` (no probe would run)."""
+    return known(_verdicts, model, _key(slots, config))
+
+
+def _key(slots: tuple[int, ...], config: VeloxConfig) -> Hashable:
+    return slots, config.kv, config.compress, tuple(sorted(config.knobs.items()))
+
+
+def _probe_keeping_stats(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
+                         whole: bool) -> Verdict:
     """Probe without counting the probe's caches and compressions in the user's statistics."""
     saved = dict(vars(stats.totals))
     try:
-        return _probe(model, caches, slots, config)
+        return _probe(model, caches, slots, config, whole)
     except Exception as error:  # the builder says it (or raises under strict): the app runs on mlx_lm's caches
         return Verdict((), reason=f"the probe could not run the model ({type(error).__name__}: {error})",
                        **_raised(error))
@@ -103,14 +123,68 @@ def _probe_keeping_stats(model: Any, caches: list[Any], slots: tuple[int, ...], 
         vars(stats.totals).update(saved)
 
 
-def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig) -> Verdict:
-    """Drop the slots the model misuses until the rest pass, then check outputs and eviction."""
+def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig, whole: bool) -> Verdict:
+    """The verdict from a prefix of the layers holding every kind where it stands for the model, else from all."""
+    part = None if whole else _prefix(model, caches)
+    if part is not None and part.length < len(caches):
+        found = _probe_prefix(model, caches, slots, config, part)
+        if found is not None:
+            return found
+    return _probe_list(model, caches, slots, config, _plain_run(model, caches))
+
+
+def _prefix(model: Any, caches: list[Any]) -> structure.Prefix | None:
+    """:func:`veloxpatch.structure.prefix`, or None (the whole model is probed) where reading the layers fails."""
+    try:
+        return structure.prefix(model, caches)
+    except Exception as error:  # a layer stack unlike mlx_lm's: not a reason to turn the model away
+        log.debug("probing every layer of %s: its layers could not be read (%r)", type(model).__name__, error)
+        return None
+
+
+def _probe_prefix(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
+                  part: structure.Prefix) -> Verdict | None:
+    """The verdict of the first ``part.length`` layers, for every slot of the list; None where it cannot stand for
+    the model: its forward over that many caches fails, or two layers of one kind fared differently."""
+    short = caches[: part.length]
+    try:
+        shallow = structure.shortened(model, part.length)
+        plain = _plain_run(shallow, short)
+    except Exception as error:  # e.g. a forward counting layers of its own: the model is probed whole
+        log.debug("probing every layer of %s: a forward over %d layers raised %r", type(model).__name__,
+                  part.length, error)
+        return None
+    found = _probe_list(shallow, short, tuple(i for i in slots if i < part.length), config, plain)
+    if not _alike(found, part):
+        log.debug("probing every layer of %s: layers of one kind fared differently", type(model).__name__)
+        return None
+    return replace(found, slots=tuple(i for i in slots if part.kinds[i] in found.slots),
+                   left={i: found.left[part.kinds[i]] for i in slots if part.kinds[i] in found.left},
+                   layouts=tuple(structure.widen(found.layouts, part)) if found.layouts else ())
+
+
+def _alike(found: Verdict, part: structure.Prefix) -> bool:
+    """Whether every probed slot fared as the first slot of its kind did (served, or left for the same reason)."""
+    def fate(i: int) -> Any:
+        return found.left.get(i, i in found.slots)
+
+    return all(fate(i) == fate(part.kinds[i]) for i in range(part.length))
+
+
+def _plain_run(model: Any, caches: list[Any]) -> tuple[list[Any], list[mx.array]]:
+    """mlx_lm's caches after the exact chunks, and the logits of each forward."""
     plain = copy.deepcopy(caches)
-    expected = list(_forwards(model, plain, EXACT_CHUNKS))
+    return plain, list(_forwards(model, plain, EXACT_CHUNKS))
+
+
+def _probe_list(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
+                plain: tuple[list[Any], list[mx.array]]) -> Verdict:
+    """Drop the slots the model misuses until the rest pass, then check outputs and eviction; ``plain`` is
+    :func:`_plain_run` over ``caches``."""
     left: dict[int, str] = {}
     candidates = list(slots)
     while candidates:
-        run = _Run(model, caches, candidates, config, NEVER, EXACT_CHUNKS, expected)
+        run = _Run(model, caches, candidates, config, NEVER, EXACT_CHUNKS, plain[1])
         blamed = run.misused()
         if not blamed and run.error is not None:
             return Verdict((), left, f"raises {type(run.error).__name__}: {run.error}", **_raised(run.error))
@@ -127,7 +201,7 @@ def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxC
     if problems:
         raised = _raised(evicting.error) if evicting.error is not None else {}
         return Verdict((), left, f"fails once rows are evicted ({problems[0]})", **raised)
-    return Verdict(tuple(candidates), left, layouts=_layouts(plain, run))
+    return Verdict(tuple(candidates), left, layouts=_layouts(plain[0], run))
 
 
 def _layouts(plain: list[Any], run: _Run) -> tuple[SlotLayout, ...]:

@@ -18,3 +18,8 @@ def per_model(table: dict[tuple[int, Hashable], Any], model: Any, key: Hashable,
         table[full] = compute()
         weakref.finalize(model, table.pop, full, None)
     return table[full]
+
+
+def known(table: dict[tuple[int, Hashable], Any], model: Any, key: Hashable) -> bool:
+    """Whether ``table`` holds an entry for ``model`` and ``key`` (:func:`per_model` would compute nothing)."""
+    return (id(model), key) in table

@@ -60,7 +60,7 @@ _placed: list[tuple[int, int]] = []  # (rank, ranks) once this process took part
 def settled(model: Any) -> None:
     """Before the probe runs a split model (its forwards hold the model's own collectives, on the default
     stream): let a generation's step still in flight finish first, or the two would pair on the ring."""
-    if _split(model).split:
+    if is_split(model):
         settle()
 
 
@@ -71,6 +71,11 @@ def agreement(model: Any, config: VeloxConfig, ready: bool, members: int) -> tup
     if not split.split:
         return ready, Span()
     return per_model(_agreed, model, tuple(agreed_settings(config)), lambda: agree(split, config, ready, members))
+
+
+def is_split(model: Any) -> bool:
+    """Whether ``model`` is split across ranks (its forwards hold collectives every rank must meet alike)."""
+    return _split(model).split
 
 
 def _split(model: Any) -> Split:

@@ -6,7 +6,8 @@
 * ``generate_step`` / ``speculative_generate_step``: a generation starts on a cache list. Every
   coordinator in it resets (a server list holds main and draft caches, each with its own), caches
   that lost theirs (restored with ``from_state``) get one, and copies made without ``__init__``
-  (the server deep-copies prompt caches) are counted in the statistics.
+  (the server deep-copies prompt caches) are counted in the statistics. A generation that makes its
+  own list from a model not evaluated yet evaluates it first (:func:`_evaluate_first`).
 * ``load_prompt_cache``: a restored list gets its coordinator back.
 * the batched-generation entries live in :mod:`.batched`.
 
@@ -24,7 +25,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import wrapt
 
-from .. import builder, stats
+from .. import builder, stats, structure
 from ..fallback import StrictError, fall_back
 from ..settings import ConfigError
 from ..caches import CompressedKVCache, blocks
@@ -86,6 +87,7 @@ def _in_blocks(cache: Any, queries: mx.array) -> bool:
 def generation_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """For ``generate_step`` and ``speculative_generate_step`` (``prompt_cache`` is keyword-only)."""
     try:
+        _evaluate_first(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
         _start_generation(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
     except Exception as error:
         fall_back("starting a generation", error, STATE.config,
@@ -99,6 +101,8 @@ def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
     generation starts as for ``generate_step``."""
     call = inspect.signature(wrapped).bind(*args, **kwargs)
     try:
+        _evaluate_first(call.arguments.get("prompt_cache"), call.arguments.get("model"),
+                        call.arguments.get("draft_model"))
         _draft_caches(call.arguments)
         _share_memory_plan(call.arguments)
         _start_generation(call.arguments.get("prompt_cache"), call.arguments.get("model"))
@@ -115,6 +119,19 @@ def load_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
     loaded = wrapped(*args, **kwargs)
     _adopt(ours(loaded[0] if isinstance(loaded, tuple) else loaded))
     return loaded
+
+
+def _evaluate_first(caches: Any, *models: Any) -> None:
+    """Evaluate the parameters of ``models`` not evaluated yet when mlx_lm is about to make their cache list
+    (``caches`` is None): the generation's first forward would evaluate them moments later, in the same memory, and
+    the probe, which never evaluates a model (:func:`veloxpatch.builder.build`), can then serve this generation
+    rather than the next (an app that loaded its model with ``lazy=True``)."""
+    config = STATE.config
+    if caches is not None or config is None or not config.enabled:
+        return
+    for model in models:
+        if model is not None and structure.unevaluated(model):
+            mx.eval(model.parameters())
 
 
 def _start_generation(caches: Any, model: Any) -> None:
