@@ -172,6 +172,39 @@ def test_a_prefill_group_merged_another_way_is_caught(monkeypatch) -> None:
     assert "not merged by its first sequence's cache's merge" in compat.check("BatchGenerator._unprocessed_sequences")
 
 
+# --------------------------------------------------------------------- the server (settings per request)
+def test_the_installed_server_queues_a_request_as_compat_knows() -> None:
+    assert set(compat.SERVER_LAYOUTS) == {"the server's queued request"}
+    found = compat.check("the server's queued request")
+    assert found is None, f"mlx-lm {mlx_lm_version()} changed how its server queues a request: {found}"
+
+
+def test_a_server_queueing_its_request_another_way_is_caught(monkeypatch) -> None:
+    server = importlib.import_module("mlx_lm.server")
+
+    class Queue(deque):
+        put = deque.append
+
+    # the arguments before the request
+    monkeypatch.setattr(server.ResponseGenerator, "generate",
+                        lambda self, request, generation_args, progress_callback=None:
+                        self.requests.put((Queue(), generation_args, request)))
+    assert compat.check("the server's queued request") == "generate queues the arguments at [1], not at [2]"
+
+
+def test_generation_arguments_that_keep_no_attribute_are_caught(monkeypatch) -> None:
+    import dataclasses
+
+    server = importlib.import_module("mlx_lm.server")
+
+    @dataclasses.dataclass(slots=True)
+    class GenerationArguments:
+        max_tokens: int
+
+    monkeypatch.setattr(server, "GenerationArguments", GenerationArguments)
+    assert compat.check("the server's queued request").startswith("AttributeError: ")
+
+
 # --------------------------------------------------------------------- batching alone falls back
 def test_a_changed_layout_leaves_batching_to_mlx_lm_and_the_rest_patched(loaded, monkeypatch, warnings) -> None:
     model, tokenizer = loaded

@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx_lm.generate  # noqa: F401  (imported before any snapshot of what is bound where)
 import mlx_lm.models.llama  # noqa: F401  (so is tiny()'s model, a holder of the attention function)
+import mlx_lm.server  # noqa: F401  (the defining module of the settings per request)
 import pytest
 from click.testing import CliRunner
 
@@ -132,6 +133,37 @@ def test_an_essential_feature_off_leaves_all_of_mlx_lm_as_it_is(monkeypatch, rec
                                         "mask, sinks)")
     with pytest.raises(StrictError, match="attention route cannot be patched"):
         veloxpatch.patch(kv="snapkv", budget=64, strict=True)
+    assert bindings() == before
+
+
+def test_a_server_without_a_private_method_keeps_every_request_on_the_process_settings(monkeypatch, records) -> None:
+    server = sys.modules["mlx_lm.server"]
+    monkeypatch.delattr(server.ResponseGenerator, "_is_batchable")
+    before = bindings()
+    assert veloxpatch.patch(kv="snapkv", budget=64, log="INFO")
+    assert bindings()["LRUPromptCache.insert_cache"] is before["LRUPromptCache.insert_cache"], "all or nothing"
+    assert bindings()["APIHandler.validate_model_parameters"] is before["APIHandler.validate_model_parameters"]
+    assert wrapped("mlx_lm.models.cache.make_prompt_cache", before)
+    [said] = [r for r in records if "process's settings" in r.getMessage()]
+    assert said.levelno == logging.INFO and said.getMessage() == (
+        "the server serves every request with the process's settings (a request's \"velox\" field and X-Velox-* "
+        "headers are ignored, and its usage says nothing of its KV cache): ResponseGenerator._is_batchable is not in "
+        f"mlx-lm {version.mlx_lm_version()}")
+    veloxpatch.unpatch()
+    assert bindings() == before
+
+
+def test_a_changed_server_layout_keeps_every_request_on_the_process_settings(monkeypatch, records) -> None:
+    from veloxpatch.integration import compat
+
+    monkeypatch.setattr(compat, "ARGUMENTS_AT", 1)
+    before = bindings()
+    assert veloxpatch.patch(kv="snapkv", budget=64, log="INFO")
+    assert bindings()["ResponseGenerator._serve_single"] is before["ResponseGenerator._serve_single"]
+    assert STATE.features["settings per request"].startswith(
+        "the server's queued request is not the layout veloxpatch knows (generate queues the arguments at [2], "
+        "not at [1]")
+    veloxpatch.unpatch()
     assert bindings() == before
 
 

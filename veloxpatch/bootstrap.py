@@ -22,15 +22,17 @@ def _read(name: str) -> str:
 def install() -> None:
     """Arrange for mlx_lm to be patched from ``VELOX_*`` when it is imported.
 
-    Without a KV method there is still ``VELOX_FLOAT32`` to apply, unless it is off.
+    Without a KV method there is still ``VELOX_FLOAT32`` to apply, unless it is off; and mlx_lm's server is patched
+    whatever the settings, when it is imported: a request there may ask for a method of its own.
     """
-    if _read("VELOX_KV") in DISABLED and _read("VELOX_FLOAT32") == "off":
-        return
+    everything = not (_read("VELOX_KV") in DISABLED and _read("VELOX_FLOAT32") == "off")
     sys.excepthook = _config_errors_exit_2(sys.excepthook)
     try:
         import wrapt
 
-        wrapt.register_post_import_hook("veloxpatch.integration:on_mlx_lm_import", "mlx_lm")
+        if everything:
+            wrapt.register_post_import_hook("veloxpatch.integration:on_mlx_lm_import", "mlx_lm")
+        wrapt.register_post_import_hook("veloxpatch.integration:on_server_import", "mlx_lm.server")
     except Exception as error:  # the host app must start regardless
         if strict_requested():
             raise

@@ -18,8 +18,8 @@ from .settings import (
     PREFIX, Budget, ConfigError, Memory, Setting, TierSize, boolean, choice, int_range, to_text,
 )
 
-__all__ = ["Budget", "ConfigError", "Memory", "Setting", "TierSize", "VeloxConfig", "all_settings", "choice", "from_env", "int_range",
-           "make_cache", "setting"]
+__all__ = ["PROCESS_WIDE", "Budget", "ConfigError", "Memory", "Setting", "TierSize", "VeloxConfig", "all_settings",
+           "choice", "from_env", "int_range", "make_cache", "request_settings", "setting"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 COMPRESS_MODES = ("end", "chunk")
@@ -99,6 +99,19 @@ CORE_SETTINGS: tuple[Setting, ...] = (
 )
 
 
+PROCESS_WIDE: dict[str, str] = {
+    "kv_memory": "a memory target is planned from the model when a cache list is built, and a request the model "
+                 "cannot hold within it could not be answered with an error before its answer starts",
+    "float32": "the model's weights are cast once, when the model loads",
+    "blas": "the launcher preloads the library when the process starts",
+    "log": "veloxpatch's log is the process's",
+    "strict": "whether a fallback is an error is decided for the whole process",
+    "stats": "the summary is the process's, printed when it exits",
+}
+"""The settings a server request cannot change (by key), and why: every other setting, method knobs included, may
+differ per request (:func:`request_settings`)."""
+
+
 def all_settings() -> tuple[Setting, ...]:
     """Core settings followed by every registered method's knobs (a knob named like a core setting is refused)."""
     knobs = tuple(k for m in METHODS.values() for k in m.knobs)
@@ -114,6 +127,12 @@ def setting(name: str) -> Setting:
         if s.name == name:
             return s
     raise KeyError(name)
+
+
+def request_settings() -> dict[str, Setting]:
+    """The settings a server request may carry, by key (``budget``, ``snapkv_kernel``): what its cache list is
+    built from. The rest are the process's (:data:`PROCESS_WIDE`)."""
+    return {s.key: s for s in all_settings() if s.key not in PROCESS_WIDE}
 
 
 _CORE_KEYS = {s.key for s in CORE_SETTINGS}
@@ -175,6 +194,15 @@ class VeloxConfig:
     def enabled(self) -> bool:
         """True when a compression method is selected."""
         return self.kv != "none"
+
+    def cache_settings(self) -> tuple[Any, ...]:
+        """What a cache list is built from, as one hashable value: equal for two configs whose lists are made alike
+        (the settings of :func:`request_settings` that reach the method's caches; with no method, mlx_lm's own)."""
+        if not self.enabled:
+            return ("none",)
+        knobs = sorted((s.key, self.knobs[s.key]) for s in knob_settings(self.kv, self.knobs).values())
+        return (self.kv, self.budget, self.sink, self.window, self.tier, self.tier_size, self.compress, self.draft_kv,
+                self.kv_memory, tuple(knobs))
 
     def knob(self, key: str) -> Any:
         """A method knob's value by key (``snapkv_kernel``)."""

@@ -15,7 +15,7 @@ import inspect
 import sys
 from collections.abc import Iterable
 
-from veloxpatch.config import CORE_SETTINGS, Setting, all_settings
+from veloxpatch.config import CORE_SETTINGS, PROCESS_WIDE, Setting, all_settings, request_settings
 from veloxpatch.registry import METHODS
 
 COMMANDS = {"settings": "python -m veloxpatch.docs settings > docs/settings.md",
@@ -30,6 +30,24 @@ unknown `VELOX_*` name gets a warning with the closest valid name."""
 BUDGET_RULE = """\
 A token budget must be at least `VELOX_SINK + VELOX_WINDOW`: those rows are never evicted. A percentage budget is a
 share of the tokens each layer has seen so far (`100%` never evicts)."""
+
+
+PER_REQUEST = """\
+A request to `mlx_lm server` (under the launcher) may carry its own settings, in a `velox` field of its JSON body
+(`"velox": {"kv": "snapkv", "budget": "25%", "snapkv_kernel": 7}`) or in headers named `X-Velox-` and the key with
+`-` for `_` (`X-Velox-Tier-Size: all`), each value as the environment would spell it (JSON numbers and booleans
+too). What it does not say is the server's. A bad value, an unknown key or one of the process's own settings is an
+HTTP 400 naming the field, the value and what is allowed."""
+
+
+def _per_request() -> list[str]:
+    """Which settings a server request may carry, and which are the process's, and why."""
+    keys = [f"`{key}`" for key, s in request_settings().items() if not s.method]
+    lines = ["## Per request, on mlx_lm's server", "", PER_REQUEST, "",
+             f"A request may carry {', '.join(keys)} and every method's knob by its key (`snapkv_kernel`). These are "
+             "the process's alone:", ""]
+    lines += [f"- `{key}`: {why}." for key, why in PROCESS_WIDE.items()]
+    return lines
 
 
 def _generated(page: str) -> str:
@@ -66,7 +84,7 @@ def settings_markdown() -> str:
     knobs = sorted((s for s in all_settings() if s.name not in core), key=lambda s: s.method or "")
     lines = ["# Settings", "", _generated("settings"), "", HOW_GIVEN, "",
              *_table([*CORE_SETTINGS, *knobs], option=False), "", BUDGET_RULE, "",
-             "Each method's knobs, with their launcher options, are in [methods.md](methods.md)."]
+             "Each method's knobs, with their launcher options, are in [methods.md](methods.md).", "", *_per_request()]
     return "\n".join(lines) + "\n"
 
 

@@ -54,6 +54,24 @@ def counts(caches: list[Any] | None = None) -> list[int]:
             sum(c.dense_nbytes() for c in live)]
 
 
+def held(caches: list[Any]) -> dict[str, int]:
+    """What one cache list holds, ours and mlx_lm's slots alike: ``kv_bytes`` (physical bytes, as ``nbytes``:
+    spare capacity, a tier's low-bit rows and a prompt's snapshot included), ``dense_kv_bytes`` (what mlx_lm's
+    full cache would hold for the same tokens; mlx_lm's own slots count as they are), ``rows_kept`` (the rows
+    attention runs over, summed over layers) and ``rows_seen`` (the tokens each layer has seen, summed)."""
+    found = {"kv_bytes": 0, "dense_kv_bytes": 0, "rows_kept": 0, "rows_seen": 0}
+    for cache in caches:
+        nbytes = int(getattr(cache, "nbytes", 0) or 0)
+        dense = getattr(cache, "dense_nbytes", None)
+        offset = getattr(cache, "offset", None)
+        found["kv_bytes"] += nbytes
+        found["dense_kv_bytes"] += nbytes if dense is None else int(dense())
+        if isinstance(offset, int):  # a slot without one (an SSM's state) keeps no rows per token
+            found["rows_kept"] += int(cache.size())
+            found["rows_seen"] += offset
+    return found
+
+
 def forms(cache: Any) -> dict[str, int]:
     """The rows ``cache`` keeps in a form other than exact keys and values, by form in words."""
     kept_forms = getattr(cache, "kept_forms", None)

@@ -24,10 +24,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    """POST a completion request; (status, JSON body or {"error": text})."""
+def post(url: str, body: dict, timeout: float = 120, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    """POST a completion request (with ``headers`` besides its content type); (status, JSON body or {"error":
+    text})."""
     request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+                                     {"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())

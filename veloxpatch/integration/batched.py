@@ -58,7 +58,7 @@ from ..caches.evicting import EvictingCache
 from ..fallback import StrictError, notice
 from ..log import once
 from . import compat
-from .state import STATE, batched_generation
+from .state import batched_generation, in_force
 from .wrappers import ours
 
 
@@ -95,7 +95,8 @@ def batch_generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
 
 def _ours_to_batch() -> bool:
     """Whether a compression method is on (with only ``VELOX_FLOAT32`` at work, batching is mlx_lm's own)."""
-    return STATE.config is not None and STATE.config.enabled
+    config = in_force()
+    return config is not None and config.enabled
 
 
 def _layout_known(names: tuple[str, ...]) -> bool:
@@ -105,7 +106,7 @@ def _layout_known(names: tuple[str, ...]) -> bool:
     problem = compat.layout_problem(names)
     if problem is None:
         return True
-    notice(f"batched generation runs on mlx_lm's own caches only: {problem}", STATE.config,
+    notice(f"batched generation runs on mlx_lm's own caches only: {problem}", in_force(),
            key=f"batched layout: {problem}")
     return False
 
@@ -113,7 +114,7 @@ def _layout_known(names: tuple[str, ...]) -> bool:
 def _refused_under_strict() -> None:
     """A batch runs on mlx_lm's batch caches, which hold every row it is given and every row it adds:
     compression does not go on there, a fallback that ``VELOX_STRICT`` turns into an error."""
-    config = STATE.config
+    config = in_force()
     if config.strict:
         raise StrictError(f"mlx_lm's batched generation (BatchGenerator, batch_generate, the server's batched path) "
                           f"runs on mlx_lm's own batch caches, not compressed by {config.kv}, but VELOX_STRICT is set")

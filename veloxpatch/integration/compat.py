@@ -1,4 +1,4 @@
-"""The one place that names what mlx_lm keeps private and veloxpatch's batched generation touches.
+"""The one place that names what mlx_lm keeps private and veloxpatch's batched generation and server touch.
 
 :mod:`.batched` reaches into mlx_lm 0.32's ``BatchGenerator`` (the tuples of its waiting sequences,
 the caches of its prompt and generation batches), builds subclasses of ``KVCache`` and
@@ -10,6 +10,14 @@ model (a ``BatchGenerator`` over no model, a few one-row caches, signatures), an
 :func:`layout_problem` says what differs, so a changed mlx_lm turns batching off instead of
 corrupting it.
 
+The server's settings per request (:mod:`.server`) rely on how mlx_lm's ``server`` hands a request from the HTTP
+handler to its generation thread: the handler keeps the parsed JSON body as ``body``, ``ResponseGenerator.generate``
+queues (response queue, request, generation arguments) and its generation thread passes that tuple to
+``_serve_single`` and the arguments to ``_is_batchable``; a request's settings ride on the generation arguments (a
+plain dataclass instance that takes one more attribute and pickles it, so the ranks of a distributed server get it
+too). :data:`SERVER_LAYOUTS` checks these when ``mlx_lm.server`` is imported; the feature that needs them
+(:mod:`.features`) is off where one differs.
+
 mlx_lm is imported on first use (:func:`_mlx_lm`): importing veloxpatch never imports it.
 """
 
@@ -20,6 +28,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import pickle
 from types import ModuleType
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -147,6 +156,81 @@ def batch_response(**fields: Any) -> Any:
 def wired_limit(model: Any) -> ContextManager[None]:
     """mlx_lm's ``wired_limit(model)``, which ``batch_generate`` runs its generator under."""
     return _mlx_lm("generate").wired_limit(model)
+
+
+# --------------------------------------------------------------------- the server
+ARGUMENTS_AT = 2
+"""Where the generation arguments sit in the tuple ``ResponseGenerator.generate`` queues, (response queue,
+request, arguments): the tuple ``_serve_single`` gets."""
+
+CARRIED = "_veloxpatch_request"
+"""The attribute veloxpatch adds to mlx_lm's objects of one request (its handler, its generation arguments)."""
+
+
+def request_body(handler: Any) -> Any:
+    """The JSON body of the request an ``APIHandler`` is answering: ``do_POST`` parses it into ``handler.body``
+    before it calls ``validate_model_parameters``."""
+    return getattr(handler, "body", None)
+
+
+def queued_arguments(request: tuple) -> Any:
+    """The generation arguments of a request as the generation thread got it (:data:`ARGUMENTS_AT`)."""
+    return request[ARGUMENTS_AT]
+
+
+def carry(holder: Any, value: Any) -> None:
+    """Attach ``value`` to one of mlx_lm's per-request objects (:data:`CARRIED`)."""
+    setattr(holder, CARRIED, value)
+
+
+def carried(holder: Any) -> Any:
+    """What :func:`carry` attached to ``holder``; None if nothing."""
+    return getattr(holder, CARRIED, None)
+
+
+def _check_queued_request() -> str | None:
+    """``ResponseGenerator.generate`` queues (response queue, request, arguments), the arguments at
+    :data:`ARGUMENTS_AT`, run on a stand-in generator whose queue answers at once with an error; and the generation
+    arguments, a dataclass, take an attribute and keep it through pickling."""
+    server = _mlx_lm("server")
+    queued: list[tuple] = []
+
+    class Requests:
+        def put(self, item: tuple) -> None:
+            queued.append(item)
+            item[0].put(LookupError("veloxpatch's layout check"))  # generate raises it: nothing waits
+
+    class StandIn:
+        requests = Requests()
+
+        def generation_available(self) -> bool:
+            return True
+
+        def _await_response(self, queue: Any) -> Any:
+            return queue.get()
+
+    cls = server.GenerationArguments
+    arguments = cls(**{f.name: None for f in dataclasses.fields(cls)})
+    request = object()
+    try:
+        inspect.unwrap(server.ResponseGenerator.generate)(StandIn(), request, arguments)
+    except LookupError:
+        pass
+    if len(queued) != 1 or not isinstance(queued[0], tuple) or len(queued[0]) <= ARGUMENTS_AT:
+        return f"generate queued {queued!r}, not one (response queue, request, arguments) tuple"
+    if queued[0][ARGUMENTS_AT] is not arguments or queued[0][1] is not request:
+        return f"generate queues the arguments at {[i for i, x in enumerate(queued[0]) if x is arguments]}, " \
+               f"not at [{ARGUMENTS_AT}]"
+    carry(arguments, "probe")
+    if carried(pickle.loads(pickle.dumps(arguments))) != "probe":
+        return f"{cls.__name__} does not keep an attribute through pickling"
+    return None
+
+
+SERVER_LAYOUTS: dict[str, Callable[[], str | None]] = {
+    "the server's queued request": _check_queued_request,
+}
+"""Each layout of ``mlx_lm.server`` the settings per request rely on, by name, and its check."""
 
 
 # --------------------------------------------------------------------- checking the layouts
@@ -297,10 +381,10 @@ ones differ (mlx-lm 0.31's ``batch_generate`` takes fewer parameters), batches s
 
 
 def check(name: str) -> str | None:
-    """What the installed mlx_lm has instead of layout ``name`` (None: what veloxpatch knows). A check
-    that raises has found a different layout too; what it raised is said."""
+    """What the installed mlx_lm has instead of layout ``name`` (of :data:`LAYOUTS` or :data:`SERVER_LAYOUTS`;
+    None: what veloxpatch knows). A check that raises has found a different layout too; what it raised is said."""
     try:
-        return LAYOUTS[name]()
+        return {**LAYOUTS, **SERVER_LAYOUTS}[name]()
     except Exception as error:
         return f"{type(error).__name__}: {error}"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
-from . import batched, compat, float32, version, wrappers
+from . import batched, compat, float32, server, version, wrappers
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -68,6 +68,9 @@ class Feature:
     """What happens while it is off, said in the one line that says so."""
     essential: bool = False
     """Off means the whole shim passes through (nothing can be compressed without it)."""
+    layouts: tuple[str, ...] = ()
+    """What of mlx_lm's private layouts its wrappers rely on (:data:`.compat.SERVER_LAYOUTS`), checked with its
+    names: one that differs leaves the feature off."""
 
 
 FEATURES: tuple[Feature, ...] = (
@@ -90,6 +93,19 @@ FEATURES: tuple[Feature, ...] = (
     Feature("sequential batch_generate", "mlx_lm.generate", (
         Target("batch_generate", batched.batch_generate, exactly=compat.BATCH_GENERATE),
     ), off="batch_generate stays mlx_lm's"),
+    Feature("settings per request", "mlx_lm.server", (
+        Target("APIHandler.validate_model_parameters", server.validate_model_parameters, leading=("self",)),
+        Target("ResponseGenerator.generate", server.generate, leading=("self", "request", "generation_args")),
+        Target("ResponseGenerator._is_batchable", server.is_batchable, leading=("self", "args")),
+        Target("ResponseGenerator._serve_single", server.serve_single, leading=("self", "request")),
+        Target("APIHandler.generate_response", server.generate_response, leading=("self",)),
+        Target("APIHandler.completion_usage_response", server.completion_usage_response, leading=("self",)),
+        Target("LRUPromptCache.fetch_nearest_cache", server.fetch_nearest_cache, leading=("self", "model", "tokens")),
+        Target("LRUPromptCache.insert_cache", server.insert_cache,
+               leading=("self", "model", "tokens", "prompt_cache")),
+    ), off='the server serves every request with the process\'s settings (a request\'s "velox" field and X-Velox-* '
+           'headers are ignored, and its usage says nothing of its KV cache)',
+        layouts=tuple(compat.SERVER_LAYOUTS)),
     Feature("float32 load", "mlx_lm.utils", (
         Target("load_model", float32.load_model, leading=("model_path", "lazy")),
     ), off="VELOX_FLOAT32 has no effect: models keep their dtype"),
@@ -138,6 +154,10 @@ def problem(feature: Feature, module: ModuleType) -> str | None:
             found = f"{target.name} has no readable signature ({error})"
         if found is not None:
             return f"{found} (mlx-lm {version.mlx_lm_version()})"
+    for name in feature.layouts:
+        found = compat.check(name)
+        if found is not None:
+            return f"{name} is not the layout veloxpatch knows ({found}; mlx-lm {version.mlx_lm_version()})"
     return None
 
 

@@ -33,7 +33,7 @@ from ..fallback import fall_back
 from ..log import model_type, once
 from ..memo import per_model
 from ..registry import cache_class
-from .state import STATE, Swap
+from .state import STATE, Swap, in_force
 
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
@@ -192,5 +192,5 @@ def _tell(hook: Callable[..., None], *arrays: Any) -> None:
     try:
         hook(*arrays)
     except Exception as error:  # the host app must keep running
-        fall_back(f"the layer input/output hook {hook.__qualname__}", error, STATE.config,
+        fall_back(f"the layer input/output hook {hook.__qualname__}", error, in_force(),
                   instead="the model's step runs on without it")

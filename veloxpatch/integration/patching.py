@@ -92,8 +92,10 @@ def active_config() -> VeloxConfig | None:
     return STATE.config
 
 
-def patch_from_env() -> bool:
-    """The bootstrap: patch from ``VELOX_*``; a bad value is logged and the app runs unpatched."""
+def patch_from_env(serving: bool = False) -> bool:
+    """The bootstrap: patch from ``VELOX_*``; a bad value is logged and the app runs unpatched. With neither a
+    method nor ``VELOX_FLOAT32`` nothing is patched, but for mlx_lm's server (``serving``), whose requests may ask
+    for a method of their own (:mod:`.server`)."""
     try:
         loaded = from_env()
     except Exception as error:  # a bad value (ConfigError), or a method module that fails to import
@@ -106,7 +108,7 @@ def patch_from_env() -> bool:
     configure_logging(loaded.config.log)
     for warning in loaded.warnings:
         log.warning(warning)
-    if not (loaded.config.enabled or float32_wanted(loaded.config.float32)):
+    if not (loaded.config.enabled or float32_wanted(loaded.config.float32) or serving):
         return False
     try:
         return patch(loaded.config)
@@ -121,6 +123,12 @@ def on_mlx_lm_import(module: ModuleType) -> None:
     """Lazy bootstrap entry (a wrapt hook on ``mlx_lm``): patch only once mlx_lm is used."""
     if not STATE.active:
         patch_from_env()
+
+
+def on_server_import(module: ModuleType) -> None:
+    """Bootstrap entry (a wrapt hook on ``mlx_lm.server``): the server is patched whatever the settings."""
+    if not STATE.active:
+        patch_from_env(serving=True)
 
 
 def _version_accepted(config: VeloxConfig) -> bool:

@@ -1,5 +1,6 @@
 """What is patched right now: the active config, every attribute swapped (for exact undo), each feature
-decided (on, or off and why), and whether this thread is inside mlx_lm's batched generation."""
+decided (on, or off and why), whether this thread is inside mlx_lm's batched generation, and the config in force on
+this thread (a server request's own settings while it is served, :mod:`.server`)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,24 @@ class PatchState:
 STATE = PatchState()
 
 _local = threading.local()
+
+
+def in_force() -> VeloxConfig | None:
+    """The config the wrappers act on, on this thread: the settings of the server request this thread is serving
+    (:func:`serving`), else the process's (None when unpatched)."""
+    request = getattr(_local, "request", None)
+    return request if request is not None and STATE.config is not None else STATE.config
+
+
+@contextlib.contextmanager
+def serving(config: VeloxConfig) -> Iterator[None]:
+    """While one request is served on this thread, ``config`` is in force here (:func:`in_force`): the caches made,
+    the probe, the draft's caches and the prompt cache's key follow it. Other threads keep theirs."""
+    previous, _local.request = getattr(_local, "request", None), config
+    try:
+        yield
+    finally:
+        _local.request = previous
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from ..coordinators import coordinators_of
 from ..log import once
 from ..ranks import RanksDisagree
 from . import layer_io
-from .state import STATE, in_batched_generation
+from .state import in_batched_generation, in_force
 
 SDPA_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 
@@ -43,7 +43,7 @@ SDPA_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 @wrapt.decorator
 def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     caches = wrapped(*args, **kwargs)
-    config = STATE.config
+    config = in_force()
     if config is None or not config.enabled or in_batched_generation():
         return caches
     model = args[0] if args else kwargs["model"]
@@ -78,7 +78,7 @@ def _in_blocks(cache: Any, queries: mx.array) -> bool:
     (where mlx materialises the whole score matrix; its fused GPU kernels need no help). The same attention, far
     less memory while a long prompt is read: Gemma 3 270M, whose 15 sliding-window layers stay mlx_lm's, read 8192
     tokens in 2048-token steps at 318 MiB over the model, 221 MiB so (docs/results.md)."""
-    config = STATE.config
+    config = in_force()
     return (queries.shape[2] > Schedule.max_headroom and config is not None and config.enabled
             and not hasattr(cache, "bits") and cpu_backend())  # a decode step stops at the first test
 
@@ -90,7 +90,7 @@ def generation_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict
         _evaluate_first(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
         _start_generation(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
     except Exception as error:
-        fall_back("starting a generation", error, STATE.config,
+        fall_back("starting a generation", error, in_force(),
                   instead="it runs on its caches as they are (cross-layer state not reset)")
     return wrapped(*args, **kwargs)
 
@@ -109,7 +109,7 @@ def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
     except ConfigError:  # the model and its draft together cannot fit VELOX_KV_MEMORY: a setting, not our fault
         raise
     except Exception as error:
-        fall_back("starting a speculative generation", error, STATE.config,
+        fall_back("starting a speculative generation", error, in_force(),
                   instead="it runs on its caches as they are (the draft's caches unchanged)")
     return wrapped(*call.args, **call.kwargs)
 
@@ -126,7 +126,7 @@ def _evaluate_first(caches: Any, *models: Any) -> None:
     (``caches`` is None): the generation's first forward would evaluate them moments later, in the same memory, and
     the probe, which never evaluates a model (:func:`veloxpatch.builder.build`), can then serve this generation
     rather than the next (an app that loaded its model with ``lazy=True``)."""
-    config = STATE.config
+    config = in_force()
     if caches is not None or config is None or not config.enabled:
         return
     for model in models:
@@ -157,7 +157,7 @@ def _draft_caches(arguments: dict[str, Any]) -> None:
     A given list's draft part (after the main model's layers) has its empty compressed slots swapped
     for mlx_lm's; one that already holds rows stays (said once).
     """
-    config = STATE.config
+    config = in_force()
     if config is None or (config.draft_kv != "none" and not config.kv_memory):
         return
     model, draft = arguments["model"], arguments["draft_model"]

@@ -1,0 +1,259 @@
+"""mlx_lm's server: settings per request.
+
+A request to ``mlx_lm server`` may carry its own settings, in a field of its JSON body or in headers::
+
+    {"prompt": "...", "velox": {"kv": "snapkv", "budget": "25%", "snapkv_kernel": 7}}
+    X-Velox-Kv: snapkv
+    X-Velox-Budget: 25%
+
+The keys are the settings' own (:func:`veloxpatch.config.request_settings`: ``kv``, ``budget``, ``sink``,
+``window``, ``tier``, ``tier_size``, ``compress``, ``draft_kv`` and every method's knobs), a header's name is the
+key with ``-`` for ``_`` after ``X-Velox-``, and a value is parsed as the environment's would be. What a request
+does not say is the process's (``VELOX_*`` or the launcher's options); what it says for a setting of the process
+alone (:data:`veloxpatch.config.PROCESS_WIDE`) is refused. A bad value is mlx_lm's own HTTP 400 (``{"error":
+...}``), the message naming the field, the value and what is allowed, and the server keeps serving.
+
+How the settings travel: the HTTP handler checks them where mlx_lm checks its own parameters
+(``validate_model_parameters``), and hands them, on its own thread, to ``ResponseGenerator.generate``, which queues
+them on the request's generation arguments (:mod:`.compat`). The generation thread serves the request with them in
+force (:func:`.state.serving`): the cache list ``make_prompt_cache`` builds, the probe, the draft's caches. The
+server's prompt cache (``LRUPromptCache``) is keyed by model *and* by the settings a list is built from
+(:meth:`VeloxConfig.cache_settings`), so a prompt cached under one setting is never reused under another, and two
+requests that ask for the same (said or by default) share as before.
+
+A request whose settings are not the process's is served one at a time, where caches are made per request:
+mlx_lm's batched path makes every sequence's caches alike (compressed caches in a batch are another feature's
+work). A patched server that compresses serves every request one at a time anyway (its caches do not merge).
+
+The answer's ``usage`` gains ``velox``: the method and budget in force and what the request's cache list holds
+once answered (``kv_bytes``, ``dense_kv_bytes``, ``rows_kept``, ``rows_seen``, ``share_kept``;
+:func:`veloxpatch.stats.held`), measured on the generation thread once the list is in the prompt cache; for a
+request mlx_lm batched, the numbers are null (not measured).
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from typing import Any, Callable, Mapping
+
+import wrapt
+
+from .. import stats
+from ..config import PROCESS_WIDE, ConfigError, Setting, VeloxConfig, request_settings
+from ..log import log
+from . import compat
+from .state import STATE, in_force, serving
+
+FIELD = "velox"
+"""The JSON field of a request's settings."""
+
+HEADER = "x-velox-"
+"""The prefix of a setting's header (any case): ``X-Velox-Budget``."""
+
+WAIT_S = 10.0
+"""How long an answer waits for its request's measurement (taken as soon as the server has stored its cache list;
+a generation thread that died never gives it)."""
+
+
+class RequestError(ValueError):
+    """A request's settings that cannot be served: mlx_lm answers a ValueError from its parameter checks with 400."""
+
+
+class Ticket:
+    """One request's settings, from its handler to its generation thread and back with what its cache list holds.
+    Pickled (a distributed server shares a request with its other ranks) it is its config alone."""
+
+    def __init__(self, config: VeloxConfig) -> None:
+        self.config = config
+        self.started = False
+        self.held: dict[str, int] | None = None
+        self._done = threading.Event()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"])
+
+    def finish(self) -> None:
+        self._done.set()
+
+    def usage(self) -> dict[str, Any]:
+        """``usage["velox"]`` of the request's answer: waits (at most :data:`WAIT_S`) for the measurement of a
+        request served one at a time."""
+        if self.started and not self._done.wait(WAIT_S):
+            log.warning("the KV usage of a request was not measured within %.0f s", WAIT_S)
+        held = self.held or dict.fromkeys(("kv_bytes", "dense_kv_bytes", "rows_kept", "rows_seen"))
+        seen = held["rows_seen"]
+        share = round(held["rows_kept"] / seen, 4) if seen else (None if seen is None else 1.0)
+        return {"kv": self.config.kv, "budget": str(self.config.budget) if self.config.enabled else None,
+                **held, "share_kept": share}
+
+
+def settings_of(body: Any, headers: Any, base: VeloxConfig) -> VeloxConfig:
+    """The settings a request asks for (its body's :data:`FIELD`, its :data:`HEADER` headers) over ``base``;
+    :class:`RequestError` naming the field, the value and what is allowed where one cannot be served."""
+    field = body.get(FIELD) if isinstance(body, dict) else None
+    if field is not None and not isinstance(field, dict):
+        raise RequestError(f'"{FIELD}" must be a JSON object of settings (e.g. {{"kv": "snapkv", "budget": "25%"}}), '
+                           f"not {field!r}")
+    given = [(str(key), f"{FIELD}.{key}", value) for key, value in (field or {}).items()]
+    given += [(name[len(HEADER):].lower().replace("-", "_"), f"header {name}", value)
+              for name, value in _velox_headers(headers)]
+    if not given:
+        return base
+    allowed = request_settings()
+    parsed: dict[str, tuple[str, Any, Any]] = {}  # key -> (where, as given, parsed)
+    for key, where, value in given:
+        value_parsed = _parsed(key, where, value, allowed)
+        if key in parsed and parsed[key][2] != value_parsed:
+            raise RequestError(f"{parsed[key][0]}={parsed[key][1]!r} and {where}={value!r} disagree")
+        parsed.setdefault(key, (where, value, value_parsed))
+    core = {k: p for k, (_, _, p) in parsed.items() if not allowed[k].method}
+    knobs = {k: p for k, (_, _, p) in parsed.items() if allowed[k].method}
+    try:
+        return base.replace(**core, knobs={**base.knobs, **knobs})
+    except ConfigError as error:
+        raise RequestError(f"{FIELD}: {error}") from None
+
+
+def _parsed(key: str, where: str, value: Any, allowed: Mapping[str, Setting]) -> Any:
+    """``value`` of setting ``key`` as the environment's would be parsed, or a :class:`RequestError`."""
+    if key in PROCESS_WIDE:
+        raise RequestError(f"{where}: VELOX_{key.upper()} is the server process's setting, not a request's "
+                           f"({PROCESS_WIDE[key]}); {_carried_text(allowed)}")
+    setting = allowed.get(key)
+    if setting is None:
+        close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise RequestError(f"{where}: {key!r} is not a setting{hint}; {_carried_text(allowed)}")
+    if isinstance(value, (dict, list)) or value is None:
+        raise RequestError(f"{where}={value!r} is not allowed: expected {setting.allowed_text}, as a string, a "
+                           "number or a boolean")
+    try:
+        return setting.convert(value)
+    except ConfigError as error:
+        raise RequestError(f"{where}: {error}") from None
+
+
+def _carried_text(allowed: Mapping[str, Setting]) -> str:
+    """What a request may carry, in words: the core settings by key, the knobs by kind."""
+    core = [key for key, s in allowed.items() if not s.method]
+    return (f"a request may carry {', '.join(core)} and the methods' knobs (e.g. snapkv_kernel; `veloxpatch "
+            "methods` lists them)")
+
+
+def _velox_headers(headers: Any) -> list[tuple[str, str]]:
+    """(name, value) of every header named :data:`HEADER`..."""
+    items = headers.items() if headers is not None else []
+    return [(name, value) for name, value in items if name.lower().startswith(HEADER)]
+
+
+def same_as_process(config: VeloxConfig) -> bool:
+    """Whether caches made under ``config`` are made as the process's settings make them."""
+    return STATE.config is not None and config.cache_settings() == STATE.config.cache_settings()
+
+
+# --------------------------------------------------------------------- the handler's thread
+_handed = threading.local()  # the handler's thread: the ticket its checks made, for its generate call
+
+
+@wrapt.decorator
+def validate_model_parameters(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """mlx_lm's checks, then the request's settings (:class:`RequestError`, a ValueError: mlx_lm answers 400)."""
+    _handed.ticket = None
+    result = wrapped(*args, **kwargs)
+    base = STATE.config
+    if base is not None:
+        ticket = Ticket(settings_of(compat.request_body(instance), getattr(instance, "headers", None), base))
+        compat.carry(instance, ticket)
+        _handed.ticket = ticket
+    return result
+
+
+@wrapt.decorator
+def generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``ResponseGenerator.generate(request, generation_args, ...)``: the settings go with the arguments."""
+    ticket, _handed.ticket = getattr(_handed, "ticket", None), None
+    arguments = args[1] if len(args) > 1 else kwargs.get("generation_args")
+    if ticket is not None and arguments is not None:
+        compat.carry(arguments, ticket)
+    return wrapped(*args, **kwargs)
+
+
+def _with_usage(response: Any, handler: Any) -> Any:
+    ticket = compat.carried(handler)
+    if ticket is not None and isinstance(response, dict) and isinstance(response.get("usage"), dict):
+        response["usage"][FIELD] = ticket.usage()
+    return response
+
+
+@wrapt.decorator
+def generate_response(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """An answer that carries ``usage`` (a whole one, not a streamed chunk) says what the request's KV holds."""
+    return _with_usage(wrapped(*args, **kwargs), instance)
+
+
+@wrapt.decorator
+def completion_usage_response(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """A stream's usage chunk (``stream_options.include_usage``) says it too."""
+    return _with_usage(wrapped(*args, **kwargs), instance)
+
+
+# --------------------------------------------------------------------- the generation thread
+_served = threading.local()  # the generation thread: the ticket of the request it is serving
+
+
+@wrapt.decorator
+def is_batchable(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """A request whose settings are not the process's is served one at a time, where its caches are its own."""
+    ticket = compat.carried(args[0] if args else kwargs.get("args"))
+    return wrapped(*args, **kwargs) and (ticket is None or same_as_process(ticket.config))
+
+
+@wrapt.decorator
+def serve_single(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``_serve_single((queue, request, arguments), ...)`` with the request's settings in force on this thread."""
+    request = args[0] if args else kwargs.get("request")
+    ticket = compat.carried(compat.queued_arguments(request)) if isinstance(request, tuple) else None
+    if ticket is None:
+        return wrapped(*args, **kwargs)
+    ticket.started = True
+    previous, _served.ticket = getattr(_served, "ticket", None), ticket
+    try:
+        with serving(ticket.config):
+            return wrapped(*args, **kwargs)
+    finally:
+        _served.ticket = previous
+        ticket.finish()
+
+
+def _keyed(model: Any) -> tuple[Any, Any]:
+    """The prompt cache's key for ``model`` under the settings in force."""
+    config = in_force()
+    return model, None if config is None else config.cache_settings()
+
+
+@wrapt.decorator
+def fetch_nearest_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``LRUPromptCache.fetch_nearest_cache(model, tokens)``: only lists made under the settings in force."""
+    if args:
+        return wrapped(_keyed(args[0]), *args[1:], **kwargs)
+    return wrapped(*args, **{**kwargs, "model": _keyed(kwargs["model"])})
+
+
+@wrapt.decorator
+def insert_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``LRUPromptCache.insert_cache(model, tokens, prompt_cache)``: kept under the settings in force; the list of
+    a request served one at a time is measured for its answer's usage."""
+    ticket = getattr(_served, "ticket", None)
+    caches = args[2] if len(args) > 2 else kwargs.get("prompt_cache")
+    if ticket is not None and isinstance(caches, list):
+        try:
+            ticket.held = stats.held(caches)
+        except Exception as error:  # a measurement must never cost the answer
+            log.warning("measuring a request's KV cache failed (%s: %s)", type(error).__name__, error)
+    if args:
+        return wrapped(_keyed(args[0]), *args[1:], **kwargs)
+    return wrapped(*args, **{**kwargs, "model": _keyed(kwargs["model"])})
