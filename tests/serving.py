@@ -11,7 +11,7 @@ from conftest import without_velox
 from veloxpatch.eval import serving
 from veloxpatch.eval.serving import post
 
-__all__ = ["post", "running"]
+__all__ = ["post", "processed", "running"]
 
 
 @contextlib.contextmanager
@@ -20,3 +20,10 @@ def running(command: list[str], log: Path, env: dict[str, str] | None = None) ->
     yield its URL; stop it afterwards."""
     with serving.running(command, log, {**without_velox(), **(env or {})}) as url:
         yield url
+
+
+def processed(body: dict) -> int:
+    """The prompt tokens a completion had to read: the rest came from the server's prompt cache (mlx_lm's usage
+    says how many, in the single and in the batched path alike)."""
+    usage = body["usage"]
+    return usage["prompt_tokens"] - usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)

@@ -13,13 +13,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm import batch_generate, load
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.generate_utils import BatchStats
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 import veloxpatch
 from conftest import drain, random_tokens
 from veloxpatch import log
-from veloxpatch.fallback import StrictError
 from veloxpatch.integration import compat
 from veloxpatch.integration.version import mlx_lm_version
 
@@ -123,17 +121,6 @@ def merged_without_the_first_cache(monkeypatch) -> None:
     monkeypatch.setattr(GENERATE, "_merge_caches", merge_caches)
 
 
-def batch_generate_renamed_caches(monkeypatch) -> None:
-    def renamed(model, tokenizer, prompts, caches=None, max_tokens=128, **kwargs):
-        raise AssertionError("not called")
-
-    monkeypatch.setattr(GENERATE, "batch_generate", renamed)
-
-
-def stats_without_generation_rate(monkeypatch) -> None:
-    monkeypatch.delattr(BatchStats, "generation_tps")
-
-
 CHANGES: dict[str, tuple[Callable[[Any], None], str]] = {
     "BatchGenerator._unprocessed_sequences": (reordered_waiting, "holds its cache list at [1], not at [3]"),
     "BatchGenerator's state": (renamed_batch, "_generation_batch.prompt_cache is NoneType"),
@@ -141,8 +128,6 @@ CHANGES: dict[str, tuple[Callable[[Any], None], str]] = {
     "the KVCache/BatchKVCache protocol": (extract_with_an_option,
                                           "BatchKVCache.extract is (self, idx, copy), not (self, idx)"),
     "BatchKVCache.offset": (one_offset_per_batch, "gives offset 2, not one position per sequence"),
-    "batch_generate": (batch_generate_renamed_caches, "(model, tokenizer, prompts, caches, max_tokens, **kwargs)"),
-    "the BatchStats/BatchResponse/wired_limit API": (stats_without_generation_rate, "BatchStats has no generation_tps"),
 }
 
 
@@ -157,13 +142,6 @@ def test_a_changed_layout_is_named_with_what_was_found(monkeypatch, name: str) -
     what = compat.check(name)
     assert what is not None and found in what
     assert compat.layout_problem() == f"{name} is not the layout veloxpatch {veloxpatch.__version__} knows ({what})"
-
-
-def test_a_changed_batch_generate_leaves_batches_joining_compressed_caches(monkeypatch) -> None:
-    """mlx-lm 0.31's batch_generate takes fewer parameters: only the sequential answer relies on them."""
-    batch_generate_renamed_caches(monkeypatch)
-    assert compat.layout_problem(compat.BATCHING) is None
-    assert compat.layout_problem().startswith("batch_generate is not the layout")
 
 
 def test_a_prefill_group_merged_another_way_is_caught(monkeypatch) -> None:
@@ -257,8 +235,10 @@ def test_without_a_kv_method_batching_is_mlx_lms_own_whatever_the_layout(loaded,
     assert not [w for w in warnings() if FALLBACK in w]
 
 
-def test_under_strict_batched_generation_on_mlx_lms_caches_is_an_error(loaded) -> None:
+def test_under_strict_batched_generation_runs_compressed(loaded) -> None:
+    """Batches hold compressed caches: nothing falls back, so strict has nothing to refuse."""
     model, tokenizer = loaded
     veloxpatch.patch(**BUDGET, strict=True)
-    with pytest.raises(StrictError, match="runs on mlx_lm's own batch caches, not compressed by snapkv"):
-        batch_generate(model, tokenizer, [[1, 2, 3]], max_tokens=2)
+    done = batch_generate(model, tokenizer, [random_tokens(90, 4).tolist()], max_tokens=2, return_prompt_caches=True)
+    cache = done.caches[0][0]
+    assert type(cache).__name__ == "SnapKVCache" and cache.evicted and cache.size() < cache.offset

@@ -57,10 +57,12 @@ def test_a_missing_target_leaves_its_feature_to_mlx_lm_and_patches_the_rest(monk
     monkeypatch.delattr(generate.BatchGenerator, "insert_segments", raising=False)  # none before 0.31
     before = bindings()
     assert veloxpatch.patch(kv="snapkv", budget=64, log="INFO")
-    assert type(sys.modules["mlx_lm.models.cache"].make_prompt_cache(tiny("llama"))[0]).__name__ == "SnapKVCache"
+    cache = sys.modules["mlx_lm.models.cache"].make_prompt_cache(tiny("llama"))[0]
+    assert type(cache).__name__ == "SnapKVCache"
+    assert not hasattr(cache, "merge"), "with batched generation off mlx_lm cannot merge our caches into its batches"
     for name in ("mlx_lm.models.base.scaled_dot_product_attention", "mlx_lm.generate.generate_step",
                  "mlx_lm.generate.speculative_generate_step", "mlx_lm.utils.load_model",
-                 "mlx_lm.models.cache.load_prompt_cache", "mlx_lm.generate.batch_generate"):
+                 "mlx_lm.models.cache.load_prompt_cache"):
         assert wrapped(name, before) is offered(name.rpartition(".")[2]), name
     assert make_prompt_cache is before["mlx_lm.models.cache.make_prompt_cache"]  # this test's own early copy
     off = [r.getMessage() for r in records if "batched generation" in r.getMessage()]
@@ -86,7 +88,6 @@ def test_a_changed_signature_leaves_the_whole_feature_to_mlx_lm(monkeypatch, rec
     assert veloxpatch.patch(kv="snapkv", budget=64, log="INFO")
     assert bindings()["mlx_lm.generate.speculative_generate_step"] is speculative_generate_step
     assert bindings()["mlx_lm.generate.generate_step"] is before["mlx_lm.generate.generate_step"], "all or nothing"
-    assert wrapped("mlx_lm.generate.batch_generate", before) is offered("batch_generate")
     assert wrapped("BatchGenerator.insert_segments", before) is offered("BatchGenerator.insert_segments")
     assert STATE.features["generation start"] == (
         "speculative_generate_step(prompt, model, prompt_cache) does not take draft_model by name "
@@ -94,24 +95,6 @@ def test_a_changed_signature_leaves_the_whole_feature_to_mlx_lm(monkeypatch, rec
     [said] = [r for r in records if r.getMessage().startswith("generations start")]
     assert said.levelno == logging.INFO
     assert said.getMessage().startswith("generations start on caches as they are")
-    veloxpatch.unpatch()
-    assert bindings() == before
-
-
-def test_batch_generate_of_mlx_lm_0_31_leaves_only_the_sequential_answer_off(monkeypatch, records) -> None:
-    generate = sys.modules["mlx_lm.generate"]
-
-    def batch_generate(model, tokenizer, prompts, prompt_caches=None, max_tokens=128, verbose=False,
-                       return_prompt_caches=False, **kwargs):
-        return None
-
-    monkeypatch.setattr(generate, "batch_generate", batch_generate)
-    before = bindings()
-    assert veloxpatch.patch(kv="snapkv", budget=64, log="INFO")
-    assert bindings()["mlx_lm.generate.batch_generate"] is batch_generate
-    assert wrapped("BatchGenerator.insert_segments", before) is offered("BatchGenerator.insert_segments"), \
-        "a batch still keeps its caches mlx_lm's"
-    assert "does not match (model, tokenizer, prompts, prompt_caches" in STATE.features["sequential batch_generate"]
     veloxpatch.unpatch()
     assert bindings() == before
 
@@ -210,10 +193,8 @@ def test_info_lists_each_feature(monkeypatch) -> None:
     monkeypatch.delattr(sys.modules["mlx_lm.generate"].BatchGenerator, "insert_segments", raising=False)
     out = CliRunner().invoke(main, ["info"], env={"VELOX_KV": "snapkv"}).output
     assert "features:\n  attention route           on\n  prompt caches             on\n" in out
-    sequential = "on" if offered("batch_generate") else "off: batch_generate("
     assert (f"  batched generation        off: BatchGenerator.insert_segments is not in mlx-lm "
-            f"{version.mlx_lm_version()}\n  sequential batch_generate {sequential}") in out
-
+            f"{version.mlx_lm_version()}\n  settings per request") in out
 
 
 def test_our_caches_answer_mlx_lm_0_28s_len_and_stay_true_when_empty() -> None:

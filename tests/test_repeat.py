@@ -5,7 +5,6 @@ compressed since. In process for every evicting method and mode, and through the
 from __future__ import annotations
 
 import copy
-import re
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 import veloxpatch
 from conftest import EVICTING, greedy, random_tokens, tiny
-from serving import post, running
+from serving import post, processed, running
 from veloxpatch.assets import model_path
 from veloxpatch.eval import tasks
 from veloxpatch.eval.random_model import build, config_for
@@ -94,11 +93,11 @@ def test_the_server_answers_a_repeated_request_as_the_first_time(method: str, tm
     serve = [sys.executable, "-m", "veloxpatch.cli", "run", "-m", "mlx_lm", "server", "--model", str(model_path()),
              "--log-level", "INFO"]
     with running(serve, log, {"VELOX_KV": method, "VELOX_BUDGET": "96"}) as url:
-        texts = []
+        texts, read = [], []
         for _ in range(2):
             status, body = post(url, {"prompt": prompt, "max_tokens": 40, "temperature": 0})
             assert status == 200, body
             texts.append(body["choices"][0]["text"])
-    processed = [int(m) for m in re.findall(r"Prompt processing progress: 0/(\d+)", log.read_text())]
-    assert processed[1] < 5, f"the second request reused the first one's cache ({processed})"
+            read.append(processed(body))
+    assert read[1] < 5, f"the second request reused the first one's cache ({read})"
     assert texts[0] == texts[1]

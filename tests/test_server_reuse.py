@@ -11,13 +11,12 @@ shows as a wrong key.
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 import pytest
 
-from serving import post, running
+from serving import post, processed, running
 from veloxpatch.assets import model_path
 from veloxpatch.eval import tasks
 
@@ -38,35 +37,31 @@ def requests() -> list[tuple[str, str]]:
     return [(a, key_a), (b, key_a), (c, key_c)]
 
 
-def answers(model_dir: str, log: Path, env: dict[str, str], launcher: bool) -> list[str]:
-    """The three completions from one server, in order."""
+def answers(model_dir: str, log: Path, env: dict[str, str], launcher: bool) -> tuple[list[str], list[int]]:
+    """The three completions from one server, in order, and the prompt tokens each had to read."""
     serve = [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir, "--log-level", "INFO"]
     if launcher:
         serve = [sys.executable, "-m", "veloxpatch.cli", "run", *serve[1:]]
-    out = []
+    out, read = [], []
     with running(serve, log, env) as url:
         for prompt, _ in requests():
             status, body = post(url, {"prompt": prompt, "max_tokens": 6, "temperature": 0})
             assert status == 200, body
             out.append(body["choices"][0]["text"])
-    return out
-
-
-def processed_counts(log: Path) -> list[int]:
-    """How many prompt tokens each request had to process (the rest came from the prompt cache)."""
-    return [int(m) for m in re.findall(r"Prompt processing progress: 0/(\d+)", log.read_text())]
+            read.append(processed(body))
+    return out, read
 
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory) -> list[str]:
-    return answers(str(model_path()), tmp_path_factory.mktemp("plain") / "log", {}, launcher=False)
+    return answers(str(model_path()), tmp_path_factory.mktemp("plain") / "log", {}, launcher=False)[0]
 
 
 def test_big_budget_reuse_is_the_unpatched_servers(plain, tmp_path) -> None:
     log = tmp_path / "log"
-    patched = answers(str(model_path()), log, {"VELOX_KV": "snapkv", "VELOX_BUDGET": "4096"}, launcher=True)
+    patched, (a, b, c) = answers(str(model_path()), log, {"VELOX_KV": "snapkv", "VELOX_BUDGET": "4096"},
+                                 launcher=True)
     assert patched == plain
-    a, b, c = processed_counts(log)
     assert b < 40 and c > CONTEXT / 2, f"B reused A's haystack, C only its start: {a}, {b}, {c}"
 
 
@@ -75,8 +70,7 @@ def test_small_budget_reuse_is_compressed_and_correctly_positioned(tmp_path) -> 
     # the shipped model's passkey survives a quarter of the context with SnapKV's paper kernel, not the default
     # 31 (docs/results.md: on this model kernel 7 keeps 37 of 40 passkeys at 25%, kernel 31 23 of 40)
     env = {"VELOX_KV": "snapkv", "VELOX_BUDGET": "256", "VELOX_SNAPKV_KERNEL": "7", "VELOX_LOG": "DEBUG"}
-    got = answers(str(model_path()), log, env, launcher=True)
-    a, b, c = processed_counts(log)
+    got, (a, b, c) = answers(str(model_path()), log, env, launcher=True)
     assert b < 40, f"B reused A's compressed cache ({b} tokens processed)"
     assert c < CONTEXT, f"C reused A's first tokens ({c} processed)"
     for text, (_, key) in zip(got, requests()):
@@ -89,8 +83,7 @@ def test_xquant_reuse_keeps_the_gqa_latent_and_finds_every_key(tmp_path) -> None
     (256), so ``auto`` keeps the GQA latent at 4 bits: the server's trims reach back into rows released to the
     latent and rebuilt from it, and every key is still found."""
     log = tmp_path / "log"
-    got = answers(str(model_path()), log, {"VELOX_KV": "xquant", "VELOX_LOG": "INFO"}, launcher=True)
-    a, b, c = processed_counts(log)
+    got, (a, b, c) = answers(str(model_path()), log, {"VELOX_KV": "xquant", "VELOX_LOG": "INFO"}, launcher=True)
     assert b < 40 and c < CONTEXT, f"B and C reused A's cache: {a}, {b}, {c}"
     for text, (_, key) in zip(got, requests()):
         assert tasks.is_correct(text, key), (text, key)

@@ -176,7 +176,7 @@ def _features(found: str | None) -> None:
     found_features = features.survey()
     for name, problem in found_features.items():
         click.echo(f"  {name:<25} {'on' if problem is None else 'off: ' + problem}")
-    layouts = compat.layout_problem(compat.BATCHING) if found_features["batched generation"] is None else None
+    layouts = compat.layout_problem() if found_features["batched generation"] is None else None
     if layouts is not None:
         click.echo(f"  (batches run on mlx_lm's own caches only, from their first call: {layouts})")
 

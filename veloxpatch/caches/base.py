@@ -23,7 +23,7 @@ import copy
 import json
 import logging
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import mlx.core as mx
 
@@ -32,18 +32,34 @@ from ..config import Budget, TierSize
 from ..coordinators import Coordinator
 from ..log import once
 from . import blocks, masks
+from .batch import SequenceBatch
 from .queries import QueryMemory
 from .schedule import Schedule
 from .store import RowStore
 
 
+class _WhileBatching:
+    """``merge``, which mlx_lm's batched generation looks for (``hasattr``: its server batches only caches that
+    have it), present only while ``CompressedKVCache.batching()`` says batches may hold our caches: while the
+    integration has patched batched generation for the installed mlx_lm. Otherwise mlx_lm would merge our
+    caches into its own batch caches, which know nothing of evicted rows or their positions."""
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        if not owner.batching():
+            raise AttributeError(f"{owner.__name__}.merge: batched generation is not patched")
+        return SequenceBatch.merge
+
+
 class CompressedKVCache(ABC):
     """A per-layer KV cache of veloxpatch: rows with their positions, mlx_lm's protocol, our attention.
 
-    Deliberately has no ``merge`` or ``bits``: mlx_lm would otherwise batch it or send it to its
-    own quantized attention. ``to_quantized`` returns a cache of the same method whose rows are
-    stored quantized.
+    Deliberately has no ``bits``: mlx_lm would otherwise send it to its own quantized attention.
+    ``to_quantized`` returns a cache of the same method whose rows are stored quantized. Its ``merge``
+    batches sequences side by side (:mod:`.batch`) while batched generation is patched.
     """
+
+    merge = _WhileBatching()
+    batching: ClassVar[Callable[[], bool]] = staticmethod(lambda: False)  # set while patched (integration.batched)
 
     method: ClassVar[str] = ""  # set by the registry's ``@method``
     coordinator_class: ClassVar[type[Coordinator]] = Coordinator

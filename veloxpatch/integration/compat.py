@@ -1,14 +1,13 @@
 """The one place that names what mlx_lm keeps private and veloxpatch's batched generation and server touch.
 
-:mod:`.batched` reaches into mlx_lm 0.32's ``BatchGenerator`` (the tuples of its waiting sequences,
-the caches of its prompt and generation batches), builds subclasses of ``KVCache`` and
-``BatchKVCache`` that override ``merge``, ``filter``, ``extend`` and ``extract`` and rely on
-``BatchKVCache.offset`` holding one position per sequence, and answers ``batch_generate`` itself
-with mlx_lm's ``BatchStats``, ``BatchResponse`` and ``wired_limit``. Each function here says which
-layout it assumes; :data:`LAYOUTS` checks every one of them against the installed mlx_lm without a
-model (a ``BatchGenerator`` over no model, a few one-row caches, signatures), and
-:func:`layout_problem` says what differs, so a changed mlx_lm turns batching off instead of
-corrupting it.
+:mod:`.batched` reaches into mlx_lm 0.32's ``BatchGenerator`` (the tuples of its waiting sequences, the caches of
+its prompt and generation batches, its ``model`` and ``max_kv_size``), builds a subclass of ``KVCache`` that
+overrides ``merge``, splits a running ``BatchKVCache`` into its sequences' rows (``offset`` one entry per
+sequence, ``extract``), and stands in for mlx_lm's batch caches with a batch of its own, which mlx_lm drives
+through the protocol of ``BatchKVCache`` (``prepare``, ``finalize``, ``filter``, ``extend``, ``extract``). Each
+function here says which layout it assumes; :data:`LAYOUTS` checks every one of them against the installed mlx_lm
+without a model (a ``BatchGenerator`` over no model, a few one-row caches, signatures), and :func:`layout_problem`
+says what differs, so a changed mlx_lm turns batching off instead of corrupting it.
 
 The server's settings per request (:mod:`.server`) rely on how mlx_lm's ``server`` hands a request from the HTTP
 handler to its generation thread: the handler keeps the parsed JSON body as ``body``, ``ResponseGenerator.generate``
@@ -30,7 +29,7 @@ import importlib
 import inspect
 import pickle
 from types import ModuleType
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
@@ -44,23 +43,14 @@ stop sequences) and ``_make_batch`` reads the caches back from there."""
 INSERT_ARGUMENTS = ("segments", "caches", "all_tokens")
 """The ``insert_segments`` arguments :mod:`.batched` reads and rewrites by name."""
 
-BATCH_GENERATE = ("(model, tokenizer, prompts, prompt_caches, max_tokens, verbose, return_prompt_caches, "
-                  "return_token_ids, return_logprobs, **kwargs)")
-"""``batch_generate``'s parameters: the sequential answer takes them by these names."""
-
-OVERRIDDEN = {
-    "KVCache": {"merge": "(caches)", "update_and_fetch": "(self, keys, values)"},
-    "BatchKVCache": {"merge": "(caches)", "filter": "(self, batch_indices)", "extend": "(self, other)",
+PROTOCOL = {
+    "KVCache": {"merge": "(caches)"},
+    "BatchKVCache": {"merge": "(caches)", "prepare": "(self, left_padding, lengths, right_padding)",
+                     "finalize": "(self)", "filter": "(self, batch_indices)", "extend": "(self, other)",
                      "extract": "(self, idx)"},
 }
-"""mlx_lm's cache methods the :func:`mixed_into` subclasses override, as mlx_lm calls them."""
-
-BATCH_STATS = ("prompt_tokens", "prompt_time", "generation_tokens", "generation_steps", "decode_time", "wall_time",
-               "peak_memory", "prompt_tps", "generation_tps")
-"""What the sequential answer counts into ``BatchStats`` and reads back from it."""
-
-BATCH_RESPONSE = ("texts", "stats", "caches", "token_ids", "logprobs")
-"""The ``BatchResponse`` fields the sequential answer fills, by name."""
+"""mlx_lm's cache methods as mlx_lm calls them: ``KVCache.merge``, which the :func:`mixed_into` subclass overrides,
+and the batch-cache protocol that ``SequenceBatch`` answers in place of ``BatchKVCache``."""
 
 
 def _mlx_lm(name: str) -> ModuleType:
@@ -74,6 +64,22 @@ def new_sequence_caches(generator: Any) -> list:
     """The cache list ``insert_segments`` makes for a sequence that brings none: ``make_prompt_cache``
     of the ``model`` and ``max_kv_size`` the generator keeps under those names."""
     return _mlx_lm("models.cache").make_prompt_cache(generator.model, generator.max_kv_size)
+
+
+def generator_model(generator: Any) -> Any:
+    """The model a ``BatchGenerator`` runs (kept as ``model``)."""
+    return generator.model
+
+
+def waiting_cache_lists(generator: Any) -> list:
+    """The cache list of each sequence waiting in ``generator`` (tuples in ``_unprocessed_sequences``, the list at
+    :data:`CACHES_AT`)."""
+    return [sequence[CACHES_AT] for sequence in generator._unprocessed_sequences]
+
+
+def running_caches(generator: Any) -> list:
+    """The batch caches already running in ``generator``, per layer, prompt batch's then generation batch's."""
+    return [*generator._prompt_batch.prompt_cache, *generator._generation_batch.prompt_cache]
 
 
 def replace_waiting_caches(generator: Any, replace: Callable[[Any], Any]) -> None:
@@ -95,8 +101,13 @@ def replace_running_caches(generator: Any, replace: Callable[[Any], Any]) -> Non
 
 
 # --------------------------------------------------------------------- KVCache and BatchKVCache
+def cache_class(name: str) -> type:
+    """mlx_lm's ``models.cache.<name>`` (``KVCache``, ``BatchKVCache``)."""
+    return getattr(_mlx_lm("models.cache"), name)
+
+
 def mixed_into(mixin: type, base: str) -> type:
-    """``mixin`` on mlx_lm's ``models.cache.<base>`` (a name in :data:`OVERRIDDEN`), named as the mixin
+    """``mixin`` on mlx_lm's ``models.cache.<base>`` (a name in :data:`PROTOCOL`), named as the mixin
     without its "Mixin": the mixin may override the methods listed there, called as listed."""
     parent = getattr(_mlx_lm("models.cache"), base)
     return type(mixin.__name__.removesuffix("Mixin"), (mixin, parent),
@@ -121,41 +132,6 @@ def kv_cache_rows(cache: Any) -> tuple[Any, Any, int]:
 def batch_size(batch: Any) -> int:
     """The sequences a ``BatchKVCache`` holds: its ``offset`` is an array with one entry per sequence."""
     return batch.offset.shape[0]
-
-
-def sequence_offset(batch: Any, idx: int) -> int:
-    """Sequence ``idx``'s RoPE position in a ``BatchKVCache`` (its ``offset`` entry: the tokens it has
-    seen, counted apart from the rows the batch stores for it, which ``left_padding`` masks)."""
-    return int(batch.offset[idx].item())
-
-
-def shift_offsets(batch: Any, shift: list[int]) -> None:
-    """Move each sequence's position in a ``BatchKVCache`` by its ``shift`` entry, leaving its rows."""
-    batch.offset = batch.offset + mx.array(shift, dtype=batch.offset.dtype)
-
-
-def recast(batch: Any, cls: type) -> Any:
-    """``batch`` as a ``cls`` (a subclass of its class) sharing its arrays: a ``BatchKVCache``'s whole
-    state is its instance ``__dict__`` (keys, values, offset, left_padding, the row index...)."""
-    recast_batch = cls.__new__(cls)
-    vars(recast_batch).update(vars(batch))
-    return recast_batch
-
-
-# --------------------------------------------------------------------- batch_generate's answer
-def batch_stats() -> Any:
-    """An empty ``BatchStats``: counters (:data:`BATCH_STATS`) the sequential answer adds to."""
-    return _mlx_lm("generate").BatchStats()
-
-
-def batch_response(**fields: Any) -> Any:
-    """``batch_generate``'s ``BatchResponse``, from the :data:`BATCH_RESPONSE` fields by name."""
-    return _mlx_lm("generate").BatchResponse(**fields)
-
-
-def wired_limit(model: Any) -> ContextManager[None]:
-    """mlx_lm's ``wired_limit(model)``, which ``batch_generate`` runs its generator under."""
-    return _mlx_lm("generate").wired_limit(model)
 
 
 # --------------------------------------------------------------------- the server
@@ -241,7 +217,7 @@ def _names(function: Callable) -> list[str]:
 
 
 def _parameters(function: Callable) -> str:
-    """``function``'s parameters as ``(a, b, *args, **kwargs)``, as :data:`OVERRIDDEN` writes them."""
+    """``function``'s parameters as ``(a, b, *args, **kwargs)``, as :data:`PROTOCOL` writes them."""
     return f"({', '.join(_names(function))})"
 
 
@@ -303,10 +279,10 @@ def _check_waiting_sequences() -> str | None:
     return None
 
 
-def _check_overridden() -> str | None:
-    """Every method :data:`OVERRIDDEN` lists exists on mlx_lm's class with those parameters."""
+def _check_protocol() -> str | None:
+    """Every method :data:`PROTOCOL` lists exists on mlx_lm's class with those parameters."""
     cache_module = _mlx_lm("models.cache")
-    for base, methods in OVERRIDDEN.items():
+    for base, methods in PROTOCOL.items():
         for name, expected in methods.items():
             method = getattr(getattr(cache_module, base), name, None)
             found = "missing" if method is None else _parameters(method)
@@ -317,8 +293,8 @@ def _check_overridden() -> str | None:
 
 def _check_batch_offsets() -> str | None:
     """``BatchKVCache.offset`` holds one position per sequence, through ``merge`` (each sequence's rows),
-    ``extend`` and ``filter``; the state lives in the instance ``__dict__`` (:func:`recast`); ``extract``
-    gives one sequence's own rows back as a ``KVCache`` (:func:`kv_cache_rows`)."""
+    ``extend`` and ``filter`` (:func:`batch_size`), and ``extract`` gives one sequence's own rows back as a
+    ``KVCache`` (:func:`kv_cache_rows`): how a running batch is split into its sequences."""
     cache_module = _mlx_lm("models.cache")
 
     def rows(n: int) -> Any:
@@ -327,8 +303,6 @@ def _check_batch_offsets() -> str | None:
     batch = cache_module.BatchKVCache.merge([rows(2), rows(1)])
     if not isinstance(batch.offset, mx.array) or batch.offset.tolist() != [2, 1]:
         return f"merging sequences of 2 and 1 rows gives offset {batch.offset}, not one position per sequence"
-    if "offset" not in vars(batch):
-        return "a BatchKVCache keeps its state outside its instance __dict__"
     batch.extend(cache_module.BatchKVCache.merge([rows(3)]))
     batch.filter([1, 2])
     if batch_size(batch) != 2 or batch.offset.tolist() != [1, 3]:
@@ -339,45 +313,15 @@ def _check_batch_offsets() -> str | None:
     return None
 
 
-def _check_batch_generate() -> str | None:
-    """``batch_generate`` has the parameters :data:`BATCH_GENERATE`."""
-    found = _parameters(_mlx_lm("generate").batch_generate)
-    return None if found == BATCH_GENERATE else f"its parameters are {found}"
-
-
-def _check_batch_results() -> str | None:
-    """``BatchStats`` has :data:`BATCH_STATS`, ``BatchResponse`` the fields :data:`BATCH_RESPONSE`, and
-    ``wired_limit`` takes the model first."""
-    generate = _mlx_lm("generate")
-    missing = [name for name in BATCH_STATS if not hasattr(generate.BatchStats(), name)]
-    if missing:
-        return f"BatchStats has no {', '.join(missing)}"
-    fields = [f.name for f in dataclasses.fields(generate.BatchResponse)]
-    if not set(BATCH_RESPONSE) <= set(fields):
-        return f"BatchResponse's fields are {fields}"
-    found = _names(generate.wired_limit)
-    return None if found[:1] == ["model"] else f"wired_limit takes {found}"
-
-
 LAYOUTS: dict[str, Callable[[], str | None]] = {
     "BatchGenerator.insert_segments": _check_insert_arguments,
     "BatchGenerator's state": _check_generator_attributes,
     "BatchGenerator._unprocessed_sequences": _check_waiting_sequences,
-    "the KVCache/BatchKVCache protocol": _check_overridden,
+    "the KVCache/BatchKVCache protocol": _check_protocol,
     "BatchKVCache.offset": _check_batch_offsets,
-    "batch_generate": _check_batch_generate,
-    "the BatchStats/BatchResponse/wired_limit API": _check_batch_results,
 }
 """Each layout veloxpatch's batched generation relies on, by name, and its check: None when the
 installed mlx_lm has it, else what was found instead."""
-
-
-ANSWERING = ("batch_generate", "the BatchStats/BatchResponse/wired_limit API")
-"""The layouts only ``batch_generate``'s sequential answer relies on."""
-
-BATCHING = tuple(name for name in LAYOUTS if name not in ANSWERING)
-"""The layouts a batch joining compressed caches relies on (``insert_segments``): where only the answering
-ones differ (mlx-lm 0.31's ``batch_generate`` takes fewer parameters), batches still join them."""
 
 
 def check(name: str) -> str | None:

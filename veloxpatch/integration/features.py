@@ -90,9 +90,6 @@ FEATURES: tuple[Feature, ...] = (
     Feature("batched generation", "mlx_lm.generate", (
         Target("BatchGenerator.insert_segments", batched.batch_insert_segments, named=compat.INSERT_ARGUMENTS),
     ), off="batched generation stays mlx_lm's"),
-    Feature("sequential batch_generate", "mlx_lm.generate", (
-        Target("batch_generate", batched.batch_generate, exactly=compat.BATCH_GENERATE),
-    ), off="batch_generate stays mlx_lm's"),
     Feature("settings per request", "mlx_lm.server", (
         Target("APIHandler.validate_model_parameters", server.validate_model_parameters, leading=("self",)),
         Target("ResponseGenerator.generate", server.generate, leading=("self", "request", "generation_args")),

@@ -28,6 +28,7 @@ from typing import Any
 import wrapt
 
 from ..caches import CompressedKVCache
+from ..caches.batch import SequenceBatch
 from ..config import VeloxConfig
 from ..fallback import fall_back
 from ..log import model_type, once
@@ -154,9 +155,9 @@ def _wrap(owner: type, wrapper: Wrapper) -> None:
 
 
 def _listener(params: Parameters, args: tuple, kwargs: dict) -> CompressedKVCache | None:
-    """The call's cache when it is one of ours that wants layer inputs and outputs."""
+    """The call's cache when it is one of ours (or a batch of ours) that wants layer inputs and outputs."""
     cache = params.cache(args, kwargs)
-    return cache if isinstance(cache, CompressedKVCache) and cache.wants_layer_io else None
+    return cache if isinstance(cache, (CompressedKVCache, SequenceBatch)) and cache.wants_layer_io else None
 
 
 def _block_wrapper(params: Parameters) -> Wrapper:

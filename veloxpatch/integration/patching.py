@@ -31,7 +31,8 @@ from ..log import configure as configure_logging
 from ..log import log
 from ..registry import METHODS
 from ..settings import strict_requested
-from . import features, threads, version
+from ..caches import CompressedKVCache
+from . import batched, features, threads, version
 from .features import Feature
 from .state import STATE, Swap
 
@@ -55,6 +56,7 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
         return False
     with STATE.lock:
         STATE.config = config
+        CompressedKVCache.batching = staticmethod(batched.batching_on)  # our caches merge while it says so
         _register_hooks()
         _guard_exit()
         try:

@@ -21,14 +21,14 @@ server's prompt cache (``LRUPromptCache``) is keyed by model *and* by the settin
 (:meth:`VeloxConfig.cache_settings`), so a prompt cached under one setting is never reused under another, and two
 requests that ask for the same (said or by default) share as before.
 
-A request whose settings are not the process's is served one at a time, where caches are made per request:
-mlx_lm's batched path makes every sequence's caches alike (compressed caches in a batch are another feature's
-work). A patched server that compresses serves every request one at a time anyway (its caches do not merge).
+Concurrent requests with the process's settings are batched on compressed caches (:mod:`.batched`); a request
+whose settings are not the process's is served one at a time, where caches are made per request (mlx_lm's batched
+path makes every sequence's caches through the process's settings).
 
 The answer's ``usage`` gains ``velox``: the method and budget in force and what the request's cache list holds
 once answered (``kv_bytes``, ``dense_kv_bytes``, ``rows_kept``, ``rows_seen``, ``share_kept``;
-:func:`veloxpatch.stats.held`), measured on the generation thread once the list is in the prompt cache; for a
-request mlx_lm batched, the numbers are null (not measured).
+:func:`veloxpatch.stats.held`), measured on the generation thread once the list is in the prompt cache, whether the
+request was served alone or in a batch (its ticket rides on its list: :func:`.state.hand_to_batch`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from .. import stats
 from ..config import PROCESS_WIDE, ConfigError, Setting, VeloxConfig, request_settings
 from ..log import log
 from . import compat
-from .state import STATE, in_force, serving
+from .wrappers import ours
+from .state import STATE, hand_to_batch, in_force, serving
 
 FIELD = "velox"
 """The JSON field of a request's settings."""
@@ -67,11 +68,22 @@ class Ticket:
     def __init__(self, config: VeloxConfig) -> None:
         self.config = config
         self.started = False
+        self.prompt_tokens: int | None = None  # set when a batch serves it
         self.held: dict[str, int] | None = None
         self._done = threading.Event()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Ticket":
+        """Itself: it rides on a batched request's cache list (:mod:`.batched`), and the copies the batch gives back
+        must report to the one request."""
+        return self
+
+    def batched(self, prompt_tokens: int) -> None:
+        """A batch serves the request, whose prompt is ``prompt_tokens`` long: its answer waits for the measurement
+        of the list the server stores once it has answered (one at least that long)."""
+        self.started, self.prompt_tokens = True, prompt_tokens
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["config"])
@@ -80,8 +92,8 @@ class Ticket:
         self._done.set()
 
     def usage(self) -> dict[str, Any]:
-        """``usage["velox"]`` of the request's answer: waits (at most :data:`WAIT_S`) for the measurement of a
-        request served one at a time."""
+        """``usage["velox"]`` of the request's answer: waits (at most :data:`WAIT_S`) for the measurement of the
+        list the server stores for it."""
         if self.started and not self._done.wait(WAIT_S):
             log.warning("the KV usage of a request was not measured within %.0f s", WAIT_S)
         held = self.held or dict.fromkeys(("kv_bytes", "dense_kv_bytes", "rows_kept", "rows_seen"))
@@ -209,7 +221,9 @@ _served = threading.local()  # the generation thread: the ticket of the request 
 def is_batchable(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """A request whose settings are not the process's is served one at a time, where its caches are its own."""
     ticket = compat.carried(args[0] if args else kwargs.get("args"))
-    return wrapped(*args, **kwargs) and (ticket is None or same_as_process(ticket.config))
+    batchable = wrapped(*args, **kwargs) and (ticket is None or same_as_process(ticket.config))
+    hand_to_batch(ticket if batchable else None)
+    return batchable
 
 
 @wrapt.decorator
@@ -229,6 +243,16 @@ def serve_single(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
         ticket.finish()
 
 
+def _batched_ticket(caches: Any, tokens: Any) -> Ticket | None:
+    """The ticket a batched request's list carries (:mod:`.batched`) when ``tokens`` hold its whole prompt: the
+    server stores a list at the end of each segment of a prompt too, before the request is answered."""
+    found = ours(caches)
+    ticket = compat.carried(found[0].coordinator) if found and found[0].coordinator is not None else None
+    if not isinstance(ticket, Ticket) or tokens is None or len(tokens) < (ticket.prompt_tokens or 0):
+        return None
+    return ticket
+
+
 def _keyed(model: Any) -> tuple[Any, Any]:
     """The prompt cache's key for ``model`` under the settings in force."""
     config = in_force()
@@ -246,14 +270,18 @@ def fetch_nearest_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: d
 @wrapt.decorator
 def insert_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``LRUPromptCache.insert_cache(model, tokens, prompt_cache)``: kept under the settings in force; the list of
-    a request served one at a time is measured for its answer's usage."""
-    ticket = getattr(_served, "ticket", None)
+    a request is measured for its answer's usage (one served one at a time: the request being served; a batched
+    one: the request its list carries, once the list holds the whole prompt)."""
     caches = args[2] if len(args) > 2 else kwargs.get("prompt_cache")
+    tokens = args[1] if len(args) > 1 else kwargs.get("tokens")
+    ticket = getattr(_served, "ticket", None) or _batched_ticket(caches, tokens)
     if ticket is not None and isinstance(caches, list):
         try:
             ticket.held = stats.held(caches)
         except Exception as error:  # a measurement must never cost the answer
             log.warning("measuring a request's KV cache failed (%s: %s)", type(error).__name__, error)
+        if ticket.prompt_tokens is not None:
+            ticket.finish()
     if args:
         return wrapped(_keyed(args[0]), *args[1:], **kwargs)
     return wrapped(*args, **{**kwargs, "model": _keyed(kwargs["model"])})

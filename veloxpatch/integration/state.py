@@ -1,5 +1,5 @@
 """What is patched right now: the active config, every attribute swapped (for exact undo), each feature
-decided (on, or off and why), whether this thread is inside mlx_lm's batched generation, and the config in force on
+decided (on, or off and why), whether this thread is inside a batched generation left to mlx_lm, and the config in force on
 this thread (a server request's own settings while it is served, :mod:`.server`)."""
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def serving(config: VeloxConfig) -> Iterator[None]:
 
 @contextlib.contextmanager
 def batched_generation() -> Iterator[None]:
-    """Marks this thread as inside mlx_lm's batched generation (caches made here stay mlx_lm's)."""
+    """Marks this thread as inside a batched generation left to mlx_lm (its layouts are not the ones veloxpatch
+    knows): caches made here stay mlx_lm's, which it can batch."""
     _local.batched = getattr(_local, "batched", 0) + 1
     try:
         yield
@@ -80,3 +81,15 @@ def in_batched_generation() -> bool:
         return False
     once("batched", logging.WARNING, "mlx_lm batched generation merges caches; it runs with mlx_lm's own caches")
     return True
+
+
+def hand_to_batch(ticket: Any) -> None:
+    """The request this thread is about to insert into a batch (the server's ``_is_batchable`` said yes): what it
+    carries (a server request's ticket, :mod:`.server`) goes with the cache list the batch gives the sequence."""
+    _local.batched_ticket = ticket
+
+
+def taken_by_batch() -> Any:
+    """What :func:`hand_to_batch` left on this thread, once (None if nothing)."""
+    ticket, _local.batched_ticket = getattr(_local, "batched_ticket", None), None
+    return ticket

@@ -29,6 +29,7 @@ from .. import builder, stats, structure
 from ..fallback import StrictError, fall_back
 from ..settings import ConfigError
 from ..caches import CompressedKVCache, blocks
+from ..caches.batch import SequenceBatch
 from ..caches.schedule import Schedule
 from ..cpu import cpu_backend
 from ..coordinators import coordinators_of
@@ -63,7 +64,7 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
 def scaled_dot_product_attention(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     call = dict(zip(SDPA_PARAMS, args), **kwargs)
     cache = call.get("cache")
-    if isinstance(cache, CompressedKVCache):
+    if isinstance(cache, (CompressedKVCache, SequenceBatch)):
         return cache.attend(call["queries"], call["keys"], call["values"], scale=call["scale"], mask=call.get("mask"),
                             sinks=call.get("sinks"))
     if _in_blocks(cache, call["queries"]):
@@ -88,7 +89,7 @@ def generation_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict
     """For ``generate_step`` and ``speculative_generate_step`` (``prompt_cache`` is keyword-only)."""
     try:
         _evaluate_first(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
-        _start_generation(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
+        start_generation(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
     except Exception as error:
         fall_back("starting a generation", error, in_force(),
                   instead="it runs on its caches as they are (cross-layer state not reset)")
@@ -105,7 +106,7 @@ def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
                         call.arguments.get("draft_model"))
         _draft_caches(call.arguments)
         _share_memory_plan(call.arguments)
-        _start_generation(call.arguments.get("prompt_cache"), call.arguments.get("model"))
+        start_generation(call.arguments.get("prompt_cache"), call.arguments.get("model"))
     except ConfigError:  # the model and its draft together cannot fit VELOX_KV_MEMORY: a setting, not our fault
         raise
     except Exception as error:
@@ -134,7 +135,7 @@ def _evaluate_first(caches: Any, *models: Any) -> None:
             mx.eval(model.parameters())
 
 
-def _start_generation(caches: Any, model: Any) -> None:
+def start_generation(caches: Any, model: Any) -> None:
     """A generation starts on ``caches``: restored caches get their coordinator, every coordinator is
     reset, and a model whose caches read layer inputs and outputs gets its hooks (a list loaded from a
     file never went through ``make_prompt_cache``, where they are installed otherwise)."""

@@ -1,0 +1,202 @@
+"""One layer of mlx_lm's batched generation over caches that each stay their own sequence's.
+
+mlx_lm batches sequences by merging their per-layer caches into one batch cache (``merge``), whose
+rows every sequence shares a layout of: left padding, one mask for all heads and layers. A compressed
+cache has no such layout: each sequence keeps its own rows, at its own positions, chosen by its own
+scores, and a budget of its own. So a batch of ours does not merge rows; it keeps the sequences'
+caches side by side (:class:`SequenceBatch`, one per layer) and runs the part of a forward that
+touches a cache per sequence, while everything else in the model (projections, MLP, logits, sampling)
+stays batched:
+
+* ``update_and_fetch`` hands each sequence its slice of the step's keys and values (up to its own
+  length, when mlx_lm right-pads a prompt step: ``prepare``), and the attention route calls
+  :meth:`SequenceBatch.attend`, which has each sequence's cache attend with that sequence's queries
+  and pads the outputs back to the step. Every sequence therefore computes exactly what it would on its
+  own: the same rows kept, the same compression, the same positions.
+* ``offset`` is each sequence's token count (mlx_lm's batch caches hold one per sequence too, and
+  models rotate with it), so a right-padded step rotates each sequence at its own positions.
+* ``filter``, ``extend`` and ``extract`` move sequences in and out; ``extract`` gives back a copy of the
+  sequence's caches made once per sequence for all layers (a cross-layer method's caches share a
+  coordinator), as mlx_lm gives back copies of its own rows.
+
+A member may also be a plain cache of mlx_lm's (``KVCache``: a sequence that asked for no method, in
+a batch with compressed ones): it has no ``attend`` and gets mlx's attention over its rows. The
+integration (:mod:`veloxpatch.integration.batched`) decides which caches take this path.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any
+
+import mlx.core as mx
+
+_COPIES: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
+"""Per coordinator (one per sequence's list), the deepcopy memo of the list's latest :meth:`SequenceBatch.extract`:
+mlx_lm extracts a sequence layer by layer, first layer first, and every layer's copy must come from one copy of the
+whole list (a cross-layer method's layers share their coordinator and what it holds)."""
+
+
+class SequenceBatch:
+    """A batch cache (one layer) holding each sequence's own cache: see the module doc."""
+
+    def __init__(self, members: list[Any]) -> None:
+        self.members = list(members)
+        self._lengths: list[int] | None = None
+        self._fetched: list[tuple[mx.array, mx.array] | None] = []
+
+    # ----------------------------------------------------------------- joining and leaving
+    @classmethod
+    def merge(cls, caches: list[Any]) -> "SequenceBatch":
+        """The batch of ``caches`` (one layer, one per sequence), as mlx_lm merges a prefill group."""
+        for cache in caches:
+            _check_member(cache)
+        return cls(list(caches))
+
+    def extend(self, other: "SequenceBatch") -> None:
+        """Append ``other``'s sequences (mlx_lm joins a prefill group to the running batch so)."""
+        if not isinstance(other, SequenceBatch):
+            raise TypeError(f"a batch of compressed caches extends with another ({type(other).__name__} given)")
+        self.members.extend(other.members)
+
+    def filter(self, batch_indices: Any) -> None:
+        """Keep the sequences at ``batch_indices``, in that order."""
+        keep = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        self.members = [self.members[i] for i in keep]
+
+    def extract(self, idx: int) -> Any:
+        """A copy of sequence ``idx``'s cache: the caller may keep it while the sequence goes on in the batch."""
+        member = self.members[idx]
+        coordinator = getattr(member, "coordinator", None)
+        if coordinator is None:
+            return copy.deepcopy(member)
+        if member is coordinator.members[0] or id(member) not in _COPIES.get(coordinator, {}):
+            memo: dict[int, Any] = {}
+            copy.deepcopy(member, memo)
+            _COPIES[coordinator] = memo
+        return _COPIES[coordinator][id(member)]
+
+    # ----------------------------------------------------------------- a step
+    def prepare(self, *, lengths: list[int] | None = None, right_padding: list[int] | None = None,
+                left_padding: list[int] | None = None) -> None:
+        """The next step is right-padded: sequence i brings ``lengths[i]`` real tokens."""
+        if left_padding is not None and any(left_padding):
+            raise ValueError("a batch of compressed caches takes right-padded steps only (left_padding given)")
+        self._lengths = None if lengths is None else [int(n) for n in lengths]
+
+    def finalize(self) -> None:
+        """The padded step is over (mlx_lm rolls its padding out here; ours never stored any)."""
+        self._lengths = None
+
+    @property
+    def offset(self) -> mx.array:
+        """Each sequence's token count, where the model rotates its next token."""
+        return mx.array([m.offset for m in self.members], dtype=mx.int32)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Each sequence stores its own slice of the step; what the model gets back is only handed on to
+        :meth:`attend`, which attends over each sequence's own rows."""
+        self._fetched = [
+            m.update_and_fetch(keys[i:i + 1, :, :n], values[i:i + 1, :, :n]) if n else None
+            for i, (m, n) in enumerate(zip(self.members, self._step_lengths(keys.shape[2])))
+        ]
+        return keys, values
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
+               sinks: mx.array | None = None) -> mx.array:
+        """Each sequence's attention over its own rows with its own queries, padded back to the step."""
+        steps = queries.shape[2]
+        outputs = []
+        for i, (member, n, rows) in enumerate(zip(self.members, self._step_lengths(steps), self._fetched)):
+            out = mx.zeros((1, queries.shape[1], 0, values.shape[-1]), dtype=queries.dtype)
+            if rows is not None:
+                out = _attend_one(member, queries[i:i + 1, :, :n], rows, scale, sinks)
+            if n < steps:
+                out = mx.pad(out, [(0, 0), (0, 0), (0, steps - n), (0, 0)])
+            outputs.append(out)
+        self._fetched = []
+        return mx.concatenate(outputs, axis=0)
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        """Nothing the batch uses: each sequence's attention makes its own mask (:meth:`attend`). A model
+        that insists on an array gets a causal one over the step."""
+        if n == 1:
+            return None
+        if not return_array and window_size is None:
+            return "causal"
+        rows = mx.arange(n)
+        allowed = rows[:, None] >= rows[None, :]
+        if window_size is not None:
+            allowed = allowed & (rows[:, None] - rows[None, :] < window_size)
+        return allowed
+
+    def _step_lengths(self, steps: int) -> list[int]:
+        return self._lengths if self._lengths is not None else [steps] * len(self.members)
+
+    # ----------------------------------------------------------------- layer inputs and outputs
+    @property
+    def wants_layer_io(self) -> bool:
+        return any(getattr(m, "wants_layer_io", False) for m in self.members)
+
+    def see_block_input(self, hidden: mx.array) -> None:
+        for i, member, n in self._listeners(hidden.shape[1]):
+            member.see_block_input(hidden[i:i + 1, :n])
+
+    def see_attention_input(self, normed: mx.array, module: Any) -> None:
+        for i, member, n in self._listeners(normed.shape[1]):
+            member.see_attention_input(normed[i:i + 1, :n], module)
+
+    def see_attention(self, normed: mx.array, output: mx.array) -> None:
+        for i, member, n in self._listeners(normed.shape[1]):
+            member.see_attention(normed[i:i + 1, :n], output[i:i + 1, :n])
+
+    def _listeners(self, steps: int) -> list[tuple[int, Any, int]]:
+        return [(i, m, n) for i, (m, n) in enumerate(zip(self.members, self._step_lengths(steps)))
+                if n and getattr(m, "wants_layer_io", False)]
+
+    # ----------------------------------------------------------------- what mlx_lm reads
+    @property
+    def state(self) -> list[Any]:
+        """Every sequence's state (mlx_lm evaluates it after each step)."""
+        return [m.state for m in self.members]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.members)
+
+    def size(self) -> int:
+        return max((m.size() for m in self.members), default=0)
+
+    def __len__(self) -> int:
+        return self.size()
+
+    def __bool__(self) -> bool:
+        return True
+
+    def empty(self) -> bool:
+        return all(m.empty() for m in self.members)
+
+    def is_trimmable(self) -> bool:
+        return all(m.is_trimmable() for m in self.members)
+
+    def trim(self, n: int) -> int:
+        return min((m.trim(n) for m in self.members), default=0)
+
+
+def _check_member(cache: Any) -> None:
+    """A compressed cache of ours, or a plain cache of mlx_lm's that the integration marked ``batch_plain`` (its
+    ``KVCache``: rows with ``update_and_fetch``, no quantization, no window): what :func:`_attend_one` attends over."""
+    if not (hasattr(cache, "attend") or getattr(cache, "batch_plain", False)):
+        raise ValueError(f"a batch of compressed caches cannot hold mlx_lm's {type(cache).__name__} in the same layer "
+                         "(a layer batches compressed caches with plain KVCache only)")
+
+
+def _attend_one(member: Any, queries: mx.array, rows: tuple[mx.array, mx.array], scale: float,
+                sinks: mx.array | None) -> mx.array:
+    """One sequence's attention over the rows its cache returned for this step."""
+    keys, values = rows
+    mask = None if queries.shape[2] == 1 else "causal"
+    if hasattr(member, "attend"):
+        return member.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
