@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -73,3 +74,15 @@ def test_concurrent_requests_take_the_batched_path_and_succeed(served, model_dir
     assert held["kv"] == "snapkv" and held["rows_kept"] < held["rows_seen"], held
     output = log.read_text()
     assert "Traceback" not in output, output
+
+
+def test_a_client_that_leaves_does_not_hold_up_the_next(served) -> None:
+    """A non-streaming request whose client gave up goes on generating (the server cannot tell until it writes the
+    answer), but in the batch: the next request is answered beside it. Last in this module: it never ends."""
+    url, log = served
+    with pytest.raises(OSError):  # the client's timeout
+        post(url, {"prompt": PREFIX, "max_tokens": 10**6, "temperature": 0}, timeout=2)
+    start = time.monotonic()
+    status, body = post(url, {"prompt": "a quick one", "max_tokens": MAX_TOKENS, "temperature": 0}, timeout=60)
+    assert status == 200, (body, log.read_text())
+    assert time.monotonic() - start < 20, "the next request waited for the one whose client left"
