@@ -16,13 +16,13 @@ MINORS = ["0.28", "0.29", "0.30", "0.31", "0.32"]
 
 TESTS = [
     "tests/test_features.py",  # what is patched, by feature, on this mlx-lm
-    "tests/test_patching.py",  # import orders, exact unpatch, batch_generate on mlx_lm's caches
+    "tests/test_patching.py",  # import orders, exact unpatch, batch_generate compressed while patched only
     "tests/test_launcher.py",  # veloxpatch run
     "tests/test_exactness.py",  # generate / stream_generate token for token at a budget above the context
     "tests/test_speculative.py",
     "tests/test_server.py",  # the server on loopback
     "tests/test_server_exit.py",  # the server stopped by SIGINT exits with status 0 (about 70 s)
-    "tests/test_batched.py",
+    "tests/test_batched.py",  # batches of compressed caches, every method as it runs alone
     "tests/test_contracts.py",  # save/load and the cache protocol
 ]
 
