@@ -163,7 +163,7 @@ def process_env(field: dict | None, headers: dict[str, str]) -> dict[str, str]:
 def shared(tmp_path_factory):
     """One server, the four clients at once; it stays up for the tests that follow."""
     log = tmp_path_factory.mktemp("shared") / "server.log"
-    with running(SERVE, log, PROCESS) as url:
+    with running(SERVE, log, {**PROCESS, "VELOX_LOG": "INFO"}) as url:
         results: dict[int, list] = {}
 
         def client(i: int) -> None:
@@ -199,9 +199,14 @@ def test_concurrent_clients_with_their_own_settings_answer_as_one_at_a_time(shar
     for i, (together, by_itself) in enumerate(zip(concurrent, alone)):
         assert [a for a, _ in together] == [a for a, _ in by_itself], f"client {i}: {CLIENTS[i]}"
         for turn, ((_, usage), (_, reference)) in enumerate(zip(together, by_itself)):
-            if CLIENTS[i][0] == {"kv": "none"}:  # alone, mlx_lm batches it (its usage is not measured there)
+            if CLIENTS[i][0] == {"kv": "none"}:  # alone, mlx_lm batches it on its own caches (usage not measured)
                 usage = {**usage, "velox": {**usage["velox"], **reference["velox"]}}
             assert usage == reference, f"client {i}, turn {turn + 1}"
+
+
+def test_requests_with_settings_of_their_own_are_batched(shared) -> None:
+    _, _, log = shared
+    assert "a server request with settings of its own joins a batch" in log.read_text()
 
 
 def test_no_prompt_cache_is_shared_across_settings(shared) -> None:

@@ -27,17 +27,21 @@ differs; an error under ``VELOX_STRICT``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
+import logging
 from typing import Any, Callable
 
 import wrapt
 
+from ..caches import CompressedKVCache
 from ..caches.batch import SequenceBatch
 from ..fallback import notice
+from ..log import once
 from . import compat
-from .state import STATE, batched_generation, in_force, taken_by_batch
+from .state import STATE, batched_generation, in_force, serving, taken_by_batch
 from .wrappers import ours, start_generation
 
 FEATURE = "batched generation"
@@ -84,14 +88,19 @@ def _join(generator: Any, arguments: dict[str, Any]) -> None:
     given = list(arguments.get("caches") or [None] * len(segments))
     if len(given) != len(segments):
         return  # mlx_lm reports the mismatch itself
-    lists = [copy.deepcopy(c) if c is not None else compat.new_sequence_caches(generator) for c in given]
-    if not any(ours(c) for c in lists) and not _holds_ours(generator):
+    ticket = taken_by_batch()  # a server request (one sequence), with its own settings
+    if ticket is not None and ticket.config.cache_settings() != STATE.config.cache_settings():
+        once("batched own settings", logging.INFO,
+             "a server request with settings of its own joins a batch (on caches made under its settings)")
+    with serving(ticket.config) if ticket is not None else contextlib.nullcontext():
+        lists = [copy.deepcopy(c) if c is not None else compat.new_sequence_caches(generator) for c in given]
+    if ticket is None and not any(ours(c) for c in lists) and not _holds_ours(generator):
         arguments["caches"] = lists
         return
     lists = [_members(c) for c in lists]
     for caches, prompt in zip(lists, _prompt_lengths(arguments)):
         start_generation(caches, compat.generator_model(generator))
-        _carry_ticket(caches, prompt)
+        _carry(caches, ticket, prompt)
     compat.replace_waiting_caches(generator, _members)
     compat.replace_running_caches(generator, _split)
     arguments["caches"] = lists
@@ -103,14 +112,15 @@ def _prompt_lengths(arguments: dict[str, Any]) -> list[int]:
     return [len(s) + sum(len(part) for part in parts) for s, parts in zip(seen, arguments["segments"])]
 
 
-def _carry_ticket(caches: list, prompt: int) -> None:
-    """A server request inserted here (:func:`.state.hand_to_batch`) rides on its list's coordinator, whose copies
-    (the cache lists the batch gives back) keep it: the server measures the list it stores for the request's usage."""
-    ticket, found = taken_by_batch(), ours(caches)
-    if found and found[0].coordinator is not None:
+def _carry(caches: list, ticket: Any, prompt: int) -> None:
+    """A server request inserted here (:func:`.state.hand_to_batch`) rides on the first cache of its list that the
+    batch holds (ours or a plain member), whose copies (the cache lists the batch gives back) keep it: the server
+    keys the list it stores by the request's settings and measures it for the request's usage."""
+    holder = next((c for c in caches if isinstance(c, CompressedKVCache) or getattr(c, "batch_plain", False)), None)
+    if holder is not None:
         if ticket is not None:
             ticket.batched(prompt)
-        compat.carry(found[0].coordinator, ticket)
+        compat.carry(holder, ticket)
 
 
 def _holds_ours(generator: Any) -> bool:

@@ -21,9 +21,9 @@ server's prompt cache (``LRUPromptCache``) is keyed by model *and* by the settin
 (:meth:`VeloxConfig.cache_settings`), so a prompt cached under one setting is never reused under another, and two
 requests that ask for the same (said or by default) share as before.
 
-Concurrent requests with the process's settings are batched on compressed caches (:mod:`.batched`); a request
-whose settings are not the process's is served one at a time, where caches are made per request (mlx_lm's batched
-path makes every sequence's caches through the process's settings).
+Concurrent requests are batched on compressed caches (:mod:`.batched`), each sequence's made, fetched from the prompt
+cache and stored under its own request's settings; where batches are mlx_lm's own (no method for the process, or
+its batching layouts changed), a request whose settings are not the process's is served one at a time.
 
 The answer's ``usage`` gains ``velox``: the method and budget in force and what the request's cache list holds
 once answered (``kv_bytes``, ``dense_kv_bytes``, ``rows_kept``, ``rows_seen``, ``share_kept``;
@@ -43,8 +43,8 @@ from .. import stats
 from ..config import PROCESS_WIDE, ConfigError, Setting, VeloxConfig, request_settings
 from ..log import log
 from . import compat
-from .wrappers import ours
-from .state import STATE, hand_to_batch, in_force, serving
+from .batched import batching_on
+from .state import STATE, hand_to_batch, in_force, serving, to_batch
 
 FIELD = "velox"
 """The JSON field of a request's settings."""
@@ -219,9 +219,12 @@ _served = threading.local()  # the generation thread: the ticket of the request 
 
 @wrapt.decorator
 def is_batchable(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """A request whose settings are not the process's is served one at a time, where its caches are its own."""
+    """mlx_lm's answer; a request whose settings are not the process's also needs batches of ours (a process with a
+    method on, whose batches take any sequence's caches), else it is served one at a time. A batchable request's
+    ticket goes to the batch (:func:`.state.hand_to_batch`): its caches are made, fetched and stored under its own
+    settings there."""
     ticket = compat.carried(args[0] if args else kwargs.get("args"))
-    batchable = wrapped(*args, **kwargs) and (ticket is None or same_as_process(ticket.config))
+    batchable = wrapped(*args, **kwargs) and (ticket is None or same_as_process(ticket.config) or batching_on())
     hand_to_batch(ticket if batchable else None)
     return batchable
 
@@ -243,28 +246,35 @@ def serve_single(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
         ticket.finish()
 
 
-def _batched_ticket(caches: Any, tokens: Any) -> Ticket | None:
-    """The ticket a batched request's list carries (:mod:`.batched`) when ``tokens`` hold its whole prompt: the
-    server stores a list at the end of each segment of a prompt too, before the request is answered."""
-    found = ours(caches)
-    ticket = compat.carried(found[0].coordinator) if found and found[0].coordinator is not None else None
-    if not isinstance(ticket, Ticket) or tokens is None or len(tokens) < (ticket.prompt_tokens or 0):
-        return None
-    return ticket
+def _batched_ticket(caches: Any) -> Ticket | None:
+    """The ticket a batched request's list carries (:mod:`.batched`: on the first cache the batch held)."""
+    for cache in caches if isinstance(caches, list) else []:
+        ticket = compat.carried(cache)
+        if isinstance(ticket, Ticket):
+            return ticket
+    return None
 
 
-def _keyed(model: Any) -> tuple[Any, Any]:
-    """The prompt cache's key for ``model`` under the settings in force."""
-    config = in_force()
+def _whole_prompt(ticket: Ticket | None, tokens: Any) -> bool:
+    """Whether ``tokens`` (a list the server stores) hold the batched request's whole prompt: it also stores one
+    at the end of each segment of a prompt, before the request is answered."""
+    return ticket is not None and tokens is not None and len(tokens) >= (ticket.prompt_tokens or 0)
+
+
+def _keyed(model: Any, ticket: Ticket | None = None) -> tuple[Any, Any]:
+    """The prompt cache's key for ``model`` under ``ticket``'s settings, else those in force."""
+    config = ticket.config if ticket is not None else in_force()
     return model, None if config is None else config.cache_settings()
 
 
 @wrapt.decorator
 def fetch_nearest_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``LRUPromptCache.fetch_nearest_cache(model, tokens)``: only lists made under the settings in force."""
+    """``LRUPromptCache.fetch_nearest_cache(model, tokens)``: only lists made under the settings of the request
+    about to be served (one at a time: in force; batched: handed to the batch)."""
+    ticket = None if getattr(_served, "ticket", None) is not None else to_batch()
     if args:
-        return wrapped(_keyed(args[0]), *args[1:], **kwargs)
-    return wrapped(*args, **{**kwargs, "model": _keyed(kwargs["model"])})
+        return wrapped(_keyed(args[0], ticket), *args[1:], **kwargs)
+    return wrapped(*args, **{**kwargs, "model": _keyed(kwargs["model"], ticket)})
 
 
 @wrapt.decorator
@@ -274,7 +284,8 @@ def insert_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
     one: the request its list carries, once the list holds the whole prompt)."""
     caches = args[2] if len(args) > 2 else kwargs.get("prompt_cache")
     tokens = args[1] if len(args) > 1 else kwargs.get("tokens")
-    ticket = getattr(_served, "ticket", None) or _batched_ticket(caches, tokens)
+    batched = _batched_ticket(caches) if getattr(_served, "ticket", None) is None else None
+    ticket = getattr(_served, "ticket", None) or (batched if _whole_prompt(batched, tokens) else None)
     if ticket is not None and isinstance(caches, list):
         try:
             ticket.held = stats.held(caches)
@@ -283,5 +294,5 @@ def insert_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
         if ticket.prompt_tokens is not None:
             ticket.finish()
     if args:
-        return wrapped(_keyed(args[0]), *args[1:], **kwargs)
-    return wrapped(*args, **{**kwargs, "model": _keyed(kwargs["model"])})
+        return wrapped(_keyed(args[0], batched), *args[1:], **kwargs)
+    return wrapped(*args, **{**kwargs, "model": _keyed(kwargs["model"], batched)})
