@@ -76,6 +76,32 @@ def test_concurrent_requests_take_the_batched_path_and_succeed(served, model_dir
     assert "Traceback" not in output, output
 
 
+def test_the_openai_client_gets_batched_compressed_answers(served) -> None:
+    """The real ``openai`` client, four completions at once (two streamed with their usage), each one's
+    ``usage.velox`` what its own sequence held."""
+    import openai
+
+    url, log = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = [PREFIX + f"number {i}" for i in range(4)]
+
+    def ask(i: int) -> tuple[str, dict]:
+        options = dict(model="default_model", prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0)
+        if i % 2:
+            chunks = list(client.completions.create(**options, stream=True, stream_options={"include_usage": True}))
+            usage = next(c.usage for c in chunks if c.usage is not None)
+            return "".join(c.choices[0].text for c in chunks if c.choices), usage.model_dump()
+        answer = client.completions.create(**options)
+        return answer.choices[0].text, answer.usage.model_dump()
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(ask, range(len(prompts))))
+    for text, usage in answers:
+        held = usage["velox"]
+        assert text and held["kv"] == "snapkv" and 0 < held["rows_kept"] < held["rows_seen"], (usage, log.read_text())
+    assert "Traceback" not in log.read_text()
+
+
 def test_a_client_that_leaves_does_not_hold_up_the_next(served) -> None:
     """A non-streaming request whose client gave up goes on generating (the server cannot tell until it writes the
     answer), but in the batch: the next request is answered beside it. Last in this module: it never ends."""
