@@ -9,6 +9,8 @@ keeps compressing to its own budget, and leaves the batch as compressed caches o
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import mlx.core as mx
 import pytest
@@ -163,3 +165,21 @@ def test_without_a_patch_nothing_of_ours_merges(loaded) -> None:
     assert hasattr(cache, "merge")
     veloxpatch.unpatch()
     assert not hasattr(cache, "merge")
+
+
+def test_finished_sequences_leave_nothing_behind(loaded) -> None:
+    """A sequence's caches go once it has left the batch and its copies are dropped (the server runs for days)."""
+    model, _ = loaded
+    veloxpatch.patch(kv="chunkkv", **SETTINGS)
+    gen = BatchGenerator(model, max_tokens=4)
+    gen.insert(prompts()[:2])
+    gen.next_generated()
+    members = gen._generation_batch.prompt_cache[0].members
+    gone = [weakref.ref(m.coordinator) for m in members] + [weakref.ref(m) for m in members]
+    del members
+    while gen.next_generated():
+        pass
+    gen.close()
+    del gen
+    gc.collect()
+    assert [ref() for ref in gone] == [None] * len(gone)

@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 
 _COPIES: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
-"""Per coordinator (one per sequence's list), the deepcopy memo of the list's latest :meth:`SequenceBatch.extract`:
+"""Per coordinator (one per sequence's list), its members' copies from the list's latest :meth:`SequenceBatch.extract`:
 mlx_lm extracts a sequence layer by layer, first layer first, and every layer's copy must come from one copy of the
 whole list (a cross-layer method's layers share their coordinator and what it holds)."""
 
@@ -74,7 +74,8 @@ class SequenceBatch:
         if member is coordinator.members[0] or id(member) not in _COPIES.get(coordinator, {}):
             memo: dict[int, Any] = {}
             copy.deepcopy(member, memo)
-            _COPIES[coordinator] = memo
+            # only the copies: deepcopy's memo also keeps every original alive (the coordinator, this dict's key)
+            _COPIES[coordinator] = {id(m): memo[id(m)] for m in coordinator.members if id(m) in memo}
         return _COPIES[coordinator][id(member)]
 
     # ----------------------------------------------------------------- a step
