@@ -1,0 +1,145 @@
+"""Concurrent requests to the real ``mlx_lm server``: batched and compressed against batched and plain.
+
+Two servers on loopback under the launcher, both float32 with OpenBLAS (the launcher's defaults on the CPU): one with
+no method (mlx_lm's own batching, the reference), one compressing. Each round sends ``--concurrency`` distinct
+prompts of ``--context`` tokens at once to one server, then the same to the other (the order alternates between
+rounds, so both meet the same machine), and times the round's wall clock. Every prompt starts with its own line, so
+no request reuses another's prompt cache. After the rounds, each of the compressing server's prompts is sent again
+alone (a seed makes mlx_lm serve a request one at a time) to a fresh compressing server, and its answer compared
+with the batched one; the batched answers' ``usage.velox`` say what each sequence's KV held.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
+    python bench/server_batch.py --model "$(veloxpatch fetch-model smollm2 | tail -1)" --context 2048 \\
+        --concurrency 8 --rounds 3 --kv snapkv --budget 512 --out docs/results/server-batch-2k
+
+Writes ``result.json`` and prints a markdown table (requests per second, their ratio, the KV held per sequence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from veloxpatch.eval import serving, tasks
+
+MAX_TOKENS = 32
+
+
+def prompts(tokenizer: Any, context: int, count: int, round_: int) -> list[str]:
+    """``count`` passkey documents of about ``context`` tokens, each opened by its own line (no shared prefix)."""
+    out = []
+    for i in range(count):
+        text, _ = tasks.passkey_example(tokenizer, context - 16, 7000 + 100 * round_ + i, depth=0.5)
+        out.append(f"Document {round_}-{i}.\n{text}")
+    return out
+
+
+def send(url: str, batch: list[str], alone: bool = False) -> tuple[float, list[dict]]:
+    """(seconds, answers) of ``batch`` sent at once (``alone``: one after another, each served one at a time)."""
+    def one(prompt: str) -> dict:
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **({"seed": 0} if alone else {})}
+        status, answer = serving.post(url, body, timeout=900)
+        if status != 200:
+            raise RuntimeError(f"the server answered {status}: {answer}")
+        return answer
+
+    start = time.perf_counter()
+    if alone:
+        answers = [one(p) for p in batch]
+    else:
+        with ThreadPoolExecutor(len(batch)) as pool:
+            answers = list(pool.map(one, batch))
+    return time.perf_counter() - start, answers
+
+
+def server(model: str, env: dict[str, str], log: Path) -> Any:
+    """A server under the launcher with ``env`` over this process's environment (VELOX_* removed)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_") and k != "LD_PRELOAD"}
+    command = [sys.executable, "-m", "veloxpatch.cli", "run", "-m", "mlx_lm", "server", "--model", model,
+               "--log-level", "INFO"]
+    return serving.running(command, log, {**base, **env})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kv", default="snapkv")
+    parser.add_argument("--budget", default="512")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(Path(args.model))
+    args.out.mkdir(parents=True, exist_ok=True)
+    plain_env = {"VELOX_KV": "none", "VELOX_FLOAT32": "on"}
+    ours_env = {"VELOX_KV": args.kv, "VELOX_BUDGET": args.budget, "VELOX_FLOAT32": "on"}
+    logs = Path(tempfile.mkdtemp(prefix="server-batch-"))
+    times: dict[str, list[float]] = {"plain": [], "ours": []}
+    batched: list[tuple[str, dict]] = []
+    with server(args.model, plain_env, logs / "plain.log") as plain, server(args.model, ours_env, logs / "ours.log") as ours:
+        send(plain, prompts(tokenizer, 256, 2, -1))  # warm-up: the first request loads and probes
+        send(ours, prompts(tokenizer, 256, 2, -2))
+        for r in range(args.rounds):
+            order = [("plain", plain), ("ours", ours)] if r % 2 == 0 else [("ours", ours), ("plain", plain)]
+            for name, url in order:
+                batch = prompts(tokenizer, args.context, args.concurrency, 2 * r + (name == "ours"))
+                seconds, answers = send(url, batch)
+                times[name].append(seconds)
+                if name == "ours":
+                    batched += list(zip(batch, answers))
+                print(f"round {r}: {name} {seconds:.1f} s", flush=True)
+    with server(args.model, ours_env, logs / "alone.log") as alone:
+        _, singles = send(alone, [p for p, _ in batched], alone=True)
+    result = summary(args, times, batched, singles)
+    (args.out / "result.json").write_text(json.dumps(result, indent=1))
+    print(table(result))
+
+
+def summary(args: argparse.Namespace, times: dict[str, list[float]], batched: list[tuple[str, dict]],
+            singles: list[dict]) -> dict[str, Any]:
+    """Requests per second of each server (median round), their ratio, answers equal alone, KV per sequence."""
+    rate = {name: args.concurrency / statistics.median(t) for name, t in times.items()}
+    held = [a["usage"]["velox"] for _, a in batched]
+    same = [a["choices"][0]["text"] == s["choices"][0]["text"] for (_, a), s in zip(batched, singles)]
+    return {
+        "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"model": Path(args.model).name},
+        "seconds": times, "requests_per_s": rate, "ratio": rate["ours"] / rate["plain"],
+        "equal_alone": sum(same), "requests": len(same),
+        "rows_kept_per_layer": [h["rows_kept"] / layers(args.model) for h in held],
+        "share_kept": [h["share_kept"] for h in held], "kv_bytes": [h["kv_bytes"] for h in held],
+        "dense_kv_bytes": [h["dense_kv_bytes"] for h in held],
+    }
+
+
+def layers(model: str) -> int:
+    """The model's decoder layers (its config)."""
+    return json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+
+
+def table(result: dict[str, Any]) -> str:
+    rate, s = result["requests_per_s"], result["settings"]
+    kv = statistics.median(result["kv_bytes"]) / 2**20
+    dense = statistics.median(result["dense_kv_bytes"]) / 2**20
+    return "\n".join([
+        "| server | requests/s (median of rounds) | vs plain | answers equal alone | KV per sequence (MiB) | rows per layer |",
+        "|---|---|---|---|---|---|",
+        f"| plain (no method) | {rate['plain']:.3f} | 1.00 | | {dense:.1f} | all |",
+        f"| {s['kv']} at {s['budget']} | {rate['ours']:.3f} | {result['ratio']:.2f} | "
+        f"{result['equal_alone']}/{result['requests']} | {kv:.1f} | "
+        f"{min(result['rows_kept_per_layer']):.0f}-{max(result['rows_kept_per_layer']):.0f} |",
+    ])
+
+
+if __name__ == "__main__":
+    main()
