@@ -10,7 +10,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 import veloxpatch
 from conftest import decoded, random_case, random_rows, softmax
 from conftest import feed as feed_rows
-from veloxpatch.methods.h2o import H2OCache, received_mass
+from veloxpatch.methods.h2o import H2OCache, attention_with_mass, received_mass
 from veloxpatch.config import Budget, TierSize
 
 SCALE = 0.35
@@ -245,3 +245,25 @@ def test_a_query_whose_rows_all_went_adds_nothing() -> None:
         stored, _ = cache.store.fetch()
         assert mx.isfinite(cache.policy.score(cache, stored, cache.store.row_positions(), SCALE)).all().item()
     assert cache.offset == 56
+
+
+@pytest.mark.parametrize("holes", [False, True])
+def test_one_softmax_gives_mlxs_attention_and_the_received_mass(holes: bool) -> None:
+    """H2O's prompt steps take their output and their score from one softmax (``attention_with_mass``): the output
+    is mlx's attention (exactly, where mlx's is causal), the mass is ``received_mass``'s."""
+    rng = np.random.default_rng(7)
+    queries, keys, values = (mx.array(rng.standard_normal((1, h, 40, 16)).astype(np.float32)) for h in (6, 2, 2))
+    positions = mx.broadcast_to(mx.arange(40, dtype=mx.int32), (1, 2, 40))
+    if holes:
+        positions = mx.where(mx.arange(40) == 5, -1, positions)
+    first = 40 - 24  # the last 24 rows are the step's own
+    out, mass = attention_with_mass(queries[:, :, first:], keys, values, SCALE, positions, first)
+    assert np.allclose(np.array(mass), np.array(received_mass(queries[:, :, first:], keys, SCALE, positions, first)),
+                       rtol=1e-5, atol=1e-6)
+    if holes:
+        visible = (positions[:, :, None, :] <= mx.arange(first, 40)[:, None]) & (positions[:, :, None, :] >= 0)
+        mask = mx.repeat(visible, 3, axis=1)
+    else:
+        mask = "causal"
+    want = mx.fast.scaled_dot_product_attention(queries[:, :, first:], keys, values, scale=SCALE, mask=mask)
+    assert (mx.array_equal(out, want).item() if not holes else mx.allclose(out, want, atol=1e-6).item())

@@ -10,10 +10,14 @@ trimmed, and it is saved with the cache; with a tier (``VELOX_TIER``) a dropped 
 and brings it back when a prompt takes it back. Rows are ranked per KV head by this sum; the sinks and
 the recent window are kept. In ``end`` mode the prompt's accumulated mass decides the first compression.
 
-Decode steps do no work for this on the hot path: their queries are queued and accounted in one
-vectorised pass when scores are needed (a compression), when the queue outgrows the decode headroom
-(a prefill chunk at once) and before saving. Until a compression nothing a query saw changes (every
-row at or before its position, holes never), so the sums are those of accounting every step at once.
+A prompt step (more tokens than the decode headroom) takes its output and its mass from one softmax
+(:func:`attention_with_mass`: the operations of mlx's attention on the CPU, so the same output), which
+keeps H2O's cost per request near the other methods' (docs/results.md: 1.03-1.06x a generation with no
+method, from 1.47-1.62x when the mass was a second softmax). Decode steps do no work for this on the hot
+path: their queries are queued and accounted in one vectorised pass when scores are needed (a
+compression), when the queue outgrows the decode headroom and before saving; so a speculative rewind
+takes a rejected step's queries back. Until a compression nothing a query saw changes (every row at or
+before its position, holes never), so the sums are those of accounting every step at once.
 
 Where this deviates from the paper, and why:
 
@@ -38,6 +42,8 @@ Where this deviates from the paper, and why:
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import mlx.core as mx
 
@@ -75,6 +81,37 @@ def received_mass(queries: mx.array, keys: mx.array, scale: float, positions: mx
     return total
 
 
+def attention_with_mass(queries: mx.array, keys: mx.array, values: mx.array, scale: float, positions: mx.array,
+                        first: int) -> tuple[mx.array, mx.array]:
+    """The attention output of ``queries`` over ``keys``/``values`` and the mass each row receives from them (as
+    :func:`received_mass`), from one softmax: H2O's prompt steps would otherwise compute the probabilities twice,
+    once inside mlx's attention and once for the score (most of H2O's cost per request, docs/results.md).
+
+    The same operations as mlx's attention on the CPU (queries scaled, one matmul per KV head group, a precise
+    softmax with hidden rows at -inf), so the output is the one mlx gives (``tests/test_h2o.py``). Every query
+    sees its own row (a prompt step's rows are stored before it attends). Blocks of queries as in
+    :func:`received_mass`.
+    """
+    b, hq, n, d = queries.shape
+    hkv, rows = keys.shape[1], keys.shape[2]
+    q = (queries * scale).reshape(b, hkv, hq // hkv, n, d)
+    k = mx.expand_dims(keys, 2).swapaxes(-1, -2)
+    v = mx.expand_dims(values, 2)
+    row_positions = mx.where(positions >= 0, positions, first + n)[:, :, None, None, :]  # a hole: after every query
+    block = max(1, BLOCK_ELEMENTS // (b * hq * rows))
+    outs, total = [], None
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        hidden = mx.where(row_positions <= mx.arange(first + start, first + stop)[:, None], 0.0, -mx.inf)
+        probs = mx.softmax(q[..., start:stop, :] @ k + hidden.astype(q.dtype), axis=-1, precise=True)
+        outs.append((probs @ v).reshape(b, hq, stop - start, values.shape[-1]))
+        mass = probs.astype(mx.float32).sum(axis=(2, 3))
+        total = mass if total is None else total + mass
+        if block < n:
+            mx.eval(outs[-1], total)  # left lazy, every block's probabilities would be alive at once
+    return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)), total
+
+
 class H2O(Policy):
     """Ranks rows by the attention they have accumulated since they were stored."""
 
@@ -90,6 +127,7 @@ class H2O(Policy):
         self.queued: list[mx.array] = []  # queries not yet accounted, of consecutive tokens ending at queued_end
         self.queued_end = 0
         self.scale = 1.0
+        self.credited = False  # this step's queries were accounted with its attention (:meth:`credit`)
 
     def remembered(self, window: int) -> int:
         """No observation window: the scores come from every query (:meth:`observe`)."""
@@ -100,8 +138,13 @@ class H2O(Policy):
         return self._mass(cache, keys.shape[2])
 
     def observe(self, cache: EvictingCache, queries: mx.array, keys: mx.array, scale: float) -> None:
-        """Queue this step's queries; account them once they outgrow the decode headroom."""
+        """Queue this step's queries; account them once they outgrow the decode headroom. A step whose
+        attention gave its mass already (:meth:`credit`) is not queued."""
         self.scale = scale
+        if self.credited:
+            self.credited = False
+            self.queued_end = cache.offset
+            return
         self.queued = [*self.queued, queries]  # a new list: a copy of the policy shares the old one
         self.queued_end = cache.offset
         if sum(q.shape[2] for q in self.queued) > cache.headroom(cache.target()):
@@ -146,6 +189,16 @@ class H2O(Policy):
         """Also a cache saved without it (rebuilt caches, e.g. from a batch): the mass restarts at zero."""
         self.mass = state[0] if state else None
 
+    def credit(self, cache: EvictingCache, mass: mx.array) -> None:
+        """A prompt step's mass, from its own attention (:func:`attention_with_mass`): the queries queued before it
+        were accounted first, over the rows they saw."""
+        self.mass = self._mass(cache, mass.shape[-1]) + mass
+        self.credited = True
+
+    def account(self, cache: EvictingCache) -> None:
+        """Account the queued queries now."""
+        self._account(cache)
+
     def _account(self, cache: EvictingCache) -> None:
         """Add the queued queries' attention to the mass, in one pass."""
         if not self.queued:
@@ -172,3 +225,20 @@ class H2OCache(EvictingCache):
     """H2O's cache: its rows chosen by :class:`H2O`."""
 
     policy_class = H2O
+
+    def _attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+                   sinks: mx.array | None, kept: mx.array | None = None) -> mx.array:
+        """A prompt step over the stored rows gets its output and its mass from one softmax; anything else (a step
+        within the decode headroom, whose queued queries a speculative rewind takes back; sinks; a model's own mask;
+        a step restricted to the rows a pending compression keeps) is attended as every cache attends, and its
+        queries scored later."""
+        own_mask = mask is None or isinstance(mask, str) or self._issued(mask)
+        if queries.shape[2] <= self.headroom(self.target()) or kept is not None or sinks is not None \
+                or not own_mask or keys.shape[2] != self.store.rows:
+            return super()._attention(queries, keys, values, scale, mask, sinks, kept)
+        self.policy.account(self)
+        out, mass = attention_with_mass(queries, keys, values, scale, self.store.row_positions(),
+                                        self.offset - queries.shape[2])
+        self.policy.credit(self, mass)
+        self._forget_issued_masks()
+        return out
