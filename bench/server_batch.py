@@ -1,4 +1,4 @@
-"""Concurrent requests to the real ``mlx_lm server``: batched and compressed against batched and plain.
+"""Concurrent requests to the real ``mlx_lm server`` (the ``openai`` client): batched and compressed against plain.
 
 Two servers on loopback under the launcher, both float32 with OpenBLAS (the launcher's defaults on the CPU): one with
 no method (mlx_lm's own batching, the reference), one compressing. Each round sends ``--concurrency`` distinct
@@ -43,13 +43,16 @@ def prompts(tokenizer: Any, context: int, count: int, round_: int) -> list[str]:
 
 
 def send(url: str, batch: list[str], alone: bool = False) -> tuple[float, list[dict]]:
-    """(seconds, answers) of ``batch`` sent at once (``alone``: one after another, each served one at a time)."""
+    """(seconds, answers) of ``batch`` sent at once with the ``openai`` client (``alone``: one after another, each
+    served one at a time); each answer as the server's JSON (``choices``, ``usage`` with ``velox``)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
+
     def one(prompt: str) -> dict:
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, **({"seed": 0} if alone else {})}
-        status, answer = serving.post(url, body, timeout=900)
-        if status != 200:
-            raise RuntimeError(f"the server answered {status}: {answer}")
-        return answer
+        answer = client.completions.create(model="default_model", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body={"seed": 0} if alone else None)
+        return answer.model_dump()
 
     start = time.perf_counter()
     if alone:
