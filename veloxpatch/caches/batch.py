@@ -20,7 +20,8 @@ stays batched:
   coordinator), as mlx_lm gives back copies of its own rows.
 
 A member may also be a plain cache of mlx_lm's (``KVCache``: a sequence that asked for no method, in
-a batch with compressed ones): it has no ``attend`` and gets mlx's attention over its rows. The
+a batch with compressed ones): it has no ``attend`` and gets mlx's attention over its rows, in blocks of queries as
+ours get it (:mod:`.blocks`). The
 integration (:mod:`veloxpatch.integration.batched`) decides which caches take this path.
 """
 
@@ -31,6 +32,8 @@ import weakref
 from typing import Any
 
 import mlx.core as mx
+
+from . import blocks
 
 _COPIES: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
 """Per coordinator (one per sequence's list), its members' copies from the list's latest :meth:`SequenceBatch.extract`:
@@ -200,4 +203,4 @@ def _attend_one(member: Any, queries: mx.array, rows: tuple[mx.array, mx.array],
     mask = None if queries.shape[2] == 1 else "causal"
     if hasattr(member, "attend"):
         return member.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    return blocks.attention(queries, keys, values, scale, mask, sinks)  # a plain member, in blocks as ours are

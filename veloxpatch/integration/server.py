@@ -44,7 +44,7 @@ from ..config import PROCESS_WIDE, ConfigError, Setting, VeloxConfig, request_se
 from ..log import log
 from . import compat
 from .batched import batching_on
-from .state import STATE, hand_to_batch, in_force, serving, to_batch
+from .state import STATE, hand_to_batch, in_force, same_as_process, serving, to_batch
 
 FIELD = "velox"
 """The JSON field of a request's settings."""
@@ -160,11 +160,6 @@ def _velox_headers(headers: Any) -> list[tuple[str, str]]:
     """(name, value) of every header named :data:`HEADER`..."""
     items = headers.items() if headers is not None else []
     return [(name, value) for name, value in items if name.lower().startswith(HEADER)]
-
-
-def same_as_process(config: VeloxConfig) -> bool:
-    """Whether caches made under ``config`` are made as the process's settings make them."""
-    return STATE.config is not None and config.cache_settings() == STATE.config.cache_settings()
 
 
 # --------------------------------------------------------------------- the handler's thread

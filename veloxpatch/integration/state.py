@@ -83,6 +83,11 @@ def in_batched_generation() -> bool:
     return True
 
 
+def same_as_process(config: VeloxConfig) -> bool:
+    """Whether caches made under ``config`` are made as the process's settings make them."""
+    return STATE.config is not None and config.cache_settings() == STATE.config.cache_settings()
+
+
 def hand_to_batch(ticket: Any) -> None:
     """The request this thread is about to insert into a batch (the server's ``_is_batchable`` said yes): what it
     carries (a server request's ticket, :mod:`.server`) goes with the cache list the batch gives the sequence."""
