@@ -6,6 +6,7 @@ import gc
 from typing import Callable
 
 import mlx.core as mx
+import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -116,14 +117,18 @@ def read_peak(model, tokens: mx.array, **settings) -> int:
 
 
 def test_the_reading_peak_is_the_memory_a_prompt_takes_while_it_is_read() -> None:
-    """``sharing.Reading`` (the eval's and bench's read_peak_bytes): ``end`` mode reads a prompt as mlx_lm does,
-    holding every row; ``chunk`` mode compresses between prefill steps and reads it in far less."""
+    """``sharing.Reading`` (the eval's and bench's read_peak_bytes): ``end`` mode reads a prompt holding every row
+    (its scores in blocks, so below mlx_lm's own peak); ``chunk`` mode compresses between prefill steps and reads it
+    in far less."""
     model = tiny("llama", seed=1)
     tokens = random_tokens(2048, 34)
+    args = model.args
+    head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
+    every_row = 2 * len(model.layers) * tokens.size * args.num_key_value_heads * head_dim * 4  # K and V, float32
     vanilla = read_peak(model, tokens)
     end = read_peak(model, tokens, kv="snapkv", budget=64, window=16, compress="end")
     chunk = read_peak(model, tokens, kv="snapkv", budget=64, window=16, compress="chunk")
-    assert vanilla > 0 and abs(end - vanilla) < 0.1 * vanilla, f"vanilla {vanilla} B, end mode {end} B"
+    assert every_row < end < 1.1 * vanilla, f"every row {every_row} B, vanilla {vanilla} B, end mode {end} B"
     assert chunk < 0.5 * vanilla, f"vanilla {vanilla} B, chunk mode {chunk} B"
 
 
@@ -164,32 +169,44 @@ def test_a_long_chunk_attends_in_blocks_of_queries_with_the_same_output() -> Non
 
 def test_slots_left_to_mlx_lm_attend_their_prompt_chunks_in_blocks_with_the_same_logits(monkeypatch) -> None:
     """A sliding-window slot stays mlx_lm's; with a method on (on the CPU) its prompt chunks attend in blocks of
-    queries as ours do: the same logits, bit for bit, and a decode step, or a run with no method, as before."""
+    queries as ours do, and the rows past its window are freed after the chunk (:mod:`veloxpatch.caches.window`):
+    the same logits, bit for bit, through later chunks and decoding, and a decode step, or a run with no method,
+    as before."""
     from veloxpatch.caches import blocks
     from veloxpatch.integration import wrappers
 
     model = tiny("gemma3_text", seed=4)
-    tokens = random_tokens(400, 37)
+    tokens = random_tokens(420, 37)
     calls: list[tuple[int, bool]] = []
     decide = wrappers._in_blocks
     monkeypatch.setattr(blocks, "SCORE_BYTES", 4 * 4 * 200 * 40)  # blocks of 40 queries
     monkeypatch.setattr(blocks, "MIN_BLOCK", 8)
     monkeypatch.setattr(wrappers, "_in_blocks", lambda c, q: calls.append((q.shape[2], decide(c, q))) or calls[-1][1])
 
+    held: list[int] = []  # the rows of the sliding-window slots after each prompt chunk
+
     def logits() -> list[mx.array]:
-        caches = make_prompt_cache(model)
-        return [model(tokens[None, s : s + n], cache=caches) for s, n in ((0, 200), (200, 199), (399, 1))]
+        caches, out = make_prompt_cache(model), []
+        for s, n in ((0, 200), (200, 199), *((399 + i, 1) for i in range(20))):  # decoding rotates the windows
+            out.append(model(tokens[None, s : s + n], cache=caches))
+            if n > 1:
+                held.extend(c.keys.shape[2] for c in caches if type(c).__name__ == "RotatingKVCache")
+        return out
 
     veloxpatch.patch(float32="auto")  # the route is on, no method: mlx_lm's attention as it is
     expected = logits()
     assert calls and not any(blocked for _, blocked in calls)
+    assert held and max(held) > 200, held  # mlx_lm's window holds the whole chunk until its next update
     calls.clear()
+    held.clear()
     veloxpatch.patch(kv="snapkv", budget=4096)
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}  # the probe's forwards, then ours alone
     calls.clear()
     got = logits()
     assert kinds == {"RotatingKVCache", "SnapKVCache"}
-    assert sorted(calls) == [(1, False), (1, False), (199, True), (199, True), (200, True), (200, True)], calls
+    assert sorted(calls)[-4:] == [(199, True), (199, True), (200, True), (200, True)], calls
+    assert not any(blocked for n, blocked in calls if n == 1)
+    assert held and max(held) == model.args.sliding_window, held  # what no later step sees is freed, not kept
     assert all(mx.array_equal(a, b).item() for a, b in zip(expected, got))
 
 
@@ -213,3 +230,24 @@ def test_a_tier_holds_what_it_reports_after_decoding() -> None:
     used = mx.get_active_memory() - before
     assert all(c.tier.rows for c in caches)
     assert used <= sum(c.nbytes for c in caches) + SLACK * len(caches), used
+
+
+@pytest.mark.parametrize("keep", [0, 4])
+def test_a_shed_window_attends_as_mlx_lm_s_own_through_every_later_update(keep: int) -> None:
+    """``window.shed`` after a prompt chunk leaves mlx_lm's ``RotatingKVCache`` returning the same rows to every
+    later update (prompt chunks and decode steps alike) as the cache it was never applied to, with ``keep`` rows
+    pinned at the start (``--max-kv-size`` caches keep 4) or none."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from veloxpatch.caches import window
+
+    plain, shed = RotatingKVCache(max_size=32, keep=keep), RotatingKVCache(max_size=32, keep=keep)
+    steps = [40, 1, 1, 24, 3, *([1] * 40), 50, 1]
+    for i, n in enumerate(steps):
+        rows = mx.random.normal((1, 2, n, 8), key=mx.random.key(i))
+        expected, got = plain.update_and_fetch(rows, rows), shed.update_and_fetch(rows, rows)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(expected, got)), (i, n)
+        assert plain.make_mask(1) == shed.make_mask(1) and plain.offset == shed.offset
+        if n > 1:
+            window.shed(shed)
+            assert shed.keys.shape[2] == min(plain.keys.shape[2], 32), (i, shed.keys.shape)

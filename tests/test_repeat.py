@@ -58,6 +58,25 @@ def test_a_repeated_prompt_gets_the_same_answer(method: str, mode: str, tier: st
     assert all(c.read is not None for c in caches), "the cache the server keeps keeps its snapshot"
 
 
+@pytest.mark.parametrize("method", EVICTING)
+@pytest.mark.parametrize("mode", ["end", "chunk"])
+def test_a_repeated_follow_up_gets_the_same_answer(method: str, mode: str) -> None:
+    """A request that continues a cached prompt with a few tokens (a chat's next turn, fewer than a prompt chunk):
+    the server trims its kept cache back to the prompt, reads the new tokens and answers; the same request again
+    answers the same, though its few tokens were read as a decode-sized step."""
+    model = tiny("llama", seed=1)
+    prompt, more = random_tokens(PROMPT, 3), random_tokens(9, 6)
+    veloxpatch.patch(kv=method, budget=64, window=8, compress=mode)
+    caches = make_prompt_cache(model)
+    greedy(model, prompt, caches, steps=40, chunk=128)
+    follow = copy.deepcopy(caches)
+    trim_prompt_cache(follow, follow[0].offset - prompt.size)
+    first = greedy(model, more, follow, steps=80, chunk=128)
+    assert sum(c.evicted for c in follow)
+    again = served_again(follow, mx.concatenate([prompt, more]))
+    assert greedy(model, more[-1:], again, steps=80, chunk=128) == first
+
+
 def test_a_trim_deeper_than_the_prompt_trims_what_the_prompt_left() -> None:
     model = tiny("llama", seed=1)
     prompt = random_tokens(PROMPT, 4)

@@ -208,6 +208,10 @@ class CompressedKVCache(ABC):
         """Always: every row knows its position, so any prefix can be restored exactly."""
         return True
 
+    def expect_prompt(self, tokens: int) -> None:
+        """The next ``tokens`` tokens are a generation's prompt: a cache that keeps the state a prompt left (to
+        answer a repeated request the same) marks where it ends; the others need not know."""
+
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens: the cache becomes the compressed cache of the prefix."""
         n = min(n, self.offset)

@@ -21,7 +21,7 @@ from ..config import TierSize
 from .base import CompressedKVCache
 from .memory import MemoryPlan
 from .selection import best_rows, protected
-from .store import LATE, RowStore
+from .store import RowStore
 from .tier import Tier
 
 
@@ -182,6 +182,7 @@ class EvictingCache(CompressedKVCache):
         self.took_back = False  # this step took the tier's rows back into the store (evaluated after it)
         self.reading = False  # a prompt chunk came since the last decode-sized step
         self.read: Snapshot | None = None  # this cache as its last prompt left it (restored by a trim back into it)
+        self.prompt_end: int | None = None  # the offset at which the prompt a generation announced ends
 
     def make_policy(self, **knobs: Any) -> Policy:
         """The policy picking this cache's rows, from the method's knobs."""
@@ -239,7 +240,7 @@ class EvictingCache(CompressedKVCache):
         selection at the end of the prompt) chooses among every row, with that prompt's own queries."""
         self.took_back = self.tier is not None and bool(self.tier.rows) and self._takes_back(keys.shape[2])
         if self.took_back:
-            self._take_back()
+            self._take_back(keys.shape[2])
         return super().update_and_fetch(keys, values)
 
     def rows_before(self, n: int) -> int:
@@ -259,16 +260,14 @@ class EvictingCache(CompressedKVCache):
             self.offset -= n
         return n > self.headroom(keep) or self.schedule.pending(self.store.rows + n, n, keep)
 
-    def _take_back(self) -> None:
+    def _take_back(self, n: int) -> None:
         """The tier's rows back into the store, with the policy's state of them, in time order (to the policy a
-        compaction: ``kept``); time order matters to a policy that looks at neighbouring rows (SnapKV's pooling)."""
-        keys, values, positions, state = self.tier.drain()
+        compaction: ``kept``; time order matters to a policy that looks at neighbouring rows, SnapKV's pooling),
+        with room for the step's ``n`` rows. Done a half at a time (:meth:`RowStore.take_in`): the store now holds
+        the whole context at full precision, and the copies that made it go before the step's attention."""
+        rows, state = self.tier.drain()
         self.policy.taking_back(self, state)
-        self.store.extend(keys, values, positions)
-        positions = self.store.row_positions()
-        order = mx.argsort(mx.where(positions < 0, LATE, positions), axis=-1)
-        self.policy.kept(self, order)
-        self.store.keep(order, 0)
+        self.policy.kept(self, self.store.take_in(rows, spare=n))
 
     # ----------------------------------------------------------------- the attention route
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
@@ -294,9 +293,22 @@ class EvictingCache(CompressedKVCache):
             self._settle(out)
         if n > self.headroom(keep):
             self.reading = True
-        elif self.reading:  # under VELOX_KV_MEMORY the target wins: no snapshot, whose queries it does not count
-            self.reading, self.read = False, None if self.limit is not None else Snapshot(self)
+        elif self.reading or self._prompt_read():  # under VELOX_KV_MEMORY the target wins: no snapshot, whose
+            self.reading, self.read = False, None if self.limit is not None else Snapshot(self)  # queries it skips
         return out
+
+    def expect_prompt(self, tokens: int) -> None:
+        """The next ``tokens`` tokens are a generation's prompt (the wrappers see it whole): the step that reads its
+        last token leaves a snapshot, however few tokens its steps had. A chat's next turn, read on the cache of
+        the last as a decode-sized step, is then answered the same when the server is sent it again."""
+        self.prompt_end = self.offset + tokens
+
+    def _prompt_read(self) -> bool:
+        """Whether this step read the last token of the prompt :meth:`expect_prompt` announced (said once)."""
+        read = self.prompt_end is not None and self.offset >= self.prompt_end
+        if read:
+            self.prompt_end = None
+        return read
 
     def _settle(self, out: mx.array) -> None:
         """After a step that took the tier back: evaluate what this layer keeps, so its rows at full precision

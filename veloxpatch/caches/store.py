@@ -41,7 +41,12 @@ def _grow(parts: Parts, extra: int) -> Parts:
     """The same arrays with ``extra`` zero rows appended (spare capacity)."""
     if extra == 0:
         return parts
-    return tuple(mx.concatenate([p, mx.zeros((*p.shape[:2], extra, p.shape[3]), p.dtype)], axis=2) for p in parts)
+    return _join(parts, _zero_rows(parts, extra))
+
+
+def _zero_rows(parts: Parts, rows: int) -> Parts:
+    """Zero arrays of ``rows`` rows shaped as ``parts``' (spare capacity to join after them)."""
+    return tuple(mx.zeros((*p.shape[:2], rows, p.shape[3]), p.dtype) for p in parts)
 
 
 def _head(parts: Parts, rows: int) -> Parts:
@@ -54,9 +59,9 @@ def take_rows(parts: Parts, index: mx.array) -> Parts:
     return tuple(mx.take_along_axis(p, index[..., None], axis=2) for p in parts)
 
 
-def joined(first: Parts, second: Parts) -> Parts:
-    """Each array of ``first`` followed by its counterpart's rows in ``second``."""
-    return tuple(mx.concatenate([a, b], axis=2) for a, b in zip(first, second))
+def _join(*groups: Parts | None) -> Parts:
+    """Each array of the groups (None: none held) followed by its counterparts' rows, in one concatenation."""
+    return tuple(mx.concatenate(list(parts), axis=2) for parts in zip(*(g for g in groups if g is not None)))
 
 
 class RowStore:
@@ -118,16 +123,40 @@ class RowStore:
         rows held: time order per head is kept (holes last), and rows that are holes in every head go. No spare
         capacity is left (the next append grows the store). Returns where each row now held came from, (B, H,
         rows) indexes into the rows held before followed by the new ones, for state that follows the rows."""
-        keys_parts, values_parts = self.encode(keys), self.encode(values)
-        positions = positions.astype(mx.int32)
-        if self.rows:
-            held_keys, held_values, held_positions = self.state
-            keys_parts, values_parts = joined(held_keys, keys_parts), joined(held_values, values_parts)
-            positions = mx.concatenate([held_positions, positions], axis=-1)
+        return self._merge(lambda i: self.encode((keys, values)[i]), positions.astype(mx.int32), 0)
+
+    def take_in(self, other: "RowStore", spare: int = 0) -> mx.array:
+        """Every row of ``other`` (another format: a tier's) merged in as :meth:`merge` does, with ``spare`` free
+        rows after them (room for the next append); returns the same order.
+
+        A store taking a tier back holds the whole context at full precision, and each copy of it counts while a
+        prompt is read: keys, then values, are decoded, joined in one concatenation and put in order by one
+        gather, each half evaluated before the other is decoded, so at most two copies of one half are alive."""
+        keys, values, positions = other.state
+        return self._merge(lambda i: self.encode(other.decode((keys, values)[i])), positions.astype(mx.int32), spare)
+
+    def _merge(self, new: Callable[[int], Parts], positions: mx.array, spare: int) -> mx.array:
+        """:meth:`merge`'s work, the new rows' keys as ``new(0)`` and values as ``new(1)`` (encoded as stored)."""
+        held = self.state if self.rows else (None, None, None)
+        b, h, _ = positions.shape
+        positions = mx.concatenate([p for p in (held[2], positions) if p is not None], axis=-1)
         when = mx.where(positions < 0, LATE, positions)
         order = mx.argsort(when, axis=-1)[..., : int((when < LATE).sum(axis=-1).max().item())]
-        self.load((take_rows(keys_parts, order), take_rows(values_parts, order),
-                   mx.take_along_axis(positions, order, axis=-1)))
+        total = positions.shape[-1]
+        index = mx.concatenate([order, mx.broadcast_to(mx.arange(total, total + spare, dtype=order.dtype),
+                                                       (b, h, spare))], axis=-1)
+        halves = []
+        for i in (0, 1):
+            parts = new(i)
+            joined = _join(held[i], parts, _zero_rows(parts, spare))
+            halves.append(take_rows(joined, index))
+            mx.eval(halves[-1])
+            del parts, joined  # evaluated: the decoded rows and their join go before the other half is decoded
+        self.keys, self.values = halves
+        positions = mx.concatenate([positions, mx.full((b, h, spare), HOLE, mx.int32)], axis=-1)
+        self.positions = mx.take_along_axis(positions, index, axis=-1)[..., None]
+        self.rows = order.shape[-1]
+        self.holes = bool((self.row_positions() < 0).any().item())
         return order
 
     def _write(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:

@@ -79,13 +79,12 @@ class Tier:
         # (the rows at full precision, the tier before) alive until the next prompt reads them (3x the bytes)
         mx.eval(self.store.keys, self.store.values, self.store.positions, self.extra)
 
-    def drain(self) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
-        """Every row (decoded), its position and the policy's state of it (None: kept none), and the tier empty
-        after."""
-        keys, values = self.fetch()
-        positions, extra = self.positions(), self.extra
+    def drain(self) -> tuple[RowStore, mx.array | None]:
+        """Every row (as stored: quantized where the tier quantizes) with its position, and the policy's state of
+        them (None: kept none); the tier empty after."""
+        rows, extra = self.store, self.extra
         self.store, self.extra = RowStore(self.store.bits, self.store.group_size, step=1), None
-        return keys, values, positions, extra
+        return rows, extra
 
     def trim_to(self, prefix: int) -> None:
         """Forget every row whose position is ``prefix`` or later."""

@@ -98,8 +98,8 @@ def _join(generator: Any, arguments: dict[str, Any]) -> None:
         arguments["caches"] = lists
         return
     lists = [_members(c) for c in lists]
-    for caches, prompt in zip(lists, _prompt_lengths(arguments)):
-        start_generation(caches, compat.generator_model(generator))
+    for caches, prompt, parts in zip(lists, _prompt_lengths(arguments), arguments["segments"]):
+        start_generation(caches, compat.generator_model(generator), sum(len(part) for part in parts))
         _carry(caches, ticket, prompt)
     compat.replace_waiting_caches(generator, _members)
     compat.replace_running_caches(generator, _split)

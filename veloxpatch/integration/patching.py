@@ -19,7 +19,7 @@ import logging
 import sys
 import threading
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import wrapt
 

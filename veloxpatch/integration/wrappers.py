@@ -28,7 +28,7 @@ import wrapt
 from .. import builder, stats, structure
 from ..fallback import StrictError, fall_back
 from ..settings import ConfigError
-from ..caches import CompressedKVCache, blocks
+from ..caches import CompressedKVCache, blocks, window
 from ..caches.batch import SequenceBatch
 from ..caches.schedule import Schedule
 from ..cpu import cpu_backend
@@ -68,8 +68,11 @@ def scaled_dot_product_attention(wrapped: Callable, instance: Any, args: tuple, 
         return cache.attend(call["queries"], call["keys"], call["values"], scale=call["scale"], mask=call.get("mask"),
                             sinks=call.get("sinks"))
     if _in_blocks(cache, call["queries"]):
-        return blocks.attention(call["queries"], call["keys"], call["values"], call["scale"], call.get("mask"),
-                                call.get("sinks"))
+        out = blocks.attention(call["queries"], call["keys"], call["values"], call["scale"], call.get("mask"),
+                               call.get("sinks"))
+        mx.eval(out)  # the chunk has attended: the window's rows past what later steps see can go
+        window.shed(cache)
+        return out
     return wrapped(*args, **kwargs)
 
 
@@ -89,7 +92,8 @@ def generation_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict
     """For ``generate_step`` and ``speculative_generate_step`` (``prompt_cache`` is keyword-only)."""
     try:
         _evaluate_first(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
-        start_generation(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
+        start_generation(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"),
+                         _tokens(args[0] if args else kwargs.get("prompt")))
     except Exception as error:
         fall_back("starting a generation", error, in_force(),
                   instead="it runs on its caches as they are (cross-layer state not reset)")
@@ -106,7 +110,8 @@ def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
                         call.arguments.get("draft_model"))
         _draft_caches(call.arguments)
         _share_memory_plan(call.arguments)
-        start_generation(call.arguments.get("prompt_cache"), call.arguments.get("model"))
+        start_generation(call.arguments.get("prompt_cache"), call.arguments.get("model"),
+                         _tokens(call.arguments.get("prompt")))
     except ConfigError:  # the model and its draft together cannot fit VELOX_KV_MEMORY: a setting, not our fault
         raise
     except Exception as error:
@@ -135,11 +140,14 @@ def _evaluate_first(caches: Any, *models: Any) -> None:
             mx.eval(model.parameters())
 
 
-def start_generation(caches: Any, model: Any) -> None:
+def start_generation(caches: Any, model: Any, prompt: int | None = None) -> None:
     """A generation starts on ``caches``: restored caches get their coordinator, every coordinator is
-    reset, and a model whose caches read layer inputs and outputs gets its hooks (a list loaded from a
-    file never went through ``make_prompt_cache``, where they are installed otherwise)."""
+    reset, a model whose caches read layer inputs and outputs gets its hooks (a list loaded from a
+    file never went through ``make_prompt_cache``, where they are installed otherwise), and each cache
+    learns that its next ``prompt`` tokens (when known) are the prompt."""
     found = ours(caches)
+    for cache in found if prompt else ():
+        cache.expect_prompt(prompt)
     if model is not None and any(c.wants_layer_io for c in found):
         layer_io.install(model)
     _adopt(found)
@@ -148,6 +156,12 @@ def start_generation(caches: Any, model: Any) -> None:
     for coordinator in coordinators_of(found):
         coordinator.reset()
     stats.totals.generations += 1
+
+
+def _tokens(prompt: Any) -> int | None:
+    """A generation's prompt in tokens (an array or a list of ids), or None for anything else."""
+    size = getattr(prompt, "size", None)
+    return size if isinstance(size, int) else (len(prompt) if isinstance(prompt, list) else None)
 
 
 def _draft_caches(arguments: dict[str, Any]) -> None:

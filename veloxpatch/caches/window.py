@@ -1,0 +1,40 @@
+"""Freeing what a sliding-window layer of mlx_lm's own can no longer see, once a prompt chunk has attended.
+
+mlx_lm's ``RotatingKVCache`` takes a prompt chunk of ``n`` tokens by concatenation and keeps all
+``max_size - 1 + n`` rows until the next step trims them: between two chunks it holds twice its window. On Gemma 3
+270M (15 sliding-window layers of 512 rows, float32), that is 15 MiB more than any later step can attend, held
+through every chunk of a long prompt. After the chunk's attention, its rows past the window are dropped here, in a
+copy (a slice would keep the whole buffer alive), leaving the cache exactly as its next update would: the next
+chunk's concatenation keeps the same ``max_size - 1`` rows, a decode step's update the same ``max_size``, and the
+mask mlx_lm makes depends on ``offset`` alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+
+def shed(cache: Any) -> None:
+    """Drop the rows of a ``RotatingKVCache`` in temporal order (as a prompt chunk leaves it) that no later step
+    attends: all but its ``keep`` first and ``max_size - keep`` last. Any other cache, or state, is left alone."""
+    rows = _rows(cache)
+    if rows is None or rows <= cache.max_size or cache._idx != rows or cache.offset < rows:
+        return
+    tail = cache.max_size - cache.keep
+
+    def cut(v: mx.array) -> mx.array:
+        return mx.concatenate([v[..., : cache.keep, :], v[..., rows - tail :, :]], axis=2)
+
+    cache.keys, cache.values = cut(cache.keys), cut(cache.values)
+    cache._idx = cache.max_size
+    mx.eval(cache.keys, cache.values)
+
+
+def _rows(cache: Any) -> int | None:
+    """The rows a cache with mlx_lm's rotating layout holds, or None for any other cache."""
+    counters = [getattr(cache, name, None) for name in ("max_size", "keep", "_idx", "offset")]
+    if not all(type(c) is int for c in counters) or not isinstance(getattr(cache, "keys", None), mx.array):
+        return None  # not one sequence's rotating cache (mlx_lm's batched one counts in arrays)
+    return cache.keys.shape[2]
