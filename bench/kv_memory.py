@@ -34,6 +34,7 @@ VARIANTS = {
     "snapkv chunk": {"kv": "snapkv", "compress": "chunk"},
     "snapkv end, tier 4": {"kv": "snapkv", "compress": "end", "tier": "4"},
     "snapkv chunk, tier 4": {"kv": "snapkv", "compress": "chunk", "tier": "4"},
+    "snapkv chunk, tier 8": {"kv": "snapkv", "compress": "chunk", "tier": "8"},
 }
 
 
