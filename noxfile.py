@@ -14,6 +14,13 @@ import nox
 
 MINORS = ["0.28", "0.29", "0.30", "0.31", "0.32"]
 
+PINS = {minor: ["mlx<0.32"] for minor in ("0.28", "0.29", "0.30")}
+"""What a minor needs besides: mlx-lm 0.28-0.30 make their generation stream once, at import, in the importing
+thread (``mx.new_stream``), and mlx 0.32's streams are per thread, so with mlx 0.32 their server's generation
+thread (any generation off the main thread) fails "There is no Stream(cpu, 0) in current thread", veloxpatch or
+not; 0.31 makes it with ``mx.new_thread_local_stream``. On Linux they require no mlx at all, so pip would pick
+the newest (docs/compatibility.md)."""
+
 TESTS = [
     "tests/test_features.py",  # what is patched, by feature, on this mlx-lm
     "tests/test_patching.py",  # import orders, exact unpatch, batch_generate compressed while patched only
@@ -33,7 +40,7 @@ nox.options.default_venv_backend = "venv"
 @nox.parametrize("mlx_lm", MINORS)
 def compat(session: nox.Session, mlx_lm: str) -> None:
     """This checkout against mlx-lm ``mlx_lm``.* (its newest patch release)."""
-    session.install("-e", ".[test]", f"mlx-lm=={mlx_lm}.*")
+    session.install("-e", ".[test]", f"mlx-lm=={mlx_lm}.*", *PINS.get(mlx_lm, []))
     session.run("python", "-c", "import importlib.metadata as m; print('mlx-lm', m.version('mlx-lm'), "
                 "'mlx', m.version('mlx'))")
     session.run("veloxpatch", "info", env={"VELOX_KV": "snapkv"})
