@@ -19,7 +19,7 @@ import logging
 import sys
 import threading
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import wrapt
 
@@ -32,7 +32,7 @@ from ..log import log
 from ..registry import METHODS
 from ..settings import strict_requested
 from ..caches import CompressedKVCache
-from . import batched, features, threads, version
+from . import batched, compat, features, threads, version
 from .features import Feature
 from .state import STATE, Swap
 
@@ -57,6 +57,7 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
     with STATE.lock:
         STATE.config = config
         CompressedKVCache.batching = staticmethod(batched.batching_on)  # our caches merge while it says so
+        CompressedKVCache.meta_apart = staticmethod(compat.meta_state_apart)  # how mlx_lm saves a cache
         _register_hooks()
         _guard_exit()
         try:
