@@ -184,11 +184,13 @@ def _apply(module: ModuleType) -> None:
 
 def _said_off(feature: Feature, problem: str | None) -> None:
     """A feature that is off, said once: at INFO, or for an essential one a WARNING, and then nothing of
-    veloxpatch stays patched. Under ``VELOX_STRICT`` a :class:`StrictError` either way."""
+    veloxpatch stays patched. Under ``VELOX_STRICT`` a :class:`StrictError` either way where the settings use
+    the feature (``Feature.used``); one they do not use is only said."""
     if problem is None:
         return
     if not feature.essential:
-        notice(f"{feature.off}: {problem}", STATE.config, key=f"feature off: {feature.name}", level=logging.INFO)
+        refusing = STATE.config if feature.used(STATE.config) else None  # notice raises for a strict config only
+        notice(f"{feature.off}: {problem}", refusing, key=f"feature off: {feature.name}", level=logging.INFO)
         return
     notice(f"the {feature.name} cannot be patched, so {feature.off}: {problem}; running unpatched", STATE.config,
            key=f"feature off: {feature.name}")
