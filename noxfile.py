@@ -27,10 +27,12 @@ TESTS = [
     "tests/test_launcher.py",  # veloxpatch run
     "tests/test_exactness.py",  # generate / stream_generate token for token at a budget above the context
     "tests/test_speculative.py",
-    "tests/test_server.py",  # the server on loopback
+    "tests/test_server.py",  # the server batching on loopback (where batched generation is patched)
+    "tests/test_server_reuse.py",  # the server one request at a time under the launcher, its prompt cache reused
     "tests/test_server_exit.py",  # the server stopped by SIGINT exits with status 0 (about 70 s)
     "tests/test_batched.py",  # batches of compressed caches, every method as it runs alone
     "tests/test_contracts.py",  # save/load and the cache protocol
+    "tests/test_compat.py",  # mlx_lm's private layouts batching and the server's settings per request rely on
 ]
 
 nox.options.default_venv_backend = "venv"
