@@ -216,8 +216,11 @@ def test_a_changed_layout_leaves_batching_to_mlx_lm_and_the_rest_patched(loaded,
     assert type(evicted[0]).__name__ == "SnapKVCache", "make_prompt_cache stays patched"
     model(random_tokens(90, 13)[None], cache=evicted)  # through the attention route: it evicts
     assert evicted[0].evicted and evicted[0].size() < evicted[0].offset
-    with pytest.raises(ValueError, match="does not yet support batching with history"):  # mlx_lm's own answer
+    with pytest.raises((ValueError, ZeroDivisionError)) as raised:  # mlx_lm's own answer
         batch_generate(model, tokenizer, [prompts[0]], prompt_caches=[evicted], max_tokens=3)
+    # mlx-lm 0.31's batch_generate hides it behind its stats dividing by a prompt time of 0 on the way out
+    said = raised.value if isinstance(raised.value, ValueError) else raised.value.__context__
+    assert isinstance(said, ValueError) and "does not yet support batching with history" in str(said)
     assert hasattr(GENERATE.generate_step, "__wrapped__"), "generate_step stays patched"
 
     said = [w for w in warnings() if FALLBACK in w]
