@@ -89,7 +89,9 @@ def test_under_strict_a_feature_off_is_refused_where_the_settings_use_it(monkeyp
     assert veloxpatch.patch(kv="none", float32="on", strict=True, log="INFO")
     assert STATE.features["batched generation"] is not None and wrapped("mlx_lm.utils.load_model", before)
     assert [r.levelno for r in records if "batched generation stays mlx_lm's" in r.getMessage()] == [logging.INFO]
-    veloxpatch.unpatch()
+    with pytest.raises(StrictError, match="insert_segments is not in mlx-lm"):  # patched again, now with a method
+        veloxpatch.patch(kv="snapkv", budget=64, strict=True)
+    assert not veloxpatch.is_patched() and bindings() == before
 
     def load_model(model_path):  # no lazy: float32 load is off
         raise AssertionError("never called here")

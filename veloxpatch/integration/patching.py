@@ -175,7 +175,7 @@ def _apply(module: ModuleType) -> None:
     for feature in features.in_module(module.__name__):
         if feature.name not in STATE.features:
             STATE.features[feature.name] = features.problem(feature, module)
-            _said_off(feature, STATE.features[feature.name])
+        _said_off(feature, STATE.features[feature.name])  # each patch: a new config may use what is off
         if not STATE.active:
             return
         if STATE.features[feature.name] is None:
