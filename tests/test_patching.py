@@ -104,15 +104,24 @@ def test_none_method_passes_every_cache_through() -> None:
     assert type(make_prompt_cache(model)[0]).__name__ == "KVCache"
 
 
-def test_a_failure_while_building_falls_back_unless_strict(monkeypatch) -> None:
-    model = tiny("llama")
-
+def broken_build(monkeypatch) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(wrappers.builder, "build", broken)
+
+
+def test_a_failure_while_building_falls_back(monkeypatch) -> None:
+    model = tiny("llama")
+    broken_build(monkeypatch)
     veloxpatch.patch(kv="snapkv", budget=64)
     assert type(make_prompt_cache(model)[0]).__name__ == "KVCache"
+
+
+@unless_offered("batched generation")  # off, a method under strict is refused at patch (tests/test_features.py)
+def test_a_failure_while_building_is_an_error_under_strict(monkeypatch) -> None:
+    model = tiny("llama")
+    broken_build(monkeypatch)
     veloxpatch.patch(kv="snapkv", budget=64, strict=True)
     with pytest.raises(RuntimeError, match="boom"):
         make_prompt_cache(model)
