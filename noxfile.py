@@ -47,4 +47,4 @@ def compat(session: nox.Session, mlx_lm: str) -> None:
                 "'mlx', m.version('mlx'))")
     session.run("veloxpatch", "info", env={"VELOX_KV": "snapkv"})
     session.run("python", "bench/compat_check.py")
-    session.run("python", "-m", "pytest", "-q", "-n", "0", *(session.posargs or TESTS))
+    session.run("python", "-m", "pytest", "-q", "-n", "0", "-rfEs", *(session.posargs or TESTS))  # with why skipped
