@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import logging
 import os
 import signal
@@ -28,6 +29,7 @@ from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.caches.evicting import EvictingCache
 from veloxpatch.coordinators import coordinators_of
 from veloxpatch.eval.random_model import ARCHS, build, config_for, write_model_dir
+from veloxpatch.integration import features
 
 VOCAB = 97
 # methods that evict rows to a budget, and those that fold rows across layers instead (no budget)
@@ -73,7 +75,7 @@ def model_dir(tmp_path_factory) -> Path:
 __all__ = [
     "ARCHS", "assert_a_rejected_draft_leaves_no_trace", "assert_round_trip", "assert_within_budget", "decoded",
     "drain", "feed", "fetched_folder", "greedy", "prefill", "random_case", "random_rows", "random_tokens",
-    "run_group", "run_python", "softmax", "speculated", "tiny", "without_velox",
+    "run_group", "run_python", "softmax", "speculated", "tiny", "unless_offered", "without_velox",
 ]
 
 
@@ -85,6 +87,14 @@ def drain(gen: BatchGenerator, uids: list[int]) -> list[list[int]]:
             out[r.uid].append(r.token)
     gen.close()
     return [out[uid] for uid in uids]
+
+
+def unless_offered(feature: str) -> pytest.MarkDecorator:
+    """Skip a test of ``feature`` (veloxpatch/integration/features.py) where the installed mlx_lm does not offer it
+    (the matrix runs the tests on every supported minor), naming what that mlx-lm lacks."""
+    found = next(f for f in features.FEATURES if f.name == feature)
+    problem = features.problem(found, importlib.import_module(found.module))
+    return pytest.mark.skipif(problem is not None, reason=f"{feature} is off: {problem}")
 
 
 def without_velox() -> dict[str, str]:
@@ -267,9 +277,9 @@ def assert_round_trip(path: str, model, caches, steps: int = 6) -> list:
     assert [type(c) for c in loaded] == [type(c) for c in caches]
     assert [c.meta_state for c in loaded] == [c.meta_state for c in caches], "offset, eviction, settings, knobs"
     for layer, (ours, theirs) in enumerate(zip(loaded, caches)):
-        arrays, expected = tree_flatten(ours.state[:-1]), tree_flatten(theirs.state[:-1])
+        arrays, expected = tree_flatten(ours.state), tree_flatten(theirs.state)  # with the meta string, where in it
         assert [k for k, _ in arrays] == [k for k, _ in expected], f"layer {layer}"
-        assert all((a is None and b is None) or mx.array_equal(a, b).item()
+        assert all(mx.array_equal(a, b).item() if isinstance(a, mx.array) else a == b
                    for (_, a), (_, b) in zip(arrays, expected)), f"layer {layer}'s state differs"
     assert budgets(loaded) == budgets(caches)
     (restored,), (original,) = coordinators_of(loaded), coordinators_of(caches)

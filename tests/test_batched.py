@@ -19,11 +19,12 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
-from conftest import drain, random_tokens
+from conftest import drain, random_tokens, unless_offered
 from veloxpatch.caches import CompressedKVCache
 from veloxpatch.caches.batch import SequenceBatch
 from veloxpatch.registry import METHODS
 
+pytestmark = unless_offered("batched generation")  # mlx-lm 0.28-0.30 batch on their own caches only
 SETTINGS = dict(budget=40, window=8)  # every prompt here is longer: prefills evict
 LENGTHS = (60, 75, 49)  # unequal: mlx_lm right-pads the batch's prompt steps
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
@@ -15,6 +17,7 @@ from conftest import (
     EVICTING, assert_a_rejected_draft_leaves_no_trace, assert_round_trip, assert_within_budget, decoded, greedy,
     prefill, random_tokens, speculated, tiny,
 )
+from veloxpatch.caches import CompressedKVCache
 from veloxpatch.caches.schedule import Schedule
 from veloxpatch.methods.snapkv import SnapKVCache, pool_rows
 from veloxpatch.methods.streamingllm import StreamingLLMCache
@@ -134,6 +137,29 @@ def test_prompt_cache_file_round_trip(tmp_path, method: str, mode: str) -> None:
     loaded = assert_round_trip(str(tmp_path / "prompt.safetensors"), model, caches)
     assert all(c.evicted for c in loaded)
     assert all(c.knob_values()[k.removeprefix(method + "_")] == v for c in loaded for k, v in knobs.items())
+
+
+def test_a_file_as_mlx_lm_before_0_32_saves_it_round_trips(tmp_path, monkeypatch) -> None:
+    """mlx-lm 0.28-0.31 save a cache's ``state`` as arrays only, its ``meta_state`` apart as strings, and hand both
+    back to ``from_state``: faked here on any mlx-lm, with their save and load (the matrix runs the real ones)."""
+    model = tiny("qwen3", seed=2, layers=4)
+    veloxpatch.patch(kv="xkv", budget=40, window=8)  # a coordinator; its folds sit in dicts (or None) in the state
+    monkeypatch.setattr(CompressedKVCache, "meta_apart", staticmethod(lambda: True))
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(120, 12), caches, steps=4, chunk=30)
+    assert all(isinstance(a, mx.array) for c in caches for a in c.state)
+    path = str(tmp_path / "prompt.safetensors")
+    metadata = [[c.meta_state for c in caches], {}, [type(c).__name__ for c in caches]]
+    mx.save_safetensors(path, dict(tree_flatten([c.state for c in caches])), dict(tree_flatten(metadata)))
+    arrays, metadata = mx.load(path, return_metadata=True)
+    info, _, classes = tree_unflatten(list(metadata.items()))
+    module = sys.modules["mlx_lm.models.cache"]
+    loaded = [getattr(module, name).from_state(state, meta)
+              for name, state, meta in zip(classes, tree_unflatten(list(arrays.items())), info)]
+    assert [c.meta_state for c in loaded] == [c.meta_state for c in caches]
+    assert all(mx.array_equal(a, b).item() for ours, theirs in zip(loaded, caches)
+               for a, b in zip(ours.state, theirs.state, strict=True))
+    assert greedy(model, mx.array([7]), loaded, steps=6) == greedy(model, mx.array([7]), caches, steps=6)
 
 
 def test_deepcopy_is_independent_and_keeps_one_coordinator() -> None:

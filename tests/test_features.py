@@ -77,6 +77,35 @@ def test_a_missing_target_leaves_its_feature_to_mlx_lm_and_patches_the_rest(monk
     assert not veloxpatch.is_patched() and bindings() == before, "a strict refusal leaves nothing patched"
 
 
+def test_under_strict_a_feature_off_is_refused_where_the_settings_use_it(monkeypatch, records) -> None:
+    """Batched generation off (as on mlx-lm 0.28-0.30) is refused with a KV method, whose batches would run on
+    mlx_lm's caches uncompressed, and only said with no method; float32 load off is refused where VELOX_FLOAT32
+    asks for float32 only."""
+    generate, utils = sys.modules["mlx_lm.generate"], sys.modules["mlx_lm.utils"]
+    monkeypatch.delattr(generate.BatchGenerator, "insert_segments", raising=False)
+    with pytest.raises(StrictError, match="insert_segments is not in mlx-lm .*, but VELOX_STRICT is set"):
+        veloxpatch.patch(kv="snapkv", budget=64, strict=True)
+    before = bindings()
+    assert veloxpatch.patch(kv="none", float32="on", strict=True, log="INFO")
+    assert STATE.features["batched generation"] is not None and wrapped("mlx_lm.utils.load_model", before)
+    assert [r.levelno for r in records if "batched generation stays mlx_lm's" in r.getMessage()] == [logging.INFO]
+    with pytest.raises(StrictError, match="insert_segments is not in mlx-lm"):  # patched again, now with a method
+        veloxpatch.patch(kv="snapkv", budget=64, strict=True)
+    assert not veloxpatch.is_patched() and bindings() == before
+
+    def load_model(model_path):  # no lazy: float32 load is off
+        raise AssertionError("never called here")
+
+    monkeypatch.setattr(utils, "load_model", load_model)
+    assert veloxpatch.patch(kv="none", float32="off", strict=True)
+    assert STATE.features["float32 load"] is not None and bindings()["mlx_lm.utils.load_model"] is load_model
+    veloxpatch.unpatch()
+    refused = r"VELOX_FLOAT32 has no effect: models keep their dtype: load_model\(model_path\) .*VELOX_STRICT"
+    with pytest.raises(StrictError, match=refused):
+        veloxpatch.patch(kv="none", float32="on", strict=True)
+    assert not veloxpatch.is_patched()
+
+
 def test_a_changed_signature_leaves_the_whole_feature_to_mlx_lm(monkeypatch, records) -> None:
     generate = sys.modules["mlx_lm.generate"]
 

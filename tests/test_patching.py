@@ -11,7 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
 from conftest import random_tokens, tiny
-from conftest import run_python
+from conftest import run_python, unless_offered
 from veloxpatch.integration import wrappers
 
 # Prints the class of a tiny llama's first cache slot and whether attention is routed.
@@ -22,13 +22,16 @@ PROBE = textwrap.dedent("""
         import veloxpatch.integration.wrappers as w
         args = ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
                          num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)
-        gen = sys.modules["mlx_lm.generate"]
+        # the make_prompt_cache generate calls: its own copy (mlx-lm 0.32), else the
+        # cache module's (0.28-0.31 call cache.make_prompt_cache)
+        calls = sys.modules["mlx_lm.generate"]
+        calls = calls if hasattr(calls, "make_prompt_cache") else c
         routed = llama.scaled_dot_product_attention is b.scaled_dot_product_attention
         wrapped = hasattr(b.scaled_dot_product_attention, "__wrapped__")
         double = hasattr(getattr(b.scaled_dot_product_attention, "__wrapped__", None), "__wrapped__")
         model = Model(args)
         mx.eval(model.parameters())  # the probe never evaluates a model the app has not
-        print(tag, type(gen.make_prompt_cache(model)[0]).__name__, routed, wrapped, double)
+        print(tag, type(calls.make_prompt_cache(model)[0]).__name__, routed, wrapped, double)
 """)
 
 
@@ -101,15 +104,24 @@ def test_none_method_passes_every_cache_through() -> None:
     assert type(make_prompt_cache(model)[0]).__name__ == "KVCache"
 
 
-def test_a_failure_while_building_falls_back_unless_strict(monkeypatch) -> None:
-    model = tiny("llama")
-
+def broken_build(monkeypatch) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(wrappers.builder, "build", broken)
+
+
+def test_a_failure_while_building_falls_back(monkeypatch) -> None:
+    model = tiny("llama")
+    broken_build(monkeypatch)
     veloxpatch.patch(kv="snapkv", budget=64)
     assert type(make_prompt_cache(model)[0]).__name__ == "KVCache"
+
+
+@unless_offered("batched generation")  # off, a method under strict is refused at patch (tests/test_features.py)
+def test_a_failure_while_building_is_an_error_under_strict(monkeypatch) -> None:
+    model = tiny("llama")
+    broken_build(monkeypatch)
     veloxpatch.patch(kv="snapkv", budget=64, strict=True)
     with pytest.raises(RuntimeError, match="boom"):
         make_prompt_cache(model)
@@ -176,6 +188,7 @@ def test_generating_while_other_threads_patch_and_unpatch() -> None:
     assert cache.make_prompt_cache.__wrapped__ is originals[1]
 
 
+@unless_offered("batched generation")
 def test_batched_generation_runs_on_compressed_caches_while_patched_only(model_dir) -> None:
     """batch_generate keeps each sequence on compressed caches of its own while patched, mlx_lm's after."""
     from mlx_lm import batch_generate, load

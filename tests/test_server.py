@@ -8,6 +8,8 @@ seed). Every request must succeed, and a batched answer must be the one the same
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import sys
 import textwrap
 import time
@@ -16,7 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import unless_offered
 from serving import post, processed, running
+
+pytestmark = unless_offered("batched generation")  # on mlx-lm 0.28-0.30 the server batches none of our caches
 
 SERVER = textwrap.dedent("""
     import sys
@@ -33,6 +38,19 @@ SERVER = textwrap.dedent("""
     sys.argv = ["mlx_lm.server", *sys.argv[1:]]
     server.main()
 """)
+# mlx-lm 0.31's batched path never finalizes its detokenizer: an answer ending in an incomplete UTF-8 sequence (this
+# tokenizer's tokens are bytes) lacks the replacement characters the single path ends it with (plain mlx_lm 0.31.3
+# answers so too, without veloxpatch; 0.32 finalizes)
+FINALIZES = "finalize()" in inspect.getsource(importlib.import_module("mlx_lm.server").ResponseGenerator._generate)
+
+
+def as_alone(batched: str, alone: str) -> bool:
+    """Whether a batched answer is the one its request got alone, as the installed mlx_lm's batched path gives it."""
+    if FINALIZES:
+        return batched == alone
+    return alone.startswith(batched) and set(alone[len(batched):]) <= {"\ufffd"}
+
+
 # byte-level tokenizer: one token per character, so this prompt is far over the 64-row budget
 PREFIX = "the quick brown fox jumps over the lazy dog; " * 4
 MAX_TOKENS = 8
@@ -68,7 +86,8 @@ def test_concurrent_requests_take_the_batched_path_and_succeed(served, model_dir
         assert status == 200, (body, log.read_text())
         assert body["choices"][0]["finish_reason"] in ("length", "stop"), body
     texts = [body["choices"][0]["text"] for _, body in answers]
-    assert texts == one_at_a_time(model_dir, tmp_path, [PREFIX, *prompts])[1:]
+    alone = one_at_a_time(model_dir, tmp_path, [PREFIX, *prompts])[1:]
+    assert all(as_alone(b, a) for b, a in zip(texts, alone, strict=True)), (texts, alone)
     assert processed(answers[0][1]) < len(PREFIX), "a batched request reused the compressed prompt the first one left"
     held = answers[0][1]["usage"]["velox"]
     assert held["kv"] == "snapkv" and held["rows_kept"] < held["rows_seen"], held

@@ -10,6 +10,8 @@ exception", status -6). While patched, veloxpatch lets finished threads leave th
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import signal
 import subprocess
 import sys
@@ -17,12 +19,14 @@ import threading
 import time
 
 import mlx.core as mx
+import pytest
 
 import veloxpatch
 from conftest import run_python, without_velox
 from veloxpatch.assets import model_path
 from veloxpatch.eval import serving
 from veloxpatch.integration import threads
+from veloxpatch.integration.version import mlx_lm_version
 
 STARTS = 20
 # the whole reproduction, less the first two lines (mlx alone aborts most of the time here, 26 of 30 runs)
@@ -81,6 +85,10 @@ def start_and_stop(env: dict[str, str], log) -> tuple[int, float]:
             server.wait()
 
 
+# mlx-lm 0.28/0.29's server leaves SIGINT's KeyboardInterrupt unhandled: after its traceback the interpreter waits for
+# the generation thread, which nothing stops (plain mlx_lm 0.29.1, without veloxpatch, still ran 30 s after SIGINT)
+@pytest.mark.skipif("except KeyboardInterrupt" not in inspect.getsource(importlib.import_module("mlx_lm.server")),
+                    reason=f"mlx-lm {mlx_lm_version()}'s server does not stop on SIGINT (no KeyboardInterrupt handled)")
 def test_the_server_stopped_by_sigint_exits_with_status_0_every_time(tmp_path) -> None:
     # the issue's case (VELOX_FLOAT32 alone, no method) and a method on, alternately
     settings = [{"VELOX_KV": "none"}, {"VELOX_KV": "snapkv", "VELOX_BUDGET": "64"}]

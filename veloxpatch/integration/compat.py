@@ -129,6 +129,14 @@ def kv_cache_rows(cache: Any) -> tuple[Any, Any, int]:
     return cache.keys, cache.values, cache.offset
 
 
+@functools.cache
+def meta_state_apart() -> bool:
+    """Whether mlx_lm's ``save_prompt_cache`` keeps each cache's ``meta_state`` apart (as strings) from its
+    ``state`` (arrays only) and its ``load_prompt_cache`` hands both to ``from_state`` (mlx-lm 0.28-0.31), read
+    from ``_BaseCache.from_state``'s parameters; mlx-lm 0.32 saves the state alone, strings and numbers in it."""
+    return "meta_state" in inspect.signature(_mlx_lm("models.cache")._BaseCache.from_state).parameters
+
+
 def batch_size(batch: Any) -> int:
     """The sequences a ``BatchKVCache`` holds: its ``offset`` is an array with one entry per sequence."""
     return batch.offset.shape[0]

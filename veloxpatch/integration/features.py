@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
 
+from ..cpu import float32_wanted
 from . import batched, compat, float32, server, version, wrappers
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -71,6 +72,14 @@ class Feature:
     layouts: tuple[str, ...] = ()
     """What of mlx_lm's private layouts its wrappers rely on (:data:`.compat.SERVER_LAYOUTS`), checked with its
     names: one that differs leaves the feature off."""
+    used: Callable[[Any], bool] = lambda config: True
+    """Whether a config's settings use what it does: under ``VELOX_STRICT`` a feature off is refused only then
+    (with only ``VELOX_FLOAT32`` at work, batched generation off leaves nothing uncompressed)."""
+
+
+def compressing(config: Any) -> bool:
+    """A KV method is on (``VELOX_KV`` not ``none``)."""
+    return config.enabled
 
 
 FEATURES: tuple[Feature, ...] = (
@@ -86,10 +95,10 @@ FEATURES: tuple[Feature, ...] = (
         Target("speculative_generate_step", wrappers.speculative_start,
                named=("model", "draft_model", "prompt_cache")),
     ), off="generations start on caches as they are (coordinators not reset, the draft's caches compressed too, "
-           "no generation counted)"),
+           "no generation counted)", used=compressing),
     Feature("batched generation", "mlx_lm.generate", (
         Target("BatchGenerator.insert_segments", batched.batch_insert_segments, named=compat.INSERT_ARGUMENTS),
-    ), off="batched generation stays mlx_lm's"),
+    ), off="batched generation stays mlx_lm's", used=compressing),
     Feature("settings per request", "mlx_lm.server", (
         Target("APIHandler.validate_model_parameters", server.validate_model_parameters, leading=("self",)),
         Target("ResponseGenerator.generate", server.generate, leading=("self", "request", "generation_args")),
@@ -105,7 +114,7 @@ FEATURES: tuple[Feature, ...] = (
         layouts=tuple(compat.SERVER_LAYOUTS)),
     Feature("float32 load", "mlx_lm.utils", (
         Target("load_model", float32.load_model, leading=("model_path", "lazy")),
-    ), off="VELOX_FLOAT32 has no effect: models keep their dtype"),
+    ), off="VELOX_FLOAT32 has no effect: models keep their dtype", used=lambda config: float32_wanted(config.float32)),
 )
 """Every feature, in the order ``veloxpatch info`` lists them."""
 

@@ -32,7 +32,7 @@ from ..log import log
 from ..registry import METHODS
 from ..settings import strict_requested
 from ..caches import CompressedKVCache
-from . import batched, features, threads, version
+from . import batched, compat, features, threads, version
 from .features import Feature
 from .state import STATE, Swap
 
@@ -57,6 +57,7 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
     with STATE.lock:
         STATE.config = config
         CompressedKVCache.batching = staticmethod(batched.batching_on)  # our caches merge while it says so
+        CompressedKVCache.meta_apart = staticmethod(compat.meta_state_apart)  # how mlx_lm saves a cache
         _register_hooks()
         _guard_exit()
         try:
@@ -174,7 +175,7 @@ def _apply(module: ModuleType) -> None:
     for feature in features.in_module(module.__name__):
         if feature.name not in STATE.features:
             STATE.features[feature.name] = features.problem(feature, module)
-            _said_off(feature, STATE.features[feature.name])
+        _said_off(feature, STATE.features[feature.name])  # each patch: a new config may use what is off
         if not STATE.active:
             return
         if STATE.features[feature.name] is None:
@@ -183,11 +184,13 @@ def _apply(module: ModuleType) -> None:
 
 def _said_off(feature: Feature, problem: str | None) -> None:
     """A feature that is off, said once: at INFO, or for an essential one a WARNING, and then nothing of
-    veloxpatch stays patched. Under ``VELOX_STRICT`` a :class:`StrictError` either way."""
+    veloxpatch stays patched. Under ``VELOX_STRICT`` a :class:`StrictError` either way where the settings use
+    the feature (``Feature.used``); one they do not use is only said."""
     if problem is None:
         return
     if not feature.essential:
-        notice(f"{feature.off}: {problem}", STATE.config, key=f"feature off: {feature.name}", level=logging.INFO)
+        refusing = STATE.config if feature.used(STATE.config) else None  # notice raises for a strict config only
+        notice(f"{feature.off}: {problem}", refusing, key=f"feature off: {feature.name}", level=logging.INFO)
         return
     notice(f"the {feature.name} cannot be patched, so {feature.off}: {problem}; running unpatched", STATE.config,
            key=f"feature off: {feature.name}")
