@@ -214,8 +214,8 @@ def test_older_than_the_floor_passes_through(monkeypatch, records, found: str | 
 
 
 def test_tested_patch_releases_and_the_floor(monkeypatch) -> None:
-    assert not version.too_old("0.28.0") and not version.newer_than_tested("0.32.9")
-    assert version.newer_than_tested("0.33.0.dev1") and version.too_old("0.27.9")
+    assert not version.too_old("0.28.1") and not version.newer_than_tested("0.32.9")
+    assert version.newer_than_tested("0.33.0.dev1") and version.too_old("0.27.9") and version.too_old("0.28.0")
 
 
 def test_info_lists_each_feature(monkeypatch) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
-OLDEST = (0, 28)
-"""The oldest mlx-lm minor veloxpatch patches (pyproject's ``mlx-lm>=0.28``); older ones pass through."""
+OLDEST = (0, 28, 1)
+"""The oldest mlx-lm release veloxpatch patches (pyproject's ``mlx-lm>=0.28.1``); older ones pass through. 0.28.0
+rebuilds a saved prompt cache by calling a class of its own module with no arguments, and has no
+``from_state``: our caches could be saved, never loaded."""
 
 NEWEST_TESTED = (0, 32)
 """The newest mlx-lm minor the test suite ran on; a newer one is patched where its checks pass, with a warning."""
@@ -45,7 +47,7 @@ def parse(version: str) -> tuple[int, ...]:
 
 def too_old(version: str | None) -> bool:
     """True for a version below :data:`OLDEST` (or none at all): veloxpatch does not patch it."""
-    return version is None or parse(version)[:2] < OLDEST
+    return version is None or parse(version) < OLDEST
 
 
 def newer_than_tested(version: str) -> bool:
