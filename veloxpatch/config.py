@@ -71,7 +71,7 @@ CORE_SETTINGS: tuple[Setting, ...] = (
             "First tokens of the context that are never evicted (attention sinks)."),
     Setting("VELOX_WINDOW", int_range(1, None), "32", "an integer >= 1",
             "Most recent tokens that are never evicted; query-aware methods score with them."),
-    Setting("VELOX_TIER", _tier, "4", "off, or one of " + ", ".join(map(str, TIER_BITS)) + " (bits)",
+    Setting("VELOX_TIER", _tier, "8", "off, or one of " + ", ".join(map(str, TIER_BITS)) + " (bits)",
             "Rows a compression drops are kept at this many bits instead of lost (16: unquantized): prompt chunks "
             "attend over them, and a prompt's selection can take them back (a follow-up question). Methods that "
             "evict only."),
@@ -153,7 +153,7 @@ class VeloxConfig:
     kv_memory: Memory | str = "off"
     sink: int = 4
     window: int = 32
-    tier: int | str = "4"
+    tier: int | str = "8"
     tier_size: TierSize | str = "3x"
     compress: str = "chunk"
     draft_kv: str = "same"

@@ -33,7 +33,7 @@ GENERAL = {"window": setting("VELOX_WINDOW"), "tier": setting("VELOX_TIER"), "co
            "tier_size": setting("VELOX_TIER_SIZE")}
 # what a variant gets of those it does not set: the methods compared in SnapKV's one-shot mode without a tier (the
 # papers' setting, the one a prompt's prefill can be shared in, and the one every journal line written before the
-# default became `chunk` with a 4-bit tier measured); the users' default is `snapkv[compress=chunk,tier=4]`
+# default became `chunk` with a tier measured); the users' default is `snapkv[compress=chunk,tier=8]`
 BASELINE = {"compress": "end", "tier": "off"}
 # a token budget may not be smaller than the rows every method protects (default sink + window)
 PROTECTED = int(setting("VELOX_SINK").default) + int(setting("VELOX_WINDOW").default)
