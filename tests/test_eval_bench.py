@@ -113,7 +113,7 @@ def test_demo_runs_vanilla_then_compressed(model_dir: Path) -> None:
     model, tokenizer = load(str(model_dir))
     rows, answer = demo_rows(model, tokenizer, "snapkv", "40", context=300, seed=1)
     assert [r["run"] for r in rows] == ["vanilla", "snapkv@40"] and answer.isdigit()
-    # 40 rows, their decode headroom and remembered queries, and the default tier (3 budgets' bytes at 4 bits)
+    # 40 rows, their decode headroom and remembered queries, and the default tier (3 budgets' bytes at 8 bits)
     assert rows[1]["kv_MiB"] < 0.4 * rows[0]["kv_MiB"], "the second run really is compressed"
     result = CliRunner().invoke(main, ["demo", "--model", str(model_dir), "--context", "300", "--budget", "40"])
     assert result.exit_code == 0 and "passkey prompt" in result.output, result.output
