@@ -112,12 +112,6 @@ class RowStore:
         b, h, n = keys.shape[:3]
         self._write(keys, values, mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32), (b, h, n)))
 
-    def extend(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
-        """Write rows with the positions ``positions`` (B, H, n; -1: a hole) after the stored ones, whatever their
-        positions: the caller restores time order (a compaction in position order)."""
-        self._write(keys, values, positions.astype(mx.int32))
-        self.holes = self.holes or bool((positions < 0).any().item())
-
     def merge(self, keys: mx.array, values: mx.array, positions: mx.array) -> mx.array:
         """Add rows (B, H, n, d) with the positions ``positions`` (B, H, n; -1: a hole), earlier or later than the
         rows held: time order per head is kept (holes last), and rows that are holes in every head go. No spare
