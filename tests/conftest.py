@@ -258,7 +258,7 @@ def assert_a_rejected_draft_leaves_no_trace(model, caches, steps: int) -> None:
     assert can_trim_prompt_cache(caches) and trim_prompt_cache(caches, 4) == 4
     assert [c.offset for c in caches] == offsets
     assert all(c.store.row_positions().max().item() < c.offset for c in caches), "no row of the draft is left"
-    assert all(c.tier.positions().max().item() < c.offset for c in caches if getattr(c, "tier", None) and c.tier.rows)
+    assert all(c.tier.store.row_positions().max().item() < c.offset for c in caches if getattr(c, "tier", None) and c.tier.rows)
     assert greedy(model, mx.array([9]), caches, steps=steps) == reference
 
 

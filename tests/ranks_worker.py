@@ -57,7 +57,7 @@ def small_budget(model, method: str, tier: str = "off") -> dict:
             "folded": any(getattr(c, "folds", None) for c in ours),
             "cross_layer": isinstance(ours[0], CrossLayerCache) if ours else False,
             "tier_rows": [t.rows for t in tiers],
-            "tier_kept": tiers[0].positions()[0, 0].tolist() if tiers and tiers[0].rows else []}
+            "tier_kept": tiers[0].store.row_positions()[0, 0].tolist() if tiers and tiers[0].rows else []}
 
 
 def methods(model, folder: str) -> dict:

@@ -155,7 +155,7 @@ def test_a_capped_tier_takes_the_leaders_next_best_chunks_in_every_layer_of_its_
     prefill(model, caches, random_tokens(400, 16), chunk=50)
 
     def tiered(cache) -> list:
-        return sorted(cache.tier.positions()[0, 0].tolist())
+        return sorted(cache.tier.store.row_positions()[0, 0].tolist())
 
     assert all(c.tier.rows == 48 for c in caches)
     assert tiered(caches[1]) == tiered(caches[0]) and tiered(caches[3]) == tiered(caches[2])

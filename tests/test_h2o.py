@@ -137,7 +137,7 @@ def test_a_row_keeps_its_mass_through_a_lossless_tier_and_back(seed: int, mode: 
         assert got.shape == want.shape and (got == want).all(), f"step {step} ({case['chunks'][step]} tokens)"
     assert_mass_is_the_references(cache, expected[1])
     if cache.tier.rows:
-        positions = np.array(cache.tier.positions())
+        positions = np.array(cache.tier.store.row_positions())
         want = [[[expected[1][(b, h)][p] for p in positions[b, h]] for h in range(kv_heads)] for b in range(batch)]
         assert np.allclose(np.array(cache.tier.extra), np.array(want), rtol=1e-4, atol=1e-5)
 

@@ -250,5 +250,5 @@ def test_a_shed_window_attends_as_mlx_lm_s_own_through_every_later_update(keep: 
         assert all(mx.array_equal(a, b).item() for a, b in zip(expected, got)), (i, n)
         assert plain.make_mask(1) == shed.make_mask(1) and plain.offset == shed.offset
         if n > 1:
-            window.shed(shed)
+            window.shed(shed, got[0])
             assert shed.keys.shape[2] == min(plain.keys.shape[2], 32), (i, shed.keys.shape)

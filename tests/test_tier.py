@@ -28,7 +28,7 @@ def wide() -> object:
 
 def every_position_once(cache) -> bool:
     """Whether the store and the tier together hold each token seen exactly once, per head."""
-    held = mx.concatenate([cache.store.row_positions(), cache.tier.positions()], axis=-1)
+    held = mx.concatenate([cache.store.row_positions(), cache.tier.store.row_positions()], axis=-1)
     held = mx.sort(mx.where(held < 0, 2**30, held), axis=-1)[..., : cache.offset]
     return bool(mx.array_equal(held, mx.broadcast_to(mx.arange(cache.offset), held.shape)).item())
 
@@ -135,7 +135,7 @@ def test_a_tier_holds_its_size_in_budgets_the_best_dropped_rows_by_the_methods_s
     cache = SnapKVCache(Budget(tokens=12), sink=1, window=4, mode="chunk", kernel=1)
     cache.use_tier(16, TierSize(1.0))
     step(cache, keys, asking(0, 200))
-    stored, tiered = (sorted(set(p[0, 0].tolist()) - {-1}) for p in (cache.store.row_positions(), cache.tier.positions()))
+    stored, tiered = (sorted(set(p[0, 0].tolist()) - {-1}) for p in (cache.store.row_positions(), cache.tier.store.row_positions()))
     assert stored == [0, *positions[13:], *range(196, 200)] and tiered == positions[1:13], (stored, tiered)
 
 
@@ -147,7 +147,7 @@ def test_the_default_tier_stays_within_its_budgets_while_a_long_prompt_is_read_a
     greedy(model, random_tokens(600, 42), caches, steps=30, chunk=64)
     cap = TierSize.parse(size).rows(40)
     assert all(c.tier.rows == cap for c in caches), [c.tier.rows for c in caches]
-    held = [mx.concatenate([c.store.row_positions(), c.tier.positions()], axis=-1) for c in caches]
+    held = [mx.concatenate([c.store.row_positions(), c.tier.store.row_positions()], axis=-1) for c in caches]
     assert all(len(set(h[0, 0].tolist()) - {-1}) == c.size() + cap for h, c in zip(held, caches)), "a row held twice"
 
 
@@ -160,7 +160,7 @@ def test_trim_forgets_the_tiers_rows_of_the_rewound_tokens_and_a_rejected_draft_
     assert_a_rejected_draft_leaves_no_trace(model, caches, steps=20)
     offsets = [c.offset for c in caches]
     for cache in caches:
-        assert cache.trim(60) == 60 and cache.tier.positions().max().item() < cache.offset == offsets[0] - 60
+        assert cache.trim(60) == 60 and cache.tier.store.row_positions().max().item() < cache.offset == offsets[0] - 60
         assert every_position_once(cache)
 
 
@@ -174,7 +174,7 @@ def test_a_list_with_a_tier_saves_and_loads_back(tmp_path) -> None:
     assert all(mx.array_equal(c.tier.extra, o.tier.extra).item() for c, o in zip(loaded, caches)), "H2O's mass"
     for cache in loaded:
         cache.trim(cache.offset - 110)
-        assert cache.tier.extra.shape[-1] == cache.tier.rows > 0 and cache.tier.positions().max().item() < 110
+        assert cache.tier.extra.shape[-1] == cache.tier.rows > 0 and cache.tier.store.row_positions().max().item() < 110
 
 
 def test_a_tier_its_head_dim_keeps_unquantized_saves_and_loads_back_so(tmp_path) -> None:
@@ -184,7 +184,7 @@ def test_a_tier_its_head_dim_keeps_unquantized_saves_and_loads_back_so(tmp_path)
     veloxpatch.patch(kv="snapkv", budget=48, window=8, compress="chunk", tier="4", tier_size="all")
     caches = make_prompt_cache(model)
     greedy(model, random_tokens(200, 8), caches, steps=10, chunk=64)
-    assert all(c.tier.store.bits is None and c.tier.fetch()[0].shape[-1] == 16 for c in caches)
+    assert all(c.tier.store.bits is None and c.tier.store.fetch()[0].shape[-1] == 16 for c in caches)
     loaded = assert_round_trip(str(tmp_path / "tier.safetensors"), model, caches)
     greedy(model, random_tokens(100, 9), loaded, steps=2, chunk=64)  # takes the tier back, then gives rows to it
     assert all(c.tier.store.bits is None and every_position_once(c) for c in loaded)

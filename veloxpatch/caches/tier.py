@@ -57,14 +57,6 @@ class Tier:
             return rows
         return rows * self.bits // (8 * keys.dtype.size)
 
-    def fetch(self) -> tuple[mx.array, mx.array]:
-        """Every row, decoded (holes included)."""
-        return self.store.fetch()
-
-    def positions(self) -> mx.array:
-        """(B, kv_heads, rows) positions; -1: a hole."""
-        return self.store.row_positions()
-
     def take(self, keys: mx.array, values: mx.array, positions: mx.array, extra: mx.array | None = None) -> None:
         """Add rows (B, kv_heads, n, head_dim) with their positions (B, kv_heads, n), keeping time order, and the
         policy's state of them (B, kv_heads, n), if it keeps one (rows that come without it get zeros)."""

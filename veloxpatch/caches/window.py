@@ -16,12 +16,14 @@ from typing import Any
 import mlx.core as mx
 
 
-def shed(cache: Any) -> None:
-    """Drop the rows of a ``RotatingKVCache`` in temporal order (as a prompt chunk leaves it) that no later step
+def shed(cache: Any, out: mx.array) -> None:
+    """Once the chunk's attention ``out`` is computed (evaluated here: left lazy, it would keep the rows it read
+    alive), drop the rows of a ``RotatingKVCache`` in temporal order (as a prompt chunk leaves it) that no later step
     attends: all but its ``keep`` first and ``max_size - keep`` last. Any other cache, or state, is left alone."""
     rows = _rows(cache)
     if rows is None or rows <= cache.max_size or cache._idx != rows or cache.offset < rows:
         return
+    mx.eval(out)
     tail = cache.max_size - cache.keep
 
     def cut(v: mx.array) -> mx.array:

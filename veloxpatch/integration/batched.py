@@ -98,18 +98,23 @@ def _join(generator: Any, arguments: dict[str, Any]) -> None:
         arguments["caches"] = lists
         return
     lists = [_members(c) for c in lists]
-    for caches, prompt, parts in zip(lists, _prompt_lengths(arguments), arguments["segments"]):
-        start_generation(caches, compat.generator_model(generator), sum(len(part) for part in parts))
+    for caches, new, prompt in zip(lists, _new_tokens(arguments), _prompt_lengths(arguments)):
+        start_generation(caches, compat.generator_model(generator), new)
         _carry(caches, ticket, prompt)
     compat.replace_waiting_caches(generator, _members)
     compat.replace_running_caches(generator, _split)
     arguments["caches"] = lists
 
 
+def _new_tokens(arguments: dict[str, Any]) -> list[int]:
+    """Each sequence's tokens still to read: its segments."""
+    return [sum(len(part) for part in parts) for parts in arguments["segments"]]
+
+
 def _prompt_lengths(arguments: dict[str, Any]) -> list[int]:
     """Each sequence's prompt in tokens: those its cache has seen (``all_tokens``) and its segments."""
     seen = arguments.get("all_tokens") or [[] for _ in arguments["segments"]]
-    return [len(s) + sum(len(part) for part in parts) for s, parts in zip(seen, arguments["segments"])]
+    return [len(s) + new for s, new in zip(seen, _new_tokens(arguments))]
 
 
 def _carry(caches: list, ticket: Any, prompt: int) -> None:

@@ -70,8 +70,7 @@ def scaled_dot_product_attention(wrapped: Callable, instance: Any, args: tuple, 
     if _in_blocks(cache, call["queries"]):
         out = blocks.attention(call["queries"], call["keys"], call["values"], call["scale"], call.get("mask"),
                                call.get("sinks"))
-        mx.eval(out)  # the chunk has attended: the window's rows past what later steps see can go
-        window.shed(cache)
+        window.shed(cache, out)
         return out
     return wrapped(*args, **kwargs)
 
