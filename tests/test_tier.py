@@ -15,6 +15,7 @@ from conftest import (
 )
 from veloxpatch.config import Budget, ConfigError, TierSize, VeloxConfig
 from veloxpatch.eval.random_model import build, config_for
+from veloxpatch.caches.store import RowStore
 from veloxpatch.methods.snapkv import SnapKVCache
 
 SCALE = 0.25
@@ -223,6 +224,26 @@ def test_the_process_holds_what_the_caches_say_far_below_the_full_cache() -> Non
     used, caches = held(kv="snapkv", budget=128, window=16, compress="chunk", tier="2")
     assert used <= sum(c.nbytes for c in caches) + 65536 * len(caches)
     assert used < 0.35 * vanilla, f"held {used} B, the full cache {vanilla} B"
+
+
+def test_taking_a_tier_back_makes_at_most_two_copies_of_a_half_beyond_what_it_leaves() -> None:
+    """A store of 2048 rows takes back a tier of 6144 8-bit rows (one head of 256, Gemma 3 270M's global layers):
+    the whole context at full precision is what it leaves, and the peak on the way may exceed that by at most two
+    copies of one half (keys or values). Decoded rows, their join and the gather evaluated together exceeded it
+    by three."""
+    store, tier = RowStore(), RowStore(8, 64, step=1)
+    store.append(mx.random.normal((1, 1, 2048, 256)), mx.random.normal((1, 1, 2048, 256)), 0)
+    later = mx.broadcast_to(mx.arange(2048, 8192, dtype=mx.int32), (1, 1, 6144))
+    tier.merge(mx.random.normal((1, 1, 6144, 256)), mx.random.normal((1, 1, 6144, 256)), later)
+    mx.eval(store.keys, store.values, store.positions, tier.keys, tier.values, tier.positions)
+    gc.collect()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    store.take_in(tier, spare=512)
+    rise, left = mx.get_peak_memory() - before, mx.get_active_memory() - before
+    half = store.keys[0].nbytes
+    assert store.rows == 8192 and store.row_positions()[0, 0].tolist() == list(range(8192))
+    assert rise <= left + 2 * half, f"peaked {rise / 2**20:.1f} MiB over the start, left {left / 2**20:.1f}"
 
 
 def test_the_tier_setting_names_what_it_allows() -> None:

@@ -240,7 +240,7 @@ class EvictingCache(CompressedKVCache):
         selection at the end of the prompt) chooses among every row, with that prompt's own queries."""
         self.took_back = self.tier is not None and bool(self.tier.rows) and self._takes_back(keys.shape[2])
         if self.took_back:
-            self._take_back(keys.shape[2])
+            self._take_back(keys, values)
         return super().update_and_fetch(keys, values)
 
     def rows_before(self, n: int) -> int:
@@ -260,14 +260,18 @@ class EvictingCache(CompressedKVCache):
             self.offset -= n
         return n > self.headroom(keep) or self.schedule.pending(self.store.rows + n, n, keep)
 
-    def _take_back(self, n: int) -> None:
+    def _take_back(self, keys: mx.array, values: mx.array) -> None:
         """The tier's rows back into the store, with the policy's state of them, in time order (to the policy a
         compaction: ``kept``; time order matters to a policy that looks at neighbouring rows, SnapKV's pooling),
-        with room for the step's ``n`` rows. Done a half at a time (:meth:`RowStore.take_in`): the store now holds
-        the whole context at full precision, and the copies that made it go before the step's attention."""
+        with room for the step's rows ``keys``/``values``. The step's rows are evaluated first: they hang on the
+        forward so far (the last layer's MLP activations, left lazy), which would otherwise be computed on top of
+        the whole context at full precision. The rest is done a half at a time (:meth:`RowStore.take_in`): the
+        store now holds the whole context at full precision, and the copies that made it go before the step's
+        attention."""
+        mx.eval(keys, values)
         rows, state = self.tier.drain()
         self.policy.taking_back(self, state)
-        self.policy.kept(self, self.store.take_in(rows, spare=n))
+        self.policy.kept(self, self.store.take_in(rows, spare=keys.shape[2]))
 
     # ----------------------------------------------------------------- the attention route
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
@@ -351,9 +355,8 @@ class EvictingCache(CompressedKVCache):
         gone = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : max(room, 0)]
         if gone.shape[-1]:
             state = self.policy.row_state(self)
-            rows = (mx.take_along_axis(a, gone[..., None], axis=2) for a in (keys, values))
-            self.tier.take(*rows, mx.take_along_axis(positions, gone, axis=-1),
-                           None if state is None else mx.take_along_axis(state, gone, axis=-1))
+            self.tier.take(keys, values, mx.take_along_axis(positions, gone, axis=-1),
+                           None if state is None else mx.take_along_axis(state, gone, axis=-1), index=gone)
 
     def tier_rows(self, keep: int, keys: mx.array) -> int:
         """The most rows like ``keys`` the tier may hold beside a store of ``keep`` rows: ``VELOX_KV_MEMORY``'s

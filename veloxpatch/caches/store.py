@@ -112,12 +112,17 @@ class RowStore:
         b, h, n = keys.shape[:3]
         self._write(keys, values, mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32), (b, h, n)))
 
-    def merge(self, keys: mx.array, values: mx.array, positions: mx.array) -> mx.array:
+    def merge(self, keys: mx.array, values: mx.array, positions: mx.array, index: mx.array | None = None) -> mx.array:
         """Add rows (B, H, n, d) with the positions ``positions`` (B, H, n; -1: a hole), earlier or later than the
-        rows held: time order per head is kept (holes last), and rows that are holes in every head go. No spare
-        capacity is left (the next append grows the store). Returns where each row now held came from, (B, H,
-        rows) indexes into the rows held before followed by the new ones, for state that follows the rows."""
-        return self._merge(lambda i: self.encode((keys, values)[i]), positions.astype(mx.int32), 0)
+        rows held: time order per head is kept (holes last), and rows that are holes in every head go. With
+        ``index`` (B, H, n) the new rows are those rows of ``keys``/``values``, gathered a half at a time (a cache
+        handing a few of its rows over passes what it holds, not a copy of them). No spare capacity is left (the
+        next append grows the store). Returns where each row now held came from, (B, H, rows) indexes into the
+        rows held before followed by the new ones, for state that follows the rows."""
+        def rows(i: int) -> Parts:
+            half = (keys, values)[i]
+            return self.encode(half if index is None else take_rows((half,), index)[0])
+        return self._merge(rows, positions.astype(mx.int32), 0)
 
     def take_in(self, other: "RowStore", spare: int = 0) -> mx.array:
         """Every row of ``other`` (another format: a tier's) merged in as :meth:`merge` does, with ``spare`` free
@@ -125,33 +130,45 @@ class RowStore:
 
         A store taking a tier back holds the whole context at full precision, and each copy of it counts while a
         prompt is read: keys, then values, are decoded, joined in one concatenation and put in order by one
-        gather, each half evaluated before the other is decoded, so at most two copies of one half are alive."""
+        gather, each half evaluated before the other is decoded (:meth:`_merge`)."""
         keys, values, positions = other.state
         return self._merge(lambda i: self.encode(other.decode((keys, values)[i])), positions.astype(mx.int32), spare)
 
     def _merge(self, new: Callable[[int], Parts], positions: mx.array, spare: int) -> mx.array:
-        """:meth:`merge`'s work, the new rows' keys as ``new(0)`` and values as ``new(1)`` (encoded as stored)."""
-        held = self.state if self.rows else (None, None, None)
+        """:meth:`merge`'s work, the new rows' keys as ``new(0)`` and values as ``new(1)`` (encoded as stored).
+        Each half replaces the one held as soon as it is made (:meth:`_merged`), so the keys' old rows are gone
+        before the values are decoded."""
         b, h, _ = positions.shape
-        positions = mx.concatenate([p for p in (held[2], positions) if p is not None], axis=-1)
+        if self.rows:
+            positions = mx.concatenate([self.row_positions(), positions], axis=-1)
         when = mx.where(positions < 0, LATE, positions)
         order = mx.argsort(when, axis=-1)[..., : int((when < LATE).sum(axis=-1).max().item())]
         total = positions.shape[-1]
         index = mx.concatenate([order, mx.broadcast_to(mx.arange(total, total + spare, dtype=order.dtype),
                                                        (b, h, spare))], axis=-1)
-        halves = []
-        for i in (0, 1):
-            parts = new(i)
-            joined = _join(held[i], parts, _zero_rows(parts, spare))
-            halves.append(take_rows(joined, index))
-            mx.eval(halves[-1])
-            del parts, joined  # evaluated: the decoded rows and their join go before the other half is decoded
-        self.keys, self.values = halves
+        self.keys = self._merged(0, new, index, spare)
+        self.values = self._merged(1, new, index, spare)
         positions = mx.concatenate([positions, mx.full((b, h, spare), HOLE, mx.int32)], axis=-1)
         self.positions = mx.take_along_axis(positions, index, axis=-1)[..., None]
         self.rows = order.shape[-1]
         self.holes = bool((self.row_positions() < 0).any().item())
         return order
+
+    def _merged(self, half: int, new: Callable[[int], Parts], index: mx.array, spare: int) -> Parts:
+        """One half of :meth:`_merge` (0: keys, 1: values): the rows held, then ``new(half)`` and ``spare`` zero
+        rows, in the order ``index``. mlx keeps every array of one evaluation alive until it ends (and decoding
+        takes twice its output), so the new rows, their join and the gather are evaluated one after another, each
+        dropped once the next is made: at most two copies of the half are alive, not four."""
+        held = (self.keys, self.values)[half] if self.rows else None
+        parts = new(half)
+        mx.eval(parts)
+        joined = _join(None if held is None else _head(held, self.rows), parts, _zero_rows(parts, spare))
+        del held, parts
+        mx.eval(joined)
+        out = take_rows(joined, index)
+        del joined
+        mx.eval(out)
+        return out
 
     def _write(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
         """Encode ``keys``/``values`` (B, H, n, d) and write them, with ``positions`` (B, H, n), after the stored rows."""

@@ -57,13 +57,15 @@ class Tier:
             return rows
         return rows * self.bits // (8 * keys.dtype.size)
 
-    def take(self, keys: mx.array, values: mx.array, positions: mx.array, extra: mx.array | None = None) -> None:
+    def take(self, keys: mx.array, values: mx.array, positions: mx.array, extra: mx.array | None = None,
+             index: mx.array | None = None) -> None:
         """Add rows (B, kv_heads, n, head_dim) with their positions (B, kv_heads, n), keeping time order, and the
-        policy's state of them (B, kv_heads, n), if it keeps one (rows that come without it get zeros)."""
+        policy's state of them (B, kv_heads, n), if it keeps one (rows that come without it get zeros). With
+        ``index`` (B, kv_heads, n), the rows are those rows of ``keys``/``values`` (:meth:`RowStore.merge`)."""
         held = self.store.rows
         if self.store.positions is None:
             self.store = RowStore(*self._format(keys), step=1)
-        order = self.store.merge(keys, values, positions)
+        order = self.store.merge(keys, values, positions, index)
         if extra is not None or self.extra is not None:
             before = _or_zeros(self.extra, (*positions.shape[:2], held))
             self.extra = mx.take_along_axis(mx.concatenate([before, _or_zeros(extra, positions.shape)], axis=-1),
