@@ -98,6 +98,22 @@ def test_each_sequence_keeps_its_own_budget_rows_and_positions(loaded) -> None:
         assert all(mx.array_equal(a.store.row_positions(), b.store.row_positions()).item() for a, b in zip(caches, own))
 
 
+def test_each_sequence_keeps_the_tier_it_would_keep_alone(loaded) -> None:
+    """With the defaults (chunk, 8-bit tier) every prompt step of a sequence drops rows to its tier; the caches a
+    sequence leaves the batch with hold the same rows in store and tier as its caches alone."""
+    model, _ = loaded
+    veloxpatch.patch(kv="snapkv", **SETTINGS)
+    _, caches_out = finished(model, prompts(), 4, prefill_step_size=32)
+    for caches, prompt in zip(caches_out, prompts()):
+        own = make_prompt_cache(model)
+        alone(model, prompt, own, 4, prefill_step_size=32)
+        assert all(c.tier is not None and c.tier.rows for c in own)
+        for a, b in zip(caches, own):
+            for part in ("store", "tier"):
+                ours, theirs = (getattr(c, part) if part == "store" else c.tier.store for c in (a, b))
+                assert mx.array_equal(ours.row_positions(), theirs.row_positions()).item(), part
+
+
 def test_history_handed_in_continues_as_alone_and_stays_the_callers(loaded) -> None:
     """Compressed caches that evicted rows go on compressing in the batch; the caller's lists are not touched."""
     model, _ = loaded

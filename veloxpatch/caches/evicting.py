@@ -265,10 +265,13 @@ class EvictingCache(CompressedKVCache):
         compaction: ``kept``; time order matters to a policy that looks at neighbouring rows, SnapKV's pooling),
         with room for the step's rows ``keys``/``values``. The step's rows are evaluated first: they hang on the
         forward so far (the last layer's MLP activations, left lazy), which would otherwise be computed on top of
-        the whole context at full precision. The rest is done a half at a time (:meth:`RowStore.take_in`): the
-        store now holds the whole context at full precision, and the copies that made it go before the step's
-        attention."""
-        mx.eval(keys, values)
+        the whole context at full precision. Not on a model split across ranks: there they hang on the previous
+        rank's send too, and receiving it here, before the collectives a coordinator runs later in this step
+        (SqueezeAttention's pooled scores), orders this rank's communication unlike the others' (they deadlock).
+        The rest is done a half at a time (:meth:`RowStore.take_in`): the store now holds the whole context at
+        full precision, and the copies that made it go before the step's attention."""
+        if self.coordinator is None or not self.coordinator.span.split:
+            mx.eval(keys, values)
         rows, state = self.tier.drain()
         self.policy.taking_back(self, state)
         self.policy.kept(self, self.store.take_in(rows, spare=keys.shape[2]))
