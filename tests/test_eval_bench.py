@@ -33,6 +33,22 @@ def test_eval_writes_table_json_csv_and_plots(model_dir: Path, tmp_path: Path) -
     assert "snapkv@0.25" in result.output
 
 
+def test_a_tier_size_knob_is_journalled_and_a_rerun_skips_it(model_dir: Path, tmp_path: Path) -> None:
+    """``snapkv[tier_size=all]`` (a setting parsed into an object) runs, is written to the journal as its text, and a
+    second run with the same arguments finds it there instead of measuring it again."""
+    out = tmp_path / "eval"
+    args = ["eval", "--model", str(model_dir), "--tasks", "passkey", "--contexts", "160", "--samples", "1",
+            "--budgets", "25%", "--methods", "snapkv[compress=chunk,tier=8,tier_size=all]", "--out", str(out),
+            "--no-plots"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    lines = [json.loads(line) for line in (out / "eval.samples.jsonl").read_text().splitlines()]
+    assert {line["knobs"].get("tier_size") for line in lines if line["label"] != "full"} == {"all"}
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0, again.output
+    assert len((out / "eval.samples.jsonl").read_text().splitlines()) == len(lines)
+
+
 def test_bench_compares_every_method_with_vanilla(model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "bench"
     result = CliRunner().invoke(main, ["bench", "--model", str(model_dir), "--contexts", "200", "--budget", "48",

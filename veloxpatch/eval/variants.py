@@ -128,7 +128,13 @@ def parse_spec(spec: str) -> tuple[str, Knobs]:
     if unknown:
         raise ValueError(f"{spec!r}: {', '.join(unknown)} is not a knob of {method} here "
                          f"({', '.join(sorted(settings))})")
-    return method, tuple(sorted((n, settings[n].convert(v)) for n, v in given.items()))
+    return method, tuple(sorted((n, _plain(settings[n].convert(v))) for n, v in given.items()))
+
+
+def _plain(value: Any) -> Any:
+    """A knob's parsed value as a journal line keeps it (JSON): numbers, text and booleans as they are, a richer
+    value (``tier_size=all``: a TierSize) as the text that parses back to it."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
 def _quantized_bits(spec: str, given: dict[str, str]) -> Knobs:
