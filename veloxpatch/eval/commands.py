@@ -142,8 +142,14 @@ def finish(rows: list[dict[str, Any]], columns: tuple[str, ...], out: Path, stem
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write PNG plots (needs matplotlib).")
 @click.option("--share-prefill/--no-share-prefill", default=True, show_default=True,
               help="Retrieval: one prompt prefill for the full cache and our methods at every budget, where exact.")
+@click.option("--question", "protocol", default="inside", show_default=True, type=click.Choice(["inside", "after"]),
+              help="RULER tasks: the question inside the prompt, or after it (the context compressed alone, the "
+                   "question the next turn on that cache: kvpress's protocol).")
+@click.option("--equal-bytes", is_flag=True,
+              help="--budgets are shares of the full cache's bytes held once the context is read, as a 16-bit model "
+                   "holds them (each method's row budget measured to land there), not of its rows.")
 def eval_command(model, task_list, contexts, budgets, methods, samples, seed, prefill_step_option, out, plots,
-                 share_prefill) -> None:
+                 share_prefill, protocol, equal_bytes) -> None:
     """Quality per method and budget: passkey, multi-key retrieval and perplexity, or RULER-style tasks.
 
     Accuracies show their 95% Wilson interval and sample count. Finished cells go to OUT/eval.cells.jsonl and
@@ -153,13 +159,18 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
     if any(t not in ALL_TASKS for t in chosen):
         raise click.BadParameter(f"{chosen} not allowed: choose from {', '.join(ALL_TASKS)}", param_hint="--tasks")
     step = prefill_step(prefill_step_option, model)
-    spec = EvalSpec(chosen, _ints(contexts), _shares(budgets), _methods(methods), samples, step, seed, share_prefill)
+    spec = EvalSpec(chosen, _ints(contexts), _shares(budgets), _methods(methods), samples, step, seed, share_prefill,
+                    protocol, equal_bytes)
     loaded, tokenizer, path = load_model(model)
-    journal = Journal(out / "eval.cells.jsonl", {"model": path, "samples": samples, "seed": seed, "prefill_step": step})
+    key = {"model": path, "samples": samples, "seed": seed, "prefill_step": step}
+    if protocol != "inside" or equal_bytes:  # journals written before either existed keep their key
+        key.update(protocol=protocol, equal_bytes=equal_bytes)
+    journal = Journal(out / "eval.cells.jsonl", key)
     started = time.time()
-    rows = [c.row() for c in run_eval(loaded, tokenizer, spec, _progress("eval"), journal)]
+    rows = report.with_byte_shares([c.row() for c in run_eval(loaded, tokenizer, spec, _progress("eval"), journal)])
     meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
-    click.echo(report.table([{**r, "result": report.result_text(r)} for r in rows], EVAL_COLUMNS))
+    columns = EVAL_COLUMNS + (("kv16_share",) if equal_bytes else ())
+    click.echo(report.table([{**r, "result": report.result_text(r)} for r in rows], columns))
     for written in report.write_files(rows, out, "eval", meta):
         click.echo(f"wrote {written}", err=True)
     if plots:

@@ -27,12 +27,13 @@ from typing import Any, Callable, Iterator
 import mlx.core as mx
 import veloxpatch
 
+from . import equal_bytes as equal_bytes_
 from . import ruler, sharing, tasks
 from .report import wilson
 from .variants import KVLayout, Variant, identity, variants
 
 TASKS = ("passkey", "multikey", "perplexity")  # the default list, made for the shipped tiny model
-ALL_TASKS = TASKS + ruler.TASKS
+ALL_TASKS = TASKS + tuple(ruler.GENERATORS)
 Item = tuple[str, str] | ruler.Example  # (prompt, answer) for the shipped model's tasks, or a RULER example
 PPL_STEP = 64
 FIRST_TURN = 24  # tokens a follow-up's first answer may take (a seven-digit number, then the end of the turn)
@@ -50,6 +51,8 @@ class EvalSpec:
     prefill_step: int = 512
     seed: int = 0  # a cell uses held-out seeds seed .. seed + samples - 1
     share_prefill: bool = True  # False: every (example, variant) runs its own prefill (the same results, slower)
+    protocol: str = "inside"  # "after": a RULER example's context compressed alone, its question the next turn
+    equal_bytes: bool = False  # True: a share is of the full cache's 16-bit bytes once the context is read, not rows
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class Sample:
     kv_bytes: float
     peak_bytes: float
     read_peak_bytes: float | None = None
+    kv16_bytes: float | None = None  # the KV bytes as a 16-bit model holds them (``equal_bytes``), where measured
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Cell:
     peak_bytes: float
     samples: int
     read_peak_bytes: float | None = None
+    kv16_bytes: float | None = None
 
     @classmethod
     def of(cls, task: str, context: int, variant: Variant, samples: list[Sample]) -> "Cell":
@@ -83,8 +88,10 @@ class Cell:
         n = len(samples)
         reads = [s.read_peak_bytes for s in samples]
         read = None if None in reads else sum(reads) / n
+        sixteen = [s.kv16_bytes for s in samples]
+        kv16 = None if None in sixteen else sum(sixteen) / n
         return cls(task, context, variant, sum(s.value for s in samples) / n, sum(s.kv_bytes for s in samples) / n,
-                   sum(s.peak_bytes for s in samples) / n, n, read)
+                   sum(s.peak_bytes for s in samples) / n, n, read, kv16)
 
     def row(self) -> dict[str, Any]:
         """The cell as JSON; an accuracy carries its 95% Wilson interval over the cell's samples."""
@@ -96,14 +103,15 @@ class Cell:
             "metric": "accuracy" if accuracy else "perplexity",
             "value": self.metric, "ci95_low": low, "ci95_high": high,
             "kv_bytes": self.kv_bytes, "peak_bytes": self.peak_bytes, "read_peak_bytes": self.read_peak_bytes,
-            "samples": self.samples,
+            "kv16_bytes": self.kv16_bytes, "samples": self.samples,
         }
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> "Cell":
         """The cell a journal line describes (``method`` carries a variant's knobs: ``snapkv[kernel=15]``)."""
         return cls(row["task"], row["context"], Variant.of(row["method"], row["share"]), row["value"],
-                   row["kv_bytes"], row["peak_bytes"], row["samples"], row.get("read_peak_bytes"))
+                   row["kv_bytes"], row["peak_bytes"], row["samples"], row.get("read_peak_bytes"),
+                   row.get("kv16_bytes"))
 
 
 @dataclass
@@ -131,7 +139,7 @@ class Journal:
     def samples(self) -> dict[tuple[str, int, str, int], Sample]:
         """Examples already measured under this key, by (task, context, variant identity, seed)."""
         return {(r["task"], r["context"], identity(r["label"], r.get("knobs")), r["seed"]):
-                Sample(r["value"], r["kv_bytes"], r["peak_bytes"], r.get("read_peak_bytes"))
+                Sample(r["value"], r["kv_bytes"], r["peak_bytes"], r.get("read_peak_bytes"), r.get("kv16_bytes"))
                 for r in self._rows(self.samples_path, ignore=("samples", "seed"))}
 
     def add(self, cell: Cell) -> None:
@@ -141,7 +149,7 @@ class Journal:
         self._write(self.samples_path, {"task": task, "context": context, "label": variant.label(),
                                         "knobs": variant.knob_values(), "seed": seed, "value": sample.value,
                                         "kv_bytes": sample.kv_bytes, "peak_bytes": sample.peak_bytes,
-                                        "read_peak_bytes": sample.read_peak_bytes})
+                                        "read_peak_bytes": sample.read_peak_bytes, "kv16_bytes": sample.kv16_bytes})
 
     def _rows(self, path: Path, ignore: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """The lines of ``path`` written under this key (its ``ignore`` fields aside)."""
@@ -158,23 +166,23 @@ class Journal:
 
 
 def retrieval(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec, quant: dict[str, Any],
-              reading: sharing.Reading) -> tuple[float, int]:
+              reading: sharing.Reading, budget: int | None = None) -> tuple[float, int]:
     """Greedy answer under the variant's cache, on its own prefill: (1.0 if right else 0.0, KV bytes at the end),
     ``reading`` told when the prompt is read.
 
     ``quant`` is the variant's kv_bits arguments for mlx_lm (empty unless it is the quantized one)."""
     tokens, steps = _prompt(tokenizer, item)
-    caches = variant.caches(model, tokens.size)
+    caches = variant.caches(model, tokens.size, budget=budget)
     out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, reading, **quant)]
     return _right(tokenizer, out, item), sum(c.nbytes for c in caches)
 
 
 def conversation(model: Any, tokenizer: Any, variant: Variant, item: ruler.Example, spec: EvalSpec,
-                 quant: dict[str, Any], reading: sharing.Reading) -> tuple[float, int]:
+                 quant: dict[str, Any], reading: sharing.Reading, budget: int | None = None) -> tuple[float, int]:
     """A follow-up example's turns on one cache list (:func:`chat`): (1.0 if the last answer is right else 0.0,
     KV bytes at the end)."""
     tokens, _ = _prompt(tokenizer, item)
-    caches = variant.caches(model, tokens.size)
+    caches = variant.caches(model, tokens.size, budget=budget)
     answers = chat(model, tokenizer, caches, item, spec, quant, reading)
     return _right(tokenizer, answers[-1], item), sum(c.nbytes for c in caches)
 
@@ -220,9 +228,12 @@ def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit
 
 
 def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, spec: EvalSpec,
-               layout: KVLayout) -> dict[Variant, Sample]:
+               layout: KVLayout, budgets: Budgets | None = None) -> dict[Variant, Sample]:
     """Every chosen variant on one example, sharing prefills where that is exact (``sharing``); a follow-up
-    example's variants each on their own."""
+    example's variants each on their own; a RULER example asked after its context under ``protocol="after"``."""
+    budgets = budgets or Budgets(model, False)
+    if spec.protocol == "after" and isinstance(item, ruler.Example) and not item.turns:
+        return asked_after(model, tokenizer, chosen, item, spec, layout, budgets)
     tokens, steps = _prompt(tokenizer, item)
     out: dict[Variant, Sample] = {}
     requests = []
@@ -236,15 +247,86 @@ def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, sp
             mx.clear_cache()
             mx.reset_peak_memory()
             reading = sharing.Reading()
-            value, nbytes = run(model, tokenizer, variant, item, spec, variant.generate_kwargs(layout), reading)
+            value, nbytes = run(model, tokenizer, variant, item, spec, variant.generate_kwargs(layout), reading,
+                                budgets(variant, tokens.size))
             out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
         else:
-            budget = sharing.HUGE if variant.method == "full" else variant.budget(tokens.size)
-            requests.append(sharing.Request(variant, budget, mode))
+            requests.append(sharing.Request(variant, budgets.rows(variant, tokens.size), mode))
     for result in sharing.run(model, tokens, requests, steps, spec.prefill_step):
         out[result.request.variant] = Sample(_right(tokenizer, result.tokens, item), result.kv_bytes,
                                              result.peak_bytes, result.read_peak_bytes)
     return {v: out[v] for v in chosen}
+
+
+class Budgets:
+    """The rows each variant keeps of a context: its share of the rows, or (``equal_bytes``) the budget whose bytes
+    are its share of the full cache's 16-bit bytes (:mod:`equal_bytes`), measured once per variant."""
+
+    def __init__(self, model: Any, equal_bytes: bool) -> None:
+        self.model, self.equal_bytes = model, equal_bytes
+        self.per_token: float | None = None
+        self.lines: dict[tuple[str, Any], equal_bytes_.Line] = {}  # by (method, knobs): a line serves every share
+
+    def __call__(self, variant: Variant, context: int) -> int | None:
+        """The budget for ``variant`` at ``context`` tokens; None where its own rule stands (the full cache,
+        mlx_lm's quantized cache, a budget of rows)."""
+        if not self.equal_bytes or variant.method in ("full", "quantized"):
+            return None
+        if self.per_token is None:
+            self.per_token = equal_bytes_.full_bytes_per_token(self.model)
+        key = (variant.method, variant.knobs)
+        if key not in self.lines:
+            self.lines[key] = equal_bytes_.line(self.model, variant)
+        return self.lines[key].budget_for(variant.share * self.per_token * context)
+
+    def rows(self, variant: Variant, context: int) -> int:
+        """:meth:`__call__` as a number of rows (a shared prefill's request)."""
+        budget = self(variant, context)
+        if budget is not None:
+            return budget
+        return sharing.HUGE if variant.method == "full" else variant.budget(context)
+
+
+def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.Example, spec: EvalSpec,
+                layout: KVLayout, budgets: Budgets) -> dict[Variant, Sample]:
+    """The field's protocol (kvpress's leaderboard): each variant's cache reads the context alone, as a
+    generation of no tokens, and compresses it as a chat's first turn would leave it; then the question comes as
+    the next turn on that cache. KV bytes are those held once the context is read. The context's prefill is
+    shared where that is exact, as :func:`retrievals` shares a prompt's."""
+    context = mx.array(tokenizer.encode(item.context))
+    question = mx.array(tokenizer.encode(item.question, add_special_tokens=False))
+    steps = _prompt(tokenizer, item)[1]
+    modes = sharing.plan(model, chosen) if spec.share_prefill else {v: sharing.PLAIN for v in chosen}
+    out: dict[Variant, Sample] = {}
+    requests = []
+    for variant in chosen:
+        if modes[variant] != sharing.PLAIN:
+            requests.append(sharing.Request(variant, budgets.rows(variant, context.size), modes[variant]))
+            continue
+        quant = variant.generate_kwargs(layout)
+        caches = variant.caches(model, context.size, budget=budgets(variant, context.size))
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        reading = sharing.Reading()
+        sharing.whole(model, context, caches, 0, spec.prefill_step, reading, **quant)
+        out[variant] = _ask(model, tokenizer, question, caches, steps, spec, quant, item,
+                            (sharing.kv_bytes(caches), mx.get_peak_memory(), reading.peak,
+                             equal_bytes_.held_bytes(caches)))
+    for result in sharing.run(model, context, requests, 0, spec.prefill_step):
+        full = result.request.variant.method == "full"
+        out[result.request.variant] = _ask(model, tokenizer, question, result.caches, steps, spec, {}, item,
+                                           (result.kv_bytes, result.peak_bytes, result.read_peak_bytes,
+                                            equal_bytes_.held_bytes(result.caches, dense=full)))
+    return {v: out[v] for v in chosen}
+
+
+def _ask(model: Any, tokenizer: Any, question: mx.array, caches: list[Any], steps: int, spec: EvalSpec,
+         quant: dict[str, Any], item: ruler.Example, held: tuple[float, float, float, float]) -> Sample:
+    """The question as the next turn on ``caches`` (which hold the context, compressed as they left it); ``held``
+    is what the context left: KV bytes, peak, read peak, 16-bit KV bytes."""
+    kv, peak, read, kv16 = held
+    answer = _turn(model, tokenizer, question, caches, steps, spec, quant, sharing.Reading())
+    return Sample(_right(tokenizer, answer, item), kv, max(peak, mx.get_peak_memory()), read, kv16)
 
 
 def _prompt(tokenizer: Any, item: Item) -> tuple[mx.array, int]:
@@ -288,7 +370,7 @@ def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: Ev
 def examples(task: str, tokenizer: Any, context: int, spec: EvalSpec) -> list[Item]:
     """The spec's held-out (prompt, answer) pairs or RULER examples; perplexity has text and no answer."""
     seeds = range(spec.seed, spec.seed + spec.samples)
-    if task in ruler.TASKS:
+    if task in ruler.GENERATORS:
         return [ruler.example(task, tokenizer, context, seed, "heldout") for seed in seeds]
     if task == "passkey":
         return [tasks.passkey_example(tokenizer, context, seed, "heldout") for seed in seeds]
@@ -298,7 +380,7 @@ def examples(task: str, tokenizer: Any, context: int, spec: EvalSpec) -> list[It
 
 
 def measure(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Variant], spec: EvalSpec,
-            layout: KVLayout) -> dict[Variant, Sample]:
+            layout: KVLayout, budgets: Budgets | None = None) -> dict[Variant, Sample]:
     """The chosen variants on one of the task's examples, with KV bytes and peak memory. Variants that differ
     only in a share their method ignores (``Variant.twin_key``) are measured once (XQuant decodes at 0.6
     tokens/s at 8k tokens here)."""
@@ -306,14 +388,14 @@ def measure(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Vari
     first: dict[tuple[Any, ...], Variant] = {}
     for variant, key in keys.items():
         first.setdefault(key, variant)
-    out = _measure_each(model, tokenizer, task, item, list(first.values()), spec, layout)
+    out = _measure_each(model, tokenizer, task, item, list(first.values()), spec, layout, budgets)
     return {v: out[first[key]] for v, key in keys.items()}
 
 
 def _measure_each(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Variant], spec: EvalSpec,
-                  layout: KVLayout) -> dict[Variant, Sample]:
+                  layout: KVLayout, budgets: Budgets | None) -> dict[Variant, Sample]:
     if task != "perplexity":
-        return retrievals(model, tokenizer, chosen, item, spec, layout)
+        return retrievals(model, tokenizer, chosen, item, spec, layout, budgets)
     out = {}
     for variant in chosen:
         mx.clear_cache()
@@ -336,6 +418,7 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
     measured = journal.samples() if journal else {}
     items: dict[tuple[str, int], list[Item]] = {}
     layout = KVLayout.of(model)
+    budgets = Budgets(model, spec.equal_bytes)
     units = [(task, context, i) for task in spec.tasks for context in spec.contexts for i in range(spec.samples)]
     cells = []
     steps = progress(iter(units), len(units)) if progress else iter(units)
@@ -348,7 +431,7 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
                 if (task, context) not in items:
                     items[task, context] = examples(task, tokenizer, context, spec)
                 for variant, sample in measure(model, tokenizer, task, items[task, context][i], todo, spec,
-                                               layout).items():
+                                               layout, budgets).items():
                     measured[task, context, variant.identity(), seed] = sample
                     if journal:
                         journal.add_sample(task, context, variant, seed, sample)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+import uuid
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Callable, Sequence
@@ -42,10 +43,15 @@ from .tasks import (
 )
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "trip", "followup")
+# RULER's synthetic tasks under its own names (its two QA tasks need data sets that are not on PyPI); niah_single_2 and
+# niah_multikey_1 are niah_single and niah_multikey, niah_multivalue and vt the same generators
+RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
+               "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 HELDOUT_MOD = 4  # one topic in four (by name hash) is held out: about 120k characters, enough for 8k tokens
 
 INSTRUCTION = "Read the following text and answer the question after it.\n\n"
 NEEDLE = "One of the special magic numbers for {word} is: {number}.\n"
+UUID_NEEDLE = "One of the special magic uuids for {key} is: {value}.\n"
 WORDS = (
     "amber anchor balcony bamboo beacon biscuit blossom cactus canvas carpet cedar chimney cobalt compass cricket "
     "crimson dolphin ember falcon feather fountain galaxy ginger harbor hazel helmet indigo ivory jasmine kettle "
@@ -69,6 +75,17 @@ class Example:
     unwanted: tuple[str, ...] = ()
     ordered: bool = False
     turns: tuple[tuple[str, str], ...] = ()  # (user message, answer start) of a chat's turns; ``wanted``: the last
+    question_at: int = 0  # where in ``prompt`` the question begins: before it, the context a cache may compress alone
+
+    @property
+    def context(self) -> str:
+        """The prompt up to its question: what the question-after protocol compresses before the question is asked."""
+        return self.prompt[: self.question_at]
+
+    @property
+    def question(self) -> str:
+        """The prompt from its question on (the end of the user's turn and the answer's start with it)."""
+        return self.prompt[self.question_at:]
 
 
 def split_of(topic: str) -> str:
@@ -98,16 +115,32 @@ def chat(tokenizer: Any, message: str, answer_prefix: str) -> str:
     return head + answer_prefix
 
 
-def _build(tokenizer: Any, context: int, split: str, seed_text: str, needles: list[tuple[str, float]],
-           question: str, answer_prefix: str) -> tuple[str, str]:
-    """Fit haystack + needles (text, depth) + question into ``context`` tokens: the chat prompt, and the user's
-    message in it."""
-    fill_seed = str(random.Random(seed_text).getstate())
+Hay = Callable[[int, random.Random], str]  # about n characters of filler, from a random generator
+
+
+def docs_hay(split: str) -> Hay:
+    """Whole lines of the split's documentation text (RULER's essays, which are not on PyPI)."""
     text = haystack_text(split)
+    return lambda n_chars, rng: excerpt(text, n_chars, rng)
+
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+
+
+def noise_hay(n_chars: int, rng: random.Random) -> str:
+    """RULER's repeated-sentence haystack: nothing in it looks like a needle."""
+    return NOISE * max(0, n_chars // len(NOISE))
+
+
+def _build(tokenizer: Any, context: int, seed_text: str, needles: list[tuple[str, float]], question: str,
+           answer_prefix: str, hay: Hay) -> tuple[str, str, int]:
+    """Fit haystack + needles (text, depth) + question into ``context`` tokens: the chat prompt, the user's
+    message in it, and where in the prompt the question begins."""
+    fill_seed = str(random.Random(seed_text).getstate())
     messages: dict[str, str] = {}
 
     def build(n_chars: int) -> str:
-        body = excerpt(text, n_chars, random.Random(fill_seed))
+        body = hay(n_chars, random.Random(fill_seed))
         for needle, depth in sorted(needles, key=lambda nd: -nd[1]):  # back to front keeps depths meaningful
             body = _insert_at_depth(body, needle, depth)
         message = f"{INSTRUCTION}{body}\n{question}"
@@ -116,7 +149,7 @@ def _build(tokenizer: Any, context: int, split: str, seed_text: str, needles: li
         return prompt
 
     prompt = _fit(build, context, _len_fn(tokenizer))
-    return prompt, messages[prompt]
+    return prompt, messages[prompt], prompt.rindex(question)
 
 
 def _depths(rng: random.Random, n: int) -> list[float]:
@@ -125,18 +158,42 @@ def _depths(rng: random.Random, n: int) -> list[float]:
 
 
 def niah_single(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
-    """One needle at a random depth; the question asks for its number."""
-    rng = random.Random(f"niah_single/{split}/{seed}")
-    word, number = rng.choice(WORDS), random_key(rng, 7)
-    question = f"What is the special magic number for {word} mentioned in the provided text?"
-    prefix = f"The special magic number for {word} mentioned in the provided text is"
-    prompt, _ = _build(tokenizer, context, split, f"{rng.random()}", [(NEEDLE.format(word=word, number=number),
-                                                                      rng.random())], question, prefix)
-    return Example(prompt, number, (number,))
+    """One needle at a random depth in the documentation; the question asks for its number (RULER's niah_single_2)."""
+    return _single(f"niah_single/{split}/{seed}", tokenizer, context, docs_hay(split), _number, "number")
+
+
+def niah_single_noise(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
+    """One number needle in RULER's repeated-sentence noise (its niah_single_1)."""
+    return _single(f"niah_single_1/{seed}", tokenizer, context, noise_hay, _number, "number")
+
+
+def niah_single_uuid(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
+    """One needle whose value is a UUID, in the documentation (RULER's niah_single_3): 36 characters to keep whole."""
+    return _single(f"niah_single_3/{split}/{seed}", tokenizer, context, docs_hay(split), _uuid, "uuid")
+
+
+def _number(rng: random.Random) -> str:
+    return random_key(rng, 7)
+
+
+def _uuid(rng: random.Random) -> str:
+    return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def _single(name: str, tokenizer: Any, context: int, hay: Hay, value: Callable[[random.Random], str],
+            kind: str) -> Example:
+    """One ``kind`` needle for one word at a random depth of ``hay``; asked for by the word (``name`` seeds it)."""
+    rng = random.Random(name)
+    word, answer = rng.choice(WORDS), value(rng)
+    needle = NEEDLE.format(word=word, number=answer) if kind == "number" else UUID_NEEDLE.format(key=word, value=answer)
+    question = f"What is the special magic {kind} for {word} mentioned in the provided text?"
+    prefix = f"The special magic {kind} for {word} mentioned in the provided text is"
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(needle, rng.random())], question, prefix, hay)
+    return Example(prompt, answer, (answer,), question_at=at)
 
 
 def niah_multikey(tokenizer: Any, context: int, seed: int, split: str = "heldout", n_keys: int = 4) -> Example:
-    """``n_keys`` needles of the same shape for different words; one word is asked."""
+    """``n_keys`` needles of the same shape for different words; one word is asked (RULER's niah_multikey_1)."""
     rng = random.Random(f"niah_multikey/{split}/{seed}")
     words = rng.sample(WORDS, n_keys)
     numbers = [random_key(rng, 7) for _ in words]
@@ -144,9 +201,65 @@ def niah_multikey(tokenizer: Any, context: int, seed: int, split: str = "heldout
     needles = [(NEEDLE.format(word=w, number=n), d) for w, n, d in zip(words, numbers, _depths(rng, n_keys))]
     question = f"What is the special magic number for {words[asked]} mentioned in the provided text?"
     prefix = f"The special magic number for {words[asked]} mentioned in the provided text is"
-    prompt, _ = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", needles, question, prefix, docs_hay(split))
     others = tuple(n for i, n in enumerate(numbers) if i != asked)
-    return Example(prompt, numbers[asked], (numbers[asked],), others)
+    return Example(prompt, numbers[asked], (numbers[asked],), others, question_at=at)
+
+
+def _pair(rng: random.Random) -> str:
+    """A two-word key (``amber-lantern``): thousands of them, so a haystack of needles needs no repeated key."""
+    first, second = rng.sample(WORDS, 2)
+    return f"{first}-{second}"
+
+
+def needles_hay(line: Callable[[random.Random], tuple[str, str]], skip: str) -> Hay:
+    """A haystack made of needles for other keys (RULER's niah_multikey_2 and _3): ``line(rng)`` gives a key and its
+    needle; ``skip``, the asked key, never appears."""
+    def hay(n_chars: int, rng: random.Random) -> str:
+        out, size, seen = [], 0, {skip}
+        while size < n_chars:
+            key, text = line(rng)
+            if key not in seen:
+                seen.add(key)
+                out.append(text)
+                size += len(text)
+        return "".join(out)
+    return hay
+
+
+def niah_multikey_needles(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
+    """The whole haystack is number needles for other two-word keys; one key is asked (RULER's niah_multikey_2)."""
+    rng = random.Random(f"niah_multikey_2/{seed}")
+    key, number = _pair(rng), random_key(rng, 7)
+
+    def line(r: random.Random) -> tuple[str, str]:
+        k = _pair(r)
+        return k, NEEDLE.format(word=k, number=random_key(r, 7))
+
+    question = f"What is the special magic number for {key} mentioned in the provided text?"
+    prefix = f"The special magic number for {key} mentioned in the provided text is"
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(NEEDLE.format(word=key, number=number),
+                                                                   rng.random())], question, prefix,
+                           needles_hay(line, key))
+    return Example(prompt, number, (number,), question_at=at)
+
+
+def niah_multikey_uuids(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
+    """The whole haystack is UUID-to-UUID needles; one UUID key is asked, its UUID value is the answer (RULER's
+    niah_multikey_3: the hardest of the needle tasks, nothing in the key's words to go by)."""
+    rng = random.Random(f"niah_multikey_3/{seed}")
+    key, value = _uuid(rng), _uuid(rng)
+
+    def line(r: random.Random) -> tuple[str, str]:
+        k = _uuid(r)
+        return k, UUID_NEEDLE.format(key=k, value=_uuid(r))
+
+    question = f"What is the special magic uuid for {key} mentioned in the provided text?"
+    prefix = f"The special magic uuid for {key} mentioned in the provided text is"
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(UUID_NEEDLE.format(key=key, value=value),
+                                                                   rng.random())], question, prefix,
+                           needles_hay(line, key))
+    return Example(prompt, value, (value,), question_at=at)
 
 
 def niah_multivalue(tokenizer: Any, context: int, seed: int, split: str = "heldout", n_values: int = 4) -> Example:
@@ -157,8 +270,21 @@ def niah_multivalue(tokenizer: Any, context: int, seed: int, split: str = "heldo
     needles = [(NEEDLE.format(word=word, number=n), d) for n, d in zip(numbers, _depths(rng, n_values))]
     question = f"What are all the special magic numbers for {word} mentioned in the provided text?"
     prefix = f"The special magic numbers for {word} mentioned in the provided text are"
-    prompt, _ = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
-    return Example(prompt, ", ".join(numbers), tuple(numbers))
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", needles, question, prefix, docs_hay(split))
+    return Example(prompt, ", ".join(numbers), tuple(numbers), question_at=at)
+
+
+def niah_multiquery(tokenizer: Any, context: int, seed: int, split: str = "heldout", n_keys: int = 4) -> Example:
+    """``n_keys`` words, each with its number spread over the text; all of them are asked at once."""
+    rng = random.Random(f"niah_multiquery/{seed}")
+    words = rng.sample(WORDS, n_keys)
+    numbers = [random_key(rng, 7) for _ in words]
+    needles = [(NEEDLE.format(word=w, number=n), d) for w, n, d in zip(words, numbers, _depths(rng, n_keys))]
+    listed = ", ".join(words[:-1]) + f" and {words[-1]}"
+    question = f"What are all the special magic numbers for {listed} mentioned in the provided text?"
+    prefix = f"The special magic numbers for {listed} mentioned in the provided text are"
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", needles, question, prefix, docs_hay(split))
+    return Example(prompt, ", ".join(numbers), tuple(numbers), question_at=at)
 
 
 def _names(rng: random.Random, n: int) -> list[str]:
@@ -166,7 +292,7 @@ def _names(rng: random.Random, n: int) -> list[str]:
     names: set[str] = set()
     while len(names) < n:
         names.add("".join(rng.choice(LETTERS) for _ in range(5)))
-    return sorted(names, key=lambda _: rng.random())
+    return sorted(sorted(names), key=lambda _: rng.random())  # a set's order changes with each process's hash seed
 
 
 def vt(tokenizer: Any, context: int, seed: int, split: str = "heldout", hops: int = 4, decoys: int = 1) -> Example:
@@ -184,8 +310,59 @@ def vt(tokenizer: Any, context: int, seed: int, split: str = "heldout", hops: in
         needles += [(f"{link}\n", d) for link, d in zip(links, sorted(next(depths) for _ in links))]
     question = f"Find all variables that are assigned the value {values[0]} in the text above."
     prefix = f"The variables assigned the value {values[0]} are:"
-    prompt, _ = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
-    return Example(prompt, " ".join(chains[0]), tuple(chains[0]), tuple(n for c in chains[1:] for n in c))
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", needles, question, prefix, docs_hay(split))
+    return Example(prompt, " ".join(chains[0]), tuple(chains[0]), tuple(n for c in chains[1:] for n in c),
+                   question_at=at)
+
+
+@lru_cache(maxsize=1)
+def vocabulary() -> tuple[str, ...]:
+    """Plain lower-case English words of five to nine letters from the documentation text, each once, sorted:
+    what the word-counting tasks draw from (RULER's come from a word list that is not on PyPI)."""
+    found = re.findall(r"(?<![\w.])[a-z]{5,9}(?![\w.(])", haystack_text("train") + haystack_text("heldout"))
+    return tuple(sorted(set(found)))
+
+
+def cwe(tokenizer: Any, context: int, seed: int, split: str = "heldout", common: int = 10, often: int = 30,
+        rarely: int = 3) -> Example:
+    """Common words extraction (RULER's cwe): a numbered list where ``common`` words appear ``often`` times each and
+    the rest ``rarely``; all the common ones are asked for (aggregation: no single line answers it)."""
+    rng = random.Random(f"cwe/{seed}")
+    words = list(vocabulary())
+    rng.shuffle(words)
+    top, rest = words[:common], words[common:]
+
+    def hay(n_chars: int, r: random.Random) -> str:
+        others = rest[: max(0, n_chars // 12 - common * often) // rarely]
+        items = top * often + others * rarely
+        r.shuffle(items)
+        return "".join(f"{i}. {w}\n" for i, w in enumerate(items, start=1))
+
+    question = f"What are the {common} most common words in the list above?"
+    prefix = f"The {common} words that appear most often in the list are:"
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [], question, prefix, hay)
+    return Example(prompt, ", ".join(top), tuple(top), question_at=at)
+
+
+def fwe(tokenizer: Any, context: int, seed: int, split: str = "heldout", asked: int = 3, alpha: float = 2.0) -> Example:
+    """Frequent words extraction (RULER's fwe): made-up words whose counts follow a Zipf law of exponent ``alpha``;
+    the ``asked`` most frequent are the answer."""
+    rng = random.Random(f"fwe/{seed}")
+    made = {"".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 6))) for _ in range(400)}
+    coded = sorted(sorted(made), key=lambda _: rng.random())
+
+    def hay(n_chars: int, r: random.Random) -> str:
+        total = max(0, n_chars // 6)
+        weights = [1 / (rank ** alpha) for rank in range(1, len(coded) + 1)]
+        counts = [round(total * w / sum(weights)) for w in weights]
+        items = [w for w, c in zip(coded, counts) for _ in range(c)]
+        r.shuffle(items)
+        return " ".join(items) + "\n"
+
+    question = f"What are the {asked} most frequently appearing words in the coded text above?"
+    prefix = f"The {asked} most frequently appearing words in the coded text are:"
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [], question, prefix, hay)
+    return Example(prompt, ", ".join(coded[:asked]), tuple(coded[:asked]), question_at=at)
 
 
 def trip(tokenizer: Any, context: int, seed: int, split: str = "heldout", stops: int = 4) -> Example:
@@ -200,8 +377,8 @@ def trip(tokenizer: Any, context: int, seed: int, split: str = "heldout", stops:
                for i, (city, d) in enumerate(zip(cities, _depths(rng, stops)))]
     question = f"List, in order, the cities the traveller {traveller} arrived in during the journey."
     prefix = f"The traveller {traveller} arrived in these cities, in order:"
-    prompt, _ = _build(tokenizer, context, split, f"{rng.random()}", needles, question, prefix)
-    return Example(prompt, ", ".join(cities), tuple(cities), ordered=True)
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", needles, question, prefix, docs_hay(split))
+    return Example(prompt, ", ".join(cities), tuple(cities), ordered=True, question_at=at)
 
 
 def followup(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
@@ -214,7 +391,7 @@ def followup(tokenizer: Any, context: int, seed: int, split: str = "heldout") ->
     needles = [(NEEDLE.format(word=w, number=n), d) for w, n, d in zip(words, numbers, depths)]
     turns = tuple((f"What is the special magic number for {w} mentioned in the provided text?",
                    f"The special magic number for {w} mentioned in the provided text is") for w in words)
-    prompt, message = _build(tokenizer, context, split, f"{rng.random()}", needles, *turns[0])
+    prompt, message, _ = _build(tokenizer, context, f"{rng.random()}", needles, *turns[0], docs_hay(split))
     return Example(prompt, numbers[1], (numbers[1],), (numbers[0],), turns=((message, turns[0][1]), turns[1]))
 
 
@@ -247,6 +424,9 @@ def conversation(tokenizer: Any, prompt: str, turns: Sequence[tuple[str, str]], 
 GENERATORS: dict[str, Callable[..., Example]] = {
     "niah_single": niah_single, "niah_multikey": niah_multikey, "niah_multivalue": niah_multivalue,
     "vt": vt, "trip": trip, "followup": followup,
+    "niah_single_1": niah_single_noise, "niah_single_2": niah_single, "niah_single_3": niah_single_uuid,
+    "niah_multikey_1": niah_multikey, "niah_multikey_2": niah_multikey_needles, "niah_multikey_3": niah_multikey_uuids,
+    "niah_multiquery": niah_multiquery, "cwe": cwe, "fwe": fwe,
 }
 
 

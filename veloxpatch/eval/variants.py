@@ -203,7 +203,7 @@ class Variant:
 
     def caches(self, model: Any, context: int, compress: str | None = None, budget: int | None = None) -> list[Any]:
         """The cache list for one run (patching or unpatching mlx_lm as the variant needs);
-        ``compress`` overrides ``VELOX_COMPRESS`` and ``budget`` the rows for our methods."""
+        ``compress`` overrides ``VELOX_COMPRESS`` and ``budget`` the rows (our methods', the rotating cache's)."""
         import mlx_lm.models.cache as mlx_cache  # looked up after (un)patching, as an app's call would be
 
         if self.method in METHODS:
@@ -212,15 +212,17 @@ class Variant:
         veloxpatch.unpatch()
         caches = mlx_cache.make_prompt_cache(model)
         if self.method == "rotating":
-            size = self.budget(context)
+            size = self.budget(context) if budget is None else budget
             return [mlx_cache.RotatingKVCache(max_size=size, keep=4) if type(c) is mlx_cache.KVCache else c
                     for c in caches]
         return caches
 
     def twin_key(self) -> tuple[str, Knobs, float]:
         """What tells this variant's measurements apart: a method whose caches ignore the budget (MiniCache,
-        XQuant) measures the same at every share, so its share does not count."""
-        ignores = self.method in METHODS and not cache_class(self.method).uses_budget
+        XQuant, mlx_lm's quantized cache at the width it names) measures the same at every share, so its share
+        does not count."""
+        ignores = (self.method in METHODS and not cache_class(self.method).uses_budget) or (
+            self.method == "quantized" and "bits" in dict(self.knobs))
         return self.method, self.knobs, 0.0 if ignores else self.share
 
     def generate_kwargs(self, layout: KVLayout) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from .gguf_arch import GLOBAL_NAMES, LLAMA, Architecture, GGUFError, architectur
 # GGML quantizes in blocks of 32 values; mlx's GGUF reader keeps that as the group size.
 GGUF_GROUP_SIZE = 32
 QUANT_SUFFIXES = (".weight", ".scales", ".biases")
+BIAS = ".bias"  # a layer's additive bias (Qwen2's q/k/v projections): always dense, never a quantization's
+SUFFIXES = (*QUANT_SUFFIXES, BIAS)
 BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)$")
 
 __all__ = ["GGUFError", "convert", "mlx_lm_name", "split_suffix", "unpermute_rotary"]
@@ -28,10 +30,10 @@ __all__ = ["GGUFError", "convert", "mlx_lm_name", "split_suffix", "unpermute_rot
 
 def split_suffix(name: str) -> tuple[str, str]:
     """``"blk.0.attn_q.scales"`` -> ``("blk.0.attn_q", ".scales")``."""
-    for suffix in QUANT_SUFFIXES:
+    for suffix in SUFFIXES:
         if name.endswith(suffix):
             return name[: -len(suffix)], suffix
-    raise GGUFError(f"tensor {name!r} has none of the suffixes {', '.join(QUANT_SUFFIXES)}")
+    raise GGUFError(f"tensor {name!r} has none of the suffixes {', '.join(SUFFIXES)}")
 
 
 def mlx_lm_name(gguf_name: str, arch: Architecture = LLAMA) -> str:
@@ -90,17 +92,19 @@ def _unshift_norm(gguf_name: str, parts: dict[str, mx.array], arch: Architecture
 
 def convert_tensor(parts: dict[str, mx.array], heads: int | None, quantized: bool,
                    dtype: mx.Dtype) -> dict[str, mx.array]:
-    """One tensor's arrays in mlx_lm form: rows reordered for RoPE, then dense ``dtype`` or kept quantized."""
+    """One tensor's arrays in mlx_lm form: rows reordered for RoPE, then dense ``dtype`` or kept quantized; its
+    additive bias, if it has one, dense beside it."""
     if heads is not None:
         parts = {suffix: unpermute_rotary(a, heads) for suffix, a in parts.items()}
+    bias = {BIAS: parts[BIAS].astype(dtype)} if BIAS in parts else {}
     if ".scales" not in parts:
-        return {".weight": parts[".weight"].astype(dtype)}
+        return {".weight": parts[".weight"].astype(dtype), **bias}
     if quantized:
-        return parts
+        return {suffix: parts[suffix] for suffix in QUANT_SUFFIXES} | bias
     packed, scales, biases = parts[".weight"], parts[".scales"], parts[".biases"]
     dense = mx.dequantize(packed, scales, biases, group_size=GGUF_GROUP_SIZE,
                           bits=quantized_bits(packed, scales))
-    return {".weight": dense.astype(dtype)}
+    return {".weight": dense.astype(dtype), **bias}
 
 
 def quantization_config(tensors: dict[str, dict[str, mx.array]], arch: Architecture) -> dict[str, Any]:

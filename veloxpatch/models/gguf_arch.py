@@ -53,6 +53,11 @@ def llama_config(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
     return config
 
 
+def qwen2_config(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
+    """mlx_lm's ``qwen2`` config.json: llama's fields under ``qwen2.*``; the q/k/v biases are in the weights."""
+    return {"model_type": "qwen2", **_common(metadata, "qwen2", tied), "rope_traditional": False}
+
+
 # What Gemma 3's GGUF does not record and llama.cpp fixes for the family: every sixth layer attends
 # globally, the local layers' RoPE base is 10000.
 GEMMA3_PATTERN, GEMMA3_LOCAL_BASE = 6, 10_000.0
@@ -115,7 +120,10 @@ GEMMA3 = Architecture("gemma3", gemma3_config, {
     "post_ffw_norm": "post_feedforward_layernorm",
 }, interleaved_rotary=False, norm_shift=1.0)
 
-ARCHITECTURES = {arch.name: arch for arch in (LLAMA, GEMMA3)}
+# llama.cpp's qwen2 converter keeps Hugging Face's q/k row order (it permutes for llama only).
+QWEN2 = Architecture("qwen2", qwen2_config, dict(LLAMA.block_names), interleaved_rotary=False)
+
+ARCHITECTURES = {arch.name: arch for arch in (LLAMA, GEMMA3, QWEN2)}
 
 
 def architecture(metadata: dict[str, Any]) -> Architecture:

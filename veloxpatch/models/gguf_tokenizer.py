@@ -4,7 +4,7 @@ GGUF stores the vocabulary, merges or scores, token types and chat template as m
 loads tokenizers through transformers, which reads a ``tokenizers`` fast tokenizer from a folder.
 Two kinds are known (``tokenizer.ggml.model``):
 
-* ``gpt2``: byte-level BPE with its merges (SmolLM2, most llamas since Llama 3).
+* ``gpt2``: byte-level BPE with its merges (SmolLM2, Qwen2.5, most llamas since Llama 3).
 * ``llama``: SentencePiece BPE (Gemma, Llama 2). The file has pieces and scores, no merges.
   SentencePiece merges the adjacent pair whose joined piece is in the vocabulary with the highest
   score; a BPE whose merges are every split of every normal piece into two normal pieces, ranked
@@ -23,16 +23,27 @@ NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
 SPACE = "\u2581"  # SentencePiece's visible space
 
 
-def _pre_tokenizer(name: str) -> Any:
-    """The pre-tokenizer llama.cpp calls ``name``; ``smollm`` also splits digits one by one."""
-    from tokenizers import pre_tokenizers
+# Qwen2's word split (its tokenizer.json, and llama.cpp's ``qwen2`` pre-tokenizer): GPT-2's, but every digit its own
+# piece, letters taking one leading non-letter, and runs of line breaks kept together.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
 
+
+def _pre_tokenizer(name: str) -> Any:
+    """The pre-tokenizer llama.cpp calls ``name``; ``smollm`` also splits digits one by one, ``qwen2`` splits words by
+    its own pattern before the byte mapping."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if name == "qwen2":
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if name == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if name in ("gpt2", "default"):
         return byte_level
-    raise ValueError(f"tokenizer.ggml.pre is {name!r}; supported: smollm, gpt2, default")
+    raise ValueError(f"tokenizer.ggml.pre is {name!r}; supported: smollm, qwen2, gpt2, default")
 
 
 def build_tokenizer(metadata: dict[str, Any]) -> Any:
@@ -72,13 +83,16 @@ def _flag(metadata: dict[str, Any], name: str, default: bool) -> bool:
 
 
 def _byte_level(metadata: dict[str, Any]) -> Any:
-    from tokenizers import Tokenizer, decoders
+    from tokenizers import Tokenizer, decoders, normalizers
     from tokenizers.models import BPE
 
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ")) for m in metadata["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "default"))
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
+    if pre == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()  # as Qwen2's own tokenizer.json
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 

@@ -1,0 +1,94 @@
+"""Comparisons at equal bytes: what a cache list holds as a 16-bit model would hold it, and the row budget that
+makes a variant hold a given share of the full cache's bytes.
+
+Why 16 bits: the users this is for run float16 or bfloat16 weights (on a Mac), so their dense rows take two bytes a
+value; on this CPU the weights run as float32 for speed (``veloxpatch fetch-model`` converts dense float32), which
+doubles every dense row and every quantization scale but not a quantized row's packed values, and would flatter any
+quantized cache twofold. A cache's bytes are counted as it holds them (``nbytes``: spare capacity, positions,
+remembered queries, tier) and scaled by the share its floating-point arrays would shrink to at 16 bits.
+
+Why a measured budget: what a budget of rows costs in bytes depends on the method (positions, the tier of dropped
+rows at fewer bits, a coordinator's shared parts), so it is measured rather than assumed: each variant reads a short
+random prompt at two budgets, its bytes are a line in the budget (until the tier's cap, which the budgets asked for
+stay under), and the budget for a share is read off that line. The share actually reached is reported beside every
+result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from veloxpatch.caches import CompressedKVCache
+
+from . import sharing
+from .variants import PROTECTED, Variant
+
+CALIBRATION_TOKENS = 512  # a multiple of mlx_lm's KVCache step (256): the full cache holds no spare rows
+CALIBRATION_BUDGETS = (48, 96)  # both with the tier's three budgets below the prompt (4 x 96 < 512)
+CALIBRATION_STEP = 128  # prompt chunks short enough that chunk-mode methods compress while reading, as at 4k
+
+
+def held_bytes(caches: list[Any], dense: bool = False) -> float:
+    """The bytes ``caches`` hold as a 16-bit model's caches would (``dense``: our never-evicting caches counted as
+    mlx_lm's ``KVCache``, rows alone, :func:`sharing.kv_bytes`)."""
+    return sum(sharing.kv_bytes([c], dense) * sixteen_bit_share(_arrays(c, dense)) for c in caches)
+
+
+def _arrays(cache: Any, dense: bool) -> list[mx.array]:
+    """What a cache holds: its saved state, or (``dense``, one of ours) its stored rows alone."""
+    if dense and isinstance(cache, CompressedKVCache):
+        return [*cache.store.keys, *cache.store.values]
+    return [a for _, a in tree_flatten(cache.state) if isinstance(a, mx.array)]
+
+
+def sixteen_bit_share(arrays: list[mx.array]) -> float:
+    """What a cache's arrays shrink to at 16 bits: floating-point arrays wider than 16 bits halve (rows, scales,
+    queries), integer ones (quantized values, positions) stay."""
+    total = sum(a.nbytes for a in arrays)
+    if not total:
+        return 1.0
+    return sum(a.nbytes * (2 / a.dtype.size if _wide_float(a) else 1) for a in arrays) / total
+
+
+def _wide_float(a: mx.array) -> bool:
+    return mx.issubdtype(a.dtype, mx.floating) and a.dtype.size > 2
+
+
+@dataclass(frozen=True)
+class Line:
+    """Bytes held after a prompt as a line in the row budget: ``fixed + per_row * budget``."""
+
+    fixed: float
+    per_row: float
+
+    def budget_for(self, target: float) -> int:
+        """The budget whose bytes come closest to ``target`` (at least the rows every method protects)."""
+        return max(PROTECTED, round((target - self.fixed) / self.per_row))
+
+
+def full_bytes_per_token(model: Any) -> float:
+    """The full cache's 16-bit bytes per token of context, measured on the calibration prompt."""
+    caches = Variant("full").caches(model, CALIBRATION_TOKENS)
+    sharing.whole(model, _calibration_prompt(model), caches, 0, CALIBRATION_STEP)
+    return held_bytes(caches) / CALIBRATION_TOKENS
+
+
+def line(model: Any, variant: Variant) -> Line:
+    """The variant's bytes after the calibration prompt, as a line in its budget."""
+    held = []
+    for budget in CALIBRATION_BUDGETS:
+        caches = variant.caches(model, CALIBRATION_TOKENS, budget=budget)
+        sharing.whole(model, _calibration_prompt(model), caches, 0, CALIBRATION_STEP)
+        held.append(held_bytes(caches))
+        del caches
+    low, high = CALIBRATION_BUDGETS
+    per_row = (held[1] - held[0]) / (high - low)
+    return Line(held[0] - per_row * low, per_row)
+
+
+def _calibration_prompt(model: Any) -> mx.array:
+    return mx.random.randint(0, model.args.vocab_size, (CALIBRATION_TOKENS,), key=mx.random.key(CALIBRATION_TOKENS))
