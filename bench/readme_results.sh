@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Reproduce the shipped model's older tables in docs/results.md ("The shipped model": multikey, passkey and perplexity
-# at n=10 and n=3, speed on it and on a larger random model). Writes docs/results/ (JSON, CSV, PNG) and prints the
-# Markdown tables to paste into docs/results.md. Run with nothing else busy on the machine.
+# Reproduce the shipped model's older tables in docs/results.md (multikey, passkey and perplexity at n=10 and n=3
+# under "Methods compared: the shipped model" and "Perplexity", the bench tables on it and on a larger random model
+# under "Decode"). Writes docs/results/shipped-*, random-bench-2k (JSON, CSV, PNG) and prints the Markdown tables to
+# paste into docs/results.md. Run with nothing else busy on the machine.
 #   bash bench/readme_results.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
