@@ -1,7 +1,7 @@
 """Compressed against vanilla KV caches under mlx.distributed: ranks in tensor parallel, one long prompt.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/distributed.py \\
-        --context 4096 --budget 1024 --kv snapkv --decode 64 --out docs/results/distributed-tp-2ranks.md
+        --context 4096 --budget 1024 --kv snapkv --decode 64 --out docs/results/random-distributed-4k-tp2.md
 
 The command is the driver: unless ``--model`` names a folder that holds a model, it writes a random-weight
 llama whose KV heads split evenly over the ranks (SmolLM2's 3 do not split over 2), finds two free ports (the

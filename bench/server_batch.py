@@ -10,7 +10,7 @@ with the batched one; the batched answers' ``usage.velox`` say what each sequenc
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
     python bench/server_batch.py --model "$(veloxpatch fetch-model smollm2 | tail -1)" --context 2048 \\
-        --concurrency 8 --rounds 3 --kv snapkv --budget 512 --out docs/results/server-batch-2k
+        --concurrency 8 --rounds 3 --kv snapkv --budget 512 --out docs/results/smollm2-server-batch-2k
 
 Writes ``result.json`` and prints a markdown table (requests per second, their ratio, the KV held per sequence).
 """

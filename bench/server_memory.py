@@ -6,7 +6,7 @@ its own limit and stays there). The server's resident memory (``VmRSS`` of its p
 requests: after warm-up it should not grow.
 
     python bench/server_memory.py --model "$(veloxpatch fetch-model smollm2 | tail -1)" --requests 1000 \\
-        --kv snapkv --budget 128 --out docs/results/server-memory-1000
+        --kv snapkv --budget 128 --out docs/results/smollm2-server-memory-1000-requests
 
 Writes ``result.json`` (the series) and prints it as a table.
 """

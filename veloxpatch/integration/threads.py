@@ -9,7 +9,7 @@ with ``pthread_exit``, whose unwinding meets the destructor's implicit ``noexcep
 "terminate called without an active exception", SIGABRT (status -6, 134 from a shell). Any thread that drew from
 the default key qualifies: ``mlx_lm server``'s generation thread builds the model, whose layers draw their
 initial weights from it, and the server joins that thread just before it exits, so without this a stop by SIGINT
-aborts most of the time. Four lines of mlx alone do it (docs/DESIGN.md, "A clean exit").
+aborts most of the time. Four lines of mlx alone do it (``tests/test_server_exit.py`` runs them).
 
 While patched, :func:`track` (wrapped around ``threading.Thread.start``) notes each started thread's native id
 (the patch notes those already running). At exit, :func:`settle` (an ``atexit`` handler: those run after the

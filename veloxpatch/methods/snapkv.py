@@ -10,7 +10,7 @@ steps (``headroom``), so memory stays bounded over the whole generation.
 Deviation: the pooling kernel defaults to 31 rows, not the paper's 7. Tokenizers that spell a number one
 digit per token (SmolLM2's, Qwen's) split a fact over a dozen rows; a narrow kernel keeps its best digits
 and drops the rest. Measured on SmolLM2-135M, single-needle retrieval at 12.5% of 2048 tokens: kernel 7
-answers 0 of 8, kernel 31 8 of 8, like the full cache (docs/results.md, ``docs/results/smollm2-2k-all``).
+answers 0 of 8, kernel 31 8 of 8, like the full cache (docs/results.md, ``docs/results/smollm2-niah-2k-methods``).
 ``VELOX_SNAPKV_KERNEL=7`` gives the paper's setting back.
 """
 
