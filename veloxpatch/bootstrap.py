@@ -1,8 +1,8 @@
 """The light part of the bootstrap that runs at start-up of every Python process of the app.
 
-It imports only wrapt (and the stdlib-only settings module): the real work (config validation, importing mlx, binding wrappers) is
-deferred to a post-import hook on ``mlx_lm``, so subprocesses that never touch mlx_lm pay nothing
-and an app that does gets patched before its first call. It never raises unless VELOX_STRICT.
+It imports only wrapt (and the stdlib-only settings module): the real work (config validation, importing mlx,
+binding wrappers) is deferred to a post-import hook on ``mlx_lm``, so subprocesses that never touch mlx_lm pay
+nothing and an app that does gets patched before its first call. It never raises unless VELOX_STRICT.
 """
 
 from __future__ import annotations

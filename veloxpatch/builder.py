@@ -59,7 +59,8 @@ def explain(model: Any, config: VeloxConfig) -> str:
     found = eligibility.verdict(model, caches, slots, config, whole=ranks.is_split(model))
     text = found.describe(len(slots))
     if config.kv_memory and found.slots:
-        text += "; " + memory_plan(caches, found, config, make_cache(config).policy).describe()  # ConfigError when it cannot hold the floor
+        # ConfigError when it cannot hold the floor
+        text += "; " + memory_plan(caches, found, config, make_cache(config).policy).describe()
     return text
 
 

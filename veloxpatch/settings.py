@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 PREFIX = "VELOX_"
 TRUE = ("1", "true", "yes", "on")
@@ -34,7 +35,7 @@ class Budget:
     fraction: float | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "Budget":
+    def parse(cls, text: str) -> Budget:
         """``"1024"`` -> 1024 tokens, ``"25%"`` -> a quarter of the tokens seen; ValueError otherwise."""
         text = text.strip()
         if text.endswith("%"):
@@ -73,7 +74,7 @@ class Memory:
     text: str = field(default="", compare=False)  # as the user wrote it, for messages
 
     @classmethod
-    def parse(cls, text: str) -> "Memory":
+    def parse(cls, text: str) -> Memory:
         """``"off"`` -> none, ``"25%"`` -> a quarter of the device's memory, ``"1.5GiB"`` -> bytes."""
         given = text.strip()
         text = given.lower().replace(" ", "")
@@ -116,7 +117,7 @@ class TierSize:
     budgets: float | None = 3.0
 
     @classmethod
-    def parse(cls, text: str) -> "TierSize":
+    def parse(cls, text: str) -> TierSize:
         """``"3x"`` (or ``"3"``) -> three budgets, ``"all"`` -> no bound."""
         value = text.strip().lower()
         if value == "all":

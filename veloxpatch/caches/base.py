@@ -23,7 +23,8 @@ import copy
 import json
 import logging
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import mlx.core as mx
 
@@ -229,7 +230,7 @@ class CompressedKVCache(ABC):
         """Decode rows allowed above a budget of ``keep`` before compressing again (:class:`Schedule`)."""
         return self.schedule.headroom(keep)
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "CompressedKVCache":
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> CompressedKVCache:
         """This cache with its rows stored in mlx's quantized format (same method and rows).
 
         mlx_lm calls this at every step once ``kv_bits`` applies, so an already quantized cache
@@ -322,7 +323,7 @@ class CompressedKVCache(ABC):
         """Restore what :meth:`_extra_state` saved (``extra``) and :meth:`_meta` added (``info``)."""
 
     @classmethod
-    def from_state(cls, state: tuple[Any, ...], meta_state: str | None = None) -> "CompressedKVCache":
+    def from_state(cls, state: tuple[Any, ...], meta_state: str | None = None) -> CompressedKVCache:
         """Rebuild a cache saved with ``save_prompt_cache`` (mlx_lm looks the class up by name); an mlx_lm that
         saves ``meta_state`` apart hands it back too, with the arrays of ``state`` alone."""
         if meta_state is not None:
@@ -376,7 +377,7 @@ class CompressedKVCache(ABC):
                 member.issued_mask = None
 
     # ----------------------------------------------------------------- the list this cache belongs to
-    def _members(self) -> list["CompressedKVCache"]:
+    def _members(self) -> list[CompressedKVCache]:
         """The caches of this cache's list in layer order (just this one without a coordinator)."""
         return self.coordinator.members if self.coordinator is not None else [self]
 

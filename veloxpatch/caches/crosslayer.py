@@ -180,7 +180,7 @@ class CrossLayerCache(CompressedKVCache):
         self.offset = prefix
         return n
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "CrossLayerCache":
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> CrossLayerCache:
         """The base's quantized copy (exact rows quantized, folds as they are), with lists of its own."""
         out = super().to_quantized(group_size, bits)
         if out is not self:

@@ -14,7 +14,8 @@ is then a (packed, scales, biases) triple); either way every stored array has ro
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -124,7 +125,7 @@ class RowStore:
             return self.encode(half if index is None else take_rows((half,), index)[0])
         return self._merge(rows, positions.astype(mx.int32), 0)
 
-    def take_in(self, other: "RowStore", spare: int = 0) -> mx.array:
+    def take_in(self, other: RowStore, spare: int = 0) -> mx.array:
         """Every row of ``other`` (another format: a tier's) merged in as :meth:`merge` does, with ``spare`` free
         rows after them (room for the next append); returns the same order.
 
@@ -171,7 +172,8 @@ class RowStore:
         return out
 
     def _write(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
-        """Encode ``keys``/``values`` (B, H, n, d) and write them, with ``positions`` (B, H, n), after the stored rows."""
+        """Encode ``keys``/``values`` (B, H, n, d) and write them, with ``positions`` (B, H, n), after the stored
+        rows."""
         n = keys.shape[2]
         self._reserve(n, keys, values)
         new = (self.encode(keys), self.encode(values), (positions[..., None],))
@@ -205,7 +207,7 @@ class RowStore:
             self.positions[..., :rows, :] = mx.where(kept, positions[..., :rows], HOLE)[..., None]
         self.rows = rows
 
-    def quantized(self, bits: int, group_size: int) -> "RowStore":
+    def quantized(self, bits: int, group_size: int) -> RowStore:
         """A copy of this store in mlx's quantized format (``bits`` per element).
 
         Raises ValueError (mlx's own message) for a format mlx cannot store these rows in.

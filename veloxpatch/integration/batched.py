@@ -32,7 +32,8 @@ import copy
 import functools
 import inspect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import wrapt
 

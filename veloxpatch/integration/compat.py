@@ -28,8 +28,9 @@ import functools
 import importlib
 import inspect
 import pickle
+from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import mlx.core as mx
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from ..cpu import float32_wanted
 from . import batched, compat, float32, server, version, wrappers

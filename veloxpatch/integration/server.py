@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import difflib
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import wrapt
 
@@ -75,7 +76,7 @@ class Ticket:
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config}
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "Ticket":
+    def __deepcopy__(self, memo: dict[int, Any]) -> Ticket:
         """Itself: it rides on a batched request's cache list (:mod:`.batched`), and the copies the batch gives back
         must report to the one request."""
         return self

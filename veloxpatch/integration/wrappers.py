@@ -20,21 +20,22 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import wrapt
 
 from .. import builder, stats, structure
-from ..fallback import StrictError, fall_back
-from ..settings import ConfigError
 from ..caches import CompressedKVCache, blocks, window
 from ..caches.batch import SequenceBatch
 from ..caches.schedule import Schedule
-from ..cpu import cpu_backend
 from ..coordinators import coordinators_of
+from ..cpu import cpu_backend
+from ..fallback import StrictError, fall_back
 from ..log import once
 from ..ranks import RanksDisagree
+from ..settings import ConfigError
 from . import layer_io
 from .state import in_batched_generation, in_force
 

@@ -42,7 +42,6 @@ from ..log import once
 from ..registry import method
 from ..settings import Setting, int_range
 
-
 KNOBS = (
     Setting("VELOX_CHUNKKV_CHUNK", int_range(1, 1024), "10", "an integer in [1, 1024]",
             "ChunkKV: tokens per chunk; chunks are kept or evicted whole.", method="chunkkv"),

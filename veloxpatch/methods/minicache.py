@@ -68,10 +68,10 @@ import math
 
 import mlx.core as mx
 
-from ..settings import Budget, Setting, number_range
+from ..caches.crosslayer import CrossLayerCache, Fold
 from ..log import once
 from ..registry import method
-from ..caches.crosslayer import CrossLayerCache, Fold
+from ..settings import Budget, Setting, number_range
 
 MIN_FOLD = 32  # exact rows beyond the window that fold at once (see ``min_fold``)
 PARALLEL = 1e-4  # radians from 0 or pi within which SLERP is 0/0: renormalised linear interpolation

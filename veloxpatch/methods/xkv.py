@@ -44,9 +44,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..settings import Budget, ConfigError, Setting, int_range, number_range
-from ..registry import method
 from ..caches.crosslayer import CrossLayerCache, Fold
+from ..registry import method
+from ..settings import Budget, ConfigError, Setting, int_range, number_range
 
 
 def _rank(text: str) -> str:

@@ -86,13 +86,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import stats
-from ..settings import Budget, Setting, choice, int_range
-from ..log import model_type, once
-from ..memo import per_model
-from ..registry import method
 from ..caches.base import CompressedKVCache
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.store import Parts, RowStore, decode, encode
+from ..log import model_type, once
+from ..memo import per_model
+from ..registry import method
+from ..settings import Budget, Setting, choice, int_range
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)
