@@ -180,6 +180,7 @@ class VeloxConfig:
         return {k: s.convert(given.get(k, s.default)) for k, s in by_key.items()}
 
     def _check_budget(self) -> None:
+        assert isinstance(self.budget, Budget), "converted by __post_init__"
         tokens = self.budget.tokens
         if self.enabled and tokens is not None and tokens < self.sink + self.window:
             raise ConfigError(

@@ -52,11 +52,13 @@ class Budget:
         """Rows to keep after ``seen`` tokens (a fraction rounds up, so 100% never evicts)."""
         if self.tokens is not None:
             return self.tokens
+        assert self.fraction is not None, "a budget is tokens or a fraction"
         return math.ceil(self.fraction * seen)
 
     def __str__(self) -> str:
         if self.tokens is not None:
             return str(self.tokens)
+        assert self.fraction is not None, "a budget is tokens or a fraction"
         return f"{self.fraction * 100:g}%"
 
 
@@ -99,7 +101,10 @@ class Memory:
 
     def resolve(self, device: int) -> int:
         """Bytes, a share of ``device`` bytes where it is one."""
-        return self.bytes if self.bytes is not None else int(self.fraction * device)
+        if self.bytes is not None:
+            return self.bytes
+        assert self.fraction is not None, "resolved only when set (off has neither)"
+        return int(self.fraction * device)
 
     def __str__(self) -> str:
         if self.text:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -65,7 +65,7 @@ class SequenceBatch:
 
     def filter(self, batch_indices: Any) -> None:
         """Keep the sequences at ``batch_indices``, in that order."""
-        keep = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        keep = cast(list[int], batch_indices.tolist()) if isinstance(batch_indices, mx.array) else list(batch_indices)
         self.members = [self.members[i] for i in keep]
 
     def extract(self, idx: int) -> Any:

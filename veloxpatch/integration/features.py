@@ -125,7 +125,8 @@ MODULES = tuple(dict.fromkeys(f.module for f in FEATURES))
 
 def parameters(function: Callable) -> str:
     """``function``'s parameters as ``(a, b, *args, **kwargs)``: what callers bind to."""
-    prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    prefix: dict[inspect._ParameterKind, str] = {inspect.Parameter.VAR_POSITIONAL: "*",
+                                                 inspect.Parameter.VAR_KEYWORD: "**"}
     return f"({', '.join(prefix.get(p.kind, '') + p.name for p in inspect.signature(function).parameters.values())})"
 
 

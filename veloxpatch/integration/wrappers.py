@@ -146,8 +146,9 @@ def start_generation(caches: Any, model: Any, prompt: int | None = None) -> None
     file never went through ``make_prompt_cache``, where they are installed otherwise), and each cache
     learns that its next ``prompt`` tokens (when known) are the prompt."""
     found = ours(caches)
-    for cache in found if prompt else ():
-        cache.expect_prompt(prompt)
+    if prompt:
+        for cache in found:
+            cache.expect_prompt(prompt)
     if model is not None and any(c.wants_layer_io for c in found):
         layer_io.install(model)
     _adopt(found)
@@ -201,8 +202,8 @@ def _share_memory_plan(arguments: dict[str, Any]) -> None:
     caches, first = arguments.get("prompt_cache"), len(arguments["model"].layers)
     if not isinstance(caches, (list, tuple)):
         return
-    parts = [[c for c in ours(part) if getattr(c, "limit", None) is not None]
-             for part in (caches[:first], caches[first:])]
+    parts: list[list[Any]] = [[c for c in ours(part) if getattr(c, "limit", None) is not None]  # evicting ones
+                              for part in (caches[:first], caches[first:])]
     if not all(parts) or not all(c.empty() for c in parts[0] + parts[1]):
         return
     main, draft = parts[0][0].limit, parts[1][0].limit
