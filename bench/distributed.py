@@ -144,7 +144,8 @@ class Run:
     agree: bool  # every rank generated the same tokens
 
 
-def timed_run(model: Any, prompt: mx.array, caches: list[Any], new_tokens: int, prefill_step: int) -> tuple[list[float], list[int]]:
+def timed_run(model: Any, prompt: mx.array, caches: list[Any], new_tokens: int,
+              prefill_step: int) -> tuple[list[float], list[int]]:
     """One greedy ``generate_step`` run: FIGURES and the tokens. The peak is reset first, so it is the run's
     own (with the weights); active memory is read when the first token comes, i.e. after the prefill.
 
@@ -221,7 +222,8 @@ def machine_notes(model: Any, group: Any) -> list[str]:
     where = (f"{machine()}, mlx-lm {importlib.metadata.version('mlx-lm')}, {os.cpu_count()} CPU cores; "
              f"{group.size()} ranks on this machine (mlx.launch, ring backend over loopback)")
     threads = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
-    blas_note = f"OpenBLAS preloaded: {'yes (' + ', '.join(blas) + ')' if blas else 'no'}; OPENBLAS_NUM_THREADS={threads}"
+    blas_note = (f"OpenBLAS preloaded: {'yes (' + ', '.join(blas) + ')' if blas else 'no'}; "
+                 f"OPENBLAS_NUM_THREADS={threads}")
     shape = (f"{a.model_type}: hidden {a.hidden_size}, {a.num_hidden_layers} layers, {a.num_attention_heads} query / "
              f"{a.num_key_value_heads} KV heads (KV heads per rank: {a.num_key_value_heads // group.size()}), "
              f"{dtype}; {weights:.1f} MiB of weights per rank")
@@ -256,7 +258,8 @@ def work(args: argparse.Namespace) -> None:
     model, _ = sharded_load(str(args.model), tensor_group=group)
     if model.args.num_key_value_heads % group.size():
         raise SystemExit(f"{model.args.num_key_value_heads} KV heads do not split over {group.size()} ranks")
-    vanilla, compressed = Case("vanilla", Variant("full"), args.context), Case(args.kv, Variant.of(args.kv), args.context)
+    vanilla = Case("vanilla", Variant("full"), args.context)
+    compressed = Case(args.kv, Variant.of(args.kv), args.context)
     reference = Case(f"vanilla@ctx={args.budget}", Variant("full"), args.budget)
     cases = [vanilla, compressed, reference]
     for case in cases:  # warm-up: past the budget, so the compressed one compresses

@@ -27,8 +27,8 @@ import mlx.core as mx
 from mlx_lm import load
 
 from veloxpatch.caches.store import decode, encode
-from veloxpatch.methods.xquant import shaped, whitening
 from veloxpatch.eval.tasks import longtext_sample
+from veloxpatch.methods.xquant import shaped, whitening
 
 GROUP = 64
 Rows = tuple[mx.array, mx.array]

@@ -5,11 +5,12 @@
 
 Eval rows become one table per (task, context): a row per variant, a column per KV budget share, each cell the
 measured value and its sample count; an accuracy also shows its 95% Wilson interval (``0.80 [0.49, 0.94] n=10``), so
-a claim that one method beats another can be checked against the noise of n examples. Several eval files are merged (e.g. a slower variant run with fewer samples);
-where two files hold the same cell (task, context, method, share, sample count), the later file wins. A method
-measured with different sample counts (each run measures the full cache as its own baseline) gets one row per count,
-so every row still has a baseline measured on the same prompts: the largest count keeps the method's name, a smaller
-one is named after the run it belongs to, the other methods measured with that count (``full (quantized run)``).
+a claim that one method beats another can be checked against the noise of n examples. Several eval files are merged
+(e.g. a slower variant run with fewer samples); where two files hold the same cell (task, context, method, share,
+sample count), the later file wins. A method measured with different sample counts (each run measures the full cache
+as its own baseline) gets one row per count, so every row still has a baseline measured on the same prompts: the
+largest count keeps the method's name, a smaller one is named after the run it belongs to, the other methods measured
+with that count (``full (quantized run)``).
 """
 
 from __future__ import annotations

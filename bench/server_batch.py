@@ -90,7 +90,8 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="server-batch-"))
     times: dict[str, list[float]] = {"plain": [], "ours": []}
     batched: list[tuple[str, dict]] = []
-    with server(args.model, plain_env, logs / "plain.log") as plain, server(args.model, ours_env, logs / "ours.log") as ours:
+    with (server(args.model, plain_env, logs / "plain.log") as plain,
+          server(args.model, ours_env, logs / "ours.log") as ours):
         send(plain, prompts(tokenizer, 256, 2, -1))  # warm-up: the first request loads and probes
         send(ours, prompts(tokenizer, 256, 2, -2))
         for r in range(args.rounds):
@@ -135,7 +136,8 @@ def table(result: dict[str, Any]) -> str:
     kv = statistics.median(result["kv_bytes"]) / 2**20
     dense = statistics.median(result["dense_kv_bytes"]) / 2**20
     return "\n".join([
-        "| server | requests/s (median of rounds) | vs plain | answers equal alone | KV per sequence (MiB) | rows per layer |",
+        "| server | requests/s (median of rounds) | vs plain | answers equal alone | KV per sequence (MiB) "
+        "| rows per layer |",
         "|---|---|---|---|---|---|",
         f"| plain (no method) | {rate['plain']:.3f} | 1.00 | | {dense:.1f} | all |",
         f"| {s['kv']} at {s['budget']} | {rate['ours']:.3f} | {result['ratio']:.2f} | "

@@ -22,8 +22,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from veloxpatch.methods import xkv
 from veloxpatch.caches.crosslayer import CrossLayerCache, Fold
+from veloxpatch.methods import xkv
 
 
 def folder_rope(folder: str) -> nn.RoPE:

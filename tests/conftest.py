@@ -19,22 +19,27 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator, generate_step, speculative_generate_step
 from mlx_lm.models.cache import (
-    KVCache, can_trim_prompt_cache, load_prompt_cache, make_prompt_cache, save_prompt_cache, trim_prompt_cache,
+    KVCache,
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
 )
 
 import veloxpatch
 import veloxpatch.log
-from veloxpatch.registry import METHODS
 from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.caches.evicting import EvictingCache
 from veloxpatch.coordinators import coordinators_of
 from veloxpatch.eval.random_model import ARCHS, build, config_for, write_model_dir
 from veloxpatch.integration import features
+from veloxpatch.registry import METHODS
 
 VOCAB = 97
 # methods that evict rows to a budget, and those that fold rows across layers instead (no budget)
-EVICTING = sorted(name for name, cls in ((n, m.cls) for n, m in METHODS.items()) if not issubclass(cls, CrossLayerCache))
-CROSS_LAYER = sorted(name for name, cls in ((n, m.cls) for n, m in METHODS.items()) if issubclass(cls, CrossLayerCache))
+EVICTING = sorted(name for name, m in METHODS.items() if not issubclass(m.cls, CrossLayerCache))
+CROSS_LAYER = sorted(name for name, m in METHODS.items() if issubclass(m.cls, CrossLayerCache))
 
 
 def tiny(arch: str, seed: int = 0, layers: int | None = None):
@@ -258,7 +263,8 @@ def assert_a_rejected_draft_leaves_no_trace(model, caches, steps: int) -> None:
     assert can_trim_prompt_cache(caches) and trim_prompt_cache(caches, 4) == 4
     assert [c.offset for c in caches] == offsets
     assert all(c.store.row_positions().max().item() < c.offset for c in caches), "no row of the draft is left"
-    assert all(c.tier.store.row_positions().max().item() < c.offset for c in caches if getattr(c, "tier", None) and c.tier.rows)
+    assert all(c.tier.store.row_positions().max().item() < c.offset
+               for c in caches if getattr(c, "tier", None) and c.tier.rows)
     assert greedy(model, mx.array([9]), caches, steps=steps) == reference
 
 

@@ -2,8 +2,8 @@
 tensor or pipeline parallelism and prints, as one JSON line, what each method does on this rank.
 
 ``python ranks_worker.py tp|pp FOLDER methods`` runs every method at a budget above the context and
-at a small one (every evicting one also with a 4-bit tier); ``python ranks_worker.py tp FOLDER mismatch`` builds caches with a budget that
-differs by rank and prints the error; ``stats`` generates with ``VELOX_STATS`` on.
+at a small one (every evicting one also with a 4-bit tier); ``python ranks_worker.py tp FOLDER mismatch`` builds
+caches with a budget that differs by rank and prints the error; ``stats`` generates with ``VELOX_STATS`` on.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from mlx_lm.utils import sharded_load
 
 import veloxpatch
 from veloxpatch.caches import CompressedKVCache
-from veloxpatch.registry import METHODS
 from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.config import ConfigError
 from veloxpatch.coordinators import settle
+from veloxpatch.registry import METHODS
 
 SMALL = dict(budget=8, sink=2, window=4)
 SMALL_KNOBS = {"minicache": {"minicache_start": 0.0}}  # pair every rank's layers (4 layers, 2 per stage)

@@ -4,8 +4,8 @@ process's VELOX_* settings: a test says which the server gets."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from conftest import without_velox
 from veloxpatch.eval import serving

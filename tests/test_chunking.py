@@ -6,9 +6,9 @@ import mlx.core as mx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from veloxpatch.config import Budget
 from veloxpatch.methods.snapkv import SnapKVCache
 from veloxpatch.methods.streamingllm import StreamingLLMCache
-from veloxpatch.config import Budget
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
@@ -59,7 +59,8 @@ def test_streamingllm_is_sinks_plus_a_recent_run_under_any_chunking(chunks: list
     cache = StreamingLLMCache(Budget(tokens=budget), mode="chunk", sink=1, window=4)
     kept = feed(cache, chunks, seed)
     total, rows = sum(chunks), cache.size()
-    expected = list(range(min(1, rows))) + list(range(total - (rows - 1), total)) if rows < total else list(range(total))
+    expected = (list(range(min(1, rows))) + list(range(total - (rows - 1), total)) if rows < total
+                else list(range(total)))
     assert kept[0, 0].tolist() == expected
     assert (kept == kept[:1, :1]).all().item(), "every batch row and head keeps the same positions"
 
@@ -76,6 +77,7 @@ def test_end_mode_keeps_the_prompt_whole_until_a_decode_step(chunks: list[int], 
     kept = feed(cache, [1], seed + 1)
     if total + 1 >= budget + cache.headroom(budget):
         assert cache.size() == budget
-        assert (kept[..., :2] == mx.array([0, 1])).all().item() and (kept[..., -4:] == total + 1 - 4 + mx.arange(4)).all().item()
+        assert (kept[..., :2] == mx.array([0, 1])).all().item()
+        assert (kept[..., -4:] == total + 1 - 4 + mx.arange(4)).all().item()
     else:
         assert cache.size() == total + 1

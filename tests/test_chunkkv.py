@@ -12,12 +12,18 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 import veloxpatch
 from conftest import (
-    assert_a_rejected_draft_leaves_no_trace, assert_within_budget, decoded, greedy, prefill, random_tokens, tiny,
+    assert_a_rejected_draft_leaves_no_trace,
+    assert_within_budget,
+    decoded,
+    greedy,
+    prefill,
+    random_tokens,
+    tiny,
 )
+from veloxpatch.config import Budget
 from veloxpatch.methods import chunkkv
 from veloxpatch.methods.chunkkv import ChunkKVCache, ChunkKVIndexReuseCoordinator
 from veloxpatch.methods.snapkv import SnapKVCache
-from veloxpatch.config import Budget
 
 SCALE = 0.35
 
@@ -266,7 +272,8 @@ def test_a_follower_without_a_usable_choice_selects_itself_and_says_so(monkeypat
     assert (follower.select(20, SCALE) == mine).all().item() and (last.select(20, SCALE) == mine).all().item()
     assert len(said) == 4
     assert (leader.select(20, SCALE) == leader.policy.choose(leader, 20, SCALE)).all().item()
-    assert (coordinator.shared(2, 3) == mx.take_along_axis(leader.store.row_positions(), leader.policy.choose(leader, 20, SCALE),
+    assert (coordinator.shared(2, 3) == mx.take_along_axis(leader.store.row_positions(),
+                                                           leader.policy.choose(leader, 20, SCALE),
                                                            axis=-1)).all().item(), "the leader publishes"
 
 

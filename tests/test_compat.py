@@ -8,7 +8,8 @@ import importlib
 import inspect
 import logging
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import pytest

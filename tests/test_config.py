@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from veloxpatch.registry import METHODS
 from veloxpatch.config import Budget, ConfigError, VeloxConfig, from_env
+from veloxpatch.registry import METHODS
 
 
 def test_defaults_pass_through() -> None:

@@ -14,14 +14,22 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 import veloxpatch
 from conftest import (
-    EVICTING, assert_a_rejected_draft_leaves_no_trace, assert_round_trip, assert_within_budget, decoded, greedy,
-    prefill, random_tokens, speculated, tiny,
+    EVICTING,
+    assert_a_rejected_draft_leaves_no_trace,
+    assert_round_trip,
+    assert_within_budget,
+    decoded,
+    greedy,
+    prefill,
+    random_tokens,
+    speculated,
+    tiny,
 )
 from veloxpatch.caches import CompressedKVCache
 from veloxpatch.caches.schedule import Schedule
+from veloxpatch.config import Budget
 from veloxpatch.methods.snapkv import SnapKVCache, pool_rows
 from veloxpatch.methods.streamingllm import StreamingLLMCache
-from veloxpatch.config import Budget
 
 SCALE = 0.25
 

@@ -13,12 +13,11 @@ from mlx_lm import generate, load
 from mlx_lm.utils import load_model
 
 import veloxpatch
+from conftest import tiny
+from test_launcher import LAUNCHER, launch
 from veloxpatch import cpu
 from veloxpatch.config import ConfigError
 from veloxpatch.integration.float32 import upcast
-
-from conftest import tiny
-from test_launcher import LAUNCHER, launch
 
 ENV_APP = textwrap.dedent("""
     import os, subprocess, sys

@@ -20,12 +20,12 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from veloxpatch.registry import METHODS
+from conftest import EVICTING, run_group
+from test_launcher import LAUNCHER, MLX_LAUNCH
 from veloxpatch.eval import zoo
 from veloxpatch.eval.random_model import build, write_byte_tokenizer, write_model_dir
 from veloxpatch.launching import free_ring_port
-from conftest import EVICTING, run_group
-from test_launcher import LAUNCHER, MLX_LAUNCH
+from veloxpatch.registry import METHODS
 
 WORKER = Path(__file__).with_name("ranks_worker.py")
 
@@ -141,8 +141,7 @@ def test_mlx_lms_own_distributed_benchmark_runs_compressed_on_every_rank(tmp_pat
 def test_a_list_spanning_part_of_the_model_counts_depth_over_the_whole_model() -> None:
     """Two layers of a four-layer model (a pipeline stage) get the budgets and pairs that layers 2
     and 3 get in one process: PyramidKV's pyramid and MiniCache's starting depth."""
-    from veloxpatch.config import make_cache
-    from veloxpatch.config import VeloxConfig
+    from veloxpatch.config import VeloxConfig, make_cache
     from veloxpatch.coordinators import Span
     from veloxpatch.eligibility import assemble
 

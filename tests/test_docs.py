@@ -13,8 +13,8 @@ import pytest
 
 from veloxpatch import docs
 from veloxpatch.config import all_settings
-from veloxpatch.registry import METHODS
 from veloxpatch.docs import COMMANDS, _method_doc, methods_markdown, settings_markdown
+from veloxpatch.registry import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -19,6 +19,7 @@ from veloxpatch.fallback import StrictError
 from veloxpatch.integration import features, version
 from veloxpatch.integration.state import STATE
 
+
 def bindings() -> dict[str, Any]:
     """Every module-level binding and class attribute a feature names, where mlx_lm defines it and in every
     module that holds a copy: what a patch changes and an unpatch must give back, exactly."""

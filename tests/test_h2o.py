@@ -10,8 +10,8 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 import veloxpatch
 from conftest import decoded, random_case, random_rows, softmax
 from conftest import feed as feed_rows
-from veloxpatch.methods.h2o import H2OCache, attention_with_mass, received_mass
 from veloxpatch.config import Budget, TierSize
+from veloxpatch.methods.h2o import H2OCache, attention_with_mass, received_mass
 
 SCALE = 0.35
 

@@ -14,10 +14,10 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 import veloxpatch
 from conftest import EVICTING, greedy, random_tokens, tiny, without_velox
+from veloxpatch.assets import model_path as shipped_model_path
 from veloxpatch.caches.memory import SLACK, MemoryPlan, SlotLayout
 from veloxpatch.config import ConfigError, VeloxConfig, from_env
 from veloxpatch.eval.random_model import build, config_for
-from veloxpatch.assets import model_path as shipped_model_path
 from veloxpatch.settings import Memory
 
 

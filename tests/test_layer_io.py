@@ -15,11 +15,11 @@ import veloxpatch
 from conftest import ARCHS, greedy, random_tokens, tiny
 from veloxpatch import builder, eligibility
 from veloxpatch.caches import CompressedKVCache
-from veloxpatch.methods.snapkv import SnapKVCache
 from veloxpatch.config import Budget
 from veloxpatch.eval.random_model import config_for
 from veloxpatch.integration import layer_io
 from veloxpatch.integration.state import STATE
+from veloxpatch.methods.snapkv import SnapKVCache
 
 
 class Recorder(SnapKVCache):

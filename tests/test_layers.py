@@ -72,7 +72,8 @@ def imports_inside_functions() -> set[tuple[str, int]]:
 
 def test_no_module_is_part_of_an_import_cycle_counting_imports_inside_functions() -> None:
     graph = grimp.build_graph("veloxpatch", cache_dir=None)
-    lines = {(d["importer"], d["line_number"]) for m in graph.modules for o in graph.find_modules_directly_imported_by(m)
+    lines = {(d["importer"], d["line_number"]) for m in graph.modules
+             for o in graph.find_modules_directly_imported_by(m)
              for d in graph.get_import_details(importer=m, imported=o)}
     inside = {(m, line) for m, line in imports_inside_functions() if m in graph.modules}  # _shim is no module
     assert inside and inside <= lines, f"the graph misses imports made inside functions: {sorted(inside - lines)}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-from typing import Callable
+from collections.abc import Callable
 
 import mlx.core as mx
 import pytest

@@ -9,13 +9,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import (
-    KVCacheRoute, count_joints, feed_layers,
-)
+from conftest import KVCacheRoute, count_joints, feed_layers
 from veloxpatch.caches.crosslayer import Fold
-from veloxpatch.methods.minicache import MIN_FOLD, MiniCacheCache
 from veloxpatch.config import Budget, ConfigError, from_env
 from veloxpatch.coordinators import Coordinator
+from veloxpatch.methods.minicache import MIN_FOLD, MiniCacheCache
 
 SCALE = 0.25
 
@@ -160,7 +158,8 @@ def test_the_first_layer_contributes_the_second_completes_and_both_hold_the_same
         if caches[0].offset == 151 and layer not in seen:
             seen[layer] = (len(caches[layer].pending), len(caches[layer].folds), caches[layer].store.rows)
 
-    feed_layers(caches, similar_rows(5, 160), [80, 70, 1, 1], between=look)  # 150-token prompt (end mode), two decode steps
+    # a 150-token prompt (end mode), two decode steps
+    feed_layers(caches, similar_rows(5, 160), [80, 70, 1, 1], between=look)
     assert seen[0] == (1, 0, 151), "the first layer contributed and still holds its rows exactly"
     assert seen[1] == (0, 1, 4), "the second completed the pair and folded at once"
     assert seen[4] == (0, 0, 151), "the last, odd layer has no partner"

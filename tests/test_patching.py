@@ -10,8 +10,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
-from conftest import random_tokens, tiny
-from conftest import run_python, unless_offered
+from conftest import random_tokens, run_python, tiny, unless_offered
 from veloxpatch.integration import wrappers
 
 # Prints the class of a tiny llama's first cache slot and whether attention is routed.

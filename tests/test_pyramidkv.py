@@ -12,9 +12,9 @@ import pytest
 
 from conftest import decoded
 from veloxpatch.caches.allocation import layer_budgets
-from veloxpatch.methods.pyramidkv import PyramidKVCache, pyramid
 from veloxpatch.config import Budget
 from veloxpatch.coordinators import Coordinator
+from veloxpatch.methods.pyramidkv import PyramidKVCache, pyramid
 
 SCALE = 0.4
 

@@ -5,7 +5,8 @@ Each turn after the first reuses the cache the last one left (the server's promp
 is new, and the server answers every turn as the eval's chat (``veloxpatch eval --tasks followup``,
 ``harness.chat``) answers it in process on one cache list: the follow-up numbers of docs/results.md are the
 server's. (How often it answers, against the full cache, at n >= 10: ``bench/followup_server.py``.) 512-token
-documents keep it to about a minute on two cores. Skipped where SmolLM2 cannot be fetched (no network to PyPI and nothing cached).
+documents keep it to about a minute on two cores. Skipped where SmolLM2 cannot be fetched (no network to PyPI and
+nothing cached).
 """
 
 from __future__ import annotations

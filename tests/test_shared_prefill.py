@@ -5,22 +5,22 @@ prefill cannot be shared is caught by the check, not measured wrongly. Also knob
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
-from veloxpatch.config import make_cache
-from veloxpatch.registry import METHODS, cache_class, method
 from veloxpatch.caches.evicting import Policy
-from veloxpatch.methods.snapkv import SnapKVCache
 from veloxpatch.cli import main
-from veloxpatch.config import from_env
+from veloxpatch.config import from_env, make_cache
 from veloxpatch.eval import harness, sharing, tasks
 from veloxpatch.eval.report import accuracy_text, wilson
 from veloxpatch.eval.variants import Variant, parse_spec, split_specs
+from veloxpatch.methods.snapkv import SnapKVCache
+from veloxpatch.registry import METHODS, cache_class, method
 
 STEP = 100  # the prompt's tokens before the last go in as chunks of 100, 100 and over 64: all prefill-sized
 BUDGETS = (48, 96)
@@ -199,7 +199,8 @@ def test_methods_built_on_snapkv_take_its_knobs(loaded: tuple[Any, mx.array]) ->
     assert make_cache(config).policy.kernel == 9
     assert Variant.of("squeeze[policy=h2o]", 0.25).knob_values() == {"policy": "h2o", "signal": "cosine",
                                                                       "strength": 0.5}
-    with pytest.raises(ValueError, match=r"kernel is not a knob of squeeze here \(compress, policy, signal, strength, tier, tier_size, window\)"):
+    with pytest.raises(ValueError, match=r"kernel is not a knob of squeeze here "
+                                         r"\(compress, policy, signal, strength, tier, tier_size, window\)"):
         parse_spec("squeeze[policy=h2o,kernel=31]")
 
 

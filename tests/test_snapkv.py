@@ -9,8 +9,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
 from conftest import random_tokens, tiny
-from veloxpatch.methods.snapkv import SnapKVCache
 from veloxpatch.config import Budget
+from veloxpatch.methods.snapkv import SnapKVCache
 
 
 def test_the_windows_attention_to_itself_does_not_spill_into_the_rows_before_it() -> None:

@@ -12,22 +12,27 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 import veloxpatch
-from veloxpatch import log
 from conftest import (
-    assert_a_rejected_draft_leaves_no_trace, assert_round_trip, assert_within_budget, decoded, greedy, prefill,
-    random_tokens, speculated, tiny,
+    assert_a_rejected_draft_leaves_no_trace,
+    assert_round_trip,
+    assert_within_budget,
+    decoded,
+    greedy,
+    prefill,
+    random_tokens,
+    speculated,
+    tiny,
 )
 from test_memory import SLACK, held
 from test_memory import prefill as one_chunk
 from test_pyramidkv import SCALE, ReferenceLayer, drive, random_config, reference_budgets
-from veloxpatch.registry import cache_class, policies
+from veloxpatch import log
 from veloxpatch.caches.allocation import layer_budgets
-from veloxpatch.methods.squeeze import (
-    SqueezeCache, SqueezeCoordinator, attention_change, kmeans_1d, squeeze_shares,
-)
 from veloxpatch.config import Budget, ConfigError, VeloxConfig
 from veloxpatch.coordinators import Coordinator, coordinators_of
 from veloxpatch.integration.state import STATE
+from veloxpatch.methods.squeeze import SqueezeCache, SqueezeCoordinator, attention_change, kmeans_1d, squeeze_shares
+from veloxpatch.registry import cache_class, policies
 
 
 # ----------------------------------------------------------------- the paper's definitions, in numpy

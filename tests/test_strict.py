@@ -54,7 +54,8 @@ def test_a_method_whose_score_raises_runs_on_mlx_lms_caches_with_one_warning(bro
         assert generate(model, caches) == expected
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
-    assert warnings[0].startswith("llama with broken: ") and "Boom" in warnings[0] and "the score is broken" in warnings[0]
+    assert (warnings[0].startswith("llama with broken: ") and "Boom" in warnings[0]
+            and "the score is broken" in warnings[0])
     traces = [r.getMessage() for r in records if r.levelno == logging.DEBUG and "Traceback" in r.getMessage()]
     assert len(traces) == 1 and "in score" in traces[0] and 'raise Boom("the score is broken")' in traces[0]
 

@@ -11,11 +11,17 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
 from conftest import (
-    EVICTING, assert_a_rejected_draft_leaves_no_trace, assert_round_trip, greedy, prefill, random_tokens, tiny,
+    EVICTING,
+    assert_a_rejected_draft_leaves_no_trace,
+    assert_round_trip,
+    greedy,
+    prefill,
+    random_tokens,
+    tiny,
 )
+from veloxpatch.caches.store import RowStore
 from veloxpatch.config import Budget, ConfigError, TierSize, VeloxConfig
 from veloxpatch.eval.random_model import build, config_for
-from veloxpatch.caches.store import RowStore
 from veloxpatch.methods.snapkv import SnapKVCache
 
 SCALE = 0.25
@@ -136,7 +142,8 @@ def test_a_tier_holds_its_size_in_budgets_the_best_dropped_rows_by_the_methods_s
     cache = SnapKVCache(Budget(tokens=12), sink=1, window=4, mode="chunk", kernel=1)
     cache.use_tier(16, TierSize(1.0))
     step(cache, keys, asking(0, 200))
-    stored, tiered = (sorted(set(p[0, 0].tolist()) - {-1}) for p in (cache.store.row_positions(), cache.tier.store.row_positions()))
+    stored, tiered = (sorted(set(p[0, 0].tolist()) - {-1})
+                      for p in (cache.store.row_positions(), cache.tier.store.row_positions()))
     assert stored == [0, *positions[13:], *range(196, 200)] and tiered == positions[1:13], (stored, tiered)
 
 
@@ -251,7 +258,8 @@ def test_the_tier_setting_names_what_it_allows() -> None:
     with pytest.raises(ConfigError, match=r"VELOX_TIER='5' is not allowed: expected off, or one of 2, 3, 4, 8, 16"):
         VeloxConfig(tier="5")
     assert VeloxConfig().tier_size == TierSize(3.0) and VeloxConfig(tier_size="ALL").tier_size.rows(40) is None
-    assert VeloxConfig(tier_size="0.5").tier_size.rows(40) == 20 and str(VeloxConfig(tier_size="1.5x").tier_size) == "1.5x"
+    assert (VeloxConfig(tier_size="0.5").tier_size.rows(40) == 20
+            and str(VeloxConfig(tier_size="1.5x").tier_size) == "1.5x")
     for bad in ("0x", "-1x", "nanx", "two"):
         with pytest.raises(ConfigError, match=rf"VELOX_TIER_SIZE='{bad}' is not allowed: expected a multiple of the "
                                               r"budget \(`3x`, `0.5x`\) or `all`"):

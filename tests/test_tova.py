@@ -7,8 +7,8 @@ import pytest
 
 from conftest import decoded, random_case, random_rows, softmax, speculated
 from conftest import feed as feed_rows
-from veloxpatch.methods.tova import TOVACache
 from veloxpatch.config import Budget
+from veloxpatch.methods.tova import TOVACache
 
 SCALE = 0.35
 DIM = 8
@@ -103,7 +103,8 @@ def test_only_the_newest_query_is_remembered() -> None:
     cache = TOVACache(Budget(tokens=20), 2, 4, mode="chunk")
     keys, queries = random_rows(1, 1, 2, 2, 50)
     list(feed(cache, keys, queries, [30, 20]))
-    assert cache.memory.queries.shape == (1, 4, 1, DIM) and np.allclose(np.array(cache.memory.queries[:, :, 0]), queries[:, :, 49])
+    assert (cache.memory.queries.shape == (1, 4, 1, DIM)
+            and np.allclose(np.array(cache.memory.queries[:, :, 0]), queries[:, :, 49]))
 
 
 # --------------------------------------------------------------------- on real models

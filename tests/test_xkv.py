@@ -11,14 +11,11 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
-from conftest import (
-    KVCacheRoute, count_joints, feed_layers, greedy, random_tokens, tiny,
-)
+from conftest import KVCacheRoute, count_joints, feed_layers, greedy, random_tokens, tiny
 from veloxpatch.caches.crosslayer import CrossLayerCache
-from veloxpatch.methods.xkv import XKVCache
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.coordinators import Coordinator
-
+from veloxpatch.methods.xkv import XKVCache
 
 
 def xkv_list(layers: int, group: int, rank: str, window: int = 4, mode: str = "end") -> list[XKVCache]:

@@ -14,13 +14,19 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, s
 
 import veloxpatch
 import veloxpatch.log
-from veloxpatch import stats
 from conftest import (
-    assert_a_rejected_draft_leaves_no_trace, assert_round_trip, drain, greedy, random_tokens, speculated, tiny,
+    assert_a_rejected_draft_leaves_no_trace,
+    assert_round_trip,
+    drain,
+    greedy,
+    random_tokens,
+    speculated,
+    tiny,
 )
-from veloxpatch.methods.xquant import XQuantCache
+from veloxpatch import stats
 from veloxpatch.config import Budget
 from veloxpatch.eval.random_model import build, config_for
+from veloxpatch.methods.xquant import XQuantCache
 
 # the archs whose attention has k_proj, v_proj, rope and n_kv_heads (qwen3, gemma3 and lfm2 a key norm, qwen2 biases)
 REBUILT = ("gemma3_text", "llama", "lfm2", "mistral", "qwen2", "qwen3")
@@ -58,8 +64,8 @@ def bytes_of(tree) -> int:
 def test_lossless_and_eight_bit_x_decode_mlx_lms_tokens_from_rebuilt_rows(arch: str) -> None:
     """Unquantized X (window 8) and 8-bit X (the default window, test_exactness's prompt) decode mlx_lm's tokens,
     every prefill chunk after the first attending over rebuilt rows (``chunk``). Random weights make greedy
-    tokens fragile: with window 8, or on other prompts, 8 bits flip some of llama's, mistral's and qwen2's tokens, as mlx_lm's own
-    8-bit KV cache does; the key norms of qwen3, gemma3 and lfm2 damp it."""
+    tokens fragile: with window 8, or on other prompts, 8 bits flip some of llama's, mistral's and qwen2's tokens, as
+    mlx_lm's own 8-bit KV cache does; the key norms of qwen3, gemma3 and lfm2 damp it."""
     model = same_model(arch)
     prompt = random_tokens(150, 1)
     expected = greedy(model, prompt)

@@ -17,23 +17,23 @@ import logging
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
-from conftest import EVICTING, random_tokens
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
 import veloxpatch.log
+from conftest import EVICTING, random_tokens
 from veloxpatch import builder, eligibility, structure
 from veloxpatch.caches import CompressedKVCache
-from veloxpatch.registry import METHODS, cache_class
+from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.cli import main
 from veloxpatch.config import COMPRESS_MODES, VeloxConfig
 from veloxpatch.eligibility import assemble
-from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.eval import zoo
 from veloxpatch.eval.random_model import build
 from veloxpatch.integration import layer_io
+from veloxpatch.registry import METHODS, cache_class
 
 # model types whose forward cannot run a prefix of their layers, so the probe runs all of them
 PROBED_WHOLE = {"kimi_k3": "its forward walks range(self.num_layers), not its layer list"}

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import queue
 import shutil
 import sys
 import threading
-import queue
 import time
 from pathlib import Path
 

@@ -1,16 +1,21 @@
 """The light part of the bootstrap that runs at start-up of every Python process of the app.
 
-It imports only wrapt (and the stdlib-only settings module): the real work (config validation, importing mlx, binding wrappers) is
-deferred to a post-import hook on ``mlx_lm``, so subprocesses that never touch mlx_lm pay nothing
-and an app that does gets patched before its first call. It never raises unless VELOX_STRICT.
+It imports only wrapt (and the stdlib-only settings module): the real work (config validation, importing mlx,
+binding wrappers) is deferred to a post-import hook on ``mlx_lm``, so subprocesses that never touch mlx_lm pay
+nothing and an app that does gets patched before its first call. It never raises unless VELOX_STRICT.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
 
 from .settings import ConfigError, strict_requested  # stdlib only: this module must stay light
+
+ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]  # sys.excepthook's type
 
 DISABLED = ("", "none")
 
@@ -39,12 +44,12 @@ def install() -> None:
         print(f"veloxpatch: ERROR: bootstrap failed ({error}); running unpatched", file=sys.stderr)
 
 
-def _config_errors_exit_2(previous):  # type: ignore[no-untyped-def]
+def _config_errors_exit_2(previous: ExceptHook) -> ExceptHook:
     """An excepthook under which a setting the app's model cannot take (a :class:`ConfigError` raised while its
     caches are built, e.g. ``VELOX_KV_MEMORY`` below what one layer needs) ends the process as a bad launcher
     option does: its message and exit status 2. Anything else goes to the hook the app had."""
 
-    def hook(kind, error, trace):  # type: ignore[no-untyped-def]
+    def hook(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> Any:
         if not isinstance(error, ConfigError):
             return previous(kind, error, trace)
         print(f"veloxpatch: error: {error}", file=sys.stderr)

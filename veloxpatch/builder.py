@@ -21,7 +21,7 @@ from typing import Any
 
 from . import eligibility, ranks, structure
 from .caches.memory import MemoryPlan, device_bytes
-from .config import VeloxConfig, make_cache
+from .config import Memory, VeloxConfig, make_cache
 from .coordinators import coordinators_of
 from .fallback import notice
 from .log import log, model_type, once
@@ -59,7 +59,8 @@ def explain(model: Any, config: VeloxConfig) -> str:
     found = eligibility.verdict(model, caches, slots, config, whole=ranks.is_split(model))
     text = found.describe(len(slots))
     if config.kv_memory and found.slots:
-        text += "; " + memory_plan(caches, found, config, make_cache(config).policy).describe()  # ConfigError when it cannot hold the floor
+        # ConfigError when it cannot hold the floor
+        text += "; " + memory_plan(caches, found, config, make_cache(config).policy).describe()
     return text
 
 
@@ -107,6 +108,7 @@ def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConf
     (ConfigError when it cannot hold the rows every layer keeps)."""
     served = {id(caches[i]): found.layouts[i] for i in found.slots}
     others = tuple(layout for i, layout in enumerate(found.layouts) if i not in found.slots)
+    assert isinstance(config.kv_memory, Memory) and isinstance(config.tier, int), "converted by VeloxConfig"
     return MemoryPlan(config.kv_memory.resolve(device_bytes()), str(config.kv_memory), tuple(served.values()),
                       others, policy.queries_held(config.window), config.sink + config.window, config.tier,
                       policy.row_bytes_per_head)

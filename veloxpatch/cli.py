@@ -104,7 +104,7 @@ def _with_blas(env: dict[str, str], config: VeloxConfig) -> dict[str, str]:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def methods(as_json: bool) -> None:
     """List the compression methods, their knobs and what each does."""
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"name": m.name, "description": m.description, "uses_budget": getattr(m.cls, "uses_budget", True),
          "budget": getattr(m.cls, "budget_use", ""),
          "knobs": [{"name": k.name, "option": k.option, "default": k.default,
@@ -146,7 +146,8 @@ def info(model_path: str | None) -> None:
 
     click.echo(f"veloxpatch {__version__}  python {platform.python_version()}  {platform.platform()}")
     found = version.mlx_lm_version()
-    click.echo(f"mlx {mx.__version__}  mlx-lm {found} ({version.describe(found)})  backend {mx.default_device()}")
+    mlx_version = mx.__version__  # type: ignore[attr-defined]  # there at run time; mlx.core's stubs omit it
+    click.echo(f"mlx {mlx_version}  mlx-lm {found} ({version.describe(found)})  backend {mx.default_device()}")
     _features(found)
     errors = invalid_settings(dict(os.environ))
     if errors:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from .registry import METHODS, knob_settings
-from .settings import (
-    PREFIX, Budget, ConfigError, Memory, Setting, TierSize, boolean, choice, int_range, to_text,
-)
+from .settings import PREFIX, Budget, ConfigError, Memory, Setting, TierSize, boolean, choice, int_range, to_text
 
 __all__ = ["PROCESS_WIDE", "Budget", "ConfigError", "Memory", "Setting", "TierSize", "VeloxConfig", "all_settings",
            "choice", "from_env", "int_range", "make_cache", "request_settings", "setting"]
@@ -86,9 +85,11 @@ CORE_SETTINGS: tuple[Setting, ...] = (
     Setting("VELOX_DRAFT_KV", choice(DRAFT_MODES), "same", "one of " + ", ".join(DRAFT_MODES),
             "Speculative decoding: the draft model's cache is compressed like the main one, or stays mlx_lm's."),
     Setting("VELOX_FLOAT32", choice(FLOAT32_MODES), "auto", "one of " + ", ".join(FLOAT32_MODES),
-            "float16/bfloat16 weights loaded by mlx_lm run as float32 (`auto`: on the CPU backend, where that is faster)."),
+            "float16/bfloat16 weights loaded by mlx_lm run as float32 (`auto`: on the CPU backend, where that is "
+            "faster)."),
     Setting("VELOX_BLAS", _blas, "auto", "one of " + ", ".join(BLAS_CHOICES) + ", or an absolute path",
-            "`veloxpatch run` only: preload the system OpenBLAS (`auto`: on Linux when mlx runs on the CPU and it is found)."),
+            "`veloxpatch run` only: preload the system OpenBLAS (`auto`: on Linux when mlx runs on the CPU and it is "
+            "found)."),
     Setting("VELOX_LOG", choice(LOG_LEVELS, upper=True), "WARNING", "one of " + ", ".join(LOG_LEVELS),
             "Log level of veloxpatch's own messages (stderr)."),
     Setting("VELOX_STRICT", boolean, "0", "a boolean (1/0, true/false, yes/no, on/off)",
@@ -179,6 +180,7 @@ class VeloxConfig:
         return {k: s.convert(given.get(k, s.default)) for k, s in by_key.items()}
 
     def _check_budget(self) -> None:
+        assert isinstance(self.budget, Budget), "converted by __post_init__"
         tokens = self.budget.tokens
         if self.enabled and tokens is not None and tokens < self.sink + self.window:
             raise ConfigError(
@@ -218,7 +220,7 @@ class VeloxConfig:
                 env[s.name] = to_text(self.knobs[s.key])
         return env
 
-    def replace(self, **changes: Any) -> "VeloxConfig":
+    def replace(self, **changes: Any) -> VeloxConfig:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 

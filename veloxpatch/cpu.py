@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import platform
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .config import ConfigError
 

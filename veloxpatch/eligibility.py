@@ -292,7 +292,7 @@ def _close(expected: mx.array, got: mx.array) -> bool:
 def _same_rows(keys: mx.array, stored: mx.array) -> bool:
     """Whether attended keys are the stored rows, up to repeated heads and dtype (per-row means agree)."""
     means = [k.astype(mx.float32).mean(axis=(1, 3)) for k in (keys, stored)]
-    return bool(mx.allclose(*means, rtol=1e-2, atol=1e-3))
+    return bool(mx.allclose(means[0], means[1], rtol=1e-2, atol=1e-3))
 
 
 class _Watch:
@@ -303,12 +303,14 @@ class _Watch:
         self.stores = self.attends = 0
         self.fetched: tuple[mx.array, mx.array] | None = None
         self.other_rows = self.derived_keys = self.score_mask = False
-        cache.update_and_fetch = self._update_and_fetch
-        cache.attend = self._attend
+        # on the instance, by setattr: mypy reads assigning to a method as a mistake
+        setattr(cache, "update_and_fetch", self._update_and_fetch)
+        setattr(cache, "attend", self._attend)
 
     def detach(self) -> None:
         """Drop the wrappers (and the cycles through them) and leave the coordinator."""
         del self.cache.update_and_fetch, self.cache.attend
+        assert self.cache.coordinator is not None, "a probe's caches are coordinated"
         self.cache.coordinator.members.clear()
 
     def _update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:

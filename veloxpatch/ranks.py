@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -115,7 +115,7 @@ def agree(split: Split, config: VeloxConfig, ready: bool, members: int) -> tuple
     settings = agreed_settings(config)
     mine = [_checksum(value) for _, value in settings] + [int(ready), split.stage, members]
     settle()
-    rows = mx.distributed.all_gather(mx.array([mine], dtype=mx.int32), stream=mx.cpu).tolist()
+    rows = cast(list[list[int]], mx.distributed.all_gather(mx.array([mine], dtype=mx.int32), stream=mx.cpu).tolist())
     world = mx.distributed.init()
     _placed[:] = [(world.rank(), world.size())]
     n = len(settings)
@@ -140,6 +140,6 @@ def summed(numbers: list[int]) -> list[int] | None:
     (its connection lost: the summary of the others is not the run's)."""
     try:
         settle()
-        return mx.distributed.all_sum(mx.array(numbers, dtype=mx.int64), stream=mx.cpu).tolist()
+        return cast(list[int], mx.distributed.all_sum(mx.array(numbers, dtype=mx.int64), stream=mx.cpu).tolist())
     except RuntimeError:
         return None

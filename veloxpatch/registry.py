@@ -44,7 +44,7 @@ class MethodInfo:
     name: str
     description: str
     knobs: tuple[Setting, ...]
-    cls: type
+    cls: type[Any]  # a CompressedKVCache subclass (below the caches layer, the registry cannot name it)
     composes: tuple[str, ...] | Callable[[Mapping[str, Any]], tuple[str, ...]] = ()
     policy: bool = False
 
@@ -155,14 +155,14 @@ def method(name: str, description: str, knobs: tuple[Setting, ...] = (), *,
                 raise ValueError(f"knob {knob.name} of {name} must be {PREFIX}{name.upper()}_* with method={name!r}")
         if policy and getattr(cls, "policy_class", None) is None:
             raise ValueError(f"method {name!r} is offered as a policy (policy=True) but its class has no policy_class")
-        cls.method = name
+        setattr(cls, "method", name)  # any class: a typed ``cls.method = name`` would need it declared on C
         METHODS.add(MethodInfo(name, description, tuple(knobs), cls, composes, policy))
         return cls
 
     return register
 
 
-def cache_class(name: str) -> type:
+def cache_class(name: str) -> type[Any]:
     """The cache class of method ``name``."""
     return METHODS[name].cls
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 PREFIX = "VELOX_"
 TRUE = ("1", "true", "yes", "on")
@@ -34,7 +35,7 @@ class Budget:
     fraction: float | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "Budget":
+    def parse(cls, text: str) -> Budget:
         """``"1024"`` -> 1024 tokens, ``"25%"`` -> a quarter of the tokens seen; ValueError otherwise."""
         text = text.strip()
         if text.endswith("%"):
@@ -51,11 +52,13 @@ class Budget:
         """Rows to keep after ``seen`` tokens (a fraction rounds up, so 100% never evicts)."""
         if self.tokens is not None:
             return self.tokens
+        assert self.fraction is not None, "a budget is tokens or a fraction"
         return math.ceil(self.fraction * seen)
 
     def __str__(self) -> str:
         if self.tokens is not None:
             return str(self.tokens)
+        assert self.fraction is not None, "a budget is tokens or a fraction"
         return f"{self.fraction * 100:g}%"
 
 
@@ -73,7 +76,7 @@ class Memory:
     text: str = field(default="", compare=False)  # as the user wrote it, for messages
 
     @classmethod
-    def parse(cls, text: str) -> "Memory":
+    def parse(cls, text: str) -> Memory:
         """``"off"`` -> none, ``"25%"`` -> a quarter of the device's memory, ``"1.5GiB"`` -> bytes."""
         given = text.strip()
         text = given.lower().replace(" ", "")
@@ -98,7 +101,10 @@ class Memory:
 
     def resolve(self, device: int) -> int:
         """Bytes, a share of ``device`` bytes where it is one."""
-        return self.bytes if self.bytes is not None else int(self.fraction * device)
+        if self.bytes is not None:
+            return self.bytes
+        assert self.fraction is not None, "resolved only when set (off has neither)"
+        return int(self.fraction * device)
 
     def __str__(self) -> str:
         if self.text:
@@ -116,7 +122,7 @@ class TierSize:
     budgets: float | None = 3.0
 
     @classmethod
-    def parse(cls, text: str) -> "TierSize":
+    def parse(cls, text: str) -> TierSize:
         """``"3x"`` (or ``"3"``) -> three budgets, ``"all"`` -> no bound."""
         value = text.strip().lower()
         if value == "all":

@@ -23,7 +23,8 @@ import copy
 import json
 import logging
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import mlx.core as mx
 
@@ -37,6 +38,8 @@ from .queries import QueryMemory
 from .schedule import Schedule
 from .store import RowStore
 
+_Cache = TypeVar("_Cache", bound="CompressedKVCache")
+
 
 class _WhileBatching:
     """``merge``, which mlx_lm's batched generation looks for (``hasattr``: its server batches only caches that
@@ -44,7 +47,7 @@ class _WhileBatching:
     integration has patched batched generation for the installed mlx_lm. Otherwise mlx_lm would merge our
     caches into its own batch caches, which know nothing of evicted rows or their positions."""
 
-    def __get__(self, instance: Any, owner: type) -> Any:
+    def __get__(self, instance: Any, owner: type[CompressedKVCache]) -> Any:
         if not owner.batching():
             raise AttributeError(f"{owner.__name__}.merge: batched generation is not patched")
         return SequenceBatch.merge
@@ -229,7 +232,7 @@ class CompressedKVCache(ABC):
         """Decode rows allowed above a budget of ``keep`` before compressing again (:class:`Schedule`)."""
         return self.schedule.headroom(keep)
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "CompressedKVCache":
+    def to_quantized(self: _Cache, group_size: int = 64, bits: int = 4) -> _Cache:
         """This cache with its rows stored in mlx's quantized format (same method and rows).
 
         mlx_lm calls this at every step once ``kv_bits`` applies, so an already quantized cache
@@ -278,7 +281,7 @@ class CompressedKVCache(ABC):
     def meta_state(self) -> str:
         """Scalars and settings as one JSON string (mlx_lm saves strings in prompt-cache files). Where mlx_lm saves it
         apart from :attr:`state` (:attr:`meta_apart`), the layout of the whole state, its arrays by number."""
-        if self.meta_apart():
+        if type(self).meta_apart():  # through the class: a static method (mypy binds a ClassVar callable)
             return json.dumps({"apart": _layout(self._whole_state(), [])})
         return json.dumps(self._meta())
 
@@ -295,24 +298,24 @@ class CompressedKVCache(ABC):
         """Stored rows (without spare capacity), their positions, remembered queries, what the kind of cache
         keeps besides (:meth:`_extra_state`), meta; where mlx_lm saves :attr:`meta_state` apart, its arrays alone."""
         whole = self._whole_state()
-        if self.meta_apart():
+        if type(self).meta_apart():
             arrays: list[mx.array] = []
             _layout(whole, arrays)
             return arrays
         return whole
 
-    def _whole_state(self) -> tuple[Any, ...]:
-        """What :attr:`state` is where mlx_lm saves it alone (mlx-lm 0.32), meta string last."""
-        return (*self.store.state, self.memory.queries, *self._extra_state(), json.dumps(self._meta()))
-
     @state.setter
-    def state(self, value: tuple[Any, ...]) -> None:
+    def state(self, value: Sequence[Any]) -> None:
         info = json.loads(value[-1])
         self.store = RowStore(info["bits"], info["group_size"], self.store_step)
         self.store.load(tuple(value[:3]))
         self.memory = QueryMemory(value[3], info.get("queries_end", info["offset"]))
         self.offset, self.evicted = info["offset"], info["evicted"]
         self._load_extra(tuple(value[4:-1]), info)
+
+    def _whole_state(self) -> tuple[Any, ...]:
+        """What :attr:`state` is where mlx_lm saves it alone (mlx-lm 0.32), meta string last."""
+        return (*self.store.state, self.memory.queries, *self._extra_state(), json.dumps(self._meta()))
 
     def _extra_state(self) -> tuple[Any, ...]:
         """Arrays a kind of cache saves besides rows and queries (between them and the meta string)."""
@@ -322,7 +325,7 @@ class CompressedKVCache(ABC):
         """Restore what :meth:`_extra_state` saved (``extra``) and :meth:`_meta` added (``info``)."""
 
     @classmethod
-    def from_state(cls, state: tuple[Any, ...], meta_state: str | None = None) -> "CompressedKVCache":
+    def from_state(cls, state: Sequence[Any], meta_state: str | None = None) -> CompressedKVCache:
         """Rebuild a cache saved with ``save_prompt_cache`` (mlx_lm looks the class up by name); an mlx_lm that
         saves ``meta_state`` apart hands it back too, with the arrays of ``state`` alone."""
         if meta_state is not None:
@@ -376,7 +379,7 @@ class CompressedKVCache(ABC):
                 member.issued_mask = None
 
     # ----------------------------------------------------------------- the list this cache belongs to
-    def _members(self) -> list["CompressedKVCache"]:
+    def _members(self) -> list[CompressedKVCache]:
         """The caches of this cache's list in layer order (just this one without a coordinator)."""
         return self.coordinator.members if self.coordinator is not None else [self]
 
@@ -402,7 +405,7 @@ def _layout(tree: Any, arrays: list[mx.array]) -> Any:
     return tree
 
 
-def _rebuilt(layout: Any, arrays: list[mx.array]) -> Any:
+def _rebuilt(layout: Any, arrays: Sequence[mx.array]) -> Any:
     """The tree :func:`_layout` wrote as ``layout``, with ``arrays`` back in their places (lists for tuples)."""
     if isinstance(layout, dict):
         if "array" in layout:

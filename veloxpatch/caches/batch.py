@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
 from . import blocks
 
-_COPIES: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
+_COPIES: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 """Per coordinator (one per sequence's list), its members' copies from the list's latest :meth:`SequenceBatch.extract`:
 mlx_lm extracts a sequence layer by layer, first layer first, and every layer's copy must come from one copy of the
 whole list (a cross-layer method's layers share their coordinator and what it holds)."""
@@ -51,13 +51,13 @@ class SequenceBatch:
 
     # ----------------------------------------------------------------- joining and leaving
     @classmethod
-    def merge(cls, caches: list[Any]) -> "SequenceBatch":
+    def merge(cls, caches: list[Any]) -> SequenceBatch:
         """The batch of ``caches`` (one layer, one per sequence), as mlx_lm merges a prefill group."""
         for cache in caches:
             _check_member(cache)
         return cls(list(caches))
 
-    def extend(self, other: "SequenceBatch") -> None:
+    def extend(self, other: SequenceBatch) -> None:
         """Append ``other``'s sequences (mlx_lm joins a prefill group to the running batch so)."""
         if not isinstance(other, SequenceBatch):
             raise TypeError(f"a batch of compressed caches extends with another ({type(other).__name__} given)")
@@ -65,7 +65,7 @@ class SequenceBatch:
 
     def filter(self, batch_indices: Any) -> None:
         """Keep the sequences at ``batch_indices``, in that order."""
-        keep = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        keep = cast(list[int], batch_indices.tolist()) if isinstance(batch_indices, mx.array) else list(batch_indices)
         self.members = [self.members[i] for i in keep]
 
     def extract(self, idx: int) -> Any:

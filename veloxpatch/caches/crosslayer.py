@@ -65,9 +65,10 @@ class CrossLayerCache(CompressedKVCache):
         """The member layers (``cache.layer``) whose rows fold together with this layer's."""
 
     @abstractmethod
-    def joint(self, parts: list[tuple[mx.array, mx.array]]) -> tuple[list[Any], Any]:
+    def joint(self, parts: list[Any]) -> tuple[list[Any], Any]:
         """The joint step over the group's (keys, values) rows of one range, in layer order:
-        each member's own part (same order) and the part the group shares."""
+        each member's own part (same order) and the part the group shares. (A method folding something else
+        than keys and values, XQuant's X, passes its own rows.)"""
 
     @abstractmethod
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
@@ -180,7 +181,7 @@ class CrossLayerCache(CompressedKVCache):
         self.offset = prefix
         return n
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "CrossLayerCache":
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> CrossLayerCache:
         """The base's quantized copy (exact rows quantized, folds as they are), with lists of its own."""
         out = super().to_quantized(group_size, bits)
         if out is not self:

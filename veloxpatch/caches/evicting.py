@@ -119,7 +119,7 @@ class Snapshot:
 
     def __init__(self, cache: EvictingCache) -> None:
         self.offset, self.evicted = cache.offset, cache.evicted
-        self.store, self.memory, self.policy = (copy.copy(x) for x in (cache.store, cache.memory, cache.policy))
+        self.store, self.memory, self.policy = copy.copy(cache.store), copy.copy(cache.memory), copy.copy(cache.policy)
 
     def restore(self, cache: EvictingCache) -> None:
         """Put the cache back as the prompt left it. The snapshot is used up: the cache writes its next rows in
@@ -136,6 +136,7 @@ class Snapshot:
         saw is lost since, only moved between store and tier, so its tier is every row held now from before the
         prompt's end that its store does not hold. The tier's rows stay as they are stored; rows of the store now
         are tiered again (exact ones for the first time; one a later prompt took back, requantized)."""
+        assert cache.tier is not None, "restored with a tier only"
         kept = self.store.row_positions()
         seen = mx.zeros((*kept.shape[:2], self.offset + 1), mx.bool_)
         seen = mx.put_along_axis(seen, mx.where(kept < 0, self.offset, kept), mx.array(True), axis=-1)
@@ -246,8 +247,9 @@ class EvictingCache(CompressedKVCache):
     def rows_before(self, n: int) -> int:
         """The stored rows, and the tier's where the step will take them back: a model that applies the mask it
         asked for itself (multi-head latent attention scores its rotary part so) needs it as wide as the keys."""
-        back = self.tier is not None and bool(self.tier.rows) and self._takes_back(n)
-        return self.size() + (self.tier.rows if back else 0)
+        if self.tier is None or not self.tier.rows or not self._takes_back(n):
+            return self.size()
+        return self.size() + self.tier.rows
 
     def _takes_back(self, n: int) -> bool:
         """Whether a step of ``n`` tokens is a prompt chunk, or a decode-sized step that ``attend`` will find over
@@ -270,6 +272,7 @@ class EvictingCache(CompressedKVCache):
         (SqueezeAttention's pooled scores), orders this rank's communication unlike the others' (they deadlock).
         The rest is done a half at a time (:meth:`RowStore.take_in`): the store now holds the whole context at
         full precision, and the copies that made it go before the step's attention."""
+        assert self.tier is not None, "taken back from a tier with rows"
         if self.coordinator is None or not self.coordinator.span.split:
             mx.eval(keys, values)
         rows, state = self.tier.drain()
@@ -322,6 +325,7 @@ class EvictingCache(CompressedKVCache):
         (the whole context) are freed before the next layer takes its own back. Left lazy, one graph holds every
         layer's at once, and reading with a tier peaks as high as the full cache."""
         self.took_back = False
+        assert self.tier is not None, "after a step that took the tier back"
         held = [(s.keys, s.values, s.positions) for s in (self.store, self.tier.store) if s.positions is not None]
         mx.eval(out, held)
 
@@ -348,6 +352,7 @@ class EvictingCache(CompressedKVCache):
     def _to_tier(self, index: mx.array) -> None:
         """Hand the rows not in ``index`` to the tier, as many as it has room for (:meth:`tier_rows`): the best
         of them by the policy's score where they do not all fit (the rest are lost)."""
+        assert self.tier is not None, "called with a tier only"
         positions = self.store.row_positions()
         keys, values = self.store.fetch()
         kept = _mask(positions, index)
@@ -371,7 +376,10 @@ class EvictingCache(CompressedKVCache):
         if self.limit is not None:
             return self.limit.tier_rows(self.budget_rows(), self.batch)
         rows = self.tier_size.rows(keep)
-        return self.offset if rows is None else self.tier.rows_like(rows, keys)
+        if rows is None:
+            return self.offset
+        assert self.tier is not None, "asked by _to_tier, with a tier"
+        return self.tier.rows_like(rows, keys)
 
     def protected(self, positions: mx.array) -> mx.array:
         """Rows never evicted: the first ``sink`` tokens and the last ``window`` tokens."""
@@ -393,7 +401,7 @@ class EvictingCache(CompressedKVCache):
             self.tier.trim_to(self.offset)
         return n
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> CompressedKVCache:
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> EvictingCache:
         """The base's quantized copy (``kv_bits`` applies to the rows held; the tier keeps its own format), with
         a policy and tier of its own."""
         out = super().to_quantized(group_size, bits)
@@ -423,6 +431,8 @@ class EvictingCache(CompressedKVCache):
         if "tier_bits" in info:
             self.use_tier(info["tier_bits"], TierSize.parse(info.get("tier_size", "all")))
             if extra:
-                *extra, held = extra
+                assert self.tier is not None, "tier_bits is saved with a tier only"
+                *policy, held = extra
+                extra = tuple(policy)
                 self.tier.load(held, info["tier_group"])
         self.policy.load(self, tuple(extra))

@@ -73,7 +73,8 @@ class SlotLayout:
 def layout_of(cache: Any) -> SlotLayout:
     """The layout of one of mlx_lm's caches after a forward: a cache of keys and values (rotating or not), or
     one of fixed size (its bytes; a quantized cache counts as growing, with its rows as they are stored)."""
-    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    keys: Any = getattr(cache, "keys", None)  # mlx_lm's: an array, a quantized triple, or none
+    values: Any = getattr(cache, "values", None)
     if isinstance(keys, mx.array) and isinstance(values, mx.array):
         return SlotLayout(keys.shape[1], keys.shape[3], values.shape[3], keys.dtype.size,
                           getattr(cache, "max_size", None))

@@ -14,7 +14,8 @@ is then a (packed, scales, biases) triple); either way every stored array has ro
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -34,7 +35,8 @@ def decode(parts: Parts, bits: int | None, group_size: int) -> mx.array:
     """What :func:`encode` stored, back as an array (dequantized in the original dtype)."""
     if bits is None:
         return parts[0]
-    return mx.dequantize(*parts, group_size=group_size, bits=bits).astype(parts[1].dtype)
+    packed, scales, biases = parts
+    return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits).astype(scales.dtype)
 
 
 def _grow(parts: Parts, extra: int) -> Parts:
@@ -91,18 +93,24 @@ class RowStore:
     def capacity(self) -> int:
         return 0 if self.positions is None else self.positions.shape[2]
 
+    def _held(self) -> tuple[Parts, Parts, mx.array]:
+        """Keys, values and positions, which the first rows written (or loaded) make: a store is read after that."""
+        assert self.keys is not None and self.values is not None and self.positions is not None, "no rows yet"
+        return self.keys, self.values, self.positions
+
     def fetch(self) -> tuple[mx.array, mx.array]:
         """Every stored row (holes included), decoded."""
-        return self.decode(_head(self.keys, self.rows)), self.decode(_head(self.values, self.rows))
+        keys, values, _ = self._held()
+        return self.decode(_head(keys, self.rows)), self.decode(_head(values, self.rows))
 
     def row_positions(self) -> mx.array:
         """Original token position of each stored row, (B, H, rows); -1 marks a hole."""
-        return _head((self.positions,), self.rows)[0][..., 0]
+        return _head((self._held()[2],), self.rows)[0][..., 0]
 
     @property
     def nbytes(self) -> int:
         """Physical bytes held, spare capacity included."""
-        if self.positions is None:
+        if self.keys is None or self.values is None or self.positions is None:
             return 0
         return sum(p.nbytes for p in (*self.keys, *self.values, self.positions))
 
@@ -124,7 +132,7 @@ class RowStore:
             return self.encode(half if index is None else take_rows((half,), index)[0])
         return self._merge(rows, positions.astype(mx.int32), 0)
 
-    def take_in(self, other: "RowStore", spare: int = 0) -> mx.array:
+    def take_in(self, other: RowStore, spare: int = 0) -> mx.array:
         """Every row of ``other`` (another format: a tier's) merged in as :meth:`merge` does, with ``spare`` free
         rows after them (room for the next append); returns the same order.
 
@@ -142,7 +150,7 @@ class RowStore:
         if self.rows:
             positions = mx.concatenate([self.row_positions(), positions], axis=-1)
         when = mx.where(positions < 0, LATE, positions)
-        order = mx.argsort(when, axis=-1)[..., : int((when < LATE).sum(axis=-1).max().item())]
+        order = mx.argsort(when, axis=-1)[..., : int((when < LATE).sum(axis=-1).max())]
         total = positions.shape[-1]
         index = mx.concatenate([order, mx.broadcast_to(mx.arange(total, total + spare, dtype=order.dtype),
                                                        (b, h, spare))], axis=-1)
@@ -171,11 +179,13 @@ class RowStore:
         return out
 
     def _write(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
-        """Encode ``keys``/``values`` (B, H, n, d) and write them, with ``positions`` (B, H, n), after the stored rows."""
+        """Encode ``keys``/``values`` (B, H, n, d) and write them, with ``positions`` (B, H, n), after the stored
+        rows."""
         n = keys.shape[2]
         self._reserve(n, keys, values)
         new = (self.encode(keys), self.encode(values), (positions[..., None],))
-        for stored, fresh in zip((self.keys, self.values, (self.positions,)), new):
+        held_keys, held_values, held_positions = self._held()
+        for stored, fresh in zip((held_keys, held_values, (held_positions,)), new):
             for target, part in zip(stored, fresh):
                 target[..., self.rows : self.rows + n, :] = part
         self.rows += n
@@ -198,14 +208,14 @@ class RowStore:
         positions = self.row_positions()
         left = (positions >= 0) & (positions < prefix)
         last = mx.where(left, mx.arange(self.rows), -1).max()
-        rows = int(last.item()) + 1
+        rows = int(last) + 1
         kept = left[..., :rows]
         self.holes = rows > 0 and not bool(kept.all().item())
         if self.holes:
-            self.positions[..., :rows, :] = mx.where(kept, positions[..., :rows], HOLE)[..., None]
+            self._held()[2][..., :rows, :] = mx.where(kept, positions[..., :rows], HOLE)[..., None]
         self.rows = rows
 
-    def quantized(self, bits: int, group_size: int) -> "RowStore":
+    def quantized(self, bits: int, group_size: int) -> RowStore:
         """A copy of this store in mlx's quantized format (``bits`` per element).
 
         Raises ValueError (mlx's own message) for a format mlx cannot store these rows in.
@@ -224,13 +234,13 @@ class RowStore:
     def tie(self, dependency: mx.array) -> None:
         """Make the stored rows depend on ``dependency`` in the graph, so evaluating the state (as
         mlx_lm does after every prompt chunk) evaluates it too. Needs rows to hang it on."""
-        self.positions = mx.depends(self.positions, dependency)
+        self.positions = mx.depends(self._held()[2], dependency)
 
     # ----------------------------------------------------------------- saving
     @property
     def state(self) -> tuple[Any, ...]:
         """Stored rows without spare capacity: (key parts, value parts, positions)."""
-        if self.positions is None:
+        if self.keys is None or self.values is None or self.positions is None:
             return None, None, None
         return _head(self.keys, self.rows), _head(self.values, self.rows), self.row_positions()
 
@@ -260,5 +270,6 @@ class RowStore:
 
     def _rebuild(self, rebuild: Callable[[Parts], Parts]) -> None:
         """Replace keys, values and positions alike (they share their rows axis)."""
-        self.keys, self.values = rebuild(self.keys), rebuild(self.values)
-        (self.positions,) = rebuild((self.positions,))
+        keys, values, positions = self._held()
+        self.keys, self.values = rebuild(keys), rebuild(values)
+        (self.positions,) = rebuild((positions,))

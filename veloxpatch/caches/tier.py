@@ -12,8 +12,9 @@ Rows come back as the tier holds them (dequantized): at 16 bits exactly, at fewe
 A tier holds at most ``VELOX_TIER_SIZE`` budgets of rows (or what ``VELOX_KV_MEMORY`` leaves it), the best by the
 policy's score where more are dropped, so the memory it takes is bounded by the budget like the store's. The
 default, three budgets at 8 bits, takes about as many bytes as the budget's own rows in float32 (1.6-1.7x them where
-the model's rows are 16-bit: scales and biases are kept in the rows' dtype; 4 bits halves it, and cost Gemma 3 270M retrieval: docs/results.md), and at a budget of 25% it holds every row
-the store drops. The tier keeps its rows in time order per head (holes last), as the row store does, so a trim stays exact; rows
+the model's rows are 16-bit: scales and biases are kept in the rows' dtype; 4 bits halves it, and cost Gemma 3 270M
+retrieval: docs/results.md), and at a budget of 25% it holds every row the store drops. The tier keeps its rows in
+time order per head (holes last), as the row store does, so a trim stays exact; rows
 taken back merge into the store in time order too (SnapKV pools scores over neighbouring rows). A policy's state of
 a row (H2O's accumulated attention: :meth:`~.evicting.Policy.row_state`) goes with the row and comes back with it.
 """

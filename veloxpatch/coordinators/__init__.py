@@ -52,7 +52,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -149,7 +149,7 @@ class Coordinator:
         if self.span.split:
             settle()
             sums = mx.distributed.all_sum(sums, stream=mx.cpu)
-        totals, counts = sums.tolist()
+        totals, counts = cast(list[list[float]], sums.tolist())
         return [total / count if count else None for total, count in zip(totals, counts)]
 
     def head_mean(self, value: mx.array) -> mx.array:

@@ -32,7 +32,8 @@ import copy
 import functools
 import inspect
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import wrapt
 
@@ -170,7 +171,7 @@ class _PlainMemberMixin:
 
 
 @functools.cache
-def _plain_member() -> type:
+def _plain_member() -> type[Any]:
     """``_PlainMember``: the mixin on mlx_lm's ``KVCache``, made on first use (importing veloxpatch does not
     import mlx_lm)."""
     return compat.mixed_into(_PlainMemberMixin, "KVCache")

@@ -28,8 +28,9 @@ import functools
 import importlib
 import inspect
 import pickle
+from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import mlx.core as mx
 
@@ -101,12 +102,12 @@ def replace_running_caches(generator: Any, replace: Callable[[Any], Any]) -> Non
 
 
 # --------------------------------------------------------------------- KVCache and BatchKVCache
-def cache_class(name: str) -> type:
+def cache_class(name: str) -> type[Any]:
     """mlx_lm's ``models.cache.<name>`` (``KVCache``, ``BatchKVCache``)."""
     return getattr(_mlx_lm("models.cache"), name)
 
 
-def mixed_into(mixin: type, base: str) -> type:
+def mixed_into(mixin: type, base: str) -> type[Any]:
     """``mixin`` on mlx_lm's ``models.cache.<base>`` (a name in :data:`PROTOCOL`), named as the mixin
     without its "Mixin": the mixin may override the methods listed there, called as listed."""
     parent = getattr(_mlx_lm("models.cache"), base)
@@ -220,7 +221,8 @@ SERVER_LAYOUTS: dict[str, Callable[[], str | None]] = {
 # --------------------------------------------------------------------- checking the layouts
 def _names(function: Callable) -> list[str]:
     """``function``'s parameter names, ``*args`` and ``**kwargs`` marked: what callers bind to."""
-    prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    prefix: dict[inspect._ParameterKind, str] = {inspect.Parameter.VAR_POSITIONAL: "*",
+                                                 inspect.Parameter.VAR_KEYWORD: "**"}
     return [prefix.get(p.kind, "") + p.name for p in inspect.signature(function).parameters.values()]
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from ..cpu import float32_wanted
 from . import batched, compat, float32, server, version, wrappers
@@ -124,7 +125,8 @@ MODULES = tuple(dict.fromkeys(f.module for f in FEATURES))
 
 def parameters(function: Callable) -> str:
     """``function``'s parameters as ``(a, b, *args, **kwargs)``: what callers bind to."""
-    prefix = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    prefix: dict[inspect._ParameterKind, str] = {inspect.Parameter.VAR_POSITIONAL: "*",
+                                                 inspect.Parameter.VAR_KEYWORD: "**"}
     return f"({', '.join(prefix.get(p.kind, '') + p.name for p in inspect.signature(function).parameters.values())})"
 
 

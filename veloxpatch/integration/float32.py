@@ -9,7 +9,8 @@ norms, embeddings left dense) change.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,8 +18,8 @@ import wrapt
 from mlx.utils import tree_flatten
 
 from ..cpu import float32_wanted
-from ..log import log
 from ..fallback import fall_back
+from ..log import log
 from .state import STATE
 
 LOW = (mx.float16, mx.bfloat16)

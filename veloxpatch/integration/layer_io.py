@@ -120,13 +120,14 @@ def _cache_takers(model: Any) -> dict[str, tuple[type, Parameters]]:
     """Dotted module path -> (class defining its ``__call__``, that call's parameters), for every
     module of ``model`` whose ``__call__`` takes a cache (signatures read once per class)."""
     per_class: dict[type, tuple[type, Parameters] | None] = {}
-    takers = {}
+    takers: dict[str, tuple[type, Parameters]] = {}
     for name, module in model.named_modules():
         cls = type(module)
         if cls not in per_class:
             per_class[cls] = _defined_call(cls)
-        if per_class[cls] is not None:
-            takers[name] = per_class[cls]
+        found = per_class[cls]
+        if found is not None:
+            takers[name] = found
     return takers
 
 
@@ -134,7 +135,9 @@ def _defined_call(cls: type) -> tuple[type, Parameters] | None:
     """The class in ``cls``'s MRO that defines the ``__call__`` it runs, and its parameters (None if it
     takes no cache): wrapping that class once serves every subclass that inherits it."""
     owner = next((c for c in cls.__mro__ if "__call__" in vars(c)), None)
-    params = None if owner is None else Parameters.of(vars(owner)["__call__"])
+    if owner is None:
+        return None
+    params = Parameters.of(vars(owner)["__call__"])
     return None if params is None else (owner, params)
 
 
@@ -151,10 +154,10 @@ def _wrap(owner: type, wrapper: Wrapper) -> None:
     if key not in STATE.swaps:
         original = vars(owner)["__call__"]
         STATE.swaps[key] = Swap("__call__", original, wrapt.FunctionWrapper(original, wrapper), owner)
-        owner.__call__ = STATE.swaps[key].replacement
+        setattr(owner, "__call__", STATE.swaps[key].replacement)  # a class's method, replaced
 
 
-def _listener(params: Parameters, args: tuple, kwargs: dict) -> CompressedKVCache | None:
+def _listener(params: Parameters, args: tuple, kwargs: dict) -> CompressedKVCache | SequenceBatch | None:
     """The call's cache when it is one of ours (or a batch of ours) that wants layer inputs and outputs."""
     cache = params.cache(args, kwargs)
     return cache if isinstance(cache, (CompressedKVCache, SequenceBatch)) and cache.wants_layer_io else None

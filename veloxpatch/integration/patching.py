@@ -24,6 +24,7 @@ from typing import Any
 import wrapt
 
 from .. import ranks, stats
+from ..caches import CompressedKVCache
 from ..config import ConfigError, VeloxConfig, from_env
 from ..cpu import float32_wanted
 from ..fallback import StrictError, fall_back, notice
@@ -31,10 +32,10 @@ from ..log import configure as configure_logging
 from ..log import log
 from ..registry import METHODS
 from ..settings import strict_requested
-from ..caches import CompressedKVCache
 from . import batched, compat, features, threads, version
 from .features import Feature
 from .state import STATE, Swap
+
 
 def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
     """Switch compressed caches (and ``VELOX_FLOAT32``) on for mlx_lm; True if mlx_lm is (or will be) patched.
@@ -103,7 +104,8 @@ def patch_from_env(serving: bool = False) -> bool:
         loaded = from_env()
     except Exception as error:  # a bad value (ConfigError), or a method module that fails to import
         configure_logging("WARNING")
-        reason = error if isinstance(error, ConfigError) else f"reading the settings failed ({type(error).__name__}: {error})"
+        reason = (error if isinstance(error, ConfigError)
+                  else f"reading the settings failed ({type(error).__name__}: {error})")
         log.error("%s; running unpatched", reason)
         if strict_requested():
             raise

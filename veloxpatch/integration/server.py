@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import difflib
 import threading
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import wrapt
 
@@ -75,7 +76,7 @@ class Ticket:
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config}
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "Ticket":
+    def __deepcopy__(self, memo: dict[int, Any]) -> Ticket:
         """Itself: it rides on a batched request's cache list (:mod:`.batched`), and the copies the batch gives back
         must report to the one request."""
         return self
@@ -86,7 +87,7 @@ class Ticket:
         self.started, self.prompt_tokens = True, prompt_tokens
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["config"])
+        type(self).__init__(self, state["config"])
 
     def finish(self) -> None:
         self._done.set()
@@ -96,7 +97,7 @@ class Ticket:
         list the server stores for it."""
         if self.started and not self._done.wait(WAIT_S):
             log.warning("the KV usage of a request was not measured within %.0f s", WAIT_S)
-        held = self.held or dict.fromkeys(("kv_bytes", "dense_kv_bytes", "rows_kept", "rows_seen"))
+        held: dict[str, Any] = self.held or dict.fromkeys(("kv_bytes", "dense_kv_bytes", "rows_kept", "rows_seen"))
         seen = held["rows_seen"]
         share = round(held["rows_kept"] / seen, 4) if seen else (None if seen is None else 1.0)
         return {"kv": self.config.kv, "budget": str(self.config.budget) if self.config.enabled else None,

@@ -1,14 +1,15 @@
 """What is patched right now: the active config, every attribute swapped (for exact undo), each feature
-decided (on, or off and why), whether this thread is inside a batched generation left to mlx_lm, and the config in force on
-this thread (a server request's own settings while it is served, :mod:`.server`)."""
+decided (on, or off and why), whether this thread is inside a batched generation left to mlx_lm, and the config in
+force on this thread (a server request's own settings while it is served, :mod:`.server`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from ..config import VeloxConfig
 from ..log import once
@@ -16,8 +17,8 @@ from ..log import once
 
 @dataclass
 class Swap:
-    """One function replaced in mlx_lm (or ``threading.Thread.start``, :mod:`.threads`): the original and our replacement, bound on ``owner`` (a class)
-    or, when that is None, at every module-level binding of ``name``."""
+    """One function replaced in mlx_lm (or ``threading.Thread.start``, :mod:`.threads`): the original and our
+    replacement, bound on ``owner`` (a class) or, when that is None, at every module-level binding of ``name``."""
 
     name: str
     original: Any

@@ -27,7 +27,8 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import wrapt
 

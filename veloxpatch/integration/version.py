@@ -50,9 +50,10 @@ def too_old(version: str | None) -> bool:
     return version is None or parse(version) < OLDEST
 
 
-def newer_than_tested(version: str) -> bool:
-    """True for a minor above :data:`NEWEST_TESTED` (a patch release of a tested minor counts as tested)."""
-    return parse(version)[:2] > NEWEST_TESTED
+def newer_than_tested(version: str | None) -> bool:
+    """True for a minor above :data:`NEWEST_TESTED` (a patch release of a tested minor counts as tested); False
+    for None (not installed: :func:`too_old`)."""
+    return version is not None and parse(version)[:2] > NEWEST_TESTED
 
 
 def describe(version: str | None) -> str:

@@ -20,21 +20,22 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import wrapt
 
 from .. import builder, stats, structure
-from ..fallback import StrictError, fall_back
-from ..settings import ConfigError
 from ..caches import CompressedKVCache, blocks, window
 from ..caches.batch import SequenceBatch
 from ..caches.schedule import Schedule
-from ..cpu import cpu_backend
 from ..coordinators import coordinators_of
+from ..cpu import cpu_backend
+from ..fallback import StrictError, fall_back
 from ..log import once
 from ..ranks import RanksDisagree
+from ..settings import ConfigError
 from . import layer_io
 from .state import in_batched_generation, in_force
 
@@ -145,8 +146,9 @@ def start_generation(caches: Any, model: Any, prompt: int | None = None) -> None
     file never went through ``make_prompt_cache``, where they are installed otherwise), and each cache
     learns that its next ``prompt`` tokens (when known) are the prompt."""
     found = ours(caches)
-    for cache in found if prompt else ():
-        cache.expect_prompt(prompt)
+    if prompt:
+        for cache in found:
+            cache.expect_prompt(prompt)
     if model is not None and any(c.wants_layer_io for c in found):
         layer_io.install(model)
     _adopt(found)
@@ -200,8 +202,8 @@ def _share_memory_plan(arguments: dict[str, Any]) -> None:
     caches, first = arguments.get("prompt_cache"), len(arguments["model"].layers)
     if not isinstance(caches, (list, tuple)):
         return
-    parts = [[c for c in ours(part) if getattr(c, "limit", None) is not None]
-             for part in (caches[:first], caches[first:])]
+    parts: list[list[Any]] = [[c for c in ours(part) if getattr(c, "limit", None) is not None]  # evicting ones
+                              for part in (caches[:first], caches[first:])]
     if not all(parts) or not all(c.empty() for c in parts[0] + parts[1]):
         return
     main, draft = parts[0][0].limit, parts[1][0].limit

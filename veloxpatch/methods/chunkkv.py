@@ -42,7 +42,6 @@ from ..log import once
 from ..registry import method
 from ..settings import Setting, int_range
 
-
 KNOBS = (
     Setting("VELOX_CHUNKKV_CHUNK", int_range(1, 1024), "10", "an integer in [1, 1024]",
             "ChunkKV: tokens per chunk; chunks are kept or evicted whole.", method="chunkkv"),
@@ -151,16 +150,20 @@ class ChunkKV(Policy):
         """The rows holding the positions this block's leader chose (``what``) in this forward, or None
         (said once) when there is no such choice or it does not fit this layer."""
         coordinator = cache.coordinator
-        shared = isinstance(coordinator, ChunkKVIndexReuseCoordinator)
-        chosen = coordinator.shared(cache.layer, self.reuse, what) if shared else None
+        chosen = None
+        if isinstance(coordinator, ChunkKVIndexReuseCoordinator):
+            chosen = coordinator.shared(cache.layer, self.reuse, what)
         positions = cache.store.row_positions()
         if chosen is None:
-            return _fallback("its leader layer did not compress in this forward")
+            _fallback("its leader layer did not compress in this forward")
+            return None
         if tuple(chosen.shape) != (*positions.shape[:2], keep):
-            return _fallback("its leader's choice has another shape (batch, KV heads or budget differ)")
+            _fallback("its leader's choice has another shape (batch, KV heads or budget differ)")
+            return None
         rows = rows_of(positions, chosen, cache.offset)
         if not bool((rows >= 0).all().item()):
-            return _fallback("its leader kept positions it does not hold")
+            _fallback("its leader kept positions it does not hold")
+            return None
         return rows
 
 
@@ -188,7 +191,6 @@ def rows_of(positions: mx.array, wanted: mx.array, seen: int) -> mx.array:
 def _fallback(reason: str) -> None:
     once(f"chunkkv reuse: {reason}", logging.INFO,
          f"chunkkv: a follower layer chose its own chunks because {reason} (said once)")
-    return None
 
 
 @method("chunkkv", "Window attention summed over chunks of consecutive tokens; whole chunks kept, per KV head.",

@@ -43,7 +43,7 @@ Where this deviates from the paper, and why:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -78,6 +78,7 @@ def received_mass(queries: mx.array, keys: mx.array, scale: float, positions: mx
         total = mass if total is None else total + mass
         if block < n:
             mx.eval(total)  # left lazy, every block's probabilities would be alive at once
+    assert total is not None, "no queries"
     return total
 
 
@@ -109,6 +110,7 @@ def attention_with_mass(queries: mx.array, keys: mx.array, values: mx.array, sca
         total = mass if total is None else total + mass
         if block < n:
             mx.eval(outs[-1], total)  # left lazy, every block's probabilities would be alive at once
+    assert total is not None, "no queries"
     return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)), total
 
 
@@ -214,8 +216,8 @@ class H2O(Policy):
         """The accumulated mass of the first ``rows`` rows; rows not accounted yet have none."""
         have = 0 if self.mass is None else self.mass.shape[-1]
         if have == rows:
-            return self.mass
-        b, h = cache.store.positions.shape[:2]
+            return cast(mx.array, self.mass)  # None only when asked for no rows before any mass
+        b, h = cache.store.row_positions().shape[:2]
         fresh = mx.zeros((b, h, rows - have), mx.float32)
         return fresh if self.mass is None else mx.concatenate([self.mass, fresh], axis=-1)
 
@@ -225,6 +227,7 @@ class H2OCache(EvictingCache):
     """H2O's cache: its rows chosen by :class:`H2O`."""
 
     policy_class = H2O
+    policy: H2O
 
     def _attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
                    sinks: mx.array | None, kept: mx.array | None = None) -> mx.array:

@@ -68,10 +68,10 @@ import math
 
 import mlx.core as mx
 
-from ..settings import Budget, Setting, number_range
+from ..caches.crosslayer import CrossLayerCache, Fold
 from ..log import once
 from ..registry import method
-from ..caches.crosslayer import CrossLayerCache, Fold
+from ..settings import Budget, Setting, number_range
 
 MIN_FOLD = 32  # exact rows beyond the window that fold at once (see ``min_fold``)
 PARALLEL = 1e-4  # radians from 0 or pi within which SLERP is 0/0: renormalised linear interpolation
@@ -167,7 +167,7 @@ class MiniCacheCache(CrossLayerCache):
             out.append(_put_back(own[x + "n"][..., None] * direction, own[x + "i"], own[x + "r"]))
         return out[0], out[1]
 
-    def _merge(self, first: mx.array, second: mx.array) -> tuple[mx.array, list[tuple[mx.array, ...]]]:
+    def _merge(self, first: mx.array, second: mx.array) -> tuple[mx.array, list[tuple[mx.array, mx.array, mx.array]]]:
         """Rows (B, heads, T, dim) of the two layers -> the merged unit directions (B, heads, T, dim) and
         per layer (norms (B, heads, T), retained positions (B, heads, r), their exact rows)."""
         dtype = first.dtype
@@ -205,7 +205,7 @@ def _positions(keep: mx.array) -> mx.array:
     """(B, heads, T) bool -> (B, heads, r) int32: each head's kept positions ascending, padded with T
     (``r``: the most any head keeps, possibly 0)."""
     tokens = keep.shape[-1]
-    count = int(keep.sum(axis=-1).max().item()) if keep.size else 0
+    count = int(keep.sum(axis=-1).max()) if keep.size else 0
     order = mx.where(keep, mx.arange(tokens, dtype=mx.int32), tokens)
     return mx.sort(order, axis=-1)[..., :count]
 

@@ -32,7 +32,6 @@ from ..caches.evicting import EvictingCache
 from ..registry import cache_class, method
 from ..settings import Setting, number_range
 
-
 KNOBS = (
     Setting("VELOX_PYRAMIDKV_BETA", number_range(1), "20", "a number >= 1",
             "PyramidKV: the top layer keeps 1/beta of the mean budget above sink + window (1: uniform).",

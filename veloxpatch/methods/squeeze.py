@@ -64,7 +64,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -201,15 +201,15 @@ class SqueezeCoordinator(Coordinator):
                  "(they do not attend through veloxpatch); their list runs on uniform budgets")
             self.pooled_shares = None
         else:
-            self.pooled_shares = squeeze_shares(means, self.members[0].strength)
+            self.pooled_shares = squeeze_shares(cast(list[float], means), self.members[0].strength)  # no None
         for member in self.members:
-            member.share = None if missing else self.pooled_shares[self.position(member)]
+            member.share = None if self.pooled_shares is None else self.pooled_shares[self.position(member)]
 
 
 def shares_of(members: Sequence[Any]) -> tuple[float, ...] | None:
     """Every member's share, or None while any is unset (or the list has one member)."""
     shares = tuple(getattr(member, "share", None) for member in members)
-    return None if len(shares) < 2 or None in shares else shares
+    return None if len(shares) < 2 or None in shares else cast(tuple[float, ...], shares)
 
 
 @method("squeeze", "Layer budgets set by how much each layer's attention changes the hidden state over the prompt "
@@ -278,6 +278,7 @@ class SqueezeCache(EvictingCache):
         input is let go at every step (kept, it would hold the step's activations alive)."""
         hidden, self.block_input = self.block_input, None
         if self.awaiting:
+            assert hidden is not None, "awaiting: see_block_input kept this step's block input"
             self.awaiting = False
             self._report(attention_change(hidden, output))
 
@@ -300,7 +301,7 @@ class SqueezeCache(EvictingCache):
         the next forward, it would keep what it is computed from (each layer's h and o, or its queries
         and stored keys) alive until then, above what mlx_lm's own caches hold."""
         mx.async_eval(importance)
-        self.coordinator.report(self, importance)
+        cast(SqueezeCoordinator, self.coordinator).report(self, importance)  # its coordinator_class
 
     def _without_hidden_states(self) -> None:
         """Say once when the cosine signal has to fall back to the entropy one."""

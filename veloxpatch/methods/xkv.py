@@ -44,9 +44,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..settings import Budget, ConfigError, Setting, int_range, number_range
-from ..registry import method
 from ..caches.crosslayer import CrossLayerCache, Fold
+from ..registry import method
+from ..settings import Budget, ConfigError, Setting, int_range, number_range
 
 
 def _rank(text: str) -> str:
@@ -155,7 +155,8 @@ class XKVCache(CrossLayerCache):
         if n > 1:
             exact = mx.where(mx.arange(rows)[None] <= mx.arange(rows - n, rows)[:, None], exact, -mx.inf)
         probs = mx.softmax(mx.concatenate([*logits, exact], axis=-1), axis=-1, precise=True)
-        out, at = 0, 0
+        out: mx.array | int = 0  # the folds' sum
+        at = 0
         for f in self.folds:
             p = probs[..., at : at + f.end - f.start]
             out = out + (p @ f.shared["v"][:, None, None]) @ mx.expand_dims(f.own["v"], 2)
@@ -189,7 +190,7 @@ class XKVCache(CrossLayerCache):
         if self.energy < 1:
             share = mx.cumsum(mx.maximum(energies, 0), axis=-1) / mx.maximum(energies.sum(axis=-1, keepdims=True),
                                                                           1e-30)
-            needed = int(((share < self.energy).sum(axis=-1) + 1).max().item())
+            needed = int(((share < self.energy).sum(axis=-1) + 1).max())
             rank = min(rank, needed)
         return max(rank, 1)
 

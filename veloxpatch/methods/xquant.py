@@ -86,13 +86,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import stats
-from ..settings import Budget, Setting, choice, int_range
-from ..log import model_type, once
-from ..memo import per_model
-from ..registry import method
 from ..caches.base import CompressedKVCache
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.store import Parts, RowStore, decode, encode
+from ..log import model_type, once
+from ..memo import per_model
+from ..registry import method
+from ..settings import Budget, Setting, choice, int_range
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)
@@ -286,6 +286,7 @@ class XQuantCache(CrossLayerCache):
         step = self._encode(x, self.bits)
         shared = {"x": _joined(self._held("x", shared=True), step)}
         self._set_fold(None, shared)
+        assert self.coordinator is not None, "an anchor is in a group"
         self.coordinator.publish(("xquant", self.layer), (shared, self._decode(step, self.bits), self.offset))
 
     def _add_delta(self, x: mx.array) -> None:
@@ -428,8 +429,8 @@ class XQuantCache(CrossLayerCache):
         else:
             self.folds = [replace(self.folds[0], end=end)]
         stats.totals.folds += 1
-        rows, gone = self.store.rows, end - start
-        index = mx.broadcast_to(mx.arange(gone, rows), (*self.store.row_positions().shape[:2], rows - gone))
+        stored, gone = self.store.rows, end - start
+        index = mx.broadcast_to(mx.arange(gone, stored), (*self.store.row_positions().shape[:2], stored - gone))
         self.store.keep(index, self.min_fold())
 
     # ----------------------------------------------------------------- the cache protocol
@@ -509,7 +510,7 @@ def _key_normed(module: Any, keys: mx.array) -> mx.array:
     """Keys (B, n, heads, head_dim) through the module's key norm: over each head (qwen3, gemma3, lfm2) or
     over all heads at once (olmo2), as its width says; unchanged without one (the first step's check
     catches a norm applied otherwise)."""
-    norm = next((getattr(module, name) for name in K_NORMS if hasattr(module, name)), None)
+    norm: Any = next((getattr(module, name) for name in K_NORMS if hasattr(module, name)), None)
     width = getattr(norm, "weight", mx.zeros((0,))).shape[-1]
     if width == keys.shape[-1]:
         return norm(keys)
