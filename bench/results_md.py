@@ -1,7 +1,8 @@
 """Turn ``veloxpatch eval`` / ``bench`` JSON files into docs/results.md's tables (Markdown on stdout).
 
     python bench/results_md.py velox-eval/eval.json [more eval.json ...] --bench velox-bench/bench.json ...
-    python bench/results_md.py a/eval.json b/eval.json --plot docs/results/smollm2-niah-plots   # + one PNG per (task, context)
+    # + one PNG per (task, context):
+    python bench/results_md.py a/eval.json b/eval.json --plot docs/results/smollm2-niah-plots
 
 Eval rows become one table per (task, context): a row per variant, a column per KV budget share, each cell the
 measured value and its sample count; an accuracy also shows its 95% Wilson interval (``0.80 [0.49, 0.94] n=10``), so

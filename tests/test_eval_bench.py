@@ -71,8 +71,8 @@ def test_shared_bench_matches_the_plain_bench(model_dir: Path) -> None:
     a plain run (two prompt chunks, each longer than any decode headroom); a short last chunk runs plain."""
     from mlx_lm import load
 
-    from veloxpatch.registry import METHODS
     from veloxpatch.eval.bench import BenchSpec, cases, measure, run_bench
+    from veloxpatch.registry import METHODS
 
     model, _ = load(str(model_dir))
     spec = BenchSpec([200], 48, sorted(METHODS) + ["rotating"], new_tokens=6, repeats=1, prefill_step=100)
@@ -114,7 +114,8 @@ def test_quantized_variant_matches_bytes_to_the_budget() -> None:
     assert [fp32.bits_for(s) for s in (0.5, 0.25, 0.125)] == [8, 8, 4]  # 12.5%: 4 and 2 bits tie, the wider wins
     with pytest.raises(ValueError, match="head_dim divisible by 32"):
         KVLayout(dtype_bits=16, head_dim=16).group
-    assert Variant("quantized", 0.25).generate_kwargs(fp16) == {"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 0}
+    assert Variant("quantized", 0.25).generate_kwargs(fp16) == {"kv_bits": 4, "kv_group_size": 64,
+                                                                "quantized_kv_start": 0}
     assert Variant("snapkv", 0.01).budget(1000) == 36
     five = Variant.of("quantized[bits=5]", 0.125)
     assert five.generate_kwargs(fp16)["kv_bits"] == 5 and five.label() == "quantized[bits=5]@0.125"

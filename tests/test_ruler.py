@@ -49,6 +49,48 @@ def test_prompts_fill_the_context_and_hold_the_answer(tokenizer: Any, task: str,
     assert ex != ruler.example(task, tokenizer, context, seed=4)
 
 
+@pytest.mark.parametrize("task", [t for t in ruler.RULER_TASKS if t not in ruler.TASKS])
+def test_ruler_tasks_fill_the_context_and_split_at_the_question(tokenizer: Any, task: str) -> None:
+    """RULER's own tasks: the prompt fills the context, every wanted item is in the context and none in the question,
+    the context and the question make the prompt, and an example is a function of its seed."""
+    ex = ruler.example(task, tokenizer, 2048, seed=3)
+    n = len(tokenizer.encode(ex.prompt))
+    assert 2048 * 0.97 <= n <= 2048, n
+    assert ex.context + ex.question == ex.prompt and ex.question.startswith(("What", "Find"))
+    assert all(item in ex.context for item in ex.wanted)
+    assert not any(item in ex.question for item in ex.wanted)
+    assert ex == ruler.example(task, tokenizer, 2048, seed=3)
+    assert ex != ruler.example(task, tokenizer, 2048, seed=4)
+
+
+def test_haystacks_of_needles_and_noise(tokenizer: Any) -> None:
+    """niah_single_1 hides its needle in repeated noise; niah_multikey_2/3 in needles for other keys, the asked key
+    once and its value once."""
+    noise = ruler.example("niah_single_1", tokenizer, 1024, seed=0)
+    assert noise.context.count(ruler.NOISE) > 20 and noise.context.count("special magic") == 1
+    for task, kind in (("niah_multikey_2", "numbers"), ("niah_multikey_3", "uuids")):
+        ex = ruler.example(task, tokenizer, 1024, seed=0)
+        key = ex.question.split(" for ")[1].split(" mentioned")[0]
+        assert ex.context.count(f"special magic {kind} for") > 10
+        assert ex.context.count(f"for {key} is") == 1 and ex.context.count(ex.wanted[0]) == 1
+
+
+def test_word_counting_tasks_count_right(tokenizer: Any) -> None:
+    """cwe: the asked words are the ten that appear thirty times, every other at most three; fwe: the asked words
+    are the three most frequent, each strictly more frequent than any other."""
+    import re
+    from collections import Counter
+
+    cwe = ruler.cwe(tokenizer, 4096, seed=1)
+    counts = Counter(re.findall(r"^\d+\. (\w+)$", cwe.context, flags=re.MULTILINE))
+    assert {w: counts[w] for w in cwe.wanted} == {w: 30 for w in cwe.wanted}
+    assert max(c for w, c in counts.items() if w not in cwe.wanted) == 3 and len(counts) > 100
+    fwe = ruler.fwe(tokenizer, 4096, seed=1)
+    counts = Counter(fwe.context.split("\n\n", 1)[1].split())
+    ranked = [w for w, _ in counts.most_common()]
+    assert ranked[:3] == list(fwe.wanted) and counts[ranked[2]] > counts[ranked[3]]
+
+
 def test_needles_spread_and_keep_their_order(tokenizer: Any) -> None:
     ex = ruler.trip(tokenizer, 2048, seed=0)
     where = [ex.prompt.index(f"arrived in {city}.") for city in ex.wanted]
@@ -174,3 +216,61 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
     assert start == 0 and first == tok.encode(item.prompt)
     assert held == common and second == full[common:] and held >= len(first) - 1
     assert reading.peak > 0, "reading both turns' prompts took memory"
+
+
+def test_question_after_at_equal_bytes_through_the_cli(model_dir: Path, tmp_path: Path) -> None:
+    """--question after --equal-bytes: each variant's 16-bit bytes once the context is read land near its share of
+    the full cache's (a budget measured per method: rows, positions, the tier), the journal says the protocol, and a
+    rerun reuses it."""
+    out = tmp_path / "eval"
+    args = ["eval", "--model", str(model_dir), "--tasks", "niah_single_1", "--contexts", "400", "--samples", "1",
+            "--budgets", "100%,50%", "--methods", "snapkv,rotating,snapkv[compress=chunk,tier=8]",
+            "--question", "after", "--equal-bytes", "--out", str(out), "--no-plots"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    rows = json.loads((out / "eval.json").read_text())["rows"]
+    shares = {r["label"]: r["kv16_share"] for r in rows}
+    assert shares["full"] == 1.0 and len(shares) == 4
+    assert all(0.4 <= s <= 0.6 for label, s in shares.items() if label != "full"), shares
+    journal = [json.loads(line) for line in (out / "eval.cells.jsonl").read_text().splitlines()]
+    assert {(r["key"]["protocol"], r["key"]["equal_bytes"]) for r in journal} == {("after", True)}
+    again = CliRunner().invoke(main, args)
+    assert again.exit_code == 0 and json.loads((out / "eval.json").read_text())["rows"] == rows
+
+
+def test_the_context_is_compressed_before_the_question_comes(model_dir: Path, tokenizer: Any) -> None:
+    """What the question-after protocol rests on: a generation of no tokens over the context leaves our cache
+    compressed (at most its budget and the decode headroom), so the question is asked of what survived."""
+    from mlx_lm import load
+
+    from veloxpatch.eval.variants import Variant
+
+    model, _ = load(str(model_dir))
+    ex = ruler.example("niah_single_2", tokenizer, 600, seed=1)
+    context = harness.mx.array(tokenizer.encode(ex.context))
+    caches = Variant.of("snapkv", 0.25).caches(model, context.size, budget=64)
+    try:
+        assert sharing.whole(model, context, caches, 0, 2048) == []
+        assert all(64 <= c.size() <= 64 + c.headroom(64) for c in sharing.ours(caches))
+        assert all(c.offset == context.size for c in caches)
+    finally:
+        harness.veloxpatch.unpatch()
+
+
+def test_held_bytes_count_a_16_bit_models_caches() -> None:
+    """float32 rows count half; a quantized cache's packed values count whole and its float32 scales half."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from veloxpatch.eval.equal_bytes import held_bytes
+
+    keys = mx.random.normal((1, 2, 256, 64))
+    dense = KVCache()
+    dense.update_and_fetch(keys, keys)
+    assert held_bytes([dense]) == dense.nbytes / 2
+    quantized = QuantizedKVCache(group_size=64, bits=4)
+    quantized.update_and_fetch(keys, keys)
+    packed = sum(a.nbytes for a in (quantized.keys[0], quantized.values[0]))
+    scales = sum(a.nbytes for part in (quantized.keys, quantized.values) for a in part[1:])
+    assert held_bytes([quantized]) == packed + scales / 2
+    assert held_bytes([quantized]) / held_bytes([dense]) == (4 + 2 * 16 / 64) / 16  # mlx_lm's 4-bit cache: 0.28

@@ -37,8 +37,9 @@ import copy
 import gc
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import mlx.core as mx
 
@@ -128,7 +129,7 @@ def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: Bench
             first = time.perf_counter()
             prefill_peak = mx.get_peak_memory()
             mx.reset_peak_memory()
-        tokens.append(token)
+        tokens.append(int(token))
     end = time.perf_counter()
     prefill_peak, decode_peak = max(prefill_peak - held, 0), max(mx.get_peak_memory() - held, 0)
     return Timing(first - start, (spec.new_tokens - 1) / (end - first), sum(c.nbytes for c in caches),
@@ -239,9 +240,13 @@ def _group(model: Any, prompt: mx.array, base: list[Any], members: list[tuple[in
         runs = []
         for _ in range(max(spec.repeats, 1)):
             caches = fresh()
+            assert caches is not None  # made as the first one was, which was not None
             runs.append(_decode(model, last, caches, spec, held))
             del caches
-        first_s, tok_s, kv, decode_peak = (statistics.median(r[k] for r in runs) for k in range(4))
+        first_s = statistics.median(r[0] for r in runs)
+        tok_s = statistics.median(r[1] for r in runs)
+        kv = statistics.median_low(r[2] for r in runs)  # byte counts: a run's own (median of an odd count)
+        decode_peak = statistics.median_low(r[3] for r in runs)
         timing = Timing(prefill_s + first_s, tok_s, kv, max(prefill_peak, decode_peak), prefill_peak, decode_peak,
                         reading.peak)
         yield Measured(index, context, label, variant, timing, runs[-1][4], how)
@@ -266,7 +271,7 @@ def _decode(model: Any, last: mx.array, caches: list[Any], spec: BenchSpec,
                                        prefill_step_size=spec.prefill_step)):
         if n == 0:
             first = time.perf_counter()
-        tokens.append(token)
+        tokens.append(int(token))
     end = time.perf_counter()
     return (first - start, (spec.new_tokens - 1) / (end - first), sharing.kv_bytes(caches),
             max(mx.get_peak_memory() - held, 0), tokens)

@@ -6,8 +6,9 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import click
 
@@ -53,7 +54,8 @@ def _methods(text: str) -> list[str]:
         raise click.BadParameter(str(error), param_hint="--methods") from None
     unknown = [m for m, method in zip(chosen, parsed) if method not in allowed]
     if unknown:
-        raise click.BadParameter(f"{unknown} not allowed: choose from all, {', '.join(allowed)}", param_hint="--methods")
+        raise click.BadParameter(f"{unknown} not allowed: choose from all, {', '.join(allowed)}",
+                                 param_hint="--methods")
     return chosen
 
 
@@ -87,14 +89,15 @@ def load_model(model: str | None) -> tuple[Any, Any, str]:
     if not (path / "config.json").exists():
         hint = "" if model else " (the shipped model is missing: run train/train.py --export)"
         raise click.BadParameter(f"{path} is not an mlx_lm model folder{hint}", param_hint="--model")
-    loaded, tokenizer = load(str(path))
+    loaded, tokenizer = load(str(path))[:2]  # without return_config, mlx_lm.load gives these two
     return loaded, tokenizer, str(path)
 
 
 def machine() -> str:
     import mlx.core as mx
 
-    return (f"{platform.machine()} {platform.system()}, mlx {mx.__version__} on {mx.default_device()}, "
+    version = mx.__version__  # type: ignore[attr-defined]  # mlx's stubs leave it out
+    return (f"{platform.machine()} {platform.system()}, mlx {version} on {mx.default_device()}, "
             f"{cpu.blas_in_use(dict(os.environ))}")
 
 
@@ -167,7 +170,8 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
         key.update(protocol=protocol, equal_bytes=equal_bytes)
     journal = Journal(out / "eval.cells.jsonl", key)
     started = time.time()
-    rows = report.with_byte_shares([c.row() for c in run_eval(loaded, tokenizer, spec, _progress("eval"), journal)])
+    rows = [c.row() for c in run_eval(loaded, tokenizer, spec, _progress("eval"), journal)]
+    rows = report.with_byte_shares(rows) if equal_bytes else rows
     meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
     columns = EVAL_COLUMNS + (("kv16_share",) if equal_bytes else ())
     click.echo(report.table([{**r, "result": report.result_text(r)} for r in rows], columns))
@@ -212,7 +216,8 @@ def bench_command(model, random_model, contexts, budget, methods, new_tokens, re
     step = prefill_step(prefill_step_option, model)
     spec = BenchSpec(_ints(contexts), budget, chosen, new_tokens, repeats, step, compress, share_prefill)
     if random_model:
-        loaded, path = build(config_for("llama", **LARGE_RANDOM, max_position_embeddings=1 << 16)), "random llama 8x1024"
+        loaded = build(config_for("llama", **LARGE_RANDOM, max_position_embeddings=1 << 16))
+        path = "random llama 8x1024"
     else:
         loaded, _, path = load_model(model)
     started = time.time()
@@ -238,6 +243,7 @@ def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, se
         text, last = "", None
         for last in stream_generate(model, tokenizer, prompt, max_tokens=8, prompt_cache=cache, prefill_step_size=512):
             text += last.text
+        assert last is not None, "stream_generate yielded nothing"
         first_line = (text.strip().splitlines() or [""])[0]
         rows.append({"run": name, "answer": repr(first_line), "right": tasks.is_correct(text, answer),
                      "kv_MiB": sum(c.nbytes for c in cache) / 2**20, "prompt_tok_s": last.prompt_tps,

@@ -41,7 +41,7 @@ def held_bytes(caches: list[Any], dense: bool = False) -> float:
 def _arrays(cache: Any, dense: bool) -> list[mx.array]:
     """What a cache holds: its saved state, or (``dense``, one of ours) its stored rows alone."""
     if dense and isinstance(cache, CompressedKVCache):
-        return [*cache.store.keys, *cache.store.values]
+        return sharing.rows_arrays(cache)
     return [a for _, a in tree_flatten(cache.state) if isinstance(a, mx.array)]
 
 

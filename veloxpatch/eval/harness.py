@@ -20,11 +20,13 @@ journal of cells, so a killed run keeps them and a rerun with the same arguments
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import mlx.core as mx
+
 import veloxpatch
 
 from . import equal_bytes as equal_bytes_
@@ -83,13 +85,10 @@ class Cell:
     kv16_bytes: float | None = None
 
     @classmethod
-    def of(cls, task: str, context: int, variant: Variant, samples: list[Sample]) -> "Cell":
+    def of(cls, task: str, context: int, variant: Variant, samples: list[Sample]) -> Cell:
         """The mean of a variant's samples (the reading peak only when every sample has one)."""
         n = len(samples)
-        reads = [s.read_peak_bytes for s in samples]
-        read = None if None in reads else sum(reads) / n
-        sixteen = [s.kv16_bytes for s in samples]
-        kv16 = None if None in sixteen else sum(sixteen) / n
+        read, kv16 = _mean([s.read_peak_bytes for s in samples]), _mean([s.kv16_bytes for s in samples])
         return cls(task, context, variant, sum(s.value for s in samples) / n, sum(s.kv_bytes for s in samples) / n,
                    sum(s.peak_bytes for s in samples) / n, n, read, kv16)
 
@@ -107,11 +106,17 @@ class Cell:
         }
 
     @classmethod
-    def from_row(cls, row: dict[str, Any]) -> "Cell":
+    def from_row(cls, row: dict[str, Any]) -> Cell:
         """The cell a journal line describes (``method`` carries a variant's knobs: ``snapkv[kernel=15]``)."""
         return cls(row["task"], row["context"], Variant.of(row["method"], row["share"]), row["value"],
                    row["kv_bytes"], row["peak_bytes"], row["samples"], row.get("read_peak_bytes"),
                    row.get("kv16_bytes"))
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """The mean, or None where any sample lacks the figure (journals written before it was measured)."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(values) if len(known) == len(values) else None
 
 
 @dataclass
@@ -196,7 +201,9 @@ def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spe
     from mlx_lm.models.cache import trim_prompt_cache
 
     tokens, steps = _prompt(tokenizer, item)
-    cached, answers, texts = tokens.tolist(), [], []
+    cached: list[int] = tokenizer.encode(item.prompt)  # ``tokens``' ids
+    answers: list[list[int]] = []
+    texts: list[str] = []
     for turn in range(len(item.turns)):
         last = turn == len(item.turns) - 1
         if turn:
@@ -221,8 +228,8 @@ def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit
     for token, _ in generate_step(tokens, model, max_tokens=limit, prompt_cache=caches,
                                   prefill_step_size=spec.prefill_step, prompt_progress_callback=reading.progress,
                                   **quant):
-        out.append(token)
-        if token in tokenizer.eos_token_ids:
+        out.append(int(token))  # an int already (``y.item()``), whatever mlx_lm's annotation says
+        if out[-1] in tokenizer.eos_token_ids:
             break
     return out
 
@@ -240,7 +247,7 @@ def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, sp
     chat = isinstance(item, ruler.Example) and bool(item.turns)
     shared = spec.share_prefill and not chat
     modes = sharing.plan(model, chosen) if shared else {v: sharing.PLAIN for v in chosen}
-    run = conversation if chat else retrieval
+    run: Callable[..., tuple[float, int]] = conversation if chat else retrieval  # chat: item is an Example
     for variant in chosen:
         mode = modes[variant]
         if mode == sharing.PLAIN:
@@ -333,7 +340,8 @@ def _prompt(tokenizer: Any, item: Item) -> tuple[mx.array, int]:
     """The prompt's tokens and how many to generate: the answer's, and a few tokens of slack for separators
     (RULER answers get more, for a model's own phrasing)."""
     prompt, answer = (item.prompt, item.answer) if isinstance(item, ruler.Example) else item
-    return mx.array(tokenizer.encode(prompt)), len(tokenizer.encode(answer)) + (8 if isinstance(item, ruler.Example) else 2)
+    slack = 8 if isinstance(item, ruler.Example) else 2
+    return mx.array(tokenizer.encode(prompt)), len(tokenizer.encode(answer)) + slack
 
 
 def _right(tokenizer: Any, out: list[int], item: Item) -> float:
@@ -362,9 +370,9 @@ def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: Ev
         targets = tokens[start + 1 : end + 1]
         nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
         scored = mx.arange(start, end) >= start_scoring
-        total += mx.sum(mx.where(scored, nll, 0.0)).item()
-        count += int(mx.sum(scored).item())
-    return float(mx.exp(mx.array(total / max(count, 1))).item()), sum(c.nbytes for c in caches)
+        total += float(mx.sum(mx.where(scored, nll, 0.0)))
+        count += int(mx.sum(scored))
+    return float(mx.exp(mx.array(total / max(count, 1)))), sum(c.nbytes for c in caches)
 
 
 def examples(task: str, tokenizer: Any, context: int, spec: EvalSpec) -> list[Item]:
@@ -440,7 +448,7 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
             for variant in grid:
                 key = (task, context, variant.identity())
                 if key not in done:
-                    got = [measured[(*key, s)] for s in range(spec.seed, spec.seed + spec.samples)]
+                    got = [measured[key + (s,)] for s in range(spec.seed, spec.seed + spec.samples)]
                     done[key] = Cell.of(task, context, variant, got)
                     if journal:
                         journal.add(done[key])

@@ -28,19 +28,12 @@ import hashlib
 import random
 import re
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from .tasks import (
-    SPLITS,
-    TokenizerOrLenFn,
-    _fit,
-    _insert_at_depth,
-    _len_fn,
-    excerpt,
-    random_key,
-)
+from .tasks import SPLITS, TokenizerOrLenFn, _fit, _insert_at_depth, _len_fn, excerpt, random_key
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "trip", "followup")
 # RULER's synthetic tasks under its own names (its two QA tasks need data sets that are not on PyPI); niah_single_2 and

@@ -28,7 +28,8 @@ generation starts, which a plain run did before its prompt, not between the prom
 Two checks keep it exact rather than assumed. A prompt whose chunking has a chunk no longer than the largest
 decode headroom (64 rows by default) may hold a decode-sized step (it would have compressed in the middle of a
 plain run's prompt, or been told from a prompt chunk differently at two budgets): such a prompt runs plain for the
-variant. With mlx_lm's prefill step of 2048 and prompts of 2k-8k tokens, no chunk is that short. And before a (model, method, knobs) first shares, :func:`mode` runs it both ways on a short random
+variant. With mlx_lm's prefill step of 2048 and prompts of 2k-8k tokens, no chunk is that short. And before a
+(model, method, knobs) first shares, :func:`mode` runs it both ways on a short random
 prompt at two evicting budgets: tokens, log-probabilities and the final cache state must be equal, else it falls
 back to its own prefill, then to plain, said once in the log.
 """
@@ -38,8 +39,9 @@ from __future__ import annotations
 import copy
 import weakref
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import mlx.core as mx
 
@@ -155,7 +157,7 @@ def decode(model: Any, last: mx.array, caches: list[Any], max_tokens: int, step:
     from mlx_lm.generate import generate_step
 
     raw = getattr(generate_step, "__wrapped__", generate_step)
-    return list(raw(last, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=step, **quant))
+    return tokens_of(raw(last, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=step, **quant))
 
 
 def whole(model: Any, tokens: mx.array, caches: list[Any], max_tokens: int, step: int, reading: Reading | None = None,
@@ -165,8 +167,14 @@ def whole(model: Any, tokens: mx.array, caches: list[Any], max_tokens: int, step
     from mlx_lm.generate import generate_step
 
     progress = reading.progress if reading is not None else None
-    return list(generate_step(tokens, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=step,
-                              prompt_progress_callback=progress, **quant))
+    return tokens_of(generate_step(tokens, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=step,
+                                   prompt_progress_callback=progress, **quant))
+
+
+def tokens_of(steps: Iterable[Any]) -> list[tuple[int, mx.array]]:
+    """What ``generate_step`` yields, as it is: token ids (``y.item()``; its annotation says arrays) and
+    log-probabilities."""
+    return [(int(token), logprobs) for token, logprobs in steps]
 
 
 # ----------------------------------------------------------------------------- moving a prefill
@@ -220,8 +228,20 @@ def kv_bytes(caches: list[Any], dense: bool = False) -> int:
     mlx_lm's ``KVCache`` would hold the same rows (the same capacity steps; no positions, no queries)."""
     if not dense:
         return sum(c.nbytes for c in caches)
-    return sum(sum(p.nbytes for p in (*c.store.keys, *c.store.values)) if not c.empty() else 0
-               for c in ours(caches)) + sum(c.nbytes for c in caches if not isinstance(c, CompressedKVCache))
+    return sum(rows_bytes(c) for c in ours(caches)) + sum(c.nbytes for c in caches
+                                                          if not isinstance(c, CompressedKVCache))
+
+
+def rows_arrays(cache: CompressedKVCache) -> list[mx.array]:
+    """The arrays of a cache of ours' stored keys and values (none before its first rows)."""
+    store = cache.store
+    if cache.empty() or store.keys is None or store.values is None:
+        return []
+    return [*store.keys, *store.values]
+
+
+def rows_bytes(cache: CompressedKVCache) -> int:
+    return sum(p.nbytes for p in rows_arrays(cache))
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -258,6 +278,7 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
     for i, r in enumerate(members):
         final = i == len(members) - 1
         v = r.variant
+        caches: list[Any] | None
         if v.method == "full":
             caches = at_budget(base, HUGE, copied=not final)
         elif r.mode == SHARED:

@@ -21,9 +21,10 @@ from __future__ import annotations
 import hashlib
 import random
 import sysconfig
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Protocol, Union
+from typing import Protocol
 
 SPLITS = ("train", "heldout")
 HELDOUT_MOD = 10  # one file in ten (by path hash) is held out
@@ -51,14 +52,14 @@ class _Encoder(Protocol):
 
 
 LenFn = Callable[[str], int]
-TokenizerOrLenFn = Union[_Encoder, LenFn]
+TokenizerOrLenFn = _Encoder | LenFn
 
 
 def _len_fn(tok: TokenizerOrLenFn) -> LenFn:
     """Accept a tokenizer (anything with ``encode``) or a ready ``str -> n_tokens`` function."""
     if hasattr(tok, "encode"):
-        return lambda s: len(tok.encode(s))  # type: ignore[union-attr]
-    return tok  # type: ignore[return-value]
+        return lambda s: len(tok.encode(s))
+    return tok
 
 
 def split_of(rel_path: str) -> str:

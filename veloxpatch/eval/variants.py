@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import veloxpatch
-from veloxpatch.registry import METHODS, cache_class, knob_settings
 from veloxpatch.config import Setting, setting
+from veloxpatch.registry import METHODS, cache_class, knob_settings
 
 Knobs = tuple[tuple[str, Any], ...]  # (knob name without the method prefix, value), sorted by name
 
@@ -50,7 +50,7 @@ class KVLayout:
     head_dim: int
 
     @classmethod
-    def of(cls, model: Any) -> "KVLayout":
+    def of(cls, model: Any) -> KVLayout:
         from mlx.utils import tree_flatten
 
         args = model.args
@@ -142,7 +142,8 @@ def _quantized_bits(spec: str, given: dict[str, str]) -> Knobs:
     (whose column it is reported in); without it the share picks among mlx_lm's usual widths."""
     value = given.get("bits", "")
     if set(given) != {"bits"} or not value.isdigit() or int(value) not in MLX_BITS:
-        raise ValueError(f"{spec!r}: the quantized variant takes one knob, bits, one of {', '.join(map(str, MLX_BITS))}")
+        widths = ", ".join(map(str, MLX_BITS))
+        raise ValueError(f"{spec!r}: the quantized variant takes one knob, bits, one of {widths}")
     return (("bits", int(value)),)
 
 
@@ -156,7 +157,7 @@ class Variant:
     knobs: Knobs = ()
 
     @classmethod
-    def of(cls, spec: str, share: float = 1.0) -> "Variant":
+    def of(cls, spec: str, share: float = 1.0) -> Variant:
         """The variant a ``--methods`` item names (``snapkv``, ``snapkv[kernel=15]``) at ``share``."""
         method, knobs = parse_spec(spec)
         return cls(method, share, knobs)

@@ -1,8 +1,9 @@
 """Every model type mlx_lm ships, built tiny with random weights: the support sweep's zoo.
 
 ``python -m veloxpatch.eval.zoo`` prints which types each method serves compressed and which run
-unpatched, and why (the README's supported-models table). One superset of small arguments fits most model types (``ModelArgs.from_dict`` ignores keys a
-class does not take); ``OVERRIDES`` adds what a type needs beyond it. Vision-language wrappers get
+unpatched, and why (the README's supported-models table). One superset of small arguments fits most model types
+(``ModelArgs.from_dict`` ignores keys a class does not take); ``OVERRIDES`` adds what a type needs beyond it.
+Vision-language wrappers get
 the same arguments as their ``text_config``. ``UNBUILDABLE`` names the types that cannot be built
 here at all, with the reason.
 """
@@ -16,10 +17,10 @@ import mlx.core as mx
 import mlx_lm.models
 
 from .. import builder, cpu
-from ..registry import METHODS
 from ..config import VeloxConfig
 from ..integration import active_config, layer_io, patch, unpatch
 from ..integration.float32 import upcast
+from ..registry import METHODS
 from .random_model import build
 
 SMALL: dict[str, Any] = dict(
@@ -121,10 +122,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "ministral3": dict(rope_parameters=dict(ROPE, llama_4_scaling_beta=0.1, original_max_position_embeddings=512)),
     "mistral4": dict(rope_parameters=dict(ROPE, llama_4_scaling_beta=0.1, original_max_position_embeddings=512)),
     "muse_spark": dict(post_norm_eps=1e-5, rope_parameters=ROPE, layer_rope_theta=[10000.0] * 2, layer_types=SLIDING,
-                       sliding_window=8, final_logit_softcapping=None, output_multiplier=1.0, moe_hidden_size=32, mlp_layer_types=["sparse", "sparse"],
+                       sliding_window=8, final_logit_softcapping=None, output_multiplier=1.0, moe_hidden_size=32,
+                       mlp_layer_types=["sparse", "sparse"],
                        num_shared_experts=0),
     "nemotron": dict(hidden_act="relu2"),
-    "nemotron-nas": dict(block_configs=[{"attention": {"n_heads_in_group": 2, "no_op": False, "replace_with_linear": False},
+    "nemotron-nas": dict(block_configs=[{"attention": {"n_heads_in_group": 2, "no_op": False,
+                                                       "replace_with_linear": False},
                                          "ffn": {"ffn_mult": 1.5, "no_op": False, "replace_with_linear": False}}] * 2),
     "nemotron_h": dict(MAMBA, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False,
                        hybrid_override_pattern=["M", "*"]),

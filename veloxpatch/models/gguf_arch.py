@@ -9,8 +9,9 @@ the stored weight; mlx_lm's Gemma norm adds the one itself).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 
