@@ -1,0 +1,92 @@
+"""The yardstick's tables: RULER at 4k, question after, every variant at equal bytes (Markdown on stdout).
+
+    python bench/yardstick.py docs/results/qwen2.5-0.5b-ruler-4k-after [--per-task]
+
+Reads the samples journal ``veloxpatch eval --question after --equal-bytes`` writes as it goes, so a run still going
+(or stopped and resumed later) is tabled from what it has measured. Only examples every variant finished count (a run
+measures all variants of one example together), so every row is on the same prompts. A row's accuracy is over all
+its examples pooled (equal to the average over tasks where each task has the same n), with its 95% Wilson interval;
+its share is its KV bytes once the context was read, counted as a 16-bit model holds them, over the full cache's,
+averaged over the examples. ``--per-task`` adds one column per task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from veloxpatch.eval.report import accuracy_text, markdown
+
+Key = tuple[str, int]  # (task, seed)
+
+
+def load(folder: Path) -> dict[str, dict[Key, dict]]:
+    """Per variant label, its samples by (task, seed), from ``eval.samples.jsonl`` (the last line of a repeat)."""
+    out: dict[str, dict[Key, dict]] = defaultdict(dict)
+    for line in (folder / "eval.samples.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            out[_name(row["label"])][row["task"], row["seed"]] = row
+    return out
+
+
+def _name(label: str) -> str:
+    """A variant's name in the table: mlx_lm's quantized cache at a width it names once, without the share column
+    it was listed under (it holds what its width holds, whatever the share)."""
+    return label.rsplit("@", 1)[0] if label.startswith("quantized[bits=") else label
+
+
+def complete(samples: dict[str, dict[Key, dict]]) -> set[Key]:
+    """The examples every variant has."""
+    sets = [set(by_key) for by_key in samples.values()]
+    return set.intersection(*sets) if sets else set()
+
+
+def rows(samples: dict[str, dict[Key, dict]], per_task: bool) -> list[dict]:
+    """A row per variant: share reached, pooled accuracy, and (``per_task``) each task's."""
+    keys = sorted(complete(samples))
+    full = samples["full"]
+    tasks = sorted({task for task, _ in keys})
+    out = []
+    for label, by_key in sorted(samples.items(), key=lambda item: _order(item[0])):
+        values = [by_key[k]["value"] for k in keys]
+        shares = [by_key[k]["kv16_bytes"] / full[k]["kv16_bytes"] for k in keys]
+        row = {"variant": label, "bytes (16-bit share)": f"{sum(shares) / len(shares):.3f}",
+               "accuracy": accuracy_text(sum(values) / len(values), len(values))}
+        if per_task:
+            for task in tasks:
+                got = [by_key[k]["value"] for k in keys if k[0] == task]
+                row[task] = f"{sum(got) / len(got):.2f}"
+        out.append(row)
+    return out
+
+
+def _order(label: str) -> tuple[float, str]:
+    """The full cache first, then by the share the label names (mlx_lm's quantized caches by their width)."""
+    if label == "full":
+        return (-2.0, "")
+    if "@" not in label:  # mlx_lm's quantized caches, beside the full one
+        return (-1.0, label)
+    return (-float(label.rsplit("@", 1)[1]), label)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--per-task", action="store_true")
+    args = parser.parse_args()
+    samples = load(args.folder)
+    table = rows(samples, args.per_task)
+    keys = complete(samples)
+    per_task: dict[str, int] = defaultdict(int)
+    for task, _ in keys:
+        per_task[task] += 1
+    print(f"{len(keys)} examples every variant finished: " + ", ".join(f"{t} {n}" for t, n in sorted(per_task.items())))
+    print()
+    print(markdown(table, list(table[0])))
+
+
+if __name__ == "__main__":
+    main()
