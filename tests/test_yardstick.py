@@ -1,0 +1,37 @@
+"""bench/yardstick.py: the equal-bytes table counts only examples every variant finished, pools them, and shows the
+share of the full cache's 16-bit bytes each variant held."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "yardstick.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("yardstick", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sample(task: str, seed: int, label: str, value: float, kv16: float) -> str:
+    return json.dumps({"task": task, "seed": seed, "label": label, "value": value, "kv16_bytes": kv16})
+
+
+def test_pooled_over_finished_examples_with_shares(tmp_path: Path) -> None:
+    lines = [sample("a", 0, "full", 1.0, 100.0), sample("a", 0, "snapkv@0.25", 0.0, 25.0),
+             sample("a", 0, "quantized[bits=4]@0.25", 1.0, 28.0), sample("a", 0, "quantized[bits=4]@0.5", 1.0, 28.0),
+             sample("b", 0, "full", 1.0, 200.0), sample("b", 0, "snapkv@0.25", 1.0, 48.0),
+             sample("b", 0, "quantized[bits=4]@0.25", 0.0, 56.0),
+             sample("b", 1, "full", 1.0, 200.0)]  # an example only the full cache finished: not counted
+    (tmp_path / "eval.samples.jsonl").write_text("\n".join(lines) + "\n")
+    script = load_script()
+    samples = script.load(tmp_path)
+    assert script.complete(samples) == {("a", 0), ("b", 0)}
+    rows = {r["variant"]: r for r in script.rows(samples, per_task=True)}
+    assert list(rows) == ["full", "quantized[bits=4]", "snapkv@0.25"]
+    assert rows["snapkv@0.25"]["bytes (16-bit share)"] == "0.245" and rows["snapkv@0.25"]["a"] == "0.00"
+    assert rows["quantized[bits=4]"]["accuracy"].startswith("0.50 [") and rows["full"]["accuracy"].endswith("n=2")
