@@ -266,3 +266,27 @@ def test_the_tier_setting_names_what_it_allows() -> None:
         with pytest.raises(ConfigError, match=rf"VELOX_TIER_SIZE='{bad}' is not allowed: expected a multiple of the "
                                               r"budget \(`3x`, `0.5x`\) or `all`"):
             VeloxConfig(tier_size=bad)
+
+
+def test_a_row_column_follows_its_rows_through_compaction_trim_and_merge() -> None:
+    """The store's row columns (a policy's per-row state): shorter than the rows until set (zeros past its end),
+    gathered by a compaction, cut by a trim, merged in time order with rows taken in, and counted in its bytes."""
+    store = RowStore(step=4)
+    rows = mx.arange(2 * 6 * 2, dtype=mx.float32).reshape(1, 2, 6, 2)
+    store.append(rows, rows, 0)
+    store.columns = {"mass": None}
+    assert (store.column("mass") == 0).all().item()
+    before = store.nbytes
+    store.set_column("mass", mx.broadcast_to(mx.arange(4, dtype=mx.float32), (1, 2, 4)))
+    assert store.nbytes == before + 2 * 4 * 4 and store.column("mass")[0, 0].tolist() == [0, 1, 2, 3, 0, 0]
+    store.keep(mx.broadcast_to(mx.array([1, 3, 4, 5], mx.uint32), (1, 2, 4)), spare=2)
+    assert store.columns["mass"][0, 1].tolist() == [1, 3, 0, 0]
+    store.trim_to(4)  # positions 1 and 3 stay
+    assert store.rows == 2 and store.columns["mass"][0, 0].tolist() == [1, 3]
+    other = RowStore(step=1)
+    other.append(rows[..., :1, :], rows[..., :1, :], 0)
+    other.append(rows[..., 2:3, :], rows[..., 2:3, :], 2)
+    other.columns = {"mass": mx.full((1, 2, 2), 7.0)}
+    store.take_in(other)
+    assert store.row_positions()[0, 0].tolist() == [0, 1, 2, 3]
+    assert store.columns["mass"][0, 0].tolist() == [7, 1, 7, 3]
