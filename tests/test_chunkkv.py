@@ -235,7 +235,10 @@ def test_reuse_one_is_every_layer_choosing_for_itself(monkeypatch) -> None:
     model = four_layers()
     prompt = random_tokens(150, 7)
     runs = []
-    for select in (chunkkv.ChunkKV.select, chunkkv.ChunkKV.choose):
+    def own(self, cache, keep: int, scale: float, kept=None) -> mx.array:  # the store's choice, and the tier's
+        return self.choose(cache, keep, scale)
+
+    for select in (chunkkv.ChunkKV.select, own):
         monkeypatch.setattr(chunkkv.ChunkKV, "select", select)
         veloxpatch.patch(kv="chunkkv", budget=40, window=8, compress="chunk", knobs={"chunkkv_reuse": 1})
         caches = make_prompt_cache(model)

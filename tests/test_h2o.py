@@ -139,7 +139,7 @@ def test_a_row_keeps_its_mass_through_a_lossless_tier_and_back(seed: int, mode: 
     if cache.tier.rows:
         positions = np.array(cache.tier.store.row_positions())
         want = [[[expected[1][(b, h)][p] for p in positions[b, h]] for h in range(kv_heads)] for b in range(batch)]
-        assert np.allclose(np.array(cache.tier.extra), np.array(want), rtol=1e-4, atol=1e-5)
+        assert np.allclose(np.array(cache.tier.store.columns["mass"]), np.array(want), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -178,9 +178,9 @@ def test_holes_left_by_a_trim_get_no_mass_and_go_first() -> None:
     positions = cache.store.row_positions()
     assert not (positions == positions[:, :1]).all().item(), "the two heads keep different rows"
     cache.trim(30)  # back to 10 tokens: one head kept 9 rows of them, the other 8 (a hole)
-    assert cache.store.holes and cache.policy.mass.shape[-1] == cache.size() == 9
+    assert cache.store.holes and cache.store.columns["mass"].shape[-1] == cache.size() == 9
     list(feed(cache, keys, queries, [1] * 12))
-    assert cache.offset == 22 and cache.policy.mass.shape[-1] <= cache.size()
+    assert cache.offset == 22 and cache.store.columns["mass"].shape[-1] <= cache.size()
     assert (cache.store.row_positions() >= 0).all().item(), "the compression dropped the hole first"
 
 
@@ -206,7 +206,7 @@ def test_a_long_chunk_is_accounted_in_blocks_of_queries_within_their_memory(monk
 @pytest.mark.parametrize("mode", ["chunk", "end"])
 def test_the_mass_follows_the_rows_while_decoding(mode: str) -> None:
     _, caches = decoded("h2o", mode)
-    assert all(c.policy.mass.shape[-1] <= c.size() for c in caches)
+    assert all(c.store.columns["mass"].shape[-1] <= c.size() for c in caches)
 
 
 def test_a_saved_cache_loads_back_with_its_mass(tmp_path) -> None:
@@ -214,12 +214,12 @@ def test_a_saved_cache_loads_back_with_its_mass(tmp_path) -> None:
     cache = H2OCache(Budget(tokens=24), 2, 4, mode="chunk")
     keys, queries = random_rows(6, 1, 2, 2, 43)
     list(feed(cache, keys, queries, [40, 1, 1, 1]))
-    assert cache.policy.queued, "the decode steps' queries wait for the next compression"
+    assert cache.log.queued, "the decode steps' queries wait for the next compression"
     path = str(tmp_path / "prompt.safetensors")
     save_prompt_cache(path, [cache])
     veloxpatch.patch(kv="h2o")  # mlx_lm finds the class to load by name in its cache module
     (loaded,) = load_prompt_cache(path)
-    assert type(loaded) is H2OCache and mx.array_equal(loaded.policy.mass, cache.policy.mass).item()
+    assert type(loaded) is H2OCache and mx.array_equal(loaded.store.columns["mass"], cache.store.columns["mass"]).item()
     assert_mass_is_the_references(loaded, h2o_reference(keys, queries, [40, 1, 1, 1], 24, 2, 4, "chunk")[1])
 
 
@@ -231,7 +231,7 @@ def test_the_base_state_layout_loads_with_the_mass_restarting() -> None:
     list(feed(cache, keys, queries, [30]))
     *rows, queries, _, meta = cache.state
     rebuilt = H2OCache.from_state((*rows, queries, meta))
-    assert rebuilt.offset == 30 and rebuilt.policy.mass is None
+    assert rebuilt.offset == 30 and rebuilt.store.columns["mass"] is None
     keys, _ = rebuilt.store.fetch()
     assert (rebuilt.policy.score(rebuilt, keys, rebuilt.store.row_positions(), SCALE) == 0).all().item()
 

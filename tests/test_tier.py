@@ -179,10 +179,12 @@ def test_a_list_with_a_tier_saves_and_loads_back(tmp_path) -> None:
     greedy(model, random_tokens(200, 8), caches, steps=10, chunk=64)
     loaded = assert_round_trip(str(tmp_path / "tier.safetensors"), model, caches)
     assert all(c.tier.store.bits == 4 and c.tier.rows == o.tier.rows for c, o in zip(loaded, caches))
-    assert all(mx.array_equal(c.tier.extra, o.tier.extra).item() for c, o in zip(loaded, caches)), "H2O's mass"
+    masses = [(c.tier.store.columns["mass"], o.tier.store.columns["mass"]) for c, o in zip(loaded, caches)]
+    assert all(mx.array_equal(c, o).item() for c, o in masses), "H2O's mass"
     for cache in loaded:
         cache.trim(cache.offset - 110)
-        assert cache.tier.extra.shape[-1] == cache.tier.rows > 0 and cache.tier.store.row_positions().max().item() < 110
+        assert cache.tier.store.columns["mass"].shape[-1] == cache.tier.rows > 0
+        assert cache.tier.store.row_positions().max().item() < 110
 
 
 def test_a_tier_its_head_dim_keeps_unquantized_saves_and_loads_back_so(tmp_path) -> None:
@@ -264,3 +266,27 @@ def test_the_tier_setting_names_what_it_allows() -> None:
         with pytest.raises(ConfigError, match=rf"VELOX_TIER_SIZE='{bad}' is not allowed: expected a multiple of the "
                                               r"budget \(`3x`, `0.5x`\) or `all`"):
             VeloxConfig(tier_size=bad)
+
+
+def test_a_row_column_follows_its_rows_through_compaction_trim_and_merge() -> None:
+    """The store's row columns (a policy's per-row state): shorter than the rows until set (zeros past its end),
+    gathered by a compaction, cut by a trim, merged in time order with rows taken in, and counted in its bytes."""
+    store = RowStore(step=4)
+    rows = mx.arange(2 * 6 * 2, dtype=mx.float32).reshape(1, 2, 6, 2)
+    store.append(rows, rows, 0)
+    store.columns = {"mass": None}
+    assert (store.column("mass") == 0).all().item()
+    before = store.nbytes
+    store.set_column("mass", mx.broadcast_to(mx.arange(4, dtype=mx.float32), (1, 2, 4)))
+    assert store.nbytes == before + 2 * 4 * 4 and store.column("mass")[0, 0].tolist() == [0, 1, 2, 3, 0, 0]
+    store.keep(mx.broadcast_to(mx.array([1, 3, 4, 5], mx.uint32), (1, 2, 4)), spare=2)
+    assert store.columns["mass"][0, 1].tolist() == [1, 3, 0, 0]
+    store.trim_to(4)  # positions 1 and 3 stay
+    assert store.rows == 2 and store.columns["mass"][0, 0].tolist() == [1, 3]
+    other = RowStore(step=1)
+    other.append(rows[..., :1, :], rows[..., :1, :], 0)
+    other.append(rows[..., 2:3, :], rows[..., 2:3, :], 2)
+    other.columns = {"mass": mx.full((1, 2, 2), 7.0)}
+    store.take_in(other)
+    assert store.row_positions()[0, 0].tolist() == [0, 1, 2, 3]
+    assert store.columns["mass"][0, 0].tolist() == [7, 1, 7, 3]

@@ -20,6 +20,7 @@ import logging
 from typing import Any
 
 from . import eligibility, ranks, structure
+from .caches.evicting import queries_held, row_bytes_per_head
 from .caches.memory import MemoryPlan, device_bytes
 from .config import Memory, VeloxConfig, make_cache
 from .coordinators import coordinators_of
@@ -110,8 +111,8 @@ def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConf
     others = tuple(layout for i, layout in enumerate(found.layouts) if i not in found.slots)
     assert isinstance(config.kv_memory, Memory) and isinstance(config.tier, int), "converted by VeloxConfig"
     return MemoryPlan(config.kv_memory.resolve(device_bytes()), str(config.kv_memory), tuple(served.values()),
-                      others, policy.queries_held(config.window), config.sink + config.window, config.tier,
-                      policy.row_bytes_per_head)
+                      others, queries_held(policy, config.window), config.sink + config.window, config.tier,
+                      row_bytes_per_head(policy))
 
 
 def _limit(name: str, built: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> None:

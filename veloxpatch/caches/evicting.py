@@ -20,32 +20,29 @@ from .. import stats
 from ..config import TierSize
 from .base import CompressedKVCache
 from .memory import MemoryPlan
+from .queries import QueryLog
+from .schedule import Schedule
 from .selection import best_rows, protected
 from .store import RowStore
 from .tier import Tier
 
 
 class Policy(ABC):
-    """Which rows an evicting cache keeps: a score per row (:meth:`score`), or a choice of its own
-    (:meth:`select`). Every hook receives the cache, so one policy object serves one cache; a copy of the cache
-    (``to_quantized``) takes a shallow copy of it, so a policy replaces its state rather than changing it in
-    place. Per-row state (H2O's accumulated attention) follows the store through :meth:`kept` and
-    :meth:`trimmed` and is saved through :meth:`state`. A method offered as a policy (``policy=True``) takes all
-    its knobs in its policy's constructor: SqueezeAttention builds it from them."""
+    """Which rows an evicting cache keeps: what a method decides, and nothing else. A policy gives a score per row
+    (:meth:`score`) or a choice of its own (:meth:`select`), may watch every step's queries (:meth:`observe`) and
+    declares what it needs of its cache in class variables; the tier, the memory plan, batching and saving are the
+    cache's. Every hook receives the cache, so one policy object serves one cache; a copy of the cache
+    (``to_quantized``, a snapshot) takes a shallow copy of it, so a policy replaces its state rather than changing
+    it in place. Per-row state (H2O's accumulated attention) is a row column of the cache's store
+    (:mod:`.store`), declared in :attr:`row_columns`: the store carries it through compactions, trims, the tier
+    and back, counts it and the cache saves it. A method offered as a policy (``policy=True``) takes all its knobs
+    in its policy's constructor: SqueezeAttention builds it from them."""
 
     uses_queries: ClassVar[bool] = True  # the scores read the model's real queries
     prompt_state: ClassVar[str] = "window"  # what a prompt leaves in its cache: see CompressedKVCache.prompt_state
-
-    def remembered(self, window: int) -> int:
-        """How many recent queries its cache remembers (:mod:`.queries`): the observation window, none for a
-        policy that reads no queries."""
-        return window if self.uses_queries else 0
-
-    row_bytes_per_head: ClassVar[int] = 0  # bytes it keeps per stored row and KV head (VELOX_KV_MEMORY counts them)
-
-    def queries_held(self, window: int) -> int:
-        """The most queries its cache holds between steps (VELOX_KV_MEMORY counts them): those remembered."""
-        return self.remembered(window)
+    remembers: ClassVar[int | None] = None  # recent queries its cache remembers (:mod:`.queries`); None: the window
+    logs_queries: ClassVar[bool] = False  # it queues queries in the cache's log (:class:`.queries.QueryLog`)
+    row_columns: ClassVar[tuple[str, ...]] = ()  # float32 per-row state, by name: row columns of the store
 
     def knob_values(self) -> dict[str, Any]:
         """The policy's knobs, saved with its cache."""
@@ -58,51 +55,42 @@ class Policy(ABC):
         ``positions`` (B, kv_heads, rows) holds each row's original token position (-1: hole).
         """
 
-    def select(self, cache: EvictingCache, keep: int, scale: float) -> mx.array:
-        """Row indexes to keep, (B, kv_heads, keep), ascending per head: the ``keep`` best by :meth:`score`,
-        sink and recent window always, holes never."""
+    def select(self, cache: EvictingCache, keep: int, scale: float, kept: mx.array | None = None) -> mx.array:
+        """Row indexes to keep, (B, kv_heads, keep), ascending per head: the ``keep`` best by :meth:`score`, holes
+        never, and always the sink and recent window, or (``kept``, a mask over the rows) the rows ``kept`` marks:
+        so a compression that drops more rows than its tier has room for chooses those the tier takes (the rows
+        the store keeps, then the best of the others)."""
         keys, _ = cache.store.fetch()
         positions = cache.store.row_positions()
-        return best_rows(self.score(cache, keys, positions, scale), positions, cache.protected(positions), keep)
-
-    def tier_choice(self, cache: EvictingCache, kept: mx.array, total: int, scale: float) -> mx.array:
-        """Where a compression drops more rows than the tier has room for: ``total`` rows (B, kv_heads, total),
-        the ones ``kept`` marks (those the store keeps) and the best of the others by :meth:`score`. The tier
-        takes those the store does not keep."""
-        keys, _ = cache.store.fetch()
-        positions = cache.store.row_positions()
-        return best_rows(self.score(cache, keys, positions, scale), positions, kept, total)
+        anyway = cache.protected(positions) if kept is None else kept
+        return best_rows(self.score(cache, keys, positions, scale), positions, anyway, keep)
 
     def observe(self, cache: EvictingCache, queries: mx.array, keys: mx.array, scale: float) -> None:
         """Every step's real queries and the keys they attended, one per stored row in storage order, before
         the step compresses (H2O accumulates attention)."""
 
-    def kept(self, cache: EvictingCache, index: mx.array) -> None:
-        """The store is about to keep only rows ``index`` (B, kv_heads, keep): per-row state follows."""
+    def settle(self, cache: EvictingCache) -> None:
+        """Bring the row columns up to date with every query observed, before the cache saves them or takes the
+        tier's rows back (H2O accounts the queries it queued)."""
 
-    def trimmed(self, cache: EvictingCache) -> None:
-        """The cache was trimmed back to its ``offset``: per-row state of the rows gone goes too."""
 
-    def row_state(self, cache: EvictingCache) -> mx.array | None:
-        """Per-row state of every stored row, (B, kv_heads, rows), that goes into the tier with the rows a
-        compression drops and comes back with them (H2O's accumulated attention); None: the policy keeps none."""
-        return None
-
-    def taking_back(self, cache: EvictingCache, state: mx.array | None) -> None:
-        """The tier's rows are about to be appended after the stored ones (then put in time order: :meth:`kept`),
-        with ``state``, what :meth:`row_state` gave them when they left (None: they left without one)."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the policy holds besides the cache's rows and queries."""
+def remembered(policy: Policy, window: int) -> int:
+    """How many recent queries a cache with ``policy`` remembers: its own number, the observation window
+    (``window``), or none where it reads no queries."""
+    if not policy.uses_queries:
         return 0
+    return window if policy.remembers is None else policy.remembers
 
-    def state(self, cache: EvictingCache) -> tuple[Any, ...]:
-        """Arrays saved with the cache (after its queries)."""
-        return ()
 
-    def load(self, cache: EvictingCache, state: tuple[Any, ...]) -> None:
-        """Restore what :meth:`state` saved (empty for a cache saved without it)."""
+def queries_held(policy: Policy, window: int) -> int:
+    """The most queries a cache with ``policy`` holds between steps (``VELOX_KV_MEMORY`` counts them): those
+    remembered, or those its log queues until they pass the largest decode headroom."""
+    return Schedule.max_headroom + 1 if policy.logs_queries else remembered(policy, window)
+
+
+def row_bytes_per_head(policy: Policy) -> int:
+    """Bytes a cache with ``policy`` keeps per stored row and KV head besides the row (its float32 row columns)."""
+    return 4 * len(policy.row_columns)
 
 
 def _mask(positions: mx.array, index: mx.array) -> mx.array:
@@ -120,6 +108,7 @@ class Snapshot:
     def __init__(self, cache: EvictingCache) -> None:
         self.offset, self.evicted = cache.offset, cache.evicted
         self.store, self.memory, self.policy = copy.copy(cache.store), copy.copy(cache.memory), copy.copy(cache.policy)
+        self.log = copy.copy(cache.log)
 
     def restore(self, cache: EvictingCache) -> None:
         """Put the cache back as the prompt left it. The snapshot is used up: the cache writes its next rows in
@@ -127,7 +116,7 @@ class Snapshot:
         if cache.tier is not None:
             cache.tier = self._tier_then(cache)
         cache.offset, cache.evicted = self.offset, self.evicted
-        cache.store, cache.memory, cache.policy = self.store, self.memory, self.policy
+        cache.store, cache.memory, cache.policy, cache.log = self.store, self.memory, self.policy, self.log
         cache.read = None
 
     def _tier_then(self, cache: EvictingCache) -> Tier:
@@ -151,17 +140,18 @@ class Snapshot:
             keys, values, positions = cache.tier.store.state
             tier.store = RowStore(cache.tier.store.bits, cache.tier.store.group_size, step=1)
             tier.store.load((keys, values, then(positions)))
-            tier.extra = cache.tier.extra
+            tier.store.columns = cache.tier.store.columns
         if cache.store.rows:
-            tier.take(*cache.store.fetch(), then(cache.store.row_positions()), cache.policy.row_state(cache))
+            tier.take(*cache.store.fetch(), then(cache.store.row_positions()), cache.store.full_columns())
         return tier
 
     def nbytes(self, cache: EvictingCache) -> int:
         """Bytes it holds that the cache does not: its remembered queries once the cache remembers newer ones, and
-        its rows and policy state once the cache has compacted past them (no tier: :meth:`_tier_then`)."""
+        its rows (with their columns) and logged queries once the cache has compacted past them (no tier:
+        :meth:`_tier_then`)."""
         held = 0 if self.memory.queries is cache.memory.queries else self.memory.nbytes
         if self.store.keys is not cache.store.keys:
-            held += self.store.nbytes + self.policy.nbytes
+            held += self.store.nbytes + self.log.nbytes
         return held
 
 
@@ -176,6 +166,8 @@ class EvictingCache(CompressedKVCache):
     def __init__(self, budget: Any, sink: int = 4, window: int = 32, mode: str = "end", **knobs: Any) -> None:
         super().__init__(budget, sink, window, mode)
         self.policy = self.make_policy(**knobs)
+        self.store.columns = dict.fromkeys(self.policy.row_columns)
+        self.log = QueryLog()  # queries the policy has not accounted yet (``logs_queries``)
         self.tier: Tier | None = None  # where dropped rows go (VELOX_TIER), or None: dropped rows are lost
         self.tier_size = TierSize()  # the most rows the tier holds (VELOX_TIER_SIZE)
         self.limit: MemoryPlan | None = None  # VELOX_KV_MEMORY's rows per layer (set by the builder), or None
@@ -263,21 +255,21 @@ class EvictingCache(CompressedKVCache):
         return n > self.headroom(keep) or self.schedule.pending(self.store.rows + n, n, keep)
 
     def _take_back(self, keys: mx.array, values: mx.array) -> None:
-        """The tier's rows back into the store, with the policy's state of them, in time order (to the policy a
-        compaction: ``kept``; time order matters to a policy that looks at neighbouring rows, SnapKV's pooling),
-        with room for the step's rows ``keys``/``values``. The step's rows are evaluated first: they hang on the
-        forward so far (the last layer's MLP activations, left lazy), which would otherwise be computed on top of
-        the whole context at full precision. Not on a model split across ranks: there they hang on the previous
-        rank's send too, and receiving it here, before the collectives a coordinator runs later in this step
-        (SqueezeAttention's pooled scores), orders this rank's communication unlike the others' (they deadlock).
-        The rest is done a half at a time (:meth:`RowStore.take_in`): the store now holds the whole context at
-        full precision, and the copies that made it go before the step's attention."""
+        """The tier's rows back into the store, with their row columns (the policy settles its own first), in time
+        order (time order matters to a policy that looks at neighbouring rows, SnapKV's pooling), with room for the
+        step's rows ``keys``/``values``. The step's rows are evaluated first: they hang on the forward so far (the
+        last layer's MLP activations, left lazy), which would otherwise be computed on top of the whole context at
+        full precision. Not on a model split across ranks: there they hang on the previous rank's send too, and
+        receiving it here, before the collectives a coordinator runs later in this step (SqueezeAttention's pooled
+        scores), orders this rank's communication unlike the others' (they deadlock). The rest is done a half at a
+        time (:meth:`RowStore.take_in`): the store now holds the whole context at full precision, and the copies
+        that made it go before the step's attention."""
         assert self.tier is not None, "taken back from a tier with rows"
         if self.coordinator is None or not self.coordinator.span.split:
             mx.eval(keys, values)
-        rows, state = self.tier.drain()
-        self.policy.taking_back(self, state)
-        self.policy.kept(self, self.store.take_in(rows, spare=keys.shape[2]))
+        rows = self.tier.drain()
+        self.policy.settle(self)
+        self.store.take_in(rows, spare=keys.shape[2])
 
     # ----------------------------------------------------------------- the attention route
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
@@ -292,7 +284,7 @@ class EvictingCache(CompressedKVCache):
         kept = self.select(keep, scale) if self.schedule.pending(self.store.rows, n, keep) else None
         out = self._attention(queries, keys, values, scale, mask, sinks, kept)
         self.observe(queries, keys, scale)
-        self.memory.remember(queries, self.offset, self.policy.remembered(self.window))
+        self.memory.remember(queries, self.offset, remembered(self.policy, self.window))
         if kept is not None:
             self.keep_rows(kept)
         elif self.schedule.due(self.store.rows, n, keep):
@@ -343,7 +335,6 @@ class EvictingCache(CompressedKVCache):
         that go are handed to it."""
         if self.tier is not None:
             self._to_tier(index)
-        self.policy.kept(self, index)
         keep = index.shape[-1]
         self.evicted = self.evicted or keep < self.store.rows
         self.store.keep(index, self.headroom(keep))
@@ -351,7 +342,7 @@ class EvictingCache(CompressedKVCache):
 
     def _to_tier(self, index: mx.array) -> None:
         """Hand the rows not in ``index`` to the tier, as many as it has room for (:meth:`tier_rows`): the best
-        of them by the policy's score where they do not all fit (the rest are lost)."""
+        of them by the policy's choice where they do not all fit (the rest are lost)."""
         assert self.tier is not None, "called with a tier only"
         positions = self.store.row_positions()
         keys, values = self.store.fetch()
@@ -359,12 +350,11 @@ class EvictingCache(CompressedKVCache):
         dropped = self.store.rows - index.shape[-1]
         room = min(dropped, self.tier_rows(index.shape[-1], keys) - self.tier.rows)
         if 0 < room < dropped:
-            kept = kept | ~_mask(positions, self.policy.tier_choice(self, kept, index.shape[-1] + room, self.scale))
+            kept = kept | ~_mask(positions, self.policy.select(self, index.shape[-1] + room, self.scale, kept))
         gone = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : max(room, 0)]
         if gone.shape[-1]:
-            state = self.policy.row_state(self)
             self.tier.take(keys, values, mx.take_along_axis(positions, gone, axis=-1),
-                           None if state is None else mx.take_along_axis(state, gone, axis=-1), index=gone)
+                           self.store.full_columns(gone), index=gone)
 
     def tier_rows(self, keep: int, keys: mx.array) -> int:
         """The most rows like ``keys`` the tier may hold beside a store of ``keep`` rows: ``VELOX_KV_MEMORY``'s
@@ -396,23 +386,24 @@ class EvictingCache(CompressedKVCache):
             self.read.restore(self)
             return done + self.trim(self.offset - end)
         n = super().trim(n)
-        self.policy.trimmed(self)
+        self.log.trim(self.offset)
         if self.tier is not None:
             self.tier.trim_to(self.offset)
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> EvictingCache:
         """The base's quantized copy (``kv_bits`` applies to the rows held; the tier keeps its own format), with
-        a policy and tier of its own."""
+        a policy, log and tier of its own."""
         out = super().to_quantized(group_size, bits)
         if out is not self:
             out.policy, out.tier, out.read = copy.copy(self.policy), copy.deepcopy(self.tier), None
+            out.log = copy.copy(self.log)
         return out
 
     @property
     def nbytes(self) -> int:
         held = 0 if self.read is None else self.read.nbytes(self)
-        return super().nbytes + self.policy.nbytes + (0 if self.tier is None else self.tier.nbytes) + held
+        return super().nbytes + self.log.nbytes + (0 if self.tier is None else self.tier.nbytes) + held
 
     def _meta(self) -> dict[str, Any]:
         if self.tier is None:
@@ -421,18 +412,21 @@ class EvictingCache(CompressedKVCache):
                 "tier_size": str(self.tier_size)}
 
     def _extra_state(self) -> tuple[Any, ...]:
-        """The policy's arrays, then (with a tier) the tier's rows (None while it is empty)."""
-        policy = self.policy.state(self)
-        return policy if self.tier is None else (*policy, self.tier.state)
+        """The row columns (the policy settles them first; None for an empty cache), then (with a tier) the tier's
+        rows (None while it is empty)."""
+        self.policy.settle(self)
+        columns = tuple(None if self.empty() else self.store.column(name) for name in self.policy.row_columns)
+        return columns if self.tier is None else (*columns, self.tier.state)
 
     def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
-        """The policy's arrays and the tier's rows; a cache rebuilt from the base layout alone (a batch gives back
-        the rows it kept, and nothing else) keeps its tier setting with an empty tier."""
+        """The row columns and the tier's rows; a cache rebuilt from the base layout alone (a batch gives back the
+        rows it kept, and nothing else) keeps its tier setting with an empty tier, and its columns start at zero."""
+        names = self.policy.row_columns
         if "tier_bits" in info:
             self.use_tier(info["tier_bits"], TierSize.parse(info.get("tier_size", "all")))
             if extra:
                 assert self.tier is not None, "tier_bits is saved with a tier only"
-                *policy, held = extra
-                extra = tuple(policy)
-                self.tier.load(held, info["tier_group"])
-        self.policy.load(self, tuple(extra))
+                *columns, held = extra
+                extra = tuple(columns)
+                self.tier.load(held, info["tier_group"], names)
+        self.store.columns = {name: extra[i] if i < len(extra) else None for i, name in enumerate(names)}

@@ -68,3 +68,42 @@ class QueryMemory:
         logits = q @ mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)
         logits = mx.where(visible(positions, w, self.end)[:, :, None], logits, -mx.inf)
         return mx.softmax(logits, axis=-1).sum(axis=(2, 3))
+
+
+class QueryLog:
+    """Queries a policy has not accounted yet (H2O's), of the consecutive tokens ending at ``end``: kept by its cache,
+    which trims them with its rows and counts their bytes; the policy adds and takes them."""
+
+    def __init__(self) -> None:
+        self.queued: list[mx.array] = []  # replaced, never changed in place: a copy of the cache shares the old one
+        self.end = 0
+
+    @property
+    def count(self) -> int:
+        return sum(q.shape[2] for q in self.queued)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(q.nbytes for q in self.queued)
+
+    def add(self, queries: mx.array, end: int) -> None:
+        """Queue ``queries`` (B, query_heads, n, head_dim), the newest having attended after ``end`` tokens."""
+        self.queued = [*self.queued, queries]
+        self.end = end
+
+    def take(self) -> mx.array | None:
+        """Every queued query, oldest first, in one array (None: none); the log is empty after."""
+        if not self.queued:
+            return None
+        queries = self.queued[0] if len(self.queued) == 1 else mx.concatenate(self.queued, axis=2)
+        self.queued = []
+        return queries
+
+    def trim(self, offset: int) -> None:
+        """Forget the queries of tokens at ``offset`` or later (a trim back to that prefix)."""
+        drop = self.end - offset
+        if drop > 0 and self.queued:
+            queries = mx.concatenate(self.queued, axis=2)
+            left = queries.shape[2] - drop
+            self.queued = [queries[..., :left, :]] if left > 0 else []
+        self.end = min(self.end, offset)

@@ -10,6 +10,12 @@ Heads keep different rows, so a trim can leave heads with different numbers of v
 shorter heads then end in *holes*: rows with position -1 that attention masks out and the next
 compression drops first. Storage can be dense or in mlx's affine-quantized format (a key or value
 is then a (packed, scales, biases) triple); either way every stored array has rows on axis 2.
+
+A store may carry *row columns*: named per-row arrays (B, H, rows) of a policy's state of each row (H2O's
+accumulated attention), which follow every compaction, trim and merge, and count in its bytes. A column may be
+shorter than the rows (the rows past its end have zeros: a column is not grown with every append), or declared
+and not held yet (None: zeros everywhere). Columns are replaced, never changed in place: a shallow copy of the
+store (a snapshot) keeps its own.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ class RowStore:
         self.positions: mx.array | None = None  # (B, H, capacity, 1) int32
         self.rows = 0
         self.holes = False
+        self.columns: dict[str, mx.array | None] = {}  # row columns by name (module doc)
 
     # ----------------------------------------------------------------- encoding
     def encode(self, x: mx.array) -> Parts:
@@ -112,7 +119,32 @@ class RowStore:
         """Physical bytes held, spare capacity included."""
         if self.keys is None or self.values is None or self.positions is None:
             return 0
-        return sum(p.nbytes for p in (*self.keys, *self.values, self.positions))
+        return sum(p.nbytes for p in (*self.keys, *self.values, self.positions, *self._held_columns()))
+
+    # ----------------------------------------------------------------- row columns
+    def column(self, name: str, rows: int | None = None) -> mx.array:
+        """Column ``name`` of the first ``rows`` rows (every stored row by default), float32 zeros past its end."""
+        rows = self.rows if rows is None else rows
+        held = self.columns.get(name)
+        have = 0 if held is None else held.shape[-1]
+        if held is not None and have == rows:
+            return held
+        b, h = self.row_positions().shape[:2]
+        fresh = mx.zeros((b, h, rows - have), mx.float32 if held is None else held.dtype)
+        return fresh if held is None else mx.concatenate([held, fresh], axis=-1)
+
+    def set_column(self, name: str, value: mx.array | None) -> None:
+        """Hold ``value`` (B, H, <= rows) as column ``name``."""
+        self.columns = {**self.columns, name: value}
+
+    def full_columns(self, index: mx.array | None = None) -> dict[str, mx.array]:
+        """Every column over every stored row (or the rows ``index``, (B, H, k)), zeros where not held."""
+        if index is None:
+            return {name: self.column(name) for name in self.columns}
+        return {name: mx.take_along_axis(self.column(name), index, axis=-1) for name in self.columns}
+
+    def _held_columns(self) -> list[mx.array]:
+        return [c for c in self.columns.values() if c is not None]
 
     # ----------------------------------------------------------------- writing
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
@@ -120,17 +152,19 @@ class RowStore:
         b, h, n = keys.shape[:3]
         self._write(keys, values, mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32), (b, h, n)))
 
-    def merge(self, keys: mx.array, values: mx.array, positions: mx.array, index: mx.array | None = None) -> mx.array:
+    def merge(self, keys: mx.array, values: mx.array, positions: mx.array, index: mx.array | None = None,
+              columns: dict[str, mx.array] | None = None) -> mx.array:
         """Add rows (B, H, n, d) with the positions ``positions`` (B, H, n; -1: a hole), earlier or later than the
         rows held: time order per head is kept (holes last), and rows that are holes in every head go. With
         ``index`` (B, H, n) the new rows are those rows of ``keys``/``values``, gathered a half at a time (a cache
         handing a few of its rows over passes what it holds, not a copy of them). No spare capacity is left (the
         next append grows the store). Returns where each row now held came from, (B, H, rows) indexes into the
-        rows held before followed by the new ones, for state that follows the rows."""
+        rows held before followed by the new ones. ``columns``: the new rows' columns (B, H, n), by name; a column
+        only the rows held or only the new ones have gets zeros for the others."""
         def rows(i: int) -> Parts:
             half = (keys, values)[i]
             return self.encode(half if index is None else take_rows((half,), index)[0])
-        return self._merge(rows, positions.astype(mx.int32), 0)
+        return self._merge(rows, positions.astype(mx.int32), 0, columns)
 
     def take_in(self, other: RowStore, spare: int = 0) -> mx.array:
         """Every row of ``other`` (another format: a tier's) merged in as :meth:`merge` does, with ``spare`` free
@@ -140,13 +174,15 @@ class RowStore:
         prompt is read: keys, then values, are decoded, joined in one concatenation and put in order by one
         gather, each half evaluated before the other is decoded (:meth:`_merge`)."""
         keys, values, positions = other.state
-        return self._merge(lambda i: self.encode(other.decode((keys, values)[i])), positions.astype(mx.int32), spare)
+        return self._merge(lambda i: self.encode(other.decode((keys, values)[i])), positions.astype(mx.int32), spare,
+                           other.full_columns())
 
-    def _merge(self, new: Callable[[int], Parts], positions: mx.array, spare: int) -> mx.array:
+    def _merge(self, new: Callable[[int], Parts], positions: mx.array, spare: int,
+               columns: dict[str, mx.array] | None = None) -> mx.array:
         """:meth:`merge`'s work, the new rows' keys as ``new(0)`` and values as ``new(1)`` (encoded as stored).
         Each half replaces the one held as soon as it is made (:meth:`_merged`), so the keys' old rows are gone
-        before the values are decoded."""
-        b, h, _ = positions.shape
+        before the values are decoded. The columns (those held and the new rows' ``columns``) follow."""
+        b, h, n = positions.shape
         if self.rows:
             positions = mx.concatenate([self.row_positions(), positions], axis=-1)
         when = mx.where(positions < 0, LATE, positions)
@@ -154,6 +190,7 @@ class RowStore:
         total = positions.shape[-1]
         index = mx.concatenate([order, mx.broadcast_to(mx.arange(total, total + spare, dtype=order.dtype),
                                                        (b, h, spare))], axis=-1)
+        self.columns = self._merged_columns(columns or {}, order, n)
         self.keys = self._merged(0, new, index, spare)
         self.values = self._merged(1, new, index, spare)
         positions = mx.concatenate([positions, mx.full((b, h, spare), HOLE, mx.int32)], axis=-1)
@@ -161,6 +198,17 @@ class RowStore:
         self.rows = order.shape[-1]
         self.holes = bool((self.row_positions() < 0).any().item())
         return order
+
+    def _merged_columns(self, new: dict[str, mx.array], order: mx.array, n: int) -> dict[str, mx.array | None]:
+        """The columns after :meth:`_merge`: each, over the rows held and then the ``n`` new ones (``new``; zeros
+        for rows without it), in the order ``order``."""
+        held = self.full_columns() if self.rows else {}
+        b, h = order.shape[:2]
+
+        def joined(name: str) -> mx.array:
+            return mx.concatenate([held[name] if name in held else mx.zeros((b, h, self.rows), mx.float32),
+                                   new[name] if name in new else mx.zeros((b, h, n), mx.float32)], axis=-1)
+        return {name: mx.take_along_axis(joined(name), order, axis=-1) for name in {**self.columns, **new}}
 
     def _merged(self, half: int, new: Callable[[int], Parts], index: mx.array, spare: int) -> Parts:
         """One half of :meth:`_merge` (0: keys, 1: values): the rows held, then ``new(half)`` and ``spare`` zero
@@ -191,7 +239,10 @@ class RowStore:
         self.rows += n
 
     def keep(self, index: mx.array, spare: int) -> None:
-        """Compact to rows ``index`` (B, H, k), ascending per head, plus ``spare`` free rows."""
+        """Compact to rows ``index`` (B, H, k), ascending per head, plus ``spare`` free rows; the columns follow
+        (without spare rows)."""
+        if self.columns:
+            self.columns = dict(self.full_columns(index))
         self._rebuild(lambda parts: _grow(take_rows(_head(parts, self.rows), index), spare))
         self.rows = index.shape[-1]
         if self.holes:
@@ -210,6 +261,7 @@ class RowStore:
         last = mx.where(left, mx.arange(self.rows), -1).max()
         rows = int(last) + 1
         kept = left[..., :rows]
+        self.columns = {name: None if c is None else c[..., :rows] for name, c in self.columns.items()}
         self.holes = rows > 0 and not bool(kept.all().item())
         if self.holes:
             self._held()[2][..., :rows, :] = mx.where(kept, positions[..., :rows], HOLE)[..., None]
@@ -221,7 +273,7 @@ class RowStore:
         Raises ValueError (mlx's own message) for a format mlx cannot store these rows in.
         """
         out = RowStore(bits, group_size, self.step)
-        out.rows, out.holes = self.rows, self.holes
+        out.rows, out.holes, out.columns = self.rows, self.holes, self.columns
         if self.positions is None:
             out.encode(mx.zeros((1, group_size)))  # checks the format before any row arrives
         else:

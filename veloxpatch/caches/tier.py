@@ -16,7 +16,8 @@ the model's rows are 16-bit: scales and biases are kept in the rows' dtype; 4 bi
 retrieval: docs/results.md), and at a budget of 25% it holds every row the store drops. The tier keeps its rows in
 time order per head (holes last), as the row store does, so a trim stays exact; rows
 taken back merge into the store in time order too (SnapKV pools scores over neighbouring rows). A policy's state of
-a row (H2O's accumulated attention: :meth:`~.evicting.Policy.row_state`) goes with the row and comes back with it.
+a row (H2O's accumulated attention, a row column of the store: :mod:`.store`) goes with the row and comes back
+with it.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from .store import RowStore
 
 
 class Tier:
-    """Rows at ``bits`` per element (16: unquantized), time-ordered per head, with their positions."""
+    """Rows at ``bits`` per element (16: unquantized), time-ordered per head, with their positions and row
+    columns."""
 
     def __init__(self, bits: int) -> None:
         self.bits = bits
         self.store = RowStore()
-        self.extra: mx.array | None = None  # (B, kv_heads, rows) float32: the policy's state of each row, or None
 
     @property
     def rows(self) -> int:
@@ -48,7 +49,7 @@ class Tier:
 
     @property
     def nbytes(self) -> int:
-        return self.store.nbytes + (0 if self.extra is None else self.extra.nbytes)
+        return self.store.nbytes
 
     def rows_like(self, rows: int, keys: mx.array) -> int:
         """The rows that take the bytes of ``rows`` at the tier's bits, for rows like ``keys`` (..., head_dim):
@@ -58,51 +59,45 @@ class Tier:
             return rows
         return rows * self.bits // (8 * keys.dtype.size)
 
-    def take(self, keys: mx.array, values: mx.array, positions: mx.array, extra: mx.array | None = None,
+    def take(self, keys: mx.array, values: mx.array, positions: mx.array, columns: dict[str, mx.array] | None = None,
              index: mx.array | None = None) -> None:
-        """Add rows (B, kv_heads, n, head_dim) with their positions (B, kv_heads, n), keeping time order, and the
-        policy's state of them (B, kv_heads, n), if it keeps one (rows that come without it get zeros). With
-        ``index`` (B, kv_heads, n), the rows are those rows of ``keys``/``values`` (:meth:`RowStore.merge`)."""
-        held = self.store.rows
+        """Add rows (B, kv_heads, n, head_dim) with their positions (B, kv_heads, n), keeping time order, and their
+        row columns (B, kv_heads, n) by name (rows that come without one get zeros). With ``index`` (B, kv_heads,
+        n), the rows are those rows of ``keys``/``values`` (:meth:`RowStore.merge`)."""
         if self.store.positions is None:
             self.store = RowStore(*self._format(keys), step=1)
-        order = self.store.merge(keys, values, positions, index)
-        if extra is not None or self.extra is not None:
-            before = _or_zeros(self.extra, (*positions.shape[:2], held))
-            self.extra = mx.take_along_axis(mx.concatenate([before, _or_zeros(extra, positions.shape)], axis=-1),
-                                            order, axis=-1)
+        self.store.merge(keys, values, positions, index, columns)
         # nothing a step returns depends on the tier: left lazy, its arrays would keep what they were made from
         # (the rows at full precision, the tier before) alive until the next prompt reads them (3x the bytes)
-        mx.eval(self.store.keys, self.store.values, self.store.positions, self.extra)
+        mx.eval(self.store.keys, self.store.values, self.store.positions, *self.store.columns.values())
 
-    def drain(self) -> tuple[RowStore, mx.array | None]:
-        """Every row (as stored: quantized where the tier quantizes) with its position, and the policy's state of
-        them (None: kept none); the tier empty after."""
-        rows, extra = self.store, self.extra
-        self.store, self.extra = RowStore(self.store.bits, self.store.group_size, step=1), None
-        return rows, extra
+    def drain(self) -> RowStore:
+        """Every row (as stored: quantized where the tier quantizes) with its position and row columns; the tier
+        empty after."""
+        rows = self.store
+        self.store = RowStore(self.store.bits, self.store.group_size, step=1)
+        return rows
 
     def trim_to(self, prefix: int) -> None:
         """Forget every row whose position is ``prefix`` or later."""
         self.store.trim_to(prefix)
-        if self.extra is not None:
-            self.extra = self.extra[..., : self.store.rows]
 
     @property
     def state(self) -> tuple[Any, ...] | None:
-        """What a prompt-cache file keeps: the rows as stored, their positions and (if the policy keeps one) its
-        state of them; None while empty."""
+        """What a prompt-cache file keeps: the rows as stored, their positions and their row columns (in the order
+        the cache declares them); None while empty."""
         if self.store.rows == 0:
             return None
-        return self.store.state if self.extra is None else (*self.store.state, self.extra)
+        return (*self.store.state, *(c for c in self.store.columns.values() if c is not None))
 
-    def load(self, state: tuple[Any, ...] | None, group_size: int) -> None:
+    def load(self, state: tuple[Any, ...] | None, group_size: int, columns: tuple[str, ...] = ()) -> None:
         """Restore what :attr:`state` saved, stored in groups of ``group_size``: quantized where its keys are a
-        quantized triple, else as they are (16 bits, or a head_dim no group divides: :meth:`_format`)."""
+        quantized triple, else as they are (16 bits, or a head_dim no group divides: :meth:`_format`); the row
+        columns saved after the positions are named ``columns``."""
         if state is not None:
             self.store = RowStore(None if len(state[0]) == 1 else self.bits, group_size, step=1)
             self.store.load(tuple(state[:3]))
-            self.extra = state[3] if len(state) > 3 else None
+            self.store.columns = dict(zip(columns, state[3:]))
 
     def _format(self, rows: mx.array) -> tuple[int | None, int]:
         """(bits, group size) mlx can store rows of this head_dim in: the widest group that divides it, or
@@ -118,7 +113,3 @@ class Tier:
             return None, 64
         return self.bits, group
 
-
-def _or_zeros(extra: mx.array | None, shape: tuple[int, ...]) -> mx.array:
-    """``extra``, or zeros of ``shape`` for rows that came without a policy's state."""
-    return mx.zeros(shape, mx.float32) if extra is None else extra

@@ -115,15 +115,12 @@ class ChunkKV(Policy):
         scores = cache.memory.attention(keys, positions, scale)
         return mx.where(cache.protected(positions), 0.0, scores)
 
-    def select(self, cache: EvictingCache, keep: int, scale: float) -> mx.array:
-        """A follower applies its leader's choice when it can; a leader publishes its own."""
-        return self._block_choice(cache, keep, scale, KEPT)
-
-    def tier_choice(self, cache: EvictingCache, kept: mx.array, total: int, scale: float) -> mx.array:
-        """The rows kept and the best whole chunks after them (the same order :meth:`select` cut at its
-        budget), chosen for the block as :meth:`select` is: the block's layers then tier the same positions,
+    def select(self, cache: EvictingCache, keep: int, scale: float, kept: mx.array | None = None) -> mx.array:
+        """A follower applies its leader's choice when it can; a leader publishes its own. The tier's choice
+        (``kept`` given) is the rows kept and the best whole chunks after them (the same order the store's choice
+        cut at its budget), chosen for the block as that one is: the block's layers then tier the same positions,
         and a follower can follow its leader when a later prompt takes them back."""
-        return self._block_choice(cache, total, scale, TIER)
+        return self._block_choice(cache, keep, scale, KEPT if kept is None else TIER)
 
     def _block_choice(self, cache: EvictingCache, keep: int, scale: float, what: str) -> mx.array:
         if self._follower(cache):

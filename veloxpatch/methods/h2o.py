@@ -43,12 +43,11 @@ Where this deviates from the paper, and why:
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 
 from ..caches.evicting import EvictingCache, Policy
-from ..caches.schedule import Schedule
 from ..registry import method
 
 BLOCK_ELEMENTS = 1 << 24  # float32 probabilities per block of queries: 64 MB
@@ -115,111 +114,49 @@ def attention_with_mass(queries: mx.array, keys: mx.array, values: mx.array, sca
 
 
 class H2O(Policy):
-    """Ranks rows by the attention they have accumulated since they were stored."""
+    """Ranks rows by the attention they have accumulated since they were stored: the store's row column ``mass``
+    (float32, shorter than the rows until the newest are accounted: they have none yet), which the store carries
+    through compactions, trims, the tier and back, and the cache saves."""
 
     prompt_state = "own"  # the prompt's accumulated attention
-    row_bytes_per_head = 4  # the float32 mass
-
-    def queries_held(self, window: int) -> int:
-        """Decode queries wait in the queue until they pass the largest headroom."""
-        return Schedule.max_headroom + 1
+    remembers = 0  # no observation window: the scores come from every query (:meth:`observe`)
+    logs_queries = True  # decode queries wait in the cache's log until they pass the largest headroom
+    row_columns = ("mass",)
 
     def __init__(self) -> None:
-        self.mass: mx.array | None = None  # (B, kv_heads, <= rows) float32, row-aligned with the store
-        self.queued: list[mx.array] = []  # queries not yet accounted, of consecutive tokens ending at queued_end
-        self.queued_end = 0
-        self.scale = 1.0
         self.credited = False  # this step's queries were accounted with its attention (:meth:`credit`)
 
-    def remembered(self, window: int) -> int:
-        """No observation window: the scores come from every query (:meth:`observe`)."""
-        return 0
-
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        self._account(cache)
-        return self._mass(cache, keys.shape[2])
+        self.settle(cache)
+        return cache.store.column("mass", keys.shape[2])
 
     def observe(self, cache: EvictingCache, queries: mx.array, keys: mx.array, scale: float) -> None:
         """Queue this step's queries; account them once they outgrow the decode headroom. A step whose
-        attention gave its mass already (:meth:`credit`) is not queued."""
-        self.scale = scale
+        attention gave its mass already (:meth:`credit`) is not queued. The step that compresses an ``end`` mode
+        prompt is accounted after the compaction (the module doc)."""
         if self.credited:
             self.credited = False
-            self.queued_end = cache.offset
+            cache.log.end = cache.offset
             return
-        self.queued = [*self.queued, queries]  # a new list: a copy of the policy shares the old one
-        self.queued_end = cache.offset
-        if sum(q.shape[2] for q in self.queued) > cache.headroom(cache.target()):
-            self._account(cache)
-
-    def kept(self, cache: EvictingCache, index: mx.array) -> None:
-        self.mass = mx.take_along_axis(self._mass(cache, cache.store.rows), index, axis=-1)
-
-    def row_state(self, cache: EvictingCache) -> mx.array:
-        """The mass of every stored row: a row the tier takes keeps what it earned. Queries still queued are
-        those of the step compressing an ``end`` mode prompt, accounted after the compaction (the module doc)."""
-        return self._mass(cache, cache.store.rows)
-
-    def taking_back(self, cache: EvictingCache, state: mx.array | None) -> None:
-        """Queued queries are accounted over the rows they saw, then the rows coming back bring their mass."""
-        self._account(cache)
-        if state is not None:
-            self.mass = mx.concatenate([self._mass(cache, cache.store.rows), state], axis=-1)
-
-    def trimmed(self, cache: EvictingCache) -> None:
-        """The trimmed rows' mass goes, and so do the trimmed tokens' queued queries: what they
-        would have added is never counted. Mass already accounted stays (see the module doc)."""
-        if self.mass is not None:
-            self.mass = self.mass[..., : cache.store.rows]
-        drop = self.queued_end - cache.offset
-        if drop > 0 and self.queued:
-            queries = mx.concatenate(self.queued, axis=2)
-            left = queries.shape[2] - drop
-            self.queued = [queries[..., :left, :]] if left > 0 else []
-        self.queued_end = min(self.queued_end, cache.offset)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(q.nbytes for q in self.queued) + (0 if self.mass is None else self.mass.nbytes)
-
-    def state(self, cache: EvictingCache) -> tuple[mx.array | None, ...]:
-        """The accumulated mass (queued queries accounted)."""
-        self._account(cache)
-        return (None if cache.empty() else self._mass(cache, cache.store.rows),)
-
-    def load(self, cache: EvictingCache, state: tuple[mx.array | None, ...]) -> None:
-        """Also a cache saved without it (rebuilt caches, e.g. from a batch): the mass restarts at zero."""
-        self.mass = state[0] if state else None
+        cache.log.add(queries, cache.offset)
+        if cache.log.count > cache.headroom(cache.target()):
+            self.settle(cache)
 
     def credit(self, cache: EvictingCache, mass: mx.array) -> None:
         """A prompt step's mass, from its own attention (:func:`attention_with_mass`): the queries queued before it
         were accounted first, over the rows they saw."""
-        self.mass = self._mass(cache, mass.shape[-1]) + mass
+        cache.store.set_column("mass", cache.store.column("mass", mass.shape[-1]) + mass)
         self.credited = True
 
-    def account(self, cache: EvictingCache) -> None:
-        """Account the queued queries now."""
-        self._account(cache)
-
-    def _account(self, cache: EvictingCache) -> None:
-        """Add the queued queries' attention to the mass, in one pass."""
-        if not self.queued:
+    def settle(self, cache: EvictingCache) -> None:
+        """Add the queued queries' attention to the mass, in one pass, over the rows they saw."""
+        queries = cache.log.take()
+        if queries is None:
             return
-        queries = self.queued[0] if len(self.queued) == 1 else mx.concatenate(self.queued, axis=2)
-        self.queued = []
         keys, _ = cache.store.fetch()
-        first = self.queued_end - queries.shape[2]
-        mass = received_mass(queries, keys, self.scale, cache.store.row_positions(), first)
-        self.mass = self._mass(cache, keys.shape[2]) + mass
-
-    def _mass(self, cache: EvictingCache, rows: int) -> mx.array:
-        """The accumulated mass of the first ``rows`` rows; rows not accounted yet have none."""
-        have = 0 if self.mass is None else self.mass.shape[-1]
-        if have == rows:
-            return cast(mx.array, self.mass)  # None only when asked for no rows before any mass
-        b, h = cache.store.row_positions().shape[:2]
-        fresh = mx.zeros((b, h, rows - have), mx.float32)
-        return fresh if self.mass is None else mx.concatenate([self.mass, fresh], axis=-1)
+        first = cache.log.end - queries.shape[2]
+        mass = received_mass(queries, keys, cache.scale, cache.store.row_positions(), first)
+        cache.store.set_column("mass", cache.store.column("mass", keys.shape[2]) + mass)
 
 
 @method("h2o", "Heavy hitters: attention accumulated over every step's queries; top-k per KV head.", policy=True)
@@ -239,7 +176,7 @@ class H2OCache(EvictingCache):
         if queries.shape[2] <= self.headroom(self.target()) or kept is not None or sinks is not None \
                 or not own_mask or keys.shape[2] != self.store.rows:
             return super()._attention(queries, keys, values, scale, mask, sinks, kept)
-        self.policy.account(self)
+        self.policy.settle(self)
         out, mass = attention_with_mass(queries, keys, values, scale, self.store.row_positions(),
                                         self.offset - queries.shape[2])
         self.policy.credit(self, mass)

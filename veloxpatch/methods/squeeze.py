@@ -55,8 +55,8 @@ compressed with until its new prompt's reports replace them.
 The policy is the chosen method's policy object (:class:`~veloxpatch.caches.evicting.Policy`, found by
 its id in the registry: any method registered with ``policy=True``), composed into the squeeze cache as
 kvpress's wrapper presses take an inner press, so the policy's scores, hooks and per-row state (H2O's
-accumulated attention following compactions and trims) work unchanged. Its knobs reach it and are saved
-with the cache.
+accumulated attention, a row column of the store, following compactions and trims) work unchanged. Its knobs
+reach it and are saved with the cache.
 """
 
 from __future__ import annotations

@@ -37,11 +37,8 @@ class TOVA(Policy):
     """Ranks rows by the newest query's attention, the same ranking for every head of the layer."""
 
     prompt_state = "own"  # the newest query alone, not the observation window
-
-    def remembered(self, window: int) -> int:
-        """The newest query only; the memory's ``end`` says what it saw (a prompt compressed in ``end``
-        mode is scored by it when the next step's rows are already stored)."""
-        return 1
+    remembers = 1  # the newest query; the memory's ``end`` says what it saw (a prompt compressed in ``end`` mode is
+    # scored by it when the next step's rows are already stored)
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         """Mean over all query heads of the newest query's attention over the rows it saw (the window
@@ -55,11 +52,11 @@ class TOVA(Policy):
             mean = cache.coordinator.head_mean(mean)  # over every head of the layer, on a model split by heads
         return mx.broadcast_to(mean[:, None], positions.shape)
 
-    def select(self, cache: EvictingCache, keep: int, scale: float) -> mx.array:
+    def select(self, cache: EvictingCache, keep: int, scale: float, kept: mx.array | None = None) -> mx.array:
         """One set of rows for every KV head: the scores, protection and holes are the same in
-        every head, so the first head's choice is every head's."""
-        index = super().select(cache, keep, scale)
-        return mx.broadcast_to(index[:, :1], index.shape)
+        every head, so the first head's choice is every head's (the tier's choice is the base's)."""
+        index = super().select(cache, keep, scale, kept)
+        return index if kept is not None else mx.broadcast_to(index[:, :1], index.shape)
 
 
 @method("tova", "The newest query's attention averaged over heads; one set of rows per layer.", policy=True)
