@@ -25,9 +25,9 @@ from conftest import (
     speculated,
     tiny,
 )
-from veloxpatch.caches import CompressedKVCache
 from veloxpatch.caches.schedule import Schedule
 from veloxpatch.config import Budget
+from veloxpatch.integration import compat, wrappers
 from veloxpatch.methods.snapkv import SnapKVCache, pool_rows
 from veloxpatch.methods.streamingllm import StreamingLLMCache
 
@@ -151,19 +151,23 @@ def test_a_file_as_mlx_lm_before_0_32_saves_it_round_trips(tmp_path, monkeypatch
     """mlx-lm 0.28-0.31 save a cache's ``state`` as arrays only, its ``meta_state`` apart as strings, and hand both
     back to ``from_state``: faked here on any mlx-lm, with their save and load (the matrix runs the real ones)."""
     model = tiny("qwen3", seed=2, layers=4)
+    monkeypatch.setattr(compat, "meta_state_apart", lambda: True)  # what patch() then tells the caches it builds
     veloxpatch.patch(kv="xkv", budget=40, window=8)  # a coordinator; its folds sit in dicts (or None) in the state
-    monkeypatch.setattr(CompressedKVCache, "meta_apart", staticmethod(lambda: True))
     caches = make_prompt_cache(model)
     greedy(model, random_tokens(120, 12), caches, steps=4, chunk=30)
     assert all(isinstance(a, mx.array) for c in caches for a in c.state)
     path = str(tmp_path / "prompt.safetensors")
     metadata = [[c.meta_state for c in caches], {}, [type(c).__name__ for c in caches]]
     mx.save_safetensors(path, dict(tree_flatten([c.state for c in caches])), dict(tree_flatten(metadata)))
-    arrays, metadata = mx.load(path, return_metadata=True)
-    info, _, classes = tree_unflatten(list(metadata.items()))
-    module = sys.modules["mlx_lm.models.cache"]
-    loaded = [getattr(module, name).from_state(state, meta)
-              for name, state, meta in zip(classes, tree_unflatten(list(arrays.items())), info)]
+
+    def load_as_before_0_32(file: str) -> list:
+        arrays, metadata = mx.load(file, return_metadata=True)
+        info, _, classes = tree_unflatten(list(metadata.items()))
+        module = sys.modules["mlx_lm.models.cache"]
+        return [getattr(module, name).from_state(state, meta)
+                for name, state, meta in zip(classes, tree_unflatten(list(arrays.items())), info)]
+
+    loaded = wrappers.load_prompt_cache(load_as_before_0_32)(path)  # as the patched load_prompt_cache does
     assert [c.meta_state for c in loaded] == [c.meta_state for c in caches]
     assert all(mx.array_equal(a, b).item() for ours, theirs in zip(loaded, caches)
                for a, b in zip(ours.state, theirs.state, strict=True))

@@ -11,7 +11,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
 from conftest import random_tokens, run_python, tiny, unless_offered
-from veloxpatch.integration import wrappers
+from veloxpatch.caches import Runtime
+from veloxpatch.integration import batched, compat, wrappers
+from veloxpatch.registry import METHODS
 
 # Prints the class of a tiny llama's first cache slot and whether attention is routed.
 PROBE = textwrap.dedent("""
@@ -95,6 +97,21 @@ def test_unpatch_before_import_leaves_mlx_lm_original() -> None:
         probe("never")
     """)
     assert out == ["never KVCache True False False"]
+
+
+def test_patch_and_unpatch_change_no_class_of_ours() -> None:
+    """What patch() decides reaches our caches through the builder, as each cache's runtime, never as a class
+    attribute set from outside the class (issue 35): every class of our caches is the same across patch and
+    unpatch."""
+    classes = {k for info in METHODS.values() for k in info.cls.__mro__ if k.__module__.startswith("veloxpatch.")}
+    before = {k: dict(vars(k)) for k in classes}
+    veloxpatch.patch(kv="snapkv", budget=64)
+    caches = make_prompt_cache(tiny("llama"))
+    assert {k: dict(vars(k)) for k in classes} == before
+    assert caches[0].runtime == Runtime(batching=batched.batching_on, meta_apart=compat.meta_state_apart)
+    veloxpatch.unpatch()
+    assert {k: dict(vars(k)) for k in classes} == before
+    assert not hasattr(caches[0], "merge")
 
 
 def test_none_method_passes_every_cache_through() -> None:

@@ -56,6 +56,27 @@ def test_a_cross_layer_method_says_its_folds_and_the_rows_it_folded(method: str,
     assert ("VELOX_BUDGET does not apply" in line) == (method == "minicache"), line
 
 
+@pytest.mark.parametrize("method", ["snapkv", "xkv"])
+def test_the_probe_counts_nothing_and_restores_nothing(monkeypatch, method: str) -> None:
+    """Only the caches the builder hands to the app count: the probe's caches, their compressions and folds never
+    touch the totals, not even while the probe runs (issue 35: it saved and restored them)."""
+    writes: list[str] = []
+
+    class Watched(stats._Totals):
+        def __setattr__(self, name: str, value: int) -> None:
+            writes.append(name)
+            super().__setattr__(name, value)
+
+    monkeypatch.setattr(stats, "totals", Watched())
+    writes.clear()  # the dataclass's own __init__
+    veloxpatch.patch(kv=method, budget=64, window=8)
+    model = tiny("llama", layers=4)
+    caches = make_prompt_cache(model)  # probed: a fresh model (the probe evicts at a budget of 2)
+    assert writes == ["caches_built"] * 4 and vars(stats.totals) == vars(stats._Totals(caches_built=4))
+    greedy(model, random_tokens(300, 1), caches, steps=1, chunk=100)
+    assert stats.totals.compressions + stats.totals.folds > 0, "the app's caches count"
+
+
 def test_rows_summed_over_ranks_are_said_without_words_this_rank_does_not_know() -> None:
     # generations, built, compressions, folds, seen, kept, other, bytes, dense: as ranks.summed gives them
     line = stats.summary("xquant", [1, 8, 0, 8, 2000, 2000, 1800, 2**20, 4 * 2**20], who=" (all 2 ranks)", caches=[])

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import eligibility, ranks, structure
+from . import eligibility, ranks, stats, structure
+from .caches import Runtime
 from .caches.evicting import queries_held, row_bytes_per_head
 from .caches.memory import MemoryPlan, device_bytes
 from .config import Memory, VeloxConfig, make_cache
@@ -65,10 +66,10 @@ def explain(model: Any, config: VeloxConfig) -> str:
     return text
 
 
-def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
-    """Replace the slots the probe clears with compressed caches sharing one coordinator. On a model
-    split across ranks, the ranks agree first (:mod:`veloxpatch.ranks`): every rank takes
-    part, whatever its own verdict."""
+def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime = Runtime()) -> list[Any]:
+    """Replace the slots the probe clears with compressed caches sharing one coordinator, each given ``runtime``
+    (what the integration answers them) and counted in the statistics as built. On a model split across ranks, the
+    ranks agree first (:mod:`veloxpatch.ranks`): every rank takes part, whatever its own verdict."""
     name = model_type(model)
     slots = candidate_slots(caches)
     if slots and unprobed_and_lazy(model, slots, config):  # before the ranks agree: every rank's model is alike
@@ -92,6 +93,9 @@ def build(model: Any, caches: list[Any], config: VeloxConfig) -> list[Any]:
         return caches
     log.debug("%s: %s on %d of %d cache slots", name, config.kv, len(found.slots), len(caches))
     built = eligibility.assemble(caches, found.slots, lambda: make_cache(config), config.kv)
+    for cache in {id(built[i]): built[i] for i in found.slots}.values():  # a cache filling several slots is one
+        cache.runtime = runtime
+        stats.track(cache)
     for coordinator in coordinators_of(built):
         coordinator.span = span
     if config.kv_memory:
@@ -118,7 +122,7 @@ def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConf
 def _limit(name: str, built: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> None:
     """Give every compressed cache of the list the plan (said once at INFO; slots it cannot bound at WARNING, an
     error under strict)."""
-    plan = memory_plan(built, found, config, built[found.slots[0]].policy)  # a cache made here would count as built
+    plan = memory_plan(built, found, config, built[found.slots[0]].policy)
     for i in found.slots:
         built[i].limit = plan
     once(f"memory plan {name} {plan.setting}", logging.INFO, f"{name}: {plan.describe()}")

@@ -34,7 +34,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import stats, structure
+from . import structure
 from .caches import CompressedKVCache
 from .caches.memory import SlotLayout, layout_of
 from .config import Budget, VeloxConfig, make_cache
@@ -98,7 +98,7 @@ def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: Velox
     evaluates the model: the builder asks :func:`probed` and :func:`veloxpatch.structure.unevaluated` first.
     """
     return per_model(_verdicts, model, _key(slots, config),
-                     lambda: _probe_keeping_stats(model, caches, slots, config, whole))
+                     lambda: _probe_caught(model, caches, slots, config, whole))
 
 
 def probed(model: Any, slots: tuple[int, ...], config: VeloxConfig) -> bool:
@@ -110,17 +110,15 @@ def _key(slots: tuple[int, ...], config: VeloxConfig) -> Hashable:
     return slots, config.kv, config.compress, tuple(sorted(config.knobs.items()))
 
 
-def _probe_keeping_stats(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
-                         whole: bool) -> Verdict:
-    """Probe without counting the probe's caches and compressions in the user's statistics."""
-    saved = dict(vars(stats.totals))
+def _probe_caught(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
+                  whole: bool) -> Verdict:
+    """:func:`_probe`, an error it raises made the verdict. Its caches are never handed to the app, so nothing of
+    theirs counts in the user's statistics (:mod:`veloxpatch.stats`)."""
     try:
         return _probe(model, caches, slots, config, whole)
     except Exception as error:  # the builder says it (or raises under strict): the app runs on mlx_lm's caches
         return Verdict((), reason=f"the probe could not run the model ({type(error).__name__}: {error})",
                        **_raised(error))
-    finally:
-        vars(stats.totals).update(saved)
 
 
 def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig, whole: bool) -> Verdict:

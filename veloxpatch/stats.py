@@ -1,9 +1,11 @@
 """Process-wide KV-cache statistics for ``VELOX_STATS`` (one line on exit).
 
-Caches register themselves here when they are built; copies made without ``__init__`` (the
-server's ``copy.deepcopy`` of prompt caches, a quantized copy) are registered by whoever hands them
-on, with ``built=False``. The summary reads the live ones, so nothing is counted twice and nothing is
-kept alive by the statistics.
+The statistics are of the caches the app holds: whoever hands a cache to the app registers it (:func:`track`),
+the builder those it builds, the loader those it loads, and copies (the server's ``copy.deepcopy`` of prompt
+caches, a quantized copy) are registered by whoever hands them on, with ``built=False``. Only a registered cache's
+compressions and folds count (:func:`compressed`, :func:`folded`), so the eligibility probe's caches, never handed
+on, count nothing. The summary reads the live ones, so nothing is counted twice and nothing is kept alive by the
+statistics.
 
 Rows kept are not all alike: an evicting method keeps exact rows (or rows mlx_lm's ``kv_bits`` quantized), a
 cross-layer method keeps every token but most of them folded (xquant: as a 4-bit latent or X, with K and V rebuilt
@@ -42,6 +44,18 @@ def track(cache: Any, built: bool = True) -> None:
     if built:
         totals.caches_built += 1
     _live.add(cache)
+
+
+def compressed(cache: Any) -> None:
+    """``cache`` compressed its rows to its budget: one compression, if the app holds it (:func:`track`)."""
+    if cache in _live:
+        totals.compressions += 1
+
+
+def folded(cache: Any) -> None:
+    """``cache`` folded exact rows into its method's form: one fold, if the app holds it (:func:`track`)."""
+    if cache in _live:
+        totals.folds += 1
 
 
 def counts(caches: list[Any] | None = None) -> list[int]:

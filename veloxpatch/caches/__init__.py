@@ -4,6 +4,6 @@ The methods themselves live in :mod:`veloxpatch.methods` (one module each, found
 :mod:`veloxpatch.registry`); nothing here knows any of them.
 """
 
-from .base import CompressedKVCache
+from .base import CompressedKVCache, Runtime
 
-__all__ = ["CompressedKVCache"]
+__all__ = ["CompressedKVCache", "Runtime"]

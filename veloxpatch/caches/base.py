@@ -24,6 +24,7 @@ import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import mlx.core as mx
@@ -41,14 +42,32 @@ from .store import RowStore
 _Cache = TypeVar("_Cache", bound="CompressedKVCache")
 
 
+def _no() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What only the integration knows and a cache asks: the builder hands it to the caches it builds
+    (:func:`veloxpatch.builder.build`; a loaded list gets it from ``load_prompt_cache``'s wrapper, a copy keeps
+    its original's). Each answer is asked when it matters, so it follows a later ``unpatch``. A cache nobody gave
+    one (the probe's, a test's own) answers no to both."""
+
+    batching: Callable[[], bool] = _no
+    """Whether mlx_lm's batches may hold our caches now: ``merge`` is there only then (integration.batched)."""
+    meta_apart: Callable[[], bool] = _no
+    """Whether mlx_lm saves a cache's ``meta_state`` apart, as strings, and only arrays of its ``state`` (mlx-lm
+    before 0.32; 0.32 saves the state alone, its strings and scalars too) (integration.compat)."""
+
+
 class _WhileBatching:
     """``merge``, which mlx_lm's batched generation looks for (``hasattr``: its server batches only caches that
-    have it), present only while ``CompressedKVCache.batching()`` says batches may hold our caches: while the
+    have it), present on a cache only while its :class:`Runtime` says batches may hold our caches: while the
     integration has patched batched generation for the installed mlx_lm. Otherwise mlx_lm would merge our
     caches into its own batch caches, which know nothing of evicted rows or their positions."""
 
-    def __get__(self, instance: Any, owner: type[CompressedKVCache]) -> Any:
-        if not owner.batching():
+    def __get__(self, instance: CompressedKVCache | None, owner: type[CompressedKVCache]) -> Any:
+        if instance is None or not instance.runtime.batching():
             raise AttributeError(f"{owner.__name__}.merge: batched generation is not patched")
         return SequenceBatch.merge
 
@@ -62,10 +81,7 @@ class CompressedKVCache(ABC):
     """
 
     merge = _WhileBatching()
-    batching: ClassVar[Callable[[], bool]] = staticmethod(lambda: False)  # set while patched (integration.batched)
-    meta_apart: ClassVar[Callable[[], bool]] = staticmethod(lambda: False)
-    """Whether mlx_lm saves a cache's ``meta_state`` apart, as strings, and only arrays of its ``state`` (mlx-lm
-    before 0.32; 0.32 saves the state alone, its strings and scalars too): set when patched (integration.compat)."""
+    runtime: Runtime = Runtime()  # the integration's answers, given per cache by the builder
 
     method: ClassVar[str] = ""  # set by the registry's ``@method``
     coordinator_class: ClassVar[type[Coordinator]] = Coordinator
@@ -87,7 +103,6 @@ class CompressedKVCache(ABC):
         self.issued_mask: mx.array | None = None
         self.coordinator: Coordinator | None = None
         self.layer = 0  # index in the coordinator's members (set when it joins)
-        stats.track(self)
 
     # ----------------------------------------------------------------- what a kind of cache provides
     @abstractmethod
@@ -280,8 +295,8 @@ class CompressedKVCache(ABC):
     @property
     def meta_state(self) -> str:
         """Scalars and settings as one JSON string (mlx_lm saves strings in prompt-cache files). Where mlx_lm saves it
-        apart from :attr:`state` (:attr:`meta_apart`), the layout of the whole state, its arrays by number."""
-        if type(self).meta_apart():  # through the class: a static method (mypy binds a ClassVar callable)
+        apart from :attr:`state` (:attr:`Runtime.meta_apart`), the layout of the whole state, its arrays by number."""
+        if self.runtime.meta_apart():
             return json.dumps({"apart": _layout(self._whole_state(), [])})
         return json.dumps(self._meta())
 
@@ -298,7 +313,7 @@ class CompressedKVCache(ABC):
         """Stored rows (without spare capacity), their positions, remembered queries, what the kind of cache
         keeps besides (:meth:`_extra_state`), meta; where mlx_lm saves :attr:`meta_state` apart, its arrays alone."""
         whole = self._whole_state()
-        if type(self).meta_apart():
+        if self.runtime.meta_apart():
             arrays: list[mx.array] = []
             _layout(whole, arrays)
             return arrays

@@ -338,7 +338,7 @@ class EvictingCache(CompressedKVCache):
         keep = index.shape[-1]
         self.evicted = self.evicted or keep < self.store.rows
         self.store.keep(index, self.headroom(keep))
-        stats.totals.compressions += 1
+        stats.compressed(self)
 
     def _to_tier(self, index: mx.array) -> None:
         """Hand the rows not in ``index`` to the tier, as many as it has room for (:meth:`tier_rows`): the best

@@ -24,7 +24,7 @@ from typing import Any
 import wrapt
 
 from .. import ranks, stats
-from ..caches import CompressedKVCache
+from ..caches import Runtime
 from ..config import ConfigError, VeloxConfig, from_env
 from ..cpu import float32_wanted
 from ..fallback import StrictError, fall_back, notice
@@ -57,8 +57,7 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
         return False
     with STATE.lock:
         STATE.config = config
-        CompressedKVCache.batching = staticmethod(batched.batching_on)  # our caches merge while it says so
-        CompressedKVCache.meta_apart = staticmethod(compat.meta_state_apart)  # how mlx_lm saves a cache
+        STATE.runtime = Runtime(batching=batched.batching_on, meta_apart=compat.meta_state_apart)  # for our caches
         _register_hooks()
         _guard_exit()
         try:

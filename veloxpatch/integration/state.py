@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..caches import Runtime
 from ..config import VeloxConfig
 from ..log import once
 
@@ -33,6 +34,8 @@ class PatchState:
     swaps: dict[str, Swap] = field(default_factory=dict)
     features: dict[str, str | None] = field(default_factory=dict)
     """Each feature decided since the last patch (:mod:`.features`): None when patched, else why it is off."""
+    runtime: Runtime = Runtime()
+    """What the integration answers the caches it builds or loads (set by ``patch``: :class:`..caches.Runtime`)."""
     hooks_registered: bool = False
     stats_registered: bool = False
     exit_registered: bool = False

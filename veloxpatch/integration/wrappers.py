@@ -8,7 +8,8 @@
   that lost theirs (restored with ``from_state``) get one, and copies made without ``__init__``
   (the server deep-copies prompt caches) are counted in the statistics. A generation that makes its
   own list from a model not evaluated yet evaluates it first (:func:`_evaluate_first`).
-* ``load_prompt_cache``: a restored list gets its coordinator back.
+* ``load_prompt_cache``: a restored list gets its coordinator back, and its caches what the builder gives the
+  caches it builds (the runtime, a place in the statistics).
 * the batched-generation entries live in :mod:`.batched`.
 
 Each reads the active config at call time, so re-patching with a new config needs no re-binding,
@@ -37,7 +38,7 @@ from ..log import once
 from ..ranks import RanksDisagree
 from ..settings import ConfigError
 from . import layer_io
-from .state import in_batched_generation, in_force
+from .state import STATE, in_batched_generation, in_force
 
 SDPA_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 
@@ -52,7 +53,7 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
     try:
         if builder.candidate_slots(caches):
             layer_io.prepare(model, config)
-        return builder.build(model, caches, config)
+        return builder.build(model, caches, config, STATE.runtime)
     # RanksDisagree: every rank raises it, never one method per rank; ConfigError: a setting this model cannot take
     except (RanksDisagree, StrictError, ConfigError):
         raise
@@ -123,7 +124,11 @@ def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
 @wrapt.decorator
 def load_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     loaded = wrapped(*args, **kwargs)
-    _adopt(ours(loaded[0] if isinstance(loaded, tuple) else loaded))
+    found = ours(loaded[0] if isinstance(loaded, tuple) else loaded)
+    for cache in found:  # built by from_state: given what a cache the builder built is given
+        cache.runtime = STATE.runtime
+        stats.track(cache)
+    _adopt(found)
     return loaded
 
 
