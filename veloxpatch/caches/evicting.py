@@ -244,15 +244,18 @@ class EvictingCache(CompressedKVCache):
         return self.size() + self.tier.rows
 
     def _takes_back(self, n: int) -> bool:
-        """Whether a step of ``n`` tokens is a prompt chunk, or a decode-sized step that ``attend`` will find over
-        a pending prompt: asked before the step is stored, of the budget ``target()`` will give with its tokens
-        seen."""
+        """Whether a step of ``n`` tokens is a prompt chunk (longer than the decode headroom, or a step of the prompt
+        a generation announced however short: a chat's next question of a few dozen tokens is read in one such
+        step, and must choose among every row as a long prompt does), or a decode-sized step that ``attend`` will
+        find over a pending prompt: asked before the step is stored, of the budget ``target()`` will give with its
+        tokens seen."""
+        announced = self.prompt_end is not None and self.offset + n <= self.prompt_end
         self.offset += n
         try:
             keep = self.target()
         finally:
             self.offset -= n
-        return n > self.headroom(keep) or self.schedule.pending(self.store.rows + n, n, keep)
+        return announced or n > self.headroom(keep) or self.schedule.pending(self.store.rows + n, n, keep)
 
     def _take_back(self, keys: mx.array, values: mx.array) -> None:
         """The tier's rows back into the store, with their row columns (the policy settles its own first), in time
