@@ -76,7 +76,7 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
         notice(f"{name} with {config.kv}: {LAZY}", config, key=f"{name} {config.kv} lazy", level=logging.INFO)
         return caches
     if slots:
-        ranks.settled(model)
+        ranks.drain_if_split(model)
         found = eligibility.verdict(model, caches, slots, config, whole=ranks.is_split(model))
     else:
         found = eligibility.Verdict((), reason=NO_SLOT.removesuffix("; running unpatched"))

@@ -69,7 +69,7 @@ class Policy(ABC):
         """Every step's real queries and the keys they attended, one per stored row in storage order, before
         the step compresses (H2O accumulates attention)."""
 
-    def settle(self, cache: EvictingCache) -> None:
+    def catch_up(self, cache: EvictingCache) -> None:
         """Bring the row columns up to date with every query observed, before the cache saves them or takes the
         tier's rows back (H2O accounts the queries it queued)."""
 
@@ -255,7 +255,7 @@ class EvictingCache(CompressedKVCache):
         return n > self.headroom(keep) or self.schedule.pending(self.store.rows + n, n, keep)
 
     def _take_back(self, keys: mx.array, values: mx.array) -> None:
-        """The tier's rows back into the store, with their row columns (the policy settles its own first), in time
+        """The tier's rows back into the store, with their row columns (the policy catches its own up first), in time
         order (time order matters to a policy that looks at neighbouring rows, SnapKV's pooling), with room for the
         step's rows ``keys``/``values``. The step's rows are evaluated first: they hang on the forward so far (the
         last layer's MLP activations, left lazy), which would otherwise be computed on top of the whole context at
@@ -268,7 +268,7 @@ class EvictingCache(CompressedKVCache):
         if self.coordinator is None or not self.coordinator.span.split:
             mx.eval(keys, values)
         rows = self.tier.drain()
-        self.policy.settle(self)
+        self.policy.catch_up(self)
         self.store.take_in(rows, spare=keys.shape[2])
 
     # ----------------------------------------------------------------- the attention route
@@ -292,7 +292,7 @@ class EvictingCache(CompressedKVCache):
         elif (capped := self._over_limit(n, keep)) is not None:
             self.compress(capped, scale)
         if self.took_back:
-            self._settle(out)
+            self._evaluate_kept(out)
         if n > self.headroom(keep):
             self.reading = True
         elif self.reading or self._prompt_read():  # under VELOX_KV_MEMORY the target wins: no snapshot, whose
@@ -312,7 +312,7 @@ class EvictingCache(CompressedKVCache):
             self.prompt_end = None
         return read
 
-    def _settle(self, out: mx.array) -> None:
+    def _evaluate_kept(self, out: mx.array) -> None:
         """After a step that took the tier back: evaluate what this layer keeps, so its rows at full precision
         (the whole context) are freed before the next layer takes its own back. Left lazy, one graph holds every
         layer's at once, and reading with a tier peaks as high as the full cache."""
@@ -412,9 +412,9 @@ class EvictingCache(CompressedKVCache):
                 "tier_size": str(self.tier_size)}
 
     def _extra_state(self) -> tuple[Any, ...]:
-        """The row columns (the policy settles them first; None for an empty cache), then (with a tier) the tier's
+        """The row columns (the policy catches them up first; None for an empty cache), then (with a tier) the tier's
         rows (None while it is empty)."""
-        self.policy.settle(self)
+        self.policy.catch_up(self)
         columns = tuple(None if self.empty() else self.store.column(name) for name in self.policy.row_columns)
         return columns if self.tier is None else (*columns, self.tier.state)
 

@@ -147,7 +147,7 @@ class Coordinator:
             sums[0, where] = mx.stack([mx.array(v, dtype=mx.float32) for v in values.values()])
             sums[1, where] = 1.0
         if self.span.split:
-            settle()
+            drain_streams()
             sums = mx.distributed.all_sum(sums, stream=mx.cpu)
         totals, counts = cast(list[list[float]], sums.tolist())
         return [total / count if count else None for total, count in zip(totals, counts)]
@@ -203,7 +203,7 @@ class Coordinator:
         return sum(a.nbytes for part in mine.values() for _, a in tree_flatten(part) if isinstance(a, mx.array))
 
 
-def settle() -> None:
+def drain_streams() -> None:
     """Wait for the work in flight before a collective of ours: mlx_lm generates on a stream of its own,
     one step ahead, and a step still running there holds the model's collectives; ours, started on
     another stream meanwhile, would pair with them on the ring and swap data between ranks."""
