@@ -4,6 +4,7 @@ The methods themselves live in :mod:`veloxpatch.methods` (one module each, found
 :mod:`veloxpatch.registry`); nothing here knows any of them.
 """
 
-from .base import CompressedKVCache, Runtime
+from .base import CompressedKVCache
+from .spec import CacheSpec, Runtime, make_cache
 
-__all__ = ["CompressedKVCache", "Runtime"]
+__all__ = ["CacheSpec", "CompressedKVCache", "Runtime", "make_cache"]

@@ -23,41 +23,23 @@ import copy
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
 import mlx.core as mx
 
 from .. import stats
-from ..config import Budget, TierSize
+from ..config import Budget
 from ..coordinators import Coordinator
 from ..log import once
 from . import blocks, masks
 from .batch import SequenceBatch
 from .queries import QueryMemory
 from .schedule import Schedule
+from .spec import CacheSpec
 from .store import RowStore
 
 _Cache = TypeVar("_Cache", bound="CompressedKVCache")
-
-
-def _no() -> bool:
-    return False
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """What only the integration knows and a cache asks: the builder hands it to the caches it builds
-    (:func:`veloxpatch.builder.build`; a loaded list gets it from ``load_prompt_cache``'s wrapper, a copy keeps
-    its original's). Each answer is asked when it matters, so it follows a later ``unpatch``. A cache nobody gave
-    one (the probe's, a test's own) answers no to both."""
-
-    batching: Callable[[], bool] = _no
-    """Whether mlx_lm's batches may hold our caches now: ``merge`` is there only then (integration.batched)."""
-    meta_apart: Callable[[], bool] = _no
-    """Whether mlx_lm saves a cache's ``meta_state`` apart, as strings, and only arrays of its ``state`` (mlx-lm
-    before 0.32; 0.32 saves the state alone, its strings and scalars too) (integration.compat)."""
 
 
 class _WhileBatching:
@@ -81,7 +63,6 @@ class CompressedKVCache(ABC):
     """
 
     merge = _WhileBatching()
-    runtime: Runtime = Runtime()  # the integration's answers, given per cache by the builder
 
     method: ClassVar[str] = ""  # set by the registry's ``@method``
     coordinator_class: ClassVar[type[Coordinator]] = Coordinator
@@ -91,11 +72,12 @@ class CompressedKVCache(ABC):
     bounds_memory: ClassVar[bool] = False  # True: VELOX_KV_MEMORY can cap its rows (the methods that evict)
     budget_use: ClassVar[str] = "VELOX_BUDGET is the rows it keeps per layer."  # said by `veloxpatch methods`
 
-    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
-        self.budget = budget
-        self.sink = sink
-        self.window = window
-        self.schedule = Schedule(mode)
+    def __init__(self, spec: CacheSpec) -> None:
+        self.budget = spec.budget
+        self.sink = spec.sink
+        self.window = spec.window
+        self.runtime = spec.runtime  # the integration's answers
+        self.schedule = Schedule(spec.mode)
         self.store = RowStore(step=self.store_step)
         self.memory = QueryMemory()
         self.offset = 0
@@ -126,11 +108,6 @@ class CompressedKVCache(ABC):
     def knob_values(self) -> dict[str, Any]:
         """The method's own knobs, saved with the cache so it loads back the same."""
         return {}
-
-    def use_tier(self, bits: int, size: TierSize = TierSize()) -> None:
-        """Keep the rows a compression drops at ``bits``, at most ``size`` (``VELOX_TIER``,
-        ``VELOX_TIER_SIZE``): an evicting cache does
-        (:mod:`.evicting`); a cross-layer one drops no row (it folds them), so there is nothing to keep."""
 
     def shared_parts(self) -> list[Any]:
         """Arrays (or trees of them) this layer uses together with other layers of its list; they
@@ -346,7 +323,8 @@ class CompressedKVCache(ABC):
         if meta_state is not None:
             state = _rebuilt(json.loads(meta_state)["apart"], state)
         info = json.loads(state[-1])
-        cache = cls(Budget.parse(info["budget"]), info["sink"], info["window"], info["mode"], **info["knobs"])
+        spec = CacheSpec(Budget.parse(info["budget"]), info["sink"], info["window"], info["mode"])
+        cache = cls(spec, **info["knobs"])
         cache.state = state
         return cache
 

@@ -19,10 +19,10 @@ import mlx.core as mx
 from .. import stats
 from ..config import TierSize
 from .base import CompressedKVCache
-from .memory import MemoryPlan
 from .queries import QueryLog
 from .schedule import Schedule
 from .selection import best_rows, protected
+from .spec import CacheSpec
 from .store import RowStore
 from .tier import Tier
 
@@ -163,14 +163,14 @@ class EvictingCache(CompressedKVCache):
     policy_class: ClassVar[type[Policy]]
     bounds_memory = True
 
-    def __init__(self, budget: Any, sink: int = 4, window: int = 32, mode: str = "end", **knobs: Any) -> None:
-        super().__init__(budget, sink, window, mode)
+    def __init__(self, spec: CacheSpec, **knobs: Any) -> None:
+        super().__init__(spec)
         self.policy = self.make_policy(**knobs)
         self.store.columns = dict.fromkeys(self.policy.row_columns)
         self.log = QueryLog()  # queries the policy has not accounted yet (``logs_queries``)
-        self.tier: Tier | None = None  # where dropped rows go (VELOX_TIER), or None: dropped rows are lost
-        self.tier_size = TierSize()  # the most rows the tier holds (VELOX_TIER_SIZE)
-        self.limit: MemoryPlan | None = None  # VELOX_KV_MEMORY's rows per layer (set by the builder), or None
+        self.tier = Tier(spec.tier) if spec.tier else None  # where dropped rows go (VELOX_TIER), or None: lost
+        self.tier_size = spec.tier_size  # the most rows the tier holds (VELOX_TIER_SIZE)
+        self.limit = spec.limit  # VELOX_KV_MEMORY's rows per layer, or None
         self.scale = 1.0  # the attention's scale, seen at every step (a capped tier ranks what it takes by score)
         self.took_back = False  # this step took the tier's rows back into the store (evaluated after it)
         self.reading = False  # a prompt chunk came since the last decode-sized step
@@ -191,12 +191,6 @@ class EvictingCache(CompressedKVCache):
 
     def knob_values(self) -> dict[str, Any]:
         return self.policy.knob_values()
-
-    def use_tier(self, bits: int, size: TierSize = TierSize()) -> None:
-        """Keep the rows compressions drop at ``bits`` per element (:mod:`.tier`; 16: unquantized), at most
-        ``size`` of them, or lose them (0)."""
-        self.tier = Tier(bits) if bits else None
-        self.tier_size = size
 
     # ----------------------------------------------------------------- what a method may set
     def target(self) -> int:
@@ -423,7 +417,7 @@ class EvictingCache(CompressedKVCache):
         rows it kept, and nothing else) keeps its tier setting with an empty tier, and its columns start at zero."""
         names = self.policy.row_columns
         if "tier_bits" in info:
-            self.use_tier(info["tier_bits"], TierSize.parse(info.get("tier_size", "all")))
+            self.tier, self.tier_size = Tier(info["tier_bits"]), TierSize.parse(info.get("tier_size", "all"))
             if extra:
                 assert self.tier is not None, "tier_bits is saved with a tier only"
                 *columns, held = extra

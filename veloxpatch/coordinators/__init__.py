@@ -74,7 +74,7 @@ class Span:
 class Coordinator:
     """Shared by the veloxpatch caches of one cache list; reset when a new sequence starts."""
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, span: Span = Span()) -> None:
         self.method = method
         self.members: list[Any] = []
         self.generations = 0
@@ -83,7 +83,7 @@ class Coordinator:
         self.published: dict[Any, tuple[int, Any]] = {}
         self.parts: dict[Hashable, dict[int, Any]] = {}  # fan-in: group -> layer -> contribution
         self.results: dict[Hashable, Any] = {}  # fan-in: group -> its joint result
-        self.span = Span()  # set by the builder on a model split across ranks
+        self.span = span  # the list's layers in the whole model (a model split across ranks: the builder's)
 
     def join(self, cache: Any) -> None:
         """Register a member cache (in layer order); it knows its coordinator and index from then on."""

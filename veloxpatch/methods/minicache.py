@@ -69,9 +69,10 @@ import math
 import mlx.core as mx
 
 from ..caches.crosslayer import CrossLayerCache, Fold
+from ..caches.spec import CacheSpec
 from ..log import once
 from ..registry import method
-from ..settings import Budget, Setting, number_range
+from ..settings import Setting, number_range
 
 MIN_FOLD = 32  # exact rows beyond the window that fold at once (see ``min_fold``)
 PARALLEL = 1e-4  # radians from 0 or pi within which SLERP is 0/0: renormalised linear interpolation
@@ -103,9 +104,9 @@ class MiniCacheCache(CrossLayerCache):
     uses_budget = False
     budget_use = "VELOX_BUDGET does not apply: it keeps every token, merged across a pair of layers or exact."
 
-    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end", start: float = 0.5,
+    def __init__(self, spec: CacheSpec, start: float = 0.5,
                  t: float = 0.6, gamma: float = 0.05) -> None:
-        super().__init__(budget, sink, window, mode)
+        super().__init__(spec)
         self.start = start
         self.t = t
         self.gamma = gamma

@@ -29,6 +29,7 @@ import functools
 
 from ..caches.allocation import layer_budgets
 from ..caches.evicting import EvictingCache
+from ..caches.spec import CacheSpec
 from ..registry import cache_class, method
 from ..settings import Setting, number_range
 
@@ -56,9 +57,9 @@ class PyramidKVCache(EvictingCache):
     policy_class = cache_class("snapkv").policy_class  # SnapKV's knobs reach it too (``composes``)
     budget_use = "VELOX_BUDGET is the rows it keeps per layer on average (deeper layers keep fewer)."
 
-    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", beta: float = 20.0,
+    def __init__(self, spec: CacheSpec, beta: float = 20.0,
                  **snapkv_knobs: object) -> None:
-        super().__init__(budget, sink, window, mode, **snapkv_knobs)
+        super().__init__(spec, **snapkv_knobs)
         self.beta = beta
 
     def knob_values(self) -> dict[str, object]:

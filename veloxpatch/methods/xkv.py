@@ -45,6 +45,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..caches.crosslayer import CrossLayerCache, Fold
+from ..caches.spec import CacheSpec
 from ..registry import method
 from ..settings import Budget, ConfigError, Setting, int_range, number_range
 
@@ -77,9 +78,9 @@ class XKVCache(CrossLayerCache):
     budget_use = ("It keeps every token; with VELOX_XKV_RANK=auto, VELOX_BUDGET is the bytes its folded rows may take "
                   "(the rank follows).")
 
-    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end", group: int = 4,
+    def __init__(self, spec: CacheSpec, group: int = 4,
                  rank: str = "auto", energy: float = 1.0, max_ctx: int = 65536) -> None:
-        super().__init__(budget, sink, window, mode)
+        super().__init__(spec)
         self.group_layers = group
         self.rank = rank
         self.energy = energy
