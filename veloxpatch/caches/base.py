@@ -30,7 +30,7 @@ import mlx.core as mx
 
 from .. import stats
 from ..config import Budget
-from ..coordinators import Coordinator
+from ..coordinators import Coordinator, members_of
 from ..log import once
 from . import blocks, masks
 from .batch import SequenceBatch
@@ -150,14 +150,7 @@ class CompressedKVCache(ABC):
 
     @keys.setter
     def keys(self, value: mx.array) -> None:
-        self.tie(value)
-
-    @property
-    def values(self) -> mx.array | None:
-        return None if self.empty() else self.rows()[1]
-
-    def tie(self, value: mx.array) -> None:
-        """What assigning ``cache.keys`` does: mlx_lm's pipelined models write
+        """Assigning ``cache.keys``: mlx_lm's pipelined models write
         ``cache[-1].keys = mx.depends(cache[-1].keys, h)`` so that evaluating the caches after a prompt
         chunk also runs the send of ``h`` to the next rank. Our rows live in the store, so the value's
         graph is hung on them; any other assignment (rows of another shape) is refused, since rows
@@ -169,6 +162,10 @@ class CompressedKVCache(ABC):
                 f"{type(self).__name__} keeps its rows itself: assigning `keys` only ties a value of the cache's "
                 f"own shape {shape} into the graph (mlx_lm's pipeline send), not {tuple(value.shape)}")
         self.store.tie(value)
+
+    @property
+    def values(self) -> mx.array | None:
+        return None if self.empty() else self.rows()[1]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         """The mask a model asks for before this step: causal over our own rows, as KVCache does.
@@ -337,52 +334,25 @@ class CompressedKVCache(ABC):
         if kept is not None:
             own = masks.restricted(kept, self.store.rows, queries.shape[2], queries.shape[1], own)
         out = blocks.attention(queries, keys, values, scale, own, sinks)
-        self._forget_issued_masks()
+        masks.forget_issued(self, members_of(self))
         return out
 
     def _mask(self, queries: mx.array, given: Any, rows: int) -> Any:
         """Our mask for this step over its ``rows`` key rows, combined with the model's when it carries its own
         information. Every row held is in the past, so causal is right unless a hole (position -1) is among them."""
         n = queries.shape[2]
-        own = self._position_mask(queries) if self.store.holes else (None if n == 1 else "causal")
-        if not isinstance(given, mx.array) or self._issued(given):
+        own: mx.array | str | None = None if n == 1 else "causal"
+        if self.store.holes:  # (B, query heads, n, rows) by the positions of the rows this step attends over
+            own = masks.by_position(self._key_positions(), n, self.offset, queries.shape[1])
+        if not isinstance(given, mx.array) or masks.issued(given, members_of(self)):
             return own
         if own is None:
             return given
         return masks.combined(own, given, rows, n)
 
-    def _position_mask(self, queries: mx.array) -> mx.array:
-        """(B, query heads, n, rows) by the positions of the rows this step attends over."""
-        return masks.by_position(self._key_positions(), queries.shape[2], self.offset, queries.shape[1])
-
     def _key_positions(self) -> mx.array:
         """(B, kv_heads, rows): the position of every row attention runs over, in its order (-1: a hole)."""
         return self.store.row_positions()
-
-    def _issued(self, mask: mx.array) -> bool:
-        """True if ``mask`` is one our caches handed the model (it carries nothing of its own)."""
-        return any(mask is m.issued_mask for m in self._members())
-
-    def _forget_issued_masks(self) -> None:
-        """After the last layer of a forward has attended, drop the mask handed to the model for
-        it: kept, a prefill chunk's mask (chunk x rows) would stay alive until the next forward."""
-        members = self._members()
-        if self is members[-1]:
-            for member in members:
-                member.issued_mask = None
-
-    # ----------------------------------------------------------------- the list this cache belongs to
-    def _members(self) -> list[CompressedKVCache]:
-        """The caches of this cache's list in layer order (just this one without a coordinator)."""
-        return self.coordinator.members if self.coordinator is not None else [self]
-
-    def _depth(self) -> tuple[int, int]:
-        """This layer's index among the served layers of the model and their number: over every rank's
-        layers on a model split by pipeline (the coordinator's span), so depth-set choices match one
-        process."""
-        if self.coordinator is None:
-            return 0, 1
-        return self.coordinator.position(self), self.coordinator.layer_count()
 
 
 def _layout(tree: Any, arrays: list[mx.array]) -> Any:

@@ -213,6 +213,19 @@ def drain_streams() -> None:
         mx.synchronize(stream)
 
 
+def members_of(cache: Any) -> list[Any]:
+    """The caches of ``cache``'s list in layer order (just ``cache`` without a coordinator)."""
+    return cache.coordinator.members if cache.coordinator is not None else [cache]
+
+
+def depth_of(cache: Any) -> tuple[int, int]:
+    """``cache``'s index among the served layers of the model and their number: over every rank's layers on a model
+    split by pipeline (the coordinator's span), so depth-set choices match one process."""
+    if cache.coordinator is None:
+        return 0, 1
+    return cache.coordinator.position(cache), cache.coordinator.layer_count()
+
+
 def coordinators_of(caches: Any) -> list[Coordinator]:
     """Every distinct coordinator in a cache list, in list order (a server list holds main and
     draft caches, each part with its own); empty for any other list or object."""

@@ -47,7 +47,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..caches import masks
 from ..caches.evicting import EvictingCache, Policy
+from ..coordinators import members_of
 from ..registry import method
 
 BLOCK_ELEMENTS = 1 << 24  # float32 probabilities per block of queries: 64 MB
@@ -172,7 +174,7 @@ class H2OCache(EvictingCache):
         within the decode headroom, whose queued queries a speculative rewind takes back; sinks; a model's own mask;
         a step restricted to the rows a pending compression keeps) is attended as every cache attends, and its
         queries scored later."""
-        own_mask = mask is None or isinstance(mask, str) or self._issued(mask)
+        own_mask = mask is None or isinstance(mask, str) or masks.issued(mask, members_of(self))
         if queries.shape[2] <= self.headroom(self.target()) or kept is not None or sinks is not None \
                 or not own_mask or keys.shape[2] != self.store.rows:
             return super()._attention(queries, keys, values, scale, mask, sinks, kept)
@@ -180,5 +182,5 @@ class H2OCache(EvictingCache):
         out, mass = attention_with_mass(queries, keys, values, scale, self.store.row_positions(),
                                         self.offset - queries.shape[2])
         self.policy.credit(self, mass)
-        self._forget_issued_masks()
+        masks.forget_issued(self, members_of(self))
         return out

@@ -70,6 +70,7 @@ import mlx.core as mx
 
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
+from ..coordinators import depth_of, members_of
 from ..log import once
 from ..registry import method
 from ..settings import Setting, number_range
@@ -121,13 +122,13 @@ class MiniCacheCache(CrossLayerCache):
         """The pair (S + 2i, S + 2i + 1) this layer belongs to, as member indexes, or this layer alone
         (no partner). Counted over the model's served layers: on a model split by pipeline, a pair
         whose partner lives on another rank leaves both alone."""
-        depth, layers = self._depth()
+        depth, layers = depth_of(self)
         first = math.floor(self.start * layers + 1e-9)
         if depth < first:
             return (self.layer,)
         lead = self.layer - (depth - first) % 2
         pair = (lead, lead + 1)
-        return pair if lead >= 0 and lead + 1 < len(self._members()) else (self.layer,)
+        return pair if lead >= 0 and lead + 1 < len(members_of(self)) else (self.layer,)
 
     def min_fold(self) -> int:
         """``MIN_FOLD`` rows for a layer of a pair; more rows than it holds for one without a partner

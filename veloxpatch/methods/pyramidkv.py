@@ -30,6 +30,7 @@ import functools
 from ..caches.allocation import layer_budgets
 from ..caches.evicting import EvictingCache
 from ..caches.spec import CacheSpec
+from ..coordinators import depth_of
 from ..registry import cache_class, method
 from ..settings import Setting, number_range
 
@@ -67,7 +68,7 @@ class PyramidKVCache(EvictingCache):
 
     def target(self) -> int:
         """This layer's term of the pyramid over the model's served layers (the plain budget alone)."""
-        depth, layers = self._depth()
+        depth, layers = depth_of(self)
         budget = self.budget_rows()
         floor = self.sink + self.window
         if layers < 2 or depth >= layers:

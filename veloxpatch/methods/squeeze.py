@@ -72,7 +72,7 @@ from ..caches.allocation import layer_budgets
 from ..caches.evicting import EvictingCache, Policy
 from ..caches.masks import visible
 from ..caches.spec import CacheSpec
-from ..coordinators import Coordinator, Span
+from ..coordinators import Coordinator, Span, members_of
 from ..log import once
 from ..registry import cache_class, method, policies
 from ..settings import Setting, choice, number_range
@@ -322,5 +322,5 @@ class SqueezeCache(EvictingCache):
             pooled = shares is not None and shares is coordinator.pooled_shares
             index = coordinator.position(self) if pooled else self.layer
         else:
-            shares, index = shares_of(self._members()), self.layer
+            shares, index = shares_of(members_of(self)), self.layer
         return (shares, index) if shares is not None and index < len(shares) else (None, 0)

@@ -90,6 +90,7 @@ from ..caches.base import CompressedKVCache
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
 from ..caches.store import Parts, RowStore, decode, encode
+from ..coordinators import members_of
 from ..log import model_type, once
 from ..memo import per_model
 from ..registry import method
@@ -390,7 +391,7 @@ class XQuantCache(CrossLayerCache):
         """XQuant-CL's block of consecutive members (this layer alone when off, left or exact)."""
         if not self.grouped:
             return (self.layer,)
-        size = len(self._members())
+        size = len(members_of(self))
         first = self.layer // self.cl * self.cl
         return tuple(range(first, min(first + self.cl, size)))
 
