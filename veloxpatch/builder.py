@@ -92,8 +92,8 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
     if not found.slots:
         return caches
     log.debug("%s: %s on %d of %d cache slots", name, config.kv, len(found.slots), len(caches))
-    limit = _limit(name, caches, found, config) if config.kv_memory else None
-    built = eligibility.assemble(caches, found.slots, lambda: make_cache(config, limit=limit, runtime=runtime),
+    plan = _planned(name, caches, found, config) if config.kv_memory else None
+    built = eligibility.assemble(caches, found.slots, lambda: make_cache(config, memory_plan=plan, runtime=runtime),
                                  config.kv, span)
     for cache in {id(built[i]): built[i] for i in found.slots}.values():  # a cache filling several slots is one
         stats.track(cache)
@@ -116,7 +116,7 @@ def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConf
                       row_bytes_per_head(policy))
 
 
-def _limit(name: str, caches: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> MemoryPlan:
+def _planned(name: str, caches: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> MemoryPlan:
     """The plan every compressed cache of the list is built with (said once at INFO; slots it cannot bound at
     WARNING, an error under strict)."""
     plan = memory_plan(caches, found, config, make_cache(config).policy)

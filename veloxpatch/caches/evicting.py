@@ -170,7 +170,7 @@ class EvictingCache(CompressedKVCache):
         self.log = QueryLog()  # queries the policy has not accounted yet (``logs_queries``)
         self.tier = Tier(spec.tier) if spec.tier else None  # where dropped rows go (VELOX_TIER), or None: lost
         self.tier_size = spec.tier_size  # the most rows the tier holds (VELOX_TIER_SIZE)
-        self.limit = spec.limit  # VELOX_KV_MEMORY's rows per layer, or None
+        self.memory_plan = spec.memory_plan  # VELOX_KV_MEMORY as rows per layer, or None
         self.scale = 1.0  # the attention's scale, seen at every step (a capped tier ranks what it takes by score)
         self.took_back = False  # this step took the tier's rows back into the store (evaluated after it)
         self.reading = False  # a prompt chunk came since the last decode-sized step
@@ -200,7 +200,7 @@ class EvictingCache(CompressedKVCache):
     def budget_rows(self) -> int:
         """The budget's rows after the tokens seen, or ``VELOX_KV_MEMORY``'s where that is stricter."""
         rows = self.budget.resolve(self.offset)
-        return rows if self.limit is None else min(rows, self.limit.keep_cap(self.batch))
+        return rows if self.memory_plan is None else min(rows, self.memory_plan.keep_cap(self.batch))
 
     @property
     def batch(self) -> int:
@@ -210,9 +210,9 @@ class EvictingCache(CompressedKVCache):
     def _over_limit(self, n: int, keep: int) -> int | None:
         """After a prompt chunk of ``n`` tokens left uncompressed (``end`` mode): the rows to compress to when
         the store holds more than ``VELOX_KV_MEMORY`` allows (its cap, or ``keep`` if more), else None."""
-        if self.limit is None or n <= self.headroom(keep):
+        if self.memory_plan is None or n <= self.headroom(keep):
             return None
-        rows = max(self.limit.keep_cap(self.batch), keep)
+        rows = max(self.memory_plan.keep_cap(self.batch), keep)
         return rows if self.store.rows > rows else None
 
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
@@ -290,7 +290,8 @@ class EvictingCache(CompressedKVCache):
         if n > self.headroom(keep):
             self.reading = True
         elif self.reading or self._prompt_read():  # under VELOX_KV_MEMORY the target wins: no snapshot, whose
-            self.reading, self.read = False, None if self.limit is not None else Snapshot(self)  # queries it skips
+            self.reading = False  # queries it skips
+            self.read = None if self.memory_plan is not None else Snapshot(self)
         return out
 
     def expect_prompt(self, tokens: int) -> None:
@@ -357,8 +358,8 @@ class EvictingCache(CompressedKVCache):
         budget (:meth:`budget_rows`), whatever this layer keeps: PyramidKV and SqueezeAttention move rows
         between layers around that mean, and a tier sized by each layer's own budget would take the bytes a
         deeper budget frees in every layer at once."""
-        if self.limit is not None:
-            return self.limit.tier_rows(self.budget_rows(), self.batch)
+        if self.memory_plan is not None:
+            return self.memory_plan.tier_rows(self.budget_rows(), self.batch)
         rows = self.tier_size.rows(keep)
         if rows is None:
             return self.offset

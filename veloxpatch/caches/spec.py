@@ -47,12 +47,12 @@ class CacheSpec:
     mode: str = "end"  # when to compress (VELOX_COMPRESS, :mod:`.schedule`)
     tier: int = 0  # the bits the rows a compression drops are kept at (VELOX_TIER; 16 unquantized), 0: lost
     tier_size: TierSize = TierSize()  # the most rows the tier holds (VELOX_TIER_SIZE)
-    limit: MemoryPlan | None = None  # VELOX_KV_MEMORY's rows per layer for the list, or None
+    memory_plan: MemoryPlan | None = None  # VELOX_KV_MEMORY as rows per layer for the list, or None
     runtime: Runtime = Runtime()  # the integration's answers
 
 
 def spec_of(config: VeloxConfig, **changes: Any) -> CacheSpec:
-    """The spec ``config`` gives a cache of its method, with ``changes`` (``limit``, ``runtime``, sizes)."""
+    """The spec ``config`` gives a cache of its method, with ``changes`` (``memory_plan``, ``runtime``, sizes)."""
     assert isinstance(config.budget, Budget) and isinstance(config.tier, int), "converted by VeloxConfig"
     assert isinstance(config.tier_size, TierSize), "converted by VeloxConfig"
     spec = CacheSpec(config.budget, config.sink, config.window, config.compress, config.tier, config.tier_size)
