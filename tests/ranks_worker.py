@@ -21,7 +21,7 @@ import veloxpatch
 from veloxpatch.caches import CompressedKVCache
 from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.config import ConfigError
-from veloxpatch.coordinators import settle
+from veloxpatch.coordinators import drain_streams
 from veloxpatch.registry import METHODS
 
 SMALL = dict(budget=8, sink=2, window=4)
@@ -37,7 +37,7 @@ def greedy(model, caches) -> list[int]:
 def agree(tokens: list[int]) -> bool:
     """Whether every rank generated these same tokens (after the step generate_step leaves in flight,
     whose collectives would otherwise pair with this one)."""
-    settle()
+    drain_streams()
     rows = mx.distributed.all_gather(mx.array([tokens]), stream=mx.cpu).tolist()
     return all(row == tokens for row in rows)
 

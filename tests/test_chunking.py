@@ -6,6 +6,7 @@ import mlx.core as mx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget
 from veloxpatch.methods.snapkv import SnapKVCache
 from veloxpatch.methods.streamingllm import StreamingLLMCache
@@ -42,7 +43,7 @@ def feed(cache, chunks: list[int], seed: int) -> mx.array:
 @settings(max_examples=40, deadline=None)
 @given(chunks=chunkings, budget=st.integers(min_value=6, max_value=50), seed=st.integers(0, 1000))
 def test_snapkv_keeps_sinks_recent_window_and_time_order(chunks: list[int], budget: int, seed: int) -> None:
-    cache = SnapKVCache(Budget(tokens=budget), mode="chunk", sink=2, window=4, kernel=3)
+    cache = SnapKVCache(CacheSpec(Budget(tokens=budget), mode="chunk", sink=2, window=4), kernel=3)
     kept = feed(cache, chunks, seed)
     total = sum(chunks)
     assert cache.size() <= min(budget + cache.headroom(budget), total)
@@ -56,7 +57,7 @@ def test_snapkv_keeps_sinks_recent_window_and_time_order(chunks: list[int], budg
 @settings(max_examples=40, deadline=None)
 @given(chunks=chunkings, budget=st.integers(min_value=5, max_value=50), seed=st.integers(0, 1000))
 def test_streamingllm_is_sinks_plus_a_recent_run_under_any_chunking(chunks: list[int], budget: int, seed: int) -> None:
-    cache = StreamingLLMCache(Budget(tokens=budget), mode="chunk", sink=1, window=4)
+    cache = StreamingLLMCache(CacheSpec(Budget(tokens=budget), mode="chunk", sink=1, window=4))
     kept = feed(cache, chunks, seed)
     total, rows = sum(chunks), cache.size()
     expected = (list(range(min(1, rows))) + list(range(total - (rows - 1), total)) if rows < total
@@ -70,7 +71,7 @@ def test_streamingllm_is_sinks_plus_a_recent_run_under_any_chunking(chunks: list
        budget=st.integers(min_value=6, max_value=50), seed=st.integers(0, 1000))
 def test_end_mode_keeps_the_prompt_whole_until_a_decode_step(chunks: list[int], budget: int, seed: int) -> None:
     """Prompt chunks (more tokens than the headroom of 8) never compress; the first decode step does."""
-    cache = SnapKVCache(Budget(tokens=budget), sink=2, window=4, mode="end", kernel=3)
+    cache = SnapKVCache(CacheSpec(Budget(tokens=budget), sink=2, window=4, mode="end"), kernel=3)
     kept = feed(cache, chunks, seed)
     total = sum(chunks)
     assert cache.size() == total and kept[0, 0].tolist() == list(range(total))

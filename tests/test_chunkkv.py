@@ -20,6 +20,7 @@ from conftest import (
     random_tokens,
     tiny,
 )
+from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget
 from veloxpatch.methods import chunkkv
 from veloxpatch.methods.chunkkv import ChunkKVCache, ChunkKVIndexReuseCoordinator
@@ -80,7 +81,7 @@ def test_kept_positions_equal_a_numpy_reference_of_the_paper(seed: int) -> None:
     chunk, kv_heads, ratio, batch = (int(rng.choice(c)) for c in ([1, 2, 3, 5, 10, 16], [1, 2, 3], [1, 2, 4], [1, 2]))
     sink, window = int(rng.integers(0, 5)), int(rng.integers(1, 9))
     budget = int(rng.integers(sink + window, sink + window + 40))
-    cache = ChunkKVCache(Budget(tokens=budget), sink, window, "chunk", chunk=chunk)
+    cache = ChunkKVCache(CacheSpec(Budget(tokens=budget), sink, window, "chunk"), chunk=chunk)
     compressions = 0
     for _ in range(12):
         n = int(rng.choice([1, 3, int(rng.integers(9, 70)), int(rng.integers(9, 70))]))
@@ -110,8 +111,8 @@ def test_kept_positions_equal_a_numpy_reference_of_the_paper(seed: int) -> None:
 def test_chunks_of_one_token_keep_what_snapkv_without_pooling_keeps(seed: int) -> None:
     rng = np.random.default_rng(100 + seed)
     kv_heads, ratio, batch = 2, int(rng.choice([1, 2, 4])), int(rng.choice([1, 2]))
-    ours = ChunkKVCache(Budget(tokens=30), sink=2, window=6, mode="chunk", chunk=1)
-    snap = SnapKVCache(Budget(tokens=30), sink=2, window=6, mode="chunk", kernel=1)
+    ours = ChunkKVCache(CacheSpec(Budget(tokens=30), sink=2, window=6, mode="chunk"), chunk=1)
+    snap = SnapKVCache(CacheSpec(Budget(tokens=30), sink=2, window=6, mode="chunk"), kernel=1)
     for _ in range(8):
         n = int(rng.choice([2, int(rng.integers(9, 50))]))
         keys = mx.array(rng.normal(size=(batch, kv_heads, n, 8)).astype(np.float32))
@@ -126,7 +127,7 @@ def test_chunks_of_one_token_keep_what_snapkv_without_pooling_keeps(seed: int) -
 def test_the_chunk_the_budget_cuts_keeps_its_earliest_rows() -> None:
     """One query direction: rows 20..29 (chunk 2) matter most, then rows 40..49 (chunk 4); with
     room for 15 free rows the first chunk is whole and the second gives 40..44."""
-    cache = ChunkKVCache(Budget(tokens=21), sink=2, window=4, mode="chunk", chunk=10)
+    cache = ChunkKVCache(CacheSpec(Budget(tokens=21), sink=2, window=4, mode="chunk"), chunk=10)
     direction = mx.zeros((8,)).at[0].add(1.0)
     keys = mx.random.normal((1, 1, 64, 8), key=mx.random.key(1)) * 0.01
     keys[:, :, 20:30, :] = direction * 3
@@ -254,7 +255,8 @@ def test_a_follower_without_a_usable_choice_selects_itself_and_says_so(monkeypat
     said = []
     monkeypatch.setattr(chunkkv, "once", lambda key, level, message: said.append(message))
     coordinator = ChunkKVIndexReuseCoordinator("chunkkv")
-    leader, follower, last = (ChunkKVCache(Budget(tokens=20), 2, 4, "chunk", chunk=5, reuse=3) for _ in range(3))
+    leader, follower, last = (ChunkKVCache(CacheSpec(Budget(tokens=20), 2, 4, "chunk"), chunk=5, reuse=3)
+                              for _ in range(3))
     for cache in (leader, follower, last):
         coordinator.join(cache)
     keys = mx.random.normal((1, 2, 60, 8), key=mx.random.key(8))

@@ -25,6 +25,7 @@ from conftest import (
     speculated,
     tiny,
 )
+from veloxpatch.caches import CacheSpec
 from veloxpatch.caches.schedule import Schedule
 from veloxpatch.config import Budget
 from veloxpatch.integration import compat, wrappers
@@ -70,7 +71,7 @@ def test_physical_bytes_do_not_grow_with_context() -> None:
 
 def test_multi_token_step_after_eviction_uses_a_mask_for_our_rows() -> None:
     """After eviction a 5-token step attends to every kept row and causally to itself."""
-    cache = SnapKVCache(Budget(tokens=12), mode="chunk", sink=2, window=4)
+    cache = SnapKVCache(CacheSpec(Budget(tokens=12), mode="chunk", sink=2, window=4))
     keys = mx.random.normal((1, 2, 30, 8), key=mx.random.key(5))
     values = mx.random.normal((1, 2, 30, 8), key=mx.random.key(6))
     queries = mx.random.normal((1, 4, 30, 8), key=mx.random.key(7))
@@ -94,7 +95,7 @@ def test_multi_token_step_after_eviction_uses_a_mask_for_our_rows() -> None:
 
 
 def test_snapkv_keeps_the_rows_the_window_attends_to() -> None:
-    cache = SnapKVCache(Budget(tokens=10), mode="chunk", sink=1, window=4, kernel=1)
+    cache = SnapKVCache(CacheSpec(Budget(tokens=10), mode="chunk", sink=1, window=4), kernel=1)
     d = 8
     keys = mx.random.normal((2, 2, 40, d), key=mx.random.key(11)) * 0.1
     target = mx.zeros((d,)).at[0].add(1.0)
@@ -109,7 +110,7 @@ def test_snapkv_keeps_the_rows_the_window_attends_to() -> None:
 
 
 def test_streamingllm_keeps_sinks_and_the_most_recent_rows() -> None:
-    cache = StreamingLLMCache(Budget(tokens=10), mode="chunk", sink=3, window=4)
+    cache = StreamingLLMCache(CacheSpec(Budget(tokens=10), mode="chunk", sink=3, window=4))
     position = mx.broadcast_to(mx.arange(50, dtype=mx.float32)[:, None], (1, 2, 50, 4))
     k, v = cache.update_and_fetch(position, position)
     cache.attend(mx.zeros((1, 2, 50, 4)), k, v, scale=SCALE)
@@ -289,7 +290,7 @@ def test_each_generation_resets_the_coordinator_of_a_reused_cache_list() -> None
 
 def test_attention_after_a_ragged_trim_sees_each_heads_own_rows_only() -> None:
     """Heads left with different numbers of rows: the holes are masked, per head, exactly."""
-    cache = SnapKVCache(Budget(tokens=12), mode="chunk", sink=2, window=4, kernel=1)
+    cache = SnapKVCache(CacheSpec(Budget(tokens=12), mode="chunk", sink=2, window=4), kernel=1)
     keys = mx.random.normal((1, 2, 40, 8), key=mx.random.key(20))
     queries = mx.random.normal((1, 4, 40, 8), key=mx.random.key(21))
     k, v = cache.update_and_fetch(keys, keys)

@@ -141,16 +141,15 @@ def test_mlx_lms_own_distributed_benchmark_runs_compressed_on_every_rank(tmp_pat
 def test_a_list_spanning_part_of_the_model_counts_depth_over_the_whole_model() -> None:
     """Two layers of a four-layer model (a pipeline stage) get the budgets and pairs that layers 2
     and 3 get in one process: PyramidKV's pyramid and MiniCache's starting depth."""
-    from veloxpatch.config import VeloxConfig, make_cache
+    from veloxpatch.caches import make_cache
+    from veloxpatch.config import VeloxConfig
     from veloxpatch.coordinators import Span
     from veloxpatch.eligibility import assemble
 
-    def layers(kv: str, count: int, span: Span | None = None) -> list:
+    def layers(kv: str, count: int, span: Span = Span()) -> list:
         config = VeloxConfig(kv=kv, budget=48, sink=2, window=4)
         caches = assemble([type("Slot", (), {})() for _ in range(count)], range(count),
-                          lambda: make_cache(config), kv)
-        if span is not None:
-            caches[0].coordinator.span = span
+                          lambda: make_cache(config), kv, span)
         for cache in caches:
             cache.offset = 100
         return caches

@@ -10,6 +10,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 import veloxpatch
 from conftest import decoded, random_case, random_rows, softmax
 from conftest import feed as feed_rows
+from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, TierSize
 from veloxpatch.methods.h2o import H2OCache, attention_with_mass, received_mass
 
@@ -79,7 +80,7 @@ def feed(cache: H2OCache, keys: np.ndarray, queries: np.ndarray, chunks: list[in
 @pytest.mark.parametrize("seed", range(24))
 def test_chunk_mode_keeps_exactly_the_references_positions(seed: int) -> None:
     case = random_case(seed)
-    cache = H2OCache(Budget(tokens=case["budget"]), case["sink"], case["window"], mode="chunk")
+    cache = H2OCache(CacheSpec(Budget(tokens=case["budget"]), case["sink"], case["window"], mode="chunk"))
     expected = h2o_reference(case["keys"], case["queries"], case["chunks"], case["budget"], case["sink"],
                              case["window"], "chunk")
     for step, (got, want) in enumerate(zip(feed(cache, case["keys"], case["queries"], case["chunks"]), expected[0])):
@@ -95,7 +96,7 @@ def test_end_mode_scores_the_prompt_by_its_accumulated_attention(seed: int) -> N
     batch, kv_heads = case["keys"].shape[:2]
     case["keys"], case["queries"] = random_rows(seed, batch, kv_heads, case["queries"].shape[1] // kv_heads,
                                                 sum(case["chunks"]))
-    cache = H2OCache(Budget(tokens=case["budget"]), case["sink"], case["window"], mode="end")
+    cache = H2OCache(CacheSpec(Budget(tokens=case["budget"]), case["sink"], case["window"], mode="end"))
     expected = h2o_reference(case["keys"], case["queries"], case["chunks"], case["budget"], case["sink"],
                              case["window"], "end")
     steps = list(feed(cache, case["keys"], case["queries"], case["chunks"]))
@@ -129,8 +130,8 @@ def test_a_row_keeps_its_mass_through_a_lossless_tier_and_back(seed: int, mode: 
     batch, kv_heads = case["keys"].shape[:2]
     case["keys"], case["queries"] = random_rows(300 + seed, batch, kv_heads, case["queries"].shape[1] // kv_heads,
                                                 sum(case["chunks"]))
-    cache = H2OCache(Budget(tokens=case["budget"]), case["sink"], case["window"], mode=mode)
-    cache.use_tier(16, TierSize(None))
+    cache = H2OCache(CacheSpec(Budget(tokens=case["budget"]), case["sink"], case["window"], mode=mode, tier=16,
+                               tier_size=TierSize(None)))
     expected = h2o_reference(case["keys"], case["queries"], case["chunks"], case["budget"], case["sink"],
                              case["window"], mode, tier=True)
     for step, (got, want) in enumerate(zip(feed(cache, case["keys"], case["queries"], case["chunks"]), expected[0])):
@@ -145,7 +146,7 @@ def test_a_row_keeps_its_mass_through_a_lossless_tier_and_back(seed: int, mode: 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_accumulated_mass_is_the_references_and_follows_the_rows(seed: int) -> None:
     case = random_case(7 + seed)
-    cache = H2OCache(Budget(tokens=case["budget"]), case["sink"], case["window"], mode="chunk")
+    cache = H2OCache(CacheSpec(Budget(tokens=case["budget"]), case["sink"], case["window"], mode="chunk"))
     list(feed(cache, case["keys"], case["queries"], case["chunks"]))
     _, score = h2o_reference(case["keys"], case["queries"], case["chunks"], case["budget"], case["sink"],
                              case["window"], "chunk")
@@ -157,7 +158,7 @@ def test_a_rewind_before_the_next_compression_takes_the_rewound_queries_back() -
     compression ran in between (their queries were only queued)."""
     chunks, rest = [40, 30, 1, 1], [1] * 20
     keys, queries = random_rows(3, 2, 2, 2, sum(chunks + rest))
-    cache = H2OCache(Budget(tokens=24), 2, 4, mode="chunk")
+    cache = H2OCache(CacheSpec(Budget(tokens=24), 2, 4, mode="chunk"))
     list(feed(cache, keys, queries, chunks))
     assert cache.size() + 3 < 24 + cache.headroom(24), "the draft step compresses nothing"
     draft_keys, draft_queries = random_rows(9, 2, 2, 2, 3)
@@ -172,7 +173,7 @@ def test_a_rewind_before_the_next_compression_takes_the_rewound_queries_back() -
 
 
 def test_holes_left_by_a_trim_get_no_mass_and_go_first() -> None:
-    cache = H2OCache(Budget(tokens=12), sink=1, window=2, mode="chunk")
+    cache = H2OCache(CacheSpec(Budget(tokens=12), sink=1, window=2, mode="chunk"))
     keys, queries = random_rows(5, 1, 2, 1, 52)
     list(feed(cache, keys, queries, [40]))
     positions = cache.store.row_positions()
@@ -211,7 +212,7 @@ def test_the_mass_follows_the_rows_while_decoding(mode: str) -> None:
 
 def test_a_saved_cache_loads_back_with_its_mass(tmp_path) -> None:
     """Saved with the decode steps' queries still queued: the file holds the mass they add."""
-    cache = H2OCache(Budget(tokens=24), 2, 4, mode="chunk")
+    cache = H2OCache(CacheSpec(Budget(tokens=24), 2, 4, mode="chunk"))
     keys, queries = random_rows(6, 1, 2, 2, 43)
     list(feed(cache, keys, queries, [40, 1, 1, 1]))
     assert cache.log.queued, "the decode steps' queries wait for the next compression"
@@ -226,7 +227,7 @@ def test_a_saved_cache_loads_back_with_its_mass(tmp_path) -> None:
 def test_the_base_state_layout_loads_with_the_mass_restarting() -> None:
     """Caches rebuilt from the base layout (rows, positions, queries, settings; the batched
     integration does so) start their mass at zero."""
-    cache = H2OCache(Budget(tokens=40), 4, 8)
+    cache = H2OCache(CacheSpec(Budget(tokens=40), 4, 8))
     keys, queries = random_rows(2, 1, 2, 2, 30)
     list(feed(cache, keys, queries, [30]))
     *rows, queries, _, meta = cache.state
@@ -239,7 +240,7 @@ def test_the_base_state_layout_loads_with_the_mass_restarting() -> None:
 def test_a_query_whose_rows_all_went_adds_nothing() -> None:
     """A tiny budget whose compression of an ``end`` mode prompt keeps only the newest rows: the
     first queries of that step then see no kept row; their mass is nothing, not NaN."""
-    cache = H2OCache(Budget(tokens=4), sink=0, window=4, mode="end")
+    cache = H2OCache(CacheSpec(Budget(tokens=4), sink=0, window=4, mode="end"))
     keys, queries = random_rows(4, 1, 2, 2, 56)
     for _ in feed(cache, keys, queries, [40, 6] + [1] * 10):
         stored, _ = cache.store.fetch()

@@ -117,7 +117,7 @@ def test_a_prompt_whose_vanilla_kv_exceeds_the_target_runs_under_it(mode: str, t
     assert held <= target * 1.02, (held, target)
     assert peak < vanilla_peak * 0.6, "the prompt is read within the target (plus a step's rows), in either mode"
     if tier != "off":
-        assert all(0 < c.tier.rows <= c.limit.tier_rows(c.target(), 1) for c in caches)
+        assert all(0 < c.tier.rows <= c.memory_plan.tier_rows(c.target(), 1) for c in caches)
 
 
 def test_a_model_and_its_draft_hold_the_target_together() -> None:
@@ -138,7 +138,7 @@ def test_a_model_and_its_draft_hold_the_target_together() -> None:
     caches = make_prompt_cache(model) + make_prompt_cache(draft)  # as the server builds them
     answer = speculate(caches)
     gc.collect()
-    assert len({id(c.limit) for c in caches}) == 1 and len(caches[0].limit.ours) == 2 * len(model.layers)
+    assert len({id(c.memory_plan) for c in caches}) == 1 and len(caches[0].memory_plan.ours) == 2 * len(model.layers)
     assert all(c.evicted and c.tier.rows > 0 for c in caches)
     assert sum(c.nbytes for c in caches) <= target
     assert mx.get_active_memory() - base <= target * 1.02
@@ -148,7 +148,7 @@ def test_a_model_and_its_draft_hold_the_target_together() -> None:
 def test_a_target_that_holds_the_model_but_not_its_draft_too_is_an_error_naming_the_smallest() -> None:
     model, draft = wide(), wide(seed=4)
     veloxpatch.patch(kv="snapkv", kv_memory="1GB")
-    alone = make_prompt_cache(model)[0].limit.smallest()
+    alone = make_prompt_cache(model)[0].memory_plan.smallest()
     target = alone * 3 // 2  # each list fits on its own
     veloxpatch.patch(kv="snapkv", kv_memory=str(target))
     caches = make_prompt_cache(model) + make_prompt_cache(draft)
@@ -165,7 +165,7 @@ def test_the_stricter_of_budget_and_memory_wins() -> None:
     assert {c.target() for c in caches} == {100}
     veloxpatch.patch(kv="snapkv", budget=100, kv_memory="200KB")
     _, _, caches = held_after(model, tokens)
-    cap = caches[0].limit.keep_cap(1)
+    cap = caches[0].memory_plan.keep_cap(1)
     assert 36 <= cap < 100 and {c.target() for c in caches} == {cap}
 
 
@@ -175,7 +175,7 @@ def test_every_evicting_method_holds_the_target(method: str) -> None:
     tokens = random_tokens(600, 3)
     veloxpatch.patch(kv=method, budget="100%", kv_memory="0.25MiB", window=8)
     _, _, caches = held_after(model, tokens, chunk=128)
-    assert sum(c.nbytes for c in caches) <= 2**18 and all(c.limit is not None for c in caches)
+    assert sum(c.nbytes for c in caches) <= 2**18 and all(c.memory_plan is not None for c in caches)
     assert any(c.evicted for c in caches), "the target, not the budget, made it compress"
 
 
@@ -183,10 +183,10 @@ def test_sliding_window_slots_are_paid_for_at_their_full_size() -> None:
     model = tiny("gemma3_text")
     veloxpatch.patch(kv="snapkv", kv_memory="4MiB")
     caches = make_prompt_cache(model)
-    ours = [c for c in caches if hasattr(c, "limit")]
+    ours = [c for c in caches if hasattr(c, "memory_plan")]
     windows = [c for c in caches if isinstance(c, RotatingKVCache)]
     assert ours and windows
-    plan_ = ours[0].limit
+    plan_ = ours[0].memory_plan
     assert plan_.fixed == sum(c.max_size for c in windows) * plan_.others[0].row_bytes and plan_.unbounded == 0
 
 

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import veloxpatch
 from conftest import ARCHS, greedy, random_tokens, tiny
 from veloxpatch import builder, eligibility
-from veloxpatch.caches import CompressedKVCache
+from veloxpatch.caches import CacheSpec, CompressedKVCache
 from veloxpatch.config import Budget
 from veloxpatch.eval.random_model import config_for
 from veloxpatch.integration import layer_io
@@ -52,7 +52,7 @@ def recorded(model, cls: type[Recorder]) -> list:
     """mlx_lm's cache list for ``model`` with ``cls`` caches in the slots snapkv gets (patched)."""
     veloxpatch.patch(kv="snapkv", budget=4096)
     slots = [i for i, c in enumerate(make_prompt_cache(model)) if isinstance(c, CompressedKVCache)]
-    return eligibility.assemble(builder.mlx_caches(model), slots, lambda: cls(Budget(tokens=4096)), "snapkv")
+    return eligibility.assemble(builder.mlx_caches(model), slots, lambda: cls(CacheSpec(Budget(tokens=4096))), "snapkv")
 
 
 def hooked() -> list[str]:
@@ -147,7 +147,7 @@ class Toy(nn.Module):
 
 def test_found_by_signature_whatever_the_names_with_the_first_element_of_a_tuple_output() -> None:
     model = Toy()
-    caches = [Recorder(Budget(tokens=64)), None]
+    caches = [Recorder(CacheSpec(Budget(tokens=64))), None]
     assert set(layer_io.hooked_classes(model)) == {ToyAttention, ToyBlock}
     assert layer_io.install(model)
     x = mx.array(np.random.default_rng(7).standard_normal((1, 3, 4)).astype(np.float32))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import KVCacheRoute, count_joints, feed_layers
+from veloxpatch.caches import CacheSpec
 from veloxpatch.caches.crosslayer import Fold
 from veloxpatch.config import Budget, ConfigError, from_env
 from veloxpatch.coordinators import Coordinator
@@ -21,7 +22,8 @@ SCALE = 0.25
 def mini_list(layers: int, start: float = 0.5, t: float = 0.6, gamma: float = 0.05, window: int = 4,
               mode: str = "end") -> list[MiniCacheCache]:
     coordinator = Coordinator("minicache")
-    caches = [MiniCacheCache(Budget(tokens=64), 0, window, mode, start=start, t=t, gamma=gamma) for _ in range(layers)]
+    caches = [MiniCacheCache(CacheSpec(Budget(tokens=64), 0, window, mode), start=start, t=t, gamma=gamma)
+              for _ in range(layers)]
     for cache in caches:
         coordinator.join(cache)
     return caches
@@ -62,7 +64,7 @@ def rebuild(cache: MiniCacheCache, owns: list, shared: dict, tokens: int) -> lis
 def test_the_merge_matches_the_papers_definition() -> None:
     keys = pair_rows(48, dissimilar=[3, 17, 40], seed=1)
     values = pair_rows(48, dissimilar=[5, 30], seed=2)
-    cache = MiniCacheCache(Budget(tokens=64), 0, 4, t=0.6, gamma=0.05)
+    cache = MiniCacheCache(CacheSpec(Budget(tokens=64), 0, 4), t=0.6, gamma=0.05)
     owns, shared = cache.joint([(mx.array(keys[0]), mx.array(values[0])), (mx.array(keys[1]), mx.array(values[1]))])
     got = rebuild(cache, owns, shared, 48)
     for x, rows, dissimilar in ((0, keys, [3, 17, 40]), (1, values, [5, 30])):
@@ -81,7 +83,7 @@ def test_the_merge_matches_the_papers_definition() -> None:
 def test_gamma_one_keeps_every_row_exactly_and_gamma_zero_merges_every_token() -> None:
     first, second = pair_rows(40, dissimilar=[7], seed=3)
     parts = [(mx.array(first), mx.array(first)), (mx.array(second), mx.array(second))]
-    cache = MiniCacheCache(Budget(tokens=64), 0, 4, gamma=1.0)
+    cache = MiniCacheCache(CacheSpec(Budget(tokens=64), 0, 4), gamma=1.0)
     got = rebuild(cache, *cache.joint(parts), 40)
     assert np.array_equal(np.array(got[0][0]), first) and np.array_equal(np.array(got[1][1]), second)
     cache.gamma = 0.0
@@ -94,7 +96,7 @@ def test_gamma_one_keeps_every_row_exactly_and_gamma_zero_merges_every_token() -
 def test_heads_keep_different_numbers_of_tokens_padded_to_the_most() -> None:
     first, second = pair_rows(40, dissimilar=[], seed=4)
     second[:, 0, [2, 9]] = -first[:, 0, [2, 9]]  # head 0: two distant pairs; head 1: its own most distant one
-    cache = MiniCacheCache(Budget(tokens=64), 0, 4)
+    cache = MiniCacheCache(CacheSpec(Budget(tokens=64), 0, 4))
     owns, shared = cache.joint([(mx.array(first), mx.array(first)), (mx.array(second), mx.array(second))])
     rebuilt_a, rebuilt_b, kept = paper_merge(first, second, t=0.6, gamma=0.05)
     one = np.flatnonzero(kept[0, 1]).tolist()
@@ -109,7 +111,7 @@ def test_the_rotary_embedding_leaves_the_merge_unchanged() -> None:
     """Both layers' keys at a position get the same rotation: same angles and norms, so the same tokens are
     retained, and merging the rotated keys gives the rotation of the merged unrotated keys."""
     first, second = pair_rows(64, dissimilar=[5, 50], seed=5)
-    cache = MiniCacheCache(Budget(tokens=64), 0, 4)
+    cache = MiniCacheCache(CacheSpec(Budget(tokens=64), 0, 4))
 
     def rotate(x) -> mx.array:  # positions 3 .. 66
         return mx.fast.rope(mx.array(x), 16, traditional=False, base=10000.0, scale=1.0, offset=3)
@@ -189,7 +191,7 @@ def test_a_pair_whose_partner_never_contributes_folds_each_layer_alone(monkeypat
 
 def test_layers_of_different_shapes_keep_their_own_directions() -> None:
     first, second = pair_rows(40, dissimilar=[], heads=2), pair_rows(40, dissimilar=[], heads=4)[1]
-    cache = MiniCacheCache(Budget(tokens=64), 0, 4)
+    cache = MiniCacheCache(CacheSpec(Budget(tokens=64), 0, 4))
     owns, shared = cache.joint([(mx.array(first[0]),) * 2, (mx.array(second),) * 2])
     got = rebuild(cache, owns, shared, 40)
     assert "kd" not in owns[0] and owns[1]["kd"].shape == (1, 4, 40, 16)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import decoded
+from veloxpatch.caches import CacheSpec
 from veloxpatch.caches.allocation import layer_budgets
 from veloxpatch.config import Budget
 from veloxpatch.coordinators import Coordinator
@@ -171,8 +172,8 @@ def test_kept_positions_equal_the_numpy_reference(seed: int) -> None:
     beta = [20.0, 2.0, 5.0][seed % 3]
     kernel = [31, 7, 3, 1][seed % 4]
     coordinator = Coordinator("pyramidkv")
-    caches = [PyramidKVCache(Budget(tokens=config["budget"]), config["sink"], config["window"], config["mode"],
-                             beta=beta, kernel=kernel) for _ in range(config["layers"])]
+    spec = CacheSpec(Budget(tokens=config["budget"]), config["sink"], config["window"], config["mode"])
+    caches = [PyramidKVCache(spec, beta=beta, kernel=kernel) for _ in range(config["layers"])]
     for cache in caches:
         coordinator.join(cache)
     references = [ReferenceLayer(config["sink"], config["window"], config["mode"], kernel) for _ in caches]
@@ -218,14 +219,14 @@ def test_no_layer_gets_more_than_the_tokens_seen_and_the_sum_holds(seed: int) ->
 def test_targets_shrink_with_depth_and_average_the_budget_also_as_a_percentage() -> None:
     for budget in (Budget(tokens=300), Budget(fraction=0.25)):
         coordinator = Coordinator("pyramidkv")
-        caches = [PyramidKVCache(budget, sink=4, window=16) for _ in range(6)]
+        caches = [PyramidKVCache(CacheSpec(budget, sink=4, window=16)) for _ in range(6)]
         for cache in caches:
             coordinator.join(cache)
             cache.offset = 4000
         targets = [c.target() for c in caches]
         assert targets == sorted(targets, reverse=True) and targets[0] > targets[-1] >= 20
         assert sum(targets) == 6 * budget.resolve(4000)
-    alone = PyramidKVCache(Budget(tokens=300), sink=4, window=16)
+    alone = PyramidKVCache(CacheSpec(Budget(tokens=300), sink=4, window=16))
     alone.offset = 4000
     assert alone.target() == 300, "without a coordinator: the plain budget"
 

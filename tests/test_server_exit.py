@@ -40,7 +40,7 @@ thread.join()
 """
 
 
-def test_a_finished_thread_has_left_the_os_once_settled() -> None:
+def test_a_finished_thread_has_left_the_os_once_waited_for() -> None:
     original = vars(threading.Thread)["start"]
     veloxpatch.patch(kv="snapkv")
     assert vars(threading.Thread)["start"] is not original
@@ -51,7 +51,7 @@ def test_a_finished_thread_has_left_the_os_once_settled() -> None:
         thread.join()
         done.append(thread.native_id)
     assert set(done) <= set(threads.finished())
-    assert threads.settle() == []
+    assert threads.wait_for_exits() == []
     if threads.tasks() is not None:
         assert not set(done) & threads.tasks()
     veloxpatch.unpatch()

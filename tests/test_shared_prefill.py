@@ -13,9 +13,10 @@ import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
+from veloxpatch.caches import make_cache
 from veloxpatch.caches.evicting import Policy
 from veloxpatch.cli import main
-from veloxpatch.config import from_env, make_cache
+from veloxpatch.config import from_env
 from veloxpatch.eval import harness, sharing, tasks
 from veloxpatch.eval.report import accuracy_text, wilson
 from veloxpatch.eval.variants import Variant, parse_spec, split_specs

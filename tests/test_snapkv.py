@@ -9,6 +9,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
 from conftest import random_tokens, tiny
+from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget
 from veloxpatch.methods.snapkv import SnapKVCache
 
@@ -17,7 +18,7 @@ def test_the_windows_attention_to_itself_does_not_spill_into_the_rows_before_it(
     """The window attends mostly to itself and a little to row 20; one free slot must go to the
     neighbourhood of row 20, not to the rows just before the window (where pooling over
     unprotected scores would put the window's own mass)."""
-    cache = SnapKVCache(Budget(tokens=6), sink=1, window=4, mode="chunk", kernel=7)
+    cache = SnapKVCache(CacheSpec(Budget(tokens=6), sink=1, window=4, mode="chunk"), kernel=7)
     direction = mx.zeros((8,)).at[0].add(1.0)
     keys = mx.random.normal((1, 1, 40, 8), key=mx.random.key(3)) * 0.01
     keys[:, :, 36:, :] = direction * 8

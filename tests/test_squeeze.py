@@ -27,6 +27,7 @@ from test_memory import SLACK, held
 from test_memory import prefill as one_chunk
 from test_pyramidkv import SCALE, ReferenceLayer, drive, random_config, reference_budgets
 from veloxpatch import log
+from veloxpatch.caches import CacheSpec
 from veloxpatch.caches.allocation import layer_budgets
 from veloxpatch.config import Budget, ConfigError, VeloxConfig
 from veloxpatch.coordinators import Coordinator, coordinators_of
@@ -88,7 +89,7 @@ def reference_change(hidden: np.ndarray, output: np.ndarray) -> float:
 
 def squeeze_list(layers: int, budget, sink: int, window: int, mode: str, **knobs) -> list[SqueezeCache]:
     coordinator = SqueezeCoordinator("squeeze")
-    caches = [SqueezeCache(budget, sink, window, mode, **knobs) for _ in range(layers)]
+    caches = [SqueezeCache(CacheSpec(budget, sink, window, mode), **knobs) for _ in range(layers)]
     for cache in caches:
         coordinator.join(cache)
     return caches
@@ -432,10 +433,10 @@ def test_a_policy_picks_the_rows_its_own_method_picks_at_the_layers_budget(polic
     """The mechanism: a squeeze cache is the policy's cache with another budget, nothing else."""
     rng = np.random.default_rng(5)
     coordinator = Coordinator("squeeze")  # shares given, no reports
-    ours = [SqueezeCache(Budget(tokens=30), 2, 4, "chunk", policy=policy, share=s) for s in (1.5, 0.5)]
+    ours = [SqueezeCache(CacheSpec(Budget(tokens=30), 2, 4, "chunk"), policy=policy, share=s) for s in (1.5, 0.5)]
     for cache in ours:
         coordinator.join(cache)
-    theirs = [cache_class(policy)(Budget(tokens=keep), 2, 4, "chunk") for keep in (42, 18)]
+    theirs = [cache_class(policy)(CacheSpec(Budget(tokens=keep), 2, 4, "chunk")) for keep in (42, 18)]
     for n in (50, 3, 30, 1, 1, 20, 1):
         for cache, plain in zip(ours, theirs):
             keys = mx.array(rng.standard_normal((2, 2, n, 8)).astype(np.float32))

@@ -19,6 +19,7 @@ from conftest import (
     random_tokens,
     tiny,
 )
+from veloxpatch.caches import CacheSpec
 from veloxpatch.caches.store import RowStore
 from veloxpatch.config import Budget, ConfigError, TierSize, VeloxConfig
 from veloxpatch.eval.random_model import build, config_for
@@ -119,8 +120,7 @@ def step(cache, keys: mx.array, queries: mx.array) -> None:
 @pytest.mark.parametrize("tier", [0, 16])
 def test_a_new_prompt_takes_back_the_rows_its_question_needs(tier: int) -> None:
     """A row the first question did not need goes to the tier; the next prompt's question brings it back."""
-    cache = SnapKVCache(Budget(tokens=12), sink=1, window=4, kernel=1)
-    cache.use_tier(tier)
+    cache = SnapKVCache(CacheSpec(Budget(tokens=12), sink=1, window=4, tier=tier), kernel=1)
     prompt = planted(80, at=(17, 40))
     step(cache, prompt, asking(0, 80))  # the document, and a question about the row at 17
     step(cache, mx.random.normal((1, 2, 1, 8), key=mx.random.key(3)) * 0.1, asking(0, 1))  # its first answer step
@@ -139,8 +139,8 @@ def test_a_tier_holds_its_size_in_budgets_the_best_dropped_rows_by_the_methods_s
     keys = mx.random.normal((1, 2, 200, 8), key=mx.random.key(12)) * 0.1
     for i, position in enumerate(positions):
         keys[:, :, position, :] = mx.zeros((8,)).at[0].add(2.0 + 0.2 * i)
-    cache = SnapKVCache(Budget(tokens=12), sink=1, window=4, mode="chunk", kernel=1)
-    cache.use_tier(16, TierSize(1.0))
+    cache = SnapKVCache(CacheSpec(Budget(tokens=12), sink=1, window=4, mode="chunk", tier=16, tier_size=TierSize(1.0)),
+                        kernel=1)
     step(cache, keys, asking(0, 200))
     stored, tiered = (sorted(set(p[0, 0].tolist()) - {-1})
                       for p in (cache.store.row_positions(), cache.tier.store.row_positions()))

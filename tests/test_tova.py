@@ -7,6 +7,7 @@ import pytest
 
 from conftest import decoded, random_case, random_rows, softmax, speculated
 from conftest import feed as feed_rows
+from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget
 from veloxpatch.methods.tova import TOVACache
 
@@ -61,7 +62,7 @@ def feed(cache: TOVACache, keys: np.ndarray, queries: np.ndarray, chunks: list[i
 
 
 def run_against_reference(case: dict, mode: str) -> list[np.ndarray]:
-    cache = TOVACache(Budget(tokens=case["budget"]), case["sink"], case["window"], mode=mode)
+    cache = TOVACache(CacheSpec(Budget(tokens=case["budget"]), case["sink"], case["window"], mode=mode))
     expected = tova_reference(case["keys"], case["queries"], case["chunks"], case["budget"], case["sink"],
                               case["window"], mode)
     steps = list(feed(cache, case["keys"], case["queries"], case["chunks"]))
@@ -94,13 +95,13 @@ def test_an_end_mode_prompt_is_scored_over_the_rows_its_last_query_saw() -> None
     keys[0, 0, 5, 0], keys[0, 0, 7, 1], keys[0, 0, 40, 0] = 3 / SCALE, 3 / SCALE, 20 / SCALE
     queries = np.zeros((1, 2, 41, DIM), np.float32)
     queries[0, 0, 39, 0], queries[0, 1, 39, 1] = 1.5, 1.2
-    cache = TOVACache(Budget(tokens=2), sink=0, window=1, mode="end")
+    cache = TOVACache(CacheSpec(Budget(tokens=2), sink=0, window=1, mode="end"))
     *_, kept = feed(cache, keys, queries, [40, 1])
     assert kept.tolist() == [[[5, 40]]]
 
 
 def test_only_the_newest_query_is_remembered() -> None:
-    cache = TOVACache(Budget(tokens=20), 2, 4, mode="chunk")
+    cache = TOVACache(CacheSpec(Budget(tokens=20), 2, 4, mode="chunk"))
     keys, queries = random_rows(1, 1, 2, 2, 50)
     list(feed(cache, keys, queries, [30, 20]))
     assert (cache.memory.queries.shape == (1, 4, 1, DIM)

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import veloxpatch
 from conftest import KVCacheRoute, count_joints, feed_layers, greedy, random_tokens, tiny
+from veloxpatch.caches import CacheSpec
 from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.coordinators import Coordinator
@@ -20,7 +21,7 @@ from veloxpatch.methods.xkv import XKVCache
 
 def xkv_list(layers: int, group: int, rank: str, window: int = 4, mode: str = "end") -> list[XKVCache]:
     coordinator = Coordinator("xkv")
-    caches = [XKVCache(Budget(tokens=64), 0, window, mode, group=group, rank=rank) for _ in range(layers)]
+    caches = [XKVCache(CacheSpec(Budget(tokens=64), 0, window, mode), group=group, rank=rank) for _ in range(layers)]
     for cache in caches:
         coordinator.join(cache)
     return caches

@@ -24,6 +24,7 @@ from conftest import (
     tiny,
 )
 from veloxpatch import stats
+from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget
 from veloxpatch.eval.random_model import build, config_for
 from veloxpatch.methods.xquant import XQuantCache
@@ -335,7 +336,7 @@ def test_attention_it_cannot_rebuild_keeps_exact_rows_with_one_log_line(monkeypa
 
 def test_rows_that_come_without_their_input_stay_exact() -> None:
     """A cache driven without the layer hooks (no model, or one where no attention module is found)."""
-    cache = XQuantCache(Budget(tokens=64), window=4)
+    cache = XQuantCache(CacheSpec(Budget(tokens=64), window=4))
     keys = mx.random.normal((1, 2, 40, 8), key=mx.random.key(1))
     for start, n in ((0, 30), (30, 1), (31, 9)):
         k, v = cache.update_and_fetch(keys[..., start : start + n, :], keys[..., start : start + n, :])

@@ -25,7 +25,7 @@ import veloxpatch
 import veloxpatch.log
 from conftest import EVICTING, random_tokens
 from veloxpatch import builder, eligibility, structure
-from veloxpatch.caches import CompressedKVCache
+from veloxpatch.caches import CacheSpec, CompressedKVCache
 from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.cli import main
 from veloxpatch.config import COMPRESS_MODES, VeloxConfig
@@ -142,7 +142,8 @@ def test_a_cache_object_filling_several_slots_gets_one_replacement() -> None:
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     shared, other = KVCache(), RotatingKVCache(max_size=8)
-    out = assemble([shared, other, shared, KVCache()], [0, 2, 3], lambda: cache_class("snapkv")(4096), "snapkv")
+    out = assemble([shared, other, shared, KVCache()], [0, 2, 3], lambda: cache_class("snapkv")(CacheSpec(4096)),
+                   "snapkv")
     assert out[0] is out[2] and out[3] is not out[0] and out[1] is other
     assert out[0].coordinator.members == [out[0], out[3]]
 

@@ -20,11 +20,10 @@ import logging
 from typing import Any
 
 from . import eligibility, ranks, stats, structure
-from .caches import Runtime
+from .caches import Runtime, make_cache
 from .caches.evicting import queries_held, row_bytes_per_head
 from .caches.memory import MemoryPlan, device_bytes
-from .config import Memory, VeloxConfig, make_cache
-from .coordinators import coordinators_of
+from .config import Memory, VeloxConfig
 from .fallback import notice
 from .log import log, model_type, once
 
@@ -67,16 +66,17 @@ def explain(model: Any, config: VeloxConfig) -> str:
 
 
 def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime = Runtime()) -> list[Any]:
-    """Replace the slots the probe clears with compressed caches sharing one coordinator, each given ``runtime``
-    (what the integration answers them) and counted in the statistics as built. On a model split across ranks, the
-    ranks agree first (:mod:`veloxpatch.ranks`): every rank takes part, whatever its own verdict."""
+    """Replace the slots the probe clears with compressed caches sharing one coordinator, each built whole with
+    ``runtime`` (what the integration answers them) and the list's memory plan, and counted in the statistics. On
+    a model split across ranks, the ranks agree first (:mod:`veloxpatch.ranks`): every rank takes part,
+    whatever its own verdict."""
     name = model_type(model)
     slots = candidate_slots(caches)
     if slots and unprobed_and_lazy(model, slots, config):  # before the ranks agree: every rank's model is alike
         notice(f"{name} with {config.kv}: {LAZY}", config, key=f"{name} {config.kv} lazy", level=logging.INFO)
         return caches
     if slots:
-        ranks.settled(model)
+        ranks.drain_if_split(model)
         found = eligibility.verdict(model, caches, slots, config, whole=ranks.is_split(model))
     else:
         found = eligibility.Verdict((), reason=NO_SLOT.removesuffix("; running unpatched"))
@@ -92,14 +92,11 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
     if not found.slots:
         return caches
     log.debug("%s: %s on %d of %d cache slots", name, config.kv, len(found.slots), len(caches))
-    built = eligibility.assemble(caches, found.slots, lambda: make_cache(config), config.kv)
+    plan = _planned(name, caches, found, config) if config.kv_memory else None
+    built = eligibility.assemble(caches, found.slots, lambda: make_cache(config, memory_plan=plan, runtime=runtime),
+                                 config.kv, span)
     for cache in {id(built[i]): built[i] for i in found.slots}.values():  # a cache filling several slots is one
-        cache.runtime = runtime
         stats.track(cache)
-    for coordinator in coordinators_of(built):
-        coordinator.span = span
-    if config.kv_memory:
-        _limit(name, built, found, config)
     return built
 
 
@@ -119,16 +116,15 @@ def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConf
                       row_bytes_per_head(policy))
 
 
-def _limit(name: str, built: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> None:
-    """Give every compressed cache of the list the plan (said once at INFO; slots it cannot bound at WARNING, an
-    error under strict)."""
-    plan = memory_plan(built, found, config, built[found.slots[0]].policy)
-    for i in found.slots:
-        built[i].limit = plan
+def _planned(name: str, caches: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> MemoryPlan:
+    """The plan every compressed cache of the list is built with (said once at INFO; slots it cannot bound at
+    WARNING, an error under strict)."""
+    plan = memory_plan(caches, found, config, make_cache(config).policy)
     once(f"memory plan {name} {plan.setting}", logging.INFO, f"{name}: {plan.describe()}")
     if plan.unbounded:
         notice(f"{name}: VELOX_KV_MEMORY={plan.setting} cannot bound {plan.unbounded} cache slot(s) that stay "
                "mlx_lm's: they grow with the context", config, key=f"{name} memory unbounded")
+    return plan
 
 
 def _left(name: str, config: VeloxConfig, found: eligibility.Verdict, candidates: int) -> None:

@@ -18,7 +18,7 @@ from .registry import METHODS, knob_settings
 from .settings import PREFIX, Budget, ConfigError, Memory, Setting, TierSize, boolean, choice, int_range, to_text
 
 __all__ = ["PROCESS_WIDE", "Budget", "ConfigError", "Memory", "Setting", "TierSize", "VeloxConfig", "all_settings",
-           "choice", "from_env", "int_range", "make_cache", "request_settings", "setting"]
+           "choice", "from_env", "int_range", "request_settings", "setting"]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 COMPRESS_MODES = ("end", "chunk")
@@ -276,12 +276,3 @@ def unknown_names(environ: Mapping[str, str]) -> list[str]:
         hint = f"; did you mean {PREFIX}{close[0]}?" if close else ""
         out.append(f"unknown setting {name}{hint} (see `veloxpatch info`)")
     return out
-
-
-def make_cache(config: VeloxConfig) -> Any:
-    """A fresh cache of the configured method, with its knobs (and those of the methods it is built on)."""
-    settings = knob_settings(config.kv, config.knobs)
-    knobs = {short: config.knobs[knob.key] for short, knob in settings.items()}
-    cache = METHODS[config.kv].cls(config.budget, config.sink, config.window, config.compress, **knobs)
-    cache.use_tier(config.tier, config.tier_size)
-    return cache

@@ -35,10 +35,10 @@ from typing import Any
 import mlx.core as mx
 
 from . import structure
-from .caches import CompressedKVCache
+from .caches import CompressedKVCache, make_cache
 from .caches.memory import SlotLayout, layout_of
-from .config import Budget, VeloxConfig, make_cache
-from .coordinators import Coordinator
+from .config import Budget, VeloxConfig
+from .coordinators import Coordinator, Span
 from .log import log
 from .memo import known, per_model
 
@@ -47,8 +47,8 @@ EXACT_CHUNKS = ((1, 2), (3, 4), (5,))
 # at budget 2 (decode headroom 8): a short prompt, decode steps up to a compression, then a prefill
 # chunk longer than the headroom (compressed as a chunk, or at the next step when compressing at the end)
 EVICTING_CHUNKS = ((1, 2, 3, 4, 5, 6, 7, 1), (2,), (3,), (4, 5, 6, 7, 1, 2, 3, 4, 5), (6,))
-NEVER = (Budget(tokens=1 << 30), 4, 32)
-TINY = (Budget(tokens=2), 1, 1)
+NEVER: dict[str, Any] = {"budget": Budget(tokens=1 << 30), "sink": 4, "window": 32}  # the probe's sizes
+TINY: dict[str, Any] = {"budget": Budget(tokens=2), "sink": 1, "window": 1}
 
 _verdicts: dict[tuple[int, Any], Verdict] = {}
 
@@ -72,8 +72,10 @@ class Verdict:
         return text + "".join(f"; slot {i} stays mlx_lm's: {why}" for i, why in sorted(self.left.items()))
 
 
-def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], CompressedKVCache], method: str) -> list[Any]:
-    """``caches`` with ``slots`` replaced by fresh ``make()`` caches joined to one coordinator.
+def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], CompressedKVCache], method: str,
+             span: Span = Span()) -> list[Any]:
+    """``caches`` with ``slots`` replaced by fresh ``make()`` caches joined to one coordinator over ``span`` (the
+    list's layers in the whole model: :mod:`veloxpatch.ranks`).
 
     A cache object that fills several slots (layers sharing their KV) gets one replacement.
     """
@@ -83,7 +85,7 @@ def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], Compres
     for i in slots:
         if id(caches[i]) not in replaced:
             cache = replaced[id(caches[i])] = make()
-            coordinator = coordinator or type(cache).coordinator_class(method)
+            coordinator = coordinator or type(cache).coordinator_class(method, span)
             coordinator.join(cache)
         out[i] = replaced[id(caches[i])]
     return out
@@ -233,9 +235,9 @@ class _Run:
     once: kept, a model with a wide vocabulary held them all (Gemma 3: the probe peaked at 57 MiB over the model)."""
 
     def __init__(self, model: Any, caches: list[Any], slots: list[int], config: VeloxConfig,
-                 sizes: tuple[Budget, int, int], chunks: tuple[tuple[int, ...], ...],
+                 sizes: dict[str, Any], chunks: tuple[tuple[int, ...], ...],
                  expected: list[mx.array] | None = None) -> None:
-        self.caches = assemble(copy.deepcopy(caches), slots, lambda: _sized(make_cache(config), sizes), config.kv)
+        self.caches = assemble(copy.deepcopy(caches), slots, lambda: make_cache(config, **sizes), config.kv)
         self.watches = {i: _Watch(self.caches[i]) for i in slots}
         self.forwards = 0
         self.differs = False
@@ -265,11 +267,6 @@ class _Run:
         if any(w.score_mask for w in self.watches.values()):
             return "its attention mask carries scores (as multi-head latent attention's rotary part does)"
         return "its outputs differ from those with mlx_lm's own caches"
-
-
-def _sized(cache: CompressedKVCache, sizes: tuple[Budget, int, int]) -> CompressedKVCache:
-    cache.budget, cache.sink, cache.window = sizes
-    return cache
 
 
 def _forwards(model: Any, caches: list[Any], chunks: tuple[tuple[int, ...], ...]) -> Iterator[mx.array]:

@@ -29,7 +29,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from .config import CORE_SETTINGS, ConfigError, VeloxConfig
-from .coordinators import Span, settle
+from .coordinators import Span, drain_streams
 from .memo import per_model
 
 # settings that may differ per rank: they change nothing in the caches (strict must agree: a strict rank raising
@@ -57,11 +57,11 @@ _splits: dict[tuple[int, Any], Split] = {}
 _placed: list[tuple[int, int]] = []  # (rank, ranks) once this process took part in an agreement
 
 
-def settled(model: Any) -> None:
+def drain_if_split(model: Any) -> None:
     """Before the probe runs a split model (its forwards hold the model's own collectives, on the default
     stream): let a generation's step still in flight finish first, or the two would pair on the ring."""
     if is_split(model):
-        settle()
+        drain_streams()
 
 
 def agreement(model: Any, config: VeloxConfig, ready: bool, members: int) -> tuple[bool, Span]:
@@ -114,7 +114,7 @@ def agree(split: Split, config: VeloxConfig, ready: bool, members: int) -> tuple
     rank's probe passed and this rank's span (first served layer, served layers in the model)."""
     settings = agreed_settings(config)
     mine = [_checksum(value) for _, value in settings] + [int(ready), split.stage, members]
-    settle()
+    drain_streams()
     rows = cast(list[list[int]], mx.distributed.all_gather(mx.array([mine], dtype=mx.int32), stream=mx.cpu).tolist())
     world = mx.distributed.init()
     _placed[:] = [(world.rank(), world.size())]
@@ -139,7 +139,7 @@ def summed(numbers: list[int]) -> list[int] | None:
     """``numbers`` summed over every rank (every rank calls this at exit), or None if a rank is gone
     (its connection lost: the summary of the others is not the run's)."""
     try:
-        settle()
+        drain_streams()
         return cast(list[int], mx.distributed.all_sum(mx.array(numbers, dtype=mx.int64), stream=mx.cpu).tolist())
     except RuntimeError:
         return None

@@ -1,9 +1,10 @@
 """What every compression method is built from: the row store, the cache base and its parts.
 
 The methods themselves live in :mod:`veloxpatch.methods` (one module each, found by
-:mod:`veloxpatch.registry`); nothing here knows any of them.
+:mod:`veloxpatch.registry`); nothing here knows any of them (``make_cache`` asks the registry by id).
 """
 
-from .base import CompressedKVCache, Runtime
+from .base import CompressedKVCache
+from .spec import CacheSpec, Runtime, make_cache
 
-__all__ = ["CompressedKVCache", "Runtime"]
+__all__ = ["CacheSpec", "CompressedKVCache", "Runtime", "make_cache"]

@@ -23,41 +23,23 @@ import copy
 import json
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
 import mlx.core as mx
 
 from .. import stats
-from ..config import Budget, TierSize
-from ..coordinators import Coordinator
+from ..config import Budget
+from ..coordinators import Coordinator, members_of
 from ..log import once
 from . import blocks, masks
 from .batch import SequenceBatch
 from .queries import QueryMemory
 from .schedule import Schedule
+from .spec import CacheSpec
 from .store import RowStore
 
 _Cache = TypeVar("_Cache", bound="CompressedKVCache")
-
-
-def _no() -> bool:
-    return False
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """What only the integration knows and a cache asks: the builder hands it to the caches it builds
-    (:func:`veloxpatch.builder.build`; a loaded list gets it from ``load_prompt_cache``'s wrapper, a copy keeps
-    its original's). Each answer is asked when it matters, so it follows a later ``unpatch``. A cache nobody gave
-    one (the probe's, a test's own) answers no to both."""
-
-    batching: Callable[[], bool] = _no
-    """Whether mlx_lm's batches may hold our caches now: ``merge`` is there only then (integration.batched)."""
-    meta_apart: Callable[[], bool] = _no
-    """Whether mlx_lm saves a cache's ``meta_state`` apart, as strings, and only arrays of its ``state`` (mlx-lm
-    before 0.32; 0.32 saves the state alone, its strings and scalars too) (integration.compat)."""
 
 
 class _WhileBatching:
@@ -81,7 +63,6 @@ class CompressedKVCache(ABC):
     """
 
     merge = _WhileBatching()
-    runtime: Runtime = Runtime()  # the integration's answers, given per cache by the builder
 
     method: ClassVar[str] = ""  # set by the registry's ``@method``
     coordinator_class: ClassVar[type[Coordinator]] = Coordinator
@@ -91,11 +72,12 @@ class CompressedKVCache(ABC):
     bounds_memory: ClassVar[bool] = False  # True: VELOX_KV_MEMORY can cap its rows (the methods that evict)
     budget_use: ClassVar[str] = "VELOX_BUDGET is the rows it keeps per layer."  # said by `veloxpatch methods`
 
-    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
-        self.budget = budget
-        self.sink = sink
-        self.window = window
-        self.schedule = Schedule(mode)
+    def __init__(self, spec: CacheSpec) -> None:
+        self.budget = spec.budget
+        self.sink = spec.sink
+        self.window = spec.window
+        self.runtime = spec.runtime  # the integration's answers
+        self.schedule = Schedule(spec.mode)
         self.store = RowStore(step=self.store_step)
         self.memory = QueryMemory()
         self.offset = 0
@@ -126,11 +108,6 @@ class CompressedKVCache(ABC):
     def knob_values(self) -> dict[str, Any]:
         """The method's own knobs, saved with the cache so it loads back the same."""
         return {}
-
-    def use_tier(self, bits: int, size: TierSize = TierSize()) -> None:
-        """Keep the rows a compression drops at ``bits``, at most ``size`` (``VELOX_TIER``,
-        ``VELOX_TIER_SIZE``): an evicting cache does
-        (:mod:`.evicting`); a cross-layer one drops no row (it folds them), so there is nothing to keep."""
 
     def shared_parts(self) -> list[Any]:
         """Arrays (or trees of them) this layer uses together with other layers of its list; they
@@ -173,14 +150,7 @@ class CompressedKVCache(ABC):
 
     @keys.setter
     def keys(self, value: mx.array) -> None:
-        self.tie(value)
-
-    @property
-    def values(self) -> mx.array | None:
-        return None if self.empty() else self.rows()[1]
-
-    def tie(self, value: mx.array) -> None:
-        """What assigning ``cache.keys`` does: mlx_lm's pipelined models write
+        """Assigning ``cache.keys``: mlx_lm's pipelined models write
         ``cache[-1].keys = mx.depends(cache[-1].keys, h)`` so that evaluating the caches after a prompt
         chunk also runs the send of ``h`` to the next rank. Our rows live in the store, so the value's
         graph is hung on them; any other assignment (rows of another shape) is refused, since rows
@@ -192,6 +162,10 @@ class CompressedKVCache(ABC):
                 f"{type(self).__name__} keeps its rows itself: assigning `keys` only ties a value of the cache's "
                 f"own shape {shape} into the graph (mlx_lm's pipeline send), not {tuple(value.shape)}")
         self.store.tie(value)
+
+    @property
+    def values(self) -> mx.array | None:
+        return None if self.empty() else self.rows()[1]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         """The mask a model asks for before this step: causal over our own rows, as KVCache does.
@@ -346,7 +320,8 @@ class CompressedKVCache(ABC):
         if meta_state is not None:
             state = _rebuilt(json.loads(meta_state)["apart"], state)
         info = json.loads(state[-1])
-        cache = cls(Budget.parse(info["budget"]), info["sink"], info["window"], info["mode"], **info["knobs"])
+        spec = CacheSpec(Budget.parse(info["budget"]), info["sink"], info["window"], info["mode"])
+        cache = cls(spec, **info["knobs"])
         cache.state = state
         return cache
 
@@ -359,52 +334,25 @@ class CompressedKVCache(ABC):
         if kept is not None:
             own = masks.restricted(kept, self.store.rows, queries.shape[2], queries.shape[1], own)
         out = blocks.attention(queries, keys, values, scale, own, sinks)
-        self._forget_issued_masks()
+        masks.forget_issued(self, members_of(self))
         return out
 
     def _mask(self, queries: mx.array, given: Any, rows: int) -> Any:
         """Our mask for this step over its ``rows`` key rows, combined with the model's when it carries its own
         information. Every row held is in the past, so causal is right unless a hole (position -1) is among them."""
         n = queries.shape[2]
-        own = self._position_mask(queries) if self.store.holes else (None if n == 1 else "causal")
-        if not isinstance(given, mx.array) or self._issued(given):
+        own: mx.array | str | None = None if n == 1 else "causal"
+        if self.store.holes:  # (B, query heads, n, rows) by the positions of the rows this step attends over
+            own = masks.by_position(self._key_positions(), n, self.offset, queries.shape[1])
+        if not isinstance(given, mx.array) or masks.issued(given, members_of(self)):
             return own
         if own is None:
             return given
         return masks.combined(own, given, rows, n)
 
-    def _position_mask(self, queries: mx.array) -> mx.array:
-        """(B, query heads, n, rows) by the positions of the rows this step attends over."""
-        return masks.by_position(self._key_positions(), queries.shape[2], self.offset, queries.shape[1])
-
     def _key_positions(self) -> mx.array:
         """(B, kv_heads, rows): the position of every row attention runs over, in its order (-1: a hole)."""
         return self.store.row_positions()
-
-    def _issued(self, mask: mx.array) -> bool:
-        """True if ``mask`` is one our caches handed the model (it carries nothing of its own)."""
-        return any(mask is m.issued_mask for m in self._members())
-
-    def _forget_issued_masks(self) -> None:
-        """After the last layer of a forward has attended, drop the mask handed to the model for
-        it: kept, a prefill chunk's mask (chunk x rows) would stay alive until the next forward."""
-        members = self._members()
-        if self is members[-1]:
-            for member in members:
-                member.issued_mask = None
-
-    # ----------------------------------------------------------------- the list this cache belongs to
-    def _members(self) -> list[CompressedKVCache]:
-        """The caches of this cache's list in layer order (just this one without a coordinator)."""
-        return self.coordinator.members if self.coordinator is not None else [self]
-
-    def _depth(self) -> tuple[int, int]:
-        """This layer's index among the served layers of the model and their number: over every rank's
-        layers on a model split by pipeline (the coordinator's span), so depth-set choices match one
-        process."""
-        if self.coordinator is None:
-            return 0, 1
-        return self.coordinator.position(self), self.coordinator.layer_count()
 
 
 def _layout(tree: Any, arrays: list[mx.array]) -> Any:

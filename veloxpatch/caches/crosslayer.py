@@ -31,9 +31,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import stats
-from ..config import Budget
 from ..log import once
 from .base import CompressedKVCache
+from .spec import CacheSpec
 from .store import RowStore
 
 
@@ -53,8 +53,8 @@ class CrossLayerCache(CompressedKVCache):
 
     store_step: ClassVar[int] = 32  # the exact rows stay few (window + one fold's worth): little spare room
 
-    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end") -> None:
-        super().__init__(budget, sink, window, mode)
+    def __init__(self, spec: CacheSpec) -> None:
+        super().__init__(spec)
         self.folds: list[Fold] = []
         self.pending: list[tuple[Hashable, tuple[int, ...], int, int]] = []  # contributed, not yet folded
         self.linked = True  # False after loading from a file: shared parts are still per-layer copies

@@ -19,10 +19,10 @@ import mlx.core as mx
 from .. import stats
 from ..config import TierSize
 from .base import CompressedKVCache
-from .memory import MemoryPlan
 from .queries import QueryLog
 from .schedule import Schedule
 from .selection import best_rows, protected
+from .spec import CacheSpec
 from .store import RowStore
 from .tier import Tier
 
@@ -69,7 +69,7 @@ class Policy(ABC):
         """Every step's real queries and the keys they attended, one per stored row in storage order, before
         the step compresses (H2O accumulates attention)."""
 
-    def settle(self, cache: EvictingCache) -> None:
+    def catch_up(self, cache: EvictingCache) -> None:
         """Bring the row columns up to date with every query observed, before the cache saves them or takes the
         tier's rows back (H2O accounts the queries it queued)."""
 
@@ -163,14 +163,14 @@ class EvictingCache(CompressedKVCache):
     policy_class: ClassVar[type[Policy]]
     bounds_memory = True
 
-    def __init__(self, budget: Any, sink: int = 4, window: int = 32, mode: str = "end", **knobs: Any) -> None:
-        super().__init__(budget, sink, window, mode)
+    def __init__(self, spec: CacheSpec, **knobs: Any) -> None:
+        super().__init__(spec)
         self.policy = self.make_policy(**knobs)
         self.store.columns = dict.fromkeys(self.policy.row_columns)
         self.log = QueryLog()  # queries the policy has not accounted yet (``logs_queries``)
-        self.tier: Tier | None = None  # where dropped rows go (VELOX_TIER), or None: dropped rows are lost
-        self.tier_size = TierSize()  # the most rows the tier holds (VELOX_TIER_SIZE)
-        self.limit: MemoryPlan | None = None  # VELOX_KV_MEMORY's rows per layer (set by the builder), or None
+        self.tier = Tier(spec.tier) if spec.tier else None  # where dropped rows go (VELOX_TIER), or None: lost
+        self.tier_size = spec.tier_size  # the most rows the tier holds (VELOX_TIER_SIZE)
+        self.memory_plan = spec.memory_plan  # VELOX_KV_MEMORY as rows per layer, or None
         self.scale = 1.0  # the attention's scale, seen at every step (a capped tier ranks what it takes by score)
         self.took_back = False  # this step took the tier's rows back into the store (evaluated after it)
         self.reading = False  # a prompt chunk came since the last decode-sized step
@@ -192,12 +192,6 @@ class EvictingCache(CompressedKVCache):
     def knob_values(self) -> dict[str, Any]:
         return self.policy.knob_values()
 
-    def use_tier(self, bits: int, size: TierSize = TierSize()) -> None:
-        """Keep the rows compressions drop at ``bits`` per element (:mod:`.tier`; 16: unquantized), at most
-        ``size`` of them, or lose them (0)."""
-        self.tier = Tier(bits) if bits else None
-        self.tier_size = size
-
     # ----------------------------------------------------------------- what a method may set
     def target(self) -> int:
         """Rows to keep now: the budget, but never fewer than the protected sink + window."""
@@ -206,7 +200,7 @@ class EvictingCache(CompressedKVCache):
     def budget_rows(self) -> int:
         """The budget's rows after the tokens seen, or ``VELOX_KV_MEMORY``'s where that is stricter."""
         rows = self.budget.resolve(self.offset)
-        return rows if self.limit is None else min(rows, self.limit.keep_cap(self.batch))
+        return rows if self.memory_plan is None else min(rows, self.memory_plan.keep_cap(self.batch))
 
     @property
     def batch(self) -> int:
@@ -216,9 +210,9 @@ class EvictingCache(CompressedKVCache):
     def _over_limit(self, chunk: bool, keep: int) -> int | None:
         """After a prompt chunk left uncompressed (``end`` mode): the rows to compress to when the store holds more
         than ``VELOX_KV_MEMORY`` allows (its cap, or ``keep`` if more), else None."""
-        if self.limit is None or not chunk:
+        if self.memory_plan is None or not chunk:
             return None
-        rows = max(self.limit.keep_cap(self.batch), keep)
+        rows = max(self.memory_plan.keep_cap(self.batch), keep)
         return rows if self.store.rows > rows else None
 
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
@@ -262,7 +256,7 @@ class EvictingCache(CompressedKVCache):
         return n > self.headroom(keep) or (self.prompt_end is not None and self.offset < self.prompt_end)
 
     def _take_back(self, keys: mx.array, values: mx.array) -> None:
-        """The tier's rows back into the store, with their row columns (the policy settles its own first), in time
+        """The tier's rows back into the store, with their row columns (the policy catches its own up first), in time
         order (time order matters to a policy that looks at neighbouring rows, SnapKV's pooling), with room for the
         step's rows ``keys``/``values``. The step's rows are evaluated first: they hang on the forward so far (the
         last layer's MLP activations, left lazy), which would otherwise be computed on top of the whole context at
@@ -275,7 +269,7 @@ class EvictingCache(CompressedKVCache):
         if self.coordinator is None or not self.coordinator.span.split:
             mx.eval(keys, values)
         rows = self.tier.drain()
-        self.policy.settle(self)
+        self.policy.catch_up(self)
         self.store.take_in(rows, spare=keys.shape[2])
 
     # ----------------------------------------------------------------- the attention route
@@ -300,11 +294,12 @@ class EvictingCache(CompressedKVCache):
         elif (capped := self._over_limit(chunk, keep)) is not None:
             self.compress(capped, scale)
         if self.took_back:
-            self._settle(out)
+            self._evaluate_kept(out)
         if chunk:
             self.reading = True
         elif self.reading or self._prompt_read():  # under VELOX_KV_MEMORY the target wins: no snapshot, whose
-            self.reading, self.read = False, None if self.limit is not None else Snapshot(self)  # queries it skips
+            self.reading = False  # queries it skips
+            self.read = None if self.memory_plan is not None else Snapshot(self)
         return out
 
     def expect_prompt(self, tokens: int) -> None:
@@ -320,7 +315,7 @@ class EvictingCache(CompressedKVCache):
             self.prompt_end = None
         return read
 
-    def _settle(self, out: mx.array) -> None:
+    def _evaluate_kept(self, out: mx.array) -> None:
         """After a step that took the tier back: evaluate what this layer keeps, so its rows at full precision
         (the whole context) are freed before the next layer takes its own back. Left lazy, one graph holds every
         layer's at once, and reading with a tier peaks as high as the full cache."""
@@ -371,8 +366,8 @@ class EvictingCache(CompressedKVCache):
         budget (:meth:`budget_rows`), whatever this layer keeps: PyramidKV and SqueezeAttention move rows
         between layers around that mean, and a tier sized by each layer's own budget would take the bytes a
         deeper budget frees in every layer at once."""
-        if self.limit is not None:
-            return self.limit.tier_rows(self.budget_rows(), self.batch)
+        if self.memory_plan is not None:
+            return self.memory_plan.tier_rows(self.budget_rows(), self.batch)
         rows = self.tier_size.rows(keep)
         if rows is None:
             return self.offset
@@ -420,9 +415,9 @@ class EvictingCache(CompressedKVCache):
                 "tier_size": str(self.tier_size)}
 
     def _extra_state(self) -> tuple[Any, ...]:
-        """The row columns (the policy settles them first; None for an empty cache), then (with a tier) the tier's
+        """The row columns (the policy catches them up first; None for an empty cache), then (with a tier) the tier's
         rows (None while it is empty)."""
-        self.policy.settle(self)
+        self.policy.catch_up(self)
         columns = tuple(None if self.empty() else self.store.column(name) for name in self.policy.row_columns)
         return columns if self.tier is None else (*columns, self.tier.state)
 
@@ -431,7 +426,7 @@ class EvictingCache(CompressedKVCache):
         rows it kept, and nothing else) keeps its tier setting with an empty tier, and its columns start at zero."""
         names = self.policy.row_columns
         if "tier_bits" in info:
-            self.use_tier(info["tier_bits"], TierSize.parse(info.get("tier_size", "all")))
+            self.tier, self.tier_size = Tier(info["tier_bits"]), TierSize.parse(info.get("tier_size", "all"))
             if extra:
                 assert self.tier is not None, "tier_bits is saved with a tier only"
                 *columns, held = extra

@@ -13,6 +13,19 @@ from typing import Any
 import mlx.core as mx
 
 
+def issued(mask: mx.array, members: list[Any]) -> bool:
+    """True if ``mask`` is one a cache of the list (``members``) handed the model: it carries nothing of its own."""
+    return any(mask is m.issued_mask for m in members)
+
+
+def forget_issued(cache: Any, members: list[Any]) -> None:
+    """After the last layer of a forward (``cache``, the last of ``members``) has attended, drop the masks handed to
+    the model for it: kept, a prefill chunk's mask (chunk x rows) would stay alive until the next forward."""
+    if cache is members[-1]:
+        for member in members:
+            member.issued_mask = None
+
+
 def causal(rows: int, n: int, window_size: int | None = None) -> mx.array:
     """(n, rows) boolean: the last ``n`` of ``rows`` rows are the queries, each seeing every row up to its own
     (and, with ``window_size``, only the ``window_size`` newest of them)."""

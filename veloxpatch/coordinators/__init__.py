@@ -74,7 +74,7 @@ class Span:
 class Coordinator:
     """Shared by the veloxpatch caches of one cache list; reset when a new sequence starts."""
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, span: Span = Span()) -> None:
         self.method = method
         self.members: list[Any] = []
         self.generations = 0
@@ -83,7 +83,7 @@ class Coordinator:
         self.published: dict[Any, tuple[int, Any]] = {}
         self.parts: dict[Hashable, dict[int, Any]] = {}  # fan-in: group -> layer -> contribution
         self.results: dict[Hashable, Any] = {}  # fan-in: group -> its joint result
-        self.span = Span()  # set by the builder on a model split across ranks
+        self.span = span  # the list's layers in the whole model (a model split across ranks: the builder's)
 
     def join(self, cache: Any) -> None:
         """Register a member cache (in layer order); it knows its coordinator and index from then on."""
@@ -147,7 +147,7 @@ class Coordinator:
             sums[0, where] = mx.stack([mx.array(v, dtype=mx.float32) for v in values.values()])
             sums[1, where] = 1.0
         if self.span.split:
-            settle()
+            drain_streams()
             sums = mx.distributed.all_sum(sums, stream=mx.cpu)
         totals, counts = cast(list[list[float]], sums.tolist())
         return [total / count if count else None for total, count in zip(totals, counts)]
@@ -203,7 +203,7 @@ class Coordinator:
         return sum(a.nbytes for part in mine.values() for _, a in tree_flatten(part) if isinstance(a, mx.array))
 
 
-def settle() -> None:
+def drain_streams() -> None:
     """Wait for the work in flight before a collective of ours: mlx_lm generates on a stream of its own,
     one step ahead, and a step still running there holds the model's collectives; ours, started on
     another stream meanwhile, would pair with them on the ring and swap data between ranks."""
@@ -211,6 +211,19 @@ def settle() -> None:
     stream = getattr(sys.modules.get("mlx_lm.generate"), "generation_stream", None)
     if stream is not None:
         mx.synchronize(stream)
+
+
+def members_of(cache: Any) -> list[Any]:
+    """The caches of ``cache``'s list in layer order (just ``cache`` without a coordinator)."""
+    return cache.coordinator.members if cache.coordinator is not None else [cache]
+
+
+def depth_of(cache: Any) -> tuple[int, int]:
+    """``cache``'s index among the served layers of the model and their number: over every rank's layers on a model
+    split by pipeline (the coordinator's span), so depth-set choices match one process."""
+    if cache.coordinator is None:
+        return 0, 1
+    return cache.coordinator.position(cache), cache.coordinator.layer_count()
 
 
 def coordinators_of(caches: Any) -> list[Coordinator]:

@@ -239,7 +239,7 @@ def _guard_exit() -> None:
             threads.note(thread)
     if not STATE.exit_registered:
         STATE.exit_registered = True
-        atexit.register(threads.settle)
+        atexit.register(threads.wait_for_exits)
 
 
 def _register_stats(config: VeloxConfig) -> None:

@@ -12,7 +12,7 @@ initial weights from it, and the server joins that thread just before it exits, 
 aborts most of the time. Four lines of mlx alone do it (``tests/test_server_exit.py`` runs them).
 
 While patched, :func:`track` (wrapped around ``threading.Thread.start``) notes each started thread's native id
-(the patch notes those already running). At exit, :func:`settle` (an ``atexit`` handler: those run after the
+(the patch notes those already running). At exit, :func:`wait_for_exits` (an ``atexit`` handler: those run after the
 interpreter has joined its non-daemon threads and before it finalizes) waits until every noted thread that has
 finished in Python has left the OS too (``/proc/self/task``, Linux), sleeping meanwhile so the GIL is free for
 their destructors; at most :data:`LIMIT_S`, and usually no time at all. Where ``/proc`` is missing it gives the
@@ -33,9 +33,9 @@ from typing import Any
 import wrapt
 
 LIMIT_S = 2.0
-"""The longest :func:`settle` waits for finished threads to leave the OS."""
+"""The longest :func:`wait_for_exits` waits for finished threads to leave the OS."""
 FALLBACK_S = 0.05
-"""Without ``/proc/self/task``: how long :func:`settle` sleeps, once, when a noted thread has finished."""
+"""Without ``/proc/self/task``: how long :func:`wait_for_exits` sleeps, once, when a noted thread has finished."""
 PRUNE_AT = 256
 """Noted threads kept before those already gone from the OS are forgotten (a server starts one per request)."""
 TASKS = "/proc/self/task"
@@ -46,7 +46,7 @@ _lock = threading.Lock()
 
 @wrapt.decorator
 def track(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """For ``threading.Thread.start``: start the thread, then note it for :func:`settle`."""
+    """For ``threading.Thread.start``: start the thread, then note it for :func:`wait_for_exits`."""
     started = wrapped(*args, **kwargs)
     note(instance if isinstance(instance, threading.Thread) else args[0])
     return started
@@ -77,7 +77,7 @@ def tasks() -> set[int] | None:
         return None
 
 
-def settle(limit: float = LIMIT_S) -> list[int]:
+def wait_for_exits(limit: float = LIMIT_S) -> list[int]:
     """Wait, at most ``limit`` seconds, until every noted thread finished in Python has ended in the OS too;
     the native ids of those still there (none, normally)."""
     waiting = finished()

@@ -207,16 +207,16 @@ def _share_memory_plan(arguments: dict[str, Any]) -> None:
     caches, first = arguments.get("prompt_cache"), len(arguments["model"].layers)
     if not isinstance(caches, (list, tuple)):
         return
-    parts: list[list[Any]] = [[c for c in ours(part) if getattr(c, "limit", None) is not None]  # evicting ones
+    parts: list[list[Any]] = [[c for c in ours(part) if getattr(c, "memory_plan", None) is not None]  # evicting ones
                               for part in (caches[:first], caches[first:])]
     if not all(parts) or not all(c.empty() for c in parts[0] + parts[1]):
         return
-    main, draft = parts[0][0].limit, parts[1][0].limit
+    main, draft = parts[0][0].memory_plan, parts[1][0].memory_plan
     if main is draft:
         return
     plan = main.shared_with(draft)
     for cache in parts[0] + parts[1]:
-        cache.limit = plan
+        cache.memory_plan = plan
     once(f"memory plan shared {plan.setting}", logging.INFO,
          f"the model and its draft share {plan.describe()}")
 

@@ -47,7 +47,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..caches import masks
 from ..caches.evicting import EvictingCache, Policy
+from ..coordinators import members_of
 from ..registry import method
 
 BLOCK_ELEMENTS = 1 << 24  # float32 probabilities per block of queries: 64 MB
@@ -127,7 +129,7 @@ class H2O(Policy):
         self.credited = False  # this step's queries were accounted with its attention (:meth:`credit`)
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        self.settle(cache)
+        self.catch_up(cache)
         return cache.store.column("mass", keys.shape[2])
 
     def observe(self, cache: EvictingCache, queries: mx.array, keys: mx.array, scale: float) -> None:
@@ -140,7 +142,7 @@ class H2O(Policy):
             return
         cache.log.add(queries, cache.offset)
         if cache.log.count > cache.headroom(cache.target()):
-            self.settle(cache)
+            self.catch_up(cache)
 
     def credit(self, cache: EvictingCache, mass: mx.array) -> None:
         """A prompt step's mass, from its own attention (:func:`attention_with_mass`): the queries queued before it
@@ -148,7 +150,7 @@ class H2O(Policy):
         cache.store.set_column("mass", cache.store.column("mass", mass.shape[-1]) + mass)
         self.credited = True
 
-    def settle(self, cache: EvictingCache) -> None:
+    def catch_up(self, cache: EvictingCache) -> None:
         """Add the queued queries' attention to the mass, in one pass, over the rows they saw."""
         queries = cache.log.take()
         if queries is None:
@@ -172,13 +174,13 @@ class H2OCache(EvictingCache):
         within the decode headroom, whose queued queries a speculative rewind takes back; sinks; a model's own mask;
         a step restricted to the rows a pending compression keeps) is attended as every cache attends, and its
         queries scored later."""
-        own_mask = mask is None or isinstance(mask, str) or self._issued(mask)
+        own_mask = mask is None or isinstance(mask, str) or masks.issued(mask, members_of(self))
         if queries.shape[2] <= self.headroom(self.target()) or kept is not None or sinks is not None \
                 or not own_mask or keys.shape[2] != self.store.rows:
             return super()._attention(queries, keys, values, scale, mask, sinks, kept)
-        self.policy.settle(self)
+        self.policy.catch_up(self)
         out, mass = attention_with_mass(queries, keys, values, scale, self.store.row_positions(),
                                         self.offset - queries.shape[2])
         self.policy.credit(self, mass)
-        self._forget_issued_masks()
+        masks.forget_issued(self, members_of(self))
         return out

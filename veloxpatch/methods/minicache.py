@@ -69,9 +69,11 @@ import math
 import mlx.core as mx
 
 from ..caches.crosslayer import CrossLayerCache, Fold
+from ..caches.spec import CacheSpec
+from ..coordinators import depth_of, members_of
 from ..log import once
 from ..registry import method
-from ..settings import Budget, Setting, number_range
+from ..settings import Setting, number_range
 
 MIN_FOLD = 32  # exact rows beyond the window that fold at once (see ``min_fold``)
 PARALLEL = 1e-4  # radians from 0 or pi within which SLERP is 0/0: renormalised linear interpolation
@@ -103,9 +105,9 @@ class MiniCacheCache(CrossLayerCache):
     uses_budget = False
     budget_use = "VELOX_BUDGET does not apply: it keeps every token, merged across a pair of layers or exact."
 
-    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end", start: float = 0.5,
+    def __init__(self, spec: CacheSpec, start: float = 0.5,
                  t: float = 0.6, gamma: float = 0.05) -> None:
-        super().__init__(budget, sink, window, mode)
+        super().__init__(spec)
         self.start = start
         self.t = t
         self.gamma = gamma
@@ -120,13 +122,13 @@ class MiniCacheCache(CrossLayerCache):
         """The pair (S + 2i, S + 2i + 1) this layer belongs to, as member indexes, or this layer alone
         (no partner). Counted over the model's served layers: on a model split by pipeline, a pair
         whose partner lives on another rank leaves both alone."""
-        depth, layers = self._depth()
+        depth, layers = depth_of(self)
         first = math.floor(self.start * layers + 1e-9)
         if depth < first:
             return (self.layer,)
         lead = self.layer - (depth - first) % 2
         pair = (lead, lead + 1)
-        return pair if lead >= 0 and lead + 1 < len(self._members()) else (self.layer,)
+        return pair if lead >= 0 and lead + 1 < len(members_of(self)) else (self.layer,)
 
     def min_fold(self) -> int:
         """``MIN_FOLD`` rows for a layer of a pair; more rows than it holds for one without a partner

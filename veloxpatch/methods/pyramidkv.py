@@ -29,6 +29,8 @@ import functools
 
 from ..caches.allocation import layer_budgets
 from ..caches.evicting import EvictingCache
+from ..caches.spec import CacheSpec
+from ..coordinators import depth_of
 from ..registry import cache_class, method
 from ..settings import Setting, number_range
 
@@ -56,9 +58,9 @@ class PyramidKVCache(EvictingCache):
     policy_class = cache_class("snapkv").policy_class  # SnapKV's knobs reach it too (``composes``)
     budget_use = "VELOX_BUDGET is the rows it keeps per layer on average (deeper layers keep fewer)."
 
-    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", beta: float = 20.0,
+    def __init__(self, spec: CacheSpec, beta: float = 20.0,
                  **snapkv_knobs: object) -> None:
-        super().__init__(budget, sink, window, mode, **snapkv_knobs)
+        super().__init__(spec, **snapkv_knobs)
         self.beta = beta
 
     def knob_values(self) -> dict[str, object]:
@@ -66,7 +68,7 @@ class PyramidKVCache(EvictingCache):
 
     def target(self) -> int:
         """This layer's term of the pyramid over the model's served layers (the plain budget alone)."""
-        depth, layers = self._depth()
+        depth, layers = depth_of(self)
         budget = self.budget_rows()
         floor = self.sink + self.window
         if layers < 2 or depth >= layers:

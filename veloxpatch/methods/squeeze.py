@@ -71,7 +71,8 @@ import mlx.core as mx
 from ..caches.allocation import layer_budgets
 from ..caches.evicting import EvictingCache, Policy
 from ..caches.masks import visible
-from ..coordinators import Coordinator
+from ..caches.spec import CacheSpec
+from ..coordinators import Coordinator, Span, members_of
 from ..log import once
 from ..registry import cache_class, method, policies
 from ..settings import Setting, choice, number_range
@@ -143,8 +144,8 @@ def squeeze_shares(importance: Sequence[float], strength: float) -> tuple[float,
 class SqueezeCoordinator(Coordinator):
     """Collects each layer's importance over the prompt and sets the members' shares from it."""
 
-    def __init__(self, method: str) -> None:
-        super().__init__(method)
+    def __init__(self, method: str, span: Span = Span()) -> None:
+        super().__init__(method, span)
         self.reports: dict[int, tuple[mx.array, int]] = {}  # layer -> (sum of chunk scores, chunks)
         self.closed = False  # decoding has started: the prompt's reports are all in
         self.stale = False  # reports arrived since the shares were set
@@ -221,10 +222,10 @@ class SqueezeCache(EvictingCache):
     wants_layer_io = True  # the cosine signal compares the block input with the attention output
     budget_use = "VELOX_BUDGET is the rows it keeps per layer on average (moved between layers)."
 
-    def __init__(self, budget, sink: int = 4, window: int = 32, mode: str = "end", policy: str = "snapkv",
+    def __init__(self, spec: CacheSpec, policy: str = "snapkv",
                  strength: float = 0.5, signal: str = "cosine", share: float | None = None, **knobs: Any) -> None:
         self.policy_name = policy  # before the base makes the policy from it
-        super().__init__(budget, sink, window, mode, **knobs)
+        super().__init__(spec, **knobs)
         self.strength = strength
         self.signal = signal
         self.share = share  # this layer's share of the budget (mean 1 over the list), None: not set
@@ -321,5 +322,5 @@ class SqueezeCache(EvictingCache):
             pooled = shares is not None and shares is coordinator.pooled_shares
             index = coordinator.position(self) if pooled else self.layer
         else:
-            shares, index = shares_of(self._members()), self.layer
+            shares, index = shares_of(members_of(self)), self.layer
         return (shares, index) if shares is not None and index < len(shares) else (None, 0)

@@ -44,7 +44,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
+from ..caches.spec import CacheSpec
+from ..coordinators import members_of
 from ..registry import method
 from ..settings import Budget, ConfigError, Setting, int_range, number_range
 
@@ -77,9 +80,9 @@ class XKVCache(CrossLayerCache):
     budget_use = ("It keeps every token; with VELOX_XKV_RANK=auto, VELOX_BUDGET is the bytes its folded rows may take "
                   "(the rank follows).")
 
-    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end", group: int = 4,
+    def __init__(self, spec: CacheSpec, group: int = 4,
                  rank: str = "auto", energy: float = 1.0, max_ctx: int = 65536) -> None:
-        super().__init__(budget, sink, window, mode)
+        super().__init__(spec)
         self.group_layers = group
         self.rank = rank
         self.energy = energy
@@ -95,7 +98,7 @@ class XKVCache(CrossLayerCache):
 
     def group(self) -> tuple[int, ...]:
         """This layer's block of ``VELOX_XKV_GROUP`` consecutive members."""
-        size = len(self._members())
+        size = len(members_of(self))
         first = self.layer // self.group_layers * self.group_layers
         return tuple(range(first, min(first + self.group_layers, size)))
 
@@ -115,11 +118,11 @@ class XKVCache(CrossLayerCache):
         handed, self.handed = self.handed, None
         latent = (self.folds and keys is handed and sinks is None and not self.store.holes
                   and self.schedule.decode_sized(queries.shape[2])
-                  and (not isinstance(mask, mx.array) or self._issued(mask)))
+                  and (not isinstance(mask, mx.array) or masks.issued(mask, members_of(self))))
         if not latent:
             return super().attend(queries, keys, values, scale, mask, sinks)
         out = self._latent_attention(queries, scale)
-        self._forget_issued_masks()
+        masks.forget_issued(self, members_of(self))
         self._fold_if_due(queries.shape[2])
         return out
 

@@ -88,11 +88,13 @@ from mlx.utils import tree_flatten
 from .. import stats
 from ..caches.base import CompressedKVCache
 from ..caches.crosslayer import CrossLayerCache, Fold
+from ..caches.spec import CacheSpec
 from ..caches.store import Parts, RowStore, decode, encode
+from ..coordinators import members_of
 from ..log import model_type, once
 from ..memo import per_model
 from ..registry import method
-from ..settings import Budget, Setting, choice, int_range
+from ..settings import Setting, choice, int_range
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)
@@ -147,9 +149,9 @@ class XQuantCache(CrossLayerCache):
     budget_use = ("VELOX_BUDGET does not apply: it keeps every token, all but the exact window at VELOX_XQUANT_BITS "
                   "bits (4 by default).")
 
-    def __init__(self, budget: Budget, sink: int = 4, window: int = 32, mode: str = "end", bits: int = 4,
+    def __init__(self, spec: CacheSpec, bits: int = 4,
                  group: int = 64, cl: int = 4, cl_bits: int = 3, latent: str = "auto") -> None:
-        super().__init__(budget, sink, window, mode)
+        super().__init__(spec)
         self.bits, self.group_size, self.cl, self.cl_bits = bits, group, cl, cl_bits
         self.latent = latent
         self.latent_on = False  # decided at the first step: the layer keeps the GQA latent, not X
@@ -389,7 +391,7 @@ class XQuantCache(CrossLayerCache):
         """XQuant-CL's block of consecutive members (this layer alone when off, left or exact)."""
         if not self.grouped:
             return (self.layer,)
-        size = len(self._members())
+        size = len(members_of(self))
         first = self.layer // self.cl * self.cl
         return tuple(range(first, min(first + self.cl, size)))
 

@@ -1,0 +1,67 @@
+"""What a cache is built from, whole: a :class:`CacheSpec` in, nothing set after (the builder knows it all first).
+
+A cache is made once, by :func:`make_cache` (or a test, or ``from_state``), from its spec and its method's knobs.
+Two things reach a cache later because nobody knows them when it is made, and both are said where they happen: a
+list loaded from a file gets its :class:`Runtime` from ``load_prompt_cache``'s wrapper (mlx_lm built it), and a model
+and its speculative draft share one memory plan once a generation brings them together
+(``integration.wrappers``). The coordinator's :class:`~veloxpatch.coordinators.Span` is the list's, given to the
+coordinator when the list is assembled (:func:`veloxpatch.eligibility.assemble`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..config import Budget, TierSize, VeloxConfig
+from ..registry import METHODS, knob_settings
+from .memory import MemoryPlan
+
+
+def _no() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What only the integration knows and a cache asks: the builder puts it in the spec of the caches it builds
+    (:func:`veloxpatch.builder.build`; a loaded list gets it from ``load_prompt_cache``'s wrapper, a copy keeps
+    its original's). Each answer is asked when it matters, so it follows a later ``unpatch``. A cache nobody gave
+    one (the probe's, a test's own) answers no to both."""
+
+    batching: Callable[[], bool] = _no
+    """Whether mlx_lm's batches may hold our caches now: ``merge`` is there only then (integration.batched)."""
+    meta_apart: Callable[[], bool] = _no
+    """Whether mlx_lm saves a cache's ``meta_state`` apart, as strings, and only arrays of its ``state`` (mlx-lm
+    before 0.32; 0.32 saves the state alone, its strings and scalars too) (integration.compat)."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Everything a cache is built with besides its method's knobs."""
+
+    budget: Budget
+    sink: int = 4  # the first tokens never evicted
+    window: int = 32  # the last tokens never evicted (and the queries remembered)
+    mode: str = "end"  # when to compress (VELOX_COMPRESS, :mod:`.schedule`)
+    tier: int = 0  # the bits the rows a compression drops are kept at (VELOX_TIER; 16 unquantized), 0: lost
+    tier_size: TierSize = TierSize()  # the most rows the tier holds (VELOX_TIER_SIZE)
+    memory_plan: MemoryPlan | None = None  # VELOX_KV_MEMORY as rows per layer for the list, or None
+    runtime: Runtime = Runtime()  # the integration's answers
+
+
+def spec_of(config: VeloxConfig, **changes: Any) -> CacheSpec:
+    """The spec ``config`` gives a cache of its method, with ``changes`` (``memory_plan``, ``runtime``, sizes)."""
+    assert isinstance(config.budget, Budget) and isinstance(config.tier, int), "converted by VeloxConfig"
+    assert isinstance(config.tier_size, TierSize), "converted by VeloxConfig"
+    spec = CacheSpec(config.budget, config.sink, config.window, config.compress, config.tier, config.tier_size)
+    return replace(spec, **changes)
+
+
+def make_cache(config: VeloxConfig, **changes: Any) -> Any:
+    """A fresh cache of the configured method, built whole from :func:`spec_of` ``config`` with ``changes`` and its
+    knobs (and those of the methods it is built on)."""
+    settings = knob_settings(config.kv, config.knobs)
+    knobs = {short: config.knobs[knob.key] for short, knob in settings.items()}
+    return METHODS[config.kv].cls(spec_of(config, **changes), **knobs)
