@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import importlib.util
 import logging
 import os
 import signal
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -338,3 +340,13 @@ def count_joints(monkeypatch, cls) -> list[int]:
 
     monkeypatch.setattr(cls, "joint", counted)
     return calls
+
+
+def bench_script(name: str) -> types.ModuleType:
+    """A script of bench/ (not a package) loaded as a module, for its functions."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

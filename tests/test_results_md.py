@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "results_md.py"
+from conftest import bench_script
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("results_md", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("results_md")
 
 
 def row(method: str, share: float, samples: int, value: float) -> dict:

@@ -3,18 +3,14 @@ share of the full cache's 16-bit bytes each variant held."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "yardstick.py"
+from conftest import bench_script
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("yardstick", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("yardstick")
 
 
 def sample(task: str, seed: int, label: str, value: float, kv16: float) -> str:

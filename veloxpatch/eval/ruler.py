@@ -173,12 +173,17 @@ def _uuid(rng: random.Random) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
+def _needle(kind: str, key: str, value: str) -> str:
+    """A needle line: a number for a key (``NEEDLE``) or a uuid (``UUID_NEEDLE``)."""
+    return NEEDLE.format(word=key, number=value) if kind == "number" else UUID_NEEDLE.format(key=key, value=value)
+
+
 def _single(name: str, tokenizer: Any, context: int, hay: Hay, value: Callable[[random.Random], str],
             kind: str) -> Example:
     """One ``kind`` needle for one word at a random depth of ``hay``; asked for by the word (``name`` seeds it)."""
     rng = random.Random(name)
     word, answer = rng.choice(WORDS), value(rng)
-    needle = NEEDLE.format(word=word, number=answer) if kind == "number" else UUID_NEEDLE.format(key=word, value=answer)
+    needle = _needle(kind, word, answer)
     question = f"What is the special magic {kind} for {word} mentioned in the provided text?"
     prefix = f"The special magic {kind} for {word} mentioned in the provided text is"
     prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(needle, rng.random())], question, prefix, hay)
@@ -222,37 +227,30 @@ def needles_hay(line: Callable[[random.Random], tuple[str, str]], skip: str) -> 
 
 def niah_multikey_needles(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
     """The whole haystack is number needles for other two-word keys; one key is asked (RULER's niah_multikey_2)."""
-    rng = random.Random(f"niah_multikey_2/{seed}")
-    key, number = _pair(rng), random_key(rng, 7)
-
-    def line(r: random.Random) -> tuple[str, str]:
-        k = _pair(r)
-        return k, NEEDLE.format(word=k, number=random_key(r, 7))
-
-    question = f"What is the special magic number for {key} mentioned in the provided text?"
-    prefix = f"The special magic number for {key} mentioned in the provided text is"
-    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(NEEDLE.format(word=key, number=number),
-                                                                   rng.random())], question, prefix,
-                           needles_hay(line, key))
-    return Example(prompt, number, (number,), question_at=at)
+    return _among_needles(f"niah_multikey_2/{seed}", tokenizer, context, _pair, _number, "number")
 
 
 def niah_multikey_uuids(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
     """The whole haystack is UUID-to-UUID needles; one UUID key is asked, its UUID value is the answer (RULER's
     niah_multikey_3: the hardest of the needle tasks, nothing in the key's words to go by)."""
-    rng = random.Random(f"niah_multikey_3/{seed}")
-    key, value = _uuid(rng), _uuid(rng)
+    return _among_needles(f"niah_multikey_3/{seed}", tokenizer, context, _uuid, _uuid, "uuid")
+
+
+def _among_needles(name: str, tokenizer: Any, context: int, new_key: Callable[[random.Random], str],
+                   value: Callable[[random.Random], str], kind: str) -> Example:
+    """One ``kind`` needle among a haystack of needles of the same shape for other keys (``name`` seeds it)."""
+    rng = random.Random(name)
+    key, answer = new_key(rng), value(rng)
 
     def line(r: random.Random) -> tuple[str, str]:
-        k = _uuid(r)
-        return k, UUID_NEEDLE.format(key=k, value=_uuid(r))
+        k = new_key(r)
+        return k, _needle(kind, k, value(r))
 
-    question = f"What is the special magic uuid for {key} mentioned in the provided text?"
-    prefix = f"The special magic uuid for {key} mentioned in the provided text is"
-    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(UUID_NEEDLE.format(key=key, value=value),
-                                                                   rng.random())], question, prefix,
-                           needles_hay(line, key))
-    return Example(prompt, value, (value,), question_at=at)
+    question = f"What is the special magic {kind} for {key} mentioned in the provided text?"
+    prefix = f"The special magic {kind} for {key} mentioned in the provided text is"
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(_needle(kind, key, answer), rng.random())],
+                           question, prefix, needles_hay(line, key))
+    return Example(prompt, answer, (answer,), question_at=at)
 
 
 def niah_multivalue(tokenizer: Any, context: int, seed: int, split: str = "heldout", n_values: int = 4) -> Example:
