@@ -200,8 +200,8 @@ def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spe
     parts from them, as the server does); ``reading`` told when each turn's prompt is read."""
     from mlx_lm.models.cache import trim_prompt_cache
 
-    tokens, steps = _prompt(tokenizer, item)
-    cached: list[int] = tokenizer.encode(item.prompt)  # ``tokens``' ids
+    cached: list[int] = tokenizer.encode(item.prompt)
+    tokens, steps = mx.array(cached), _steps(tokenizer, item)
     answers: list[list[int]] = []
     texts: list[str] = []
     for turn in range(len(item.turns)):
@@ -302,7 +302,7 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
     shared where that is exact, as :func:`retrievals` shares a prompt's."""
     context = mx.array(tokenizer.encode(item.context))
     question = mx.array(tokenizer.encode(item.question, add_special_tokens=False))
-    steps = _prompt(tokenizer, item)[1]
+    steps = _steps(tokenizer, item)
     modes = sharing.plan(model, chosen) if spec.share_prefill else {v: sharing.PLAIN for v in chosen}
     out: dict[Variant, Sample] = {}
     requests = []
@@ -337,11 +337,16 @@ def _ask(model: Any, tokenizer: Any, question: mx.array, caches: list[Any], step
 
 
 def _prompt(tokenizer: Any, item: Item) -> tuple[mx.array, int]:
-    """The prompt's tokens and how many to generate: the answer's, and a few tokens of slack for separators
-    (RULER answers get more, for a model's own phrasing)."""
-    prompt, answer = (item.prompt, item.answer) if isinstance(item, ruler.Example) else item
-    slack = 8 if isinstance(item, ruler.Example) else 2
-    return mx.array(tokenizer.encode(prompt)), len(tokenizer.encode(answer)) + slack
+    """The prompt's tokens and how many to generate (:func:`_steps`)."""
+    prompt = item.prompt if isinstance(item, ruler.Example) else item[0]
+    return mx.array(tokenizer.encode(prompt)), _steps(tokenizer, item)
+
+
+def _steps(tokenizer: Any, item: Item) -> int:
+    """How many tokens to generate: the answer's, and a few of slack for separators (RULER answers get more, for a
+    model's own phrasing)."""
+    answer = item.answer if isinstance(item, ruler.Example) else item[1]
+    return len(tokenizer.encode(answer)) + (8 if isinstance(item, ruler.Example) else 2)
 
 
 def _right(tokenizer: Any, out: list[int], item: Item) -> float:
