@@ -25,7 +25,8 @@ from veloxpatch.coordinators import drain_streams
 from veloxpatch.registry import METHODS
 
 SMALL = dict(budget=8, sink=2, window=4)
-SMALL_KNOBS = {"minicache": {"minicache_start": 0.0}}  # pair every rank's layers (4 layers, 2 per stage)
+# pair every rank's layers (4 layers, 2 per stage); quantize blocks of 32 tokens (the context is 44)
+SMALL_KNOBS = {"minicache": {"minicache_start": 0.0}, "quant": {"quant_group": 32}}
 PROMPT = mx.array([(7 * i + 3) % 90 for i in range(40)])
 
 

@@ -18,7 +18,8 @@ from veloxpatch.registry import METHODS
 # (cross-layer methods at full rank: their folds keep every dimension)
 FULL = {"xkv": {"xkv_rank": "100%"},
         "minicache": {"minicache_start": 0.0, "minicache_gamma": 1.0},  # every layer paired, every token kept
-        "xquant": {"xquant_bits": 16, "xquant_cl_bits": 16}}  # X and deltas unquantized: K, V are the model's
+        "xquant": {"xquant_bits": 16, "xquant_cl_bits": 16},  # X and deltas unquantized: K, V are the model's
+        "quant": {"quant_bits": 16}}
 EXACT = [(arch, method, 4096, FULL.get(method, {})) for arch in sorted(ARCHS) for method in sorted(METHODS)]
 EXACT += [(arch, "snapkv", "100%", {}) for arch in sorted(ARCHS)]
 EXACT += [(arch, "xkv", 4096, {}) for arch in ("gemma3_text", "llama")]  # auto rank: nothing to save, no fold

@@ -78,6 +78,10 @@ class CrossLayerCache(CompressedKVCache):
         """Exact rows (beyond the window) worth folding at once."""
         return 1
 
+    def fold_unit(self) -> int:
+        """Rows fold in multiples of this (a method quantizing blocks of tokens folds whole blocks)."""
+        return 1
+
     def shared_parts(self) -> list[Any]:
         return [fold.shared for fold in self.folds]
 
@@ -192,7 +196,8 @@ class CrossLayerCache(CompressedKVCache):
     def _fold_if_due(self, n: int) -> None:
         """Contribute the exact rows older than the window to the group's fan-in when due."""
         start = self.folds[-1].end if self.folds else 0
-        end = self.offset - self.window
+        unit = self.fold_unit()
+        end = start + (self.offset - self.window - start) // unit * unit
         if not self.schedule.folds(n) or end - start < self.min_fold() or self.store.holes:
             return
         if any(p_start == start for _, _, p_start, _ in self.pending):

@@ -276,8 +276,8 @@ class Budgets:
 
     def __call__(self, variant: Variant, context: int) -> int | None:
         """The budget for ``variant`` at ``context`` tokens; None where its own rule stands (the full cache,
-        mlx_lm's quantized cache, a budget of rows)."""
-        if not self.equal_bytes or variant.method in ("full", "quantized"):
+        mlx_lm's quantized cache, a method keeping every token, a budget of rows)."""
+        if not self.equal_bytes or variant.method in ("full", "quantized") or variant.ignores_budget():
             return None
         if self.per_token is None:
             self.per_token = equal_bytes_.full_bytes_per_token(self.model)

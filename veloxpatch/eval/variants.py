@@ -222,9 +222,12 @@ class Variant:
         """What tells this variant's measurements apart: a method whose caches ignore the budget (MiniCache,
         XQuant, mlx_lm's quantized cache at the width it names) measures the same at every share, so its share
         does not count."""
-        ignores = (self.method in METHODS and not cache_class(self.method).uses_budget) or (
+        return self.method, self.knobs, 0.0 if self.ignores_budget() else self.share
+
+    def ignores_budget(self) -> bool:
+        """Whether the share changes nothing this variant holds (see :meth:`twin_key`)."""
+        return (self.method in METHODS and not cache_class(self.method).uses_budget) or (
             self.method == "quantized" and "bits" in dict(self.knobs))
-        return self.method, self.knobs, 0.0 if ignores else self.share
 
     def generate_kwargs(self, layout: KVLayout) -> dict[str, Any]:
         """Extra ``generate_step`` arguments (kv_bits for the quantized variant)."""
