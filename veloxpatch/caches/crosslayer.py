@@ -1,4 +1,4 @@
-"""Caches that fold their older rows into a form built jointly with other layers (xKV, MiniCache).
+"""Caches that fold their older rows into a form built jointly with other layers (xKV, MiniCache) or alone (Quant).
 
 A cross-layer cache evicts nothing. It keeps its recent rows exact in the row store and *folds*
 older ones: rows ``[start, end)`` of every member of a layer group go through the coordinator's

@@ -7,15 +7,16 @@ large in every token (Qwen2.5's key biases make them so), so one group's scale i
 other channels of the row round to a handful of levels; the error lands in ``q·k`` where the queries are large
 too. KIVI quantizes keys *per channel* instead: each channel of a block of ``VELOX_QUANT_GROUP`` consecutive
 tokens gets its own scale and bias, so an outlier channel costs only its own precision. Values are summed by
-the attention weights row by row, and per-token groups suit them (the paper's finding, and ours).
+the attention weights row by row, and per-token groups suit them (the paper's finding).
 
-Measured on Qwen2.5-Coder-0.5B-Instruct (float32 on this CPU): a 2k-token RULER context read by the full cache,
-its keys and values then quantized in place, the question read on top; the mean KL divergence of the next-token
-distributions over the question and answer from the full cache's (three tasks: niah_single_2, niah_multikey_3,
-vt; ``bench/kv_quant_schemes.py``). Per token, as ``kv_bits``: 0.042 at 4 bits, 0.32 at 3, 3.5 at 2. Keys per
-channel in groups of 64 tokens: 0.007, 0.024, 0.21. So 3 bits per channel err less than ``kv_bits=4`` does, in
-22% of the 16-bit bytes against its 28%. (Rotating keys by a Hadamard matrix before quantizing them per token, a
-common fix for outliers, made it worse here: it spreads the outlier's error into the channels the queries weigh.)
+Measured on Qwen2.5-Coder-0.5B-Instruct (float32 on this CPU; ``bench/kv_quant_schemes.py``, run folder
+``qwen2.5-0.5b-kvquant-2k-schemes``): a 2k-token RULER context read by the full cache, every layer's keys and
+values then quantized and dequantized in place, the question and answer read on top; the mean KL divergence of the
+next-token distributions from the full cache's over three tasks (niah_single_2, niah_multikey_3, vt). Keys per
+token, as ``kv_bits``: 0.16 at 4 bits, 0.34 at 3, 3.3 at 2. Keys per channel in blocks of 64 tokens: 0.004, 0.018,
+0.25. So 3 bits per channel err a ninth of what ``kv_bits=4`` errs, in 22% of the 16-bit bytes against its 28%.
+(Rotating keys by a Hadamard matrix before quantizing them per token, a common fix for outliers, made it worse
+here, 0.93 at 4 bits: it spreads the outliers' error into the channels the queries weigh most.)
 
 How it sits in the shim. A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): new rows
 go to the row store exact; after each prompt chunk and every ``VELOX_QUANT_GROUP`` decode tokens, the rows older
@@ -101,7 +102,7 @@ class QuantCache(CrossLayerCache):
     def joint(self, parts: list[tuple[mx.array, mx.array]]) -> tuple[list[Any], Any]:
         """Rows ``[start, end)`` (whole blocks) quantized: keys per channel, values per token."""
         ((keys, values),) = parts
-        return [{"k": self._keys_encoded(keys), "v": self._values_encoded(values)}], None
+        return [(self._keys_encoded(keys), self._values_encoded(values))], None
 
     def _apply(self, start: int, end: int, group: tuple[int, ...], result: tuple[list[Any], Any], at: int) -> None:
         """The base's new fold, joined to the one held: the layer keeps one fold of every quantized block."""
@@ -109,12 +110,12 @@ class QuantCache(CrossLayerCache):
         if len(self.folds) == 2:
             first, last = self.folds
             tokens = 2 if self.bits == 16 else -1  # the keys' token axis
-            own = {"k": _joined(first.own["k"], last.own["k"], tokens), "v": _joined(first.own["v"], last.own["v"], 2)}
+            own = (_joined(first.own[0], last.own[0], tokens), _joined(first.own[1], last.own[1], 2))
             self.folds = [Fold(first.start, last.end, own, None, group)]
 
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
-        keys = self._keys_decoded(fold.own["k"])
-        return keys, self._values_decoded(fold.own["v"], keys.shape[-1])
+        keys = self._keys_decoded(fold.own[0])
+        return keys, self._values_decoded(fold.own[1], keys.shape[-1])
 
     # ----------------------------------------------------------------- the formats
     def _keys_encoded(self, keys: mx.array) -> Parts:
@@ -152,15 +153,15 @@ class QuantCache(CrossLayerCache):
         return out.reshape(*out.shape[:2], -1, width).astype(scales.dtype)
 
     # ----------------------------------------------------------------- the cache protocol
-    def _cut(self, fold: Fold, rows: int) -> dict[str, Any]:
-        """A fold's arrays for its first ``rows`` tokens (whole blocks)."""
-        own = fold.own
-        values = tuple(part[..., : part.shape[2] * rows // fold.end, :] for part in own["v"])
+    def _cut(self, fold: Fold, rows: int) -> tuple[Parts, Parts]:
+        """A fold's (keys, values) encodings for its first ``rows`` tokens (whole blocks)."""
+        keys, values = fold.own
+        values = tuple(part[..., : part.shape[2] * rows // fold.end, :] for part in values)
         if self.bits == 16:
-            return {"k": tuple(part[..., :rows, :] for part in own["k"]), "v": values}
-        packed, scales, biases = own["k"]
+            return tuple(part[..., :rows, :] for part in keys), values
+        packed, scales, biases = keys
         blocks = rows // self.group_size
-        return {"k": (packed[..., : rows * self.bits // 32], scales[..., :blocks], biases[..., :blocks]), "v": values}
+        return (packed[..., : rows * self.bits // 32], scales[..., :blocks], biases[..., :blocks]), values
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens. A new end among the quantized rows keeps the fold's whole blocks before

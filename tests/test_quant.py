@@ -1,0 +1,102 @@
+"""Quant (KIVI): keys per channel in whole blocks of tokens, values per token, the window exact; what it holds,
+why per channel, saving, trimming into a block, and batches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+import veloxpatch
+from conftest import assert_a_rejected_draft_leaves_no_trace, assert_round_trip, drain, greedy, random_tokens, tiny
+from veloxpatch.caches import CacheSpec
+from veloxpatch.config import Budget
+from veloxpatch.methods.quant import QuantCache
+
+
+def outlier_keys(tokens: int = 256, width: int = 64) -> mx.array:
+    """Keys like a real model's: small values, and a few channels large in every token (Qwen2.5's key biases)."""
+    mx.random.seed(3)
+    keys = mx.random.normal((1, 2, tokens, width))
+    return keys + mx.zeros((width,)).at[mx.array([3, 17, 40])].add(mx.array([30.0, -25.0, 20.0]))
+
+
+def folded(bits: int, keys: mx.array, window: int = 8, group: int = 64) -> QuantCache:
+    """A cache that has read ``keys`` (and the same as values) in one step and folded what is due."""
+    cache = QuantCache(CacheSpec(Budget(tokens=64), window=window, mode="chunk"), bits=bits, group=group)
+    k, v = cache.update_and_fetch(keys, keys)
+    queries = mx.random.normal((1, 2, keys.shape[2], keys.shape[3]))
+    cache.attend(queries, k, v, scale=0.125, mask="causal")
+    return cache
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_keys_per_channel_err_far_less_than_per_token_where_channels_are_outliers(bits: int) -> None:
+    keys = outlier_keys()
+    cache = folded(bits, keys)
+    assert cache.folds[0].end == 192 and cache.store.rows == 64, "(256 - 8) // 64 blocks folded"
+    ours = cache.rows()[0]
+    per_token = mx.dequantize(*mx.quantize(keys, group_size=64, bits=bits), group_size=64, bits=bits)
+    error = [float(mx.abs(x - keys).mean()) for x in (ours, per_token)]
+    assert error[0] < 0.3 * error[1], f"per channel {error[0]:.3f}, per token (kv_bits) {error[1]:.3f}"
+
+
+def test_only_whole_blocks_older_than_the_window_fold_and_the_bytes_are_what_the_formats_take() -> None:
+    cache = folded(4, outlier_keys(200), window=8, group=32)
+    assert [(f.start, f.end) for f in cache.folds] == [(0, 192)], "(200 - 8) // 32 whole blocks"
+    assert cache.store.rows == 8 and cache.size() == cache.offset == 200
+    assert cache.store.row_positions()[0, 0].tolist() == list(range(192, 200))
+    (packed, scales, biases), values = cache.folds[0].own
+    assert packed.shape == (1, 2, 64, 192 * 4 // 32) and scales.shape == biases.shape == (1, 2, 64, 192 // 32)
+    assert values[0].shape == (1, 2, 192, 64 * 4 // 32) and values[1].shape == (1, 2, 192, 2), "per token, groups of 32"
+    folded_bytes = sum(a.nbytes for part in cache.folds[0].own for a in part)
+    assert cache.nbytes == cache.store.nbytes + folded_bytes
+
+
+def test_decode_tokens_fold_a_block_at_a_time_into_the_one_fold() -> None:
+    model = tiny("llama", layers=2)
+    veloxpatch.patch(kv="quant", window=4, compress="chunk", knobs={"quant_group": 32})
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(100, 2), caches, steps=40, chunk=50)
+    cache = caches[0]
+    assert len(cache.folds) == 1 and cache.folds[0].end % 32 == 0
+    assert cache.offset - cache.window - 32 < cache.folds[0].end <= cache.offset - cache.window
+    assert cache.size() == cache.offset
+
+
+def test_trim_into_a_block_keeps_the_whole_blocks_before_and_the_rest_exact() -> None:
+    model = tiny("llama", layers=4)
+    veloxpatch.patch(kv="quant", window=8, compress="chunk", knobs={"quant_group": 32, "quant_bits": 3})
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(200, 4), caches, steps=2, chunk=50)
+    assert_a_rejected_draft_leaves_no_trace(model, caches, steps=10)
+    before = caches[0].unfold(caches[0].folds[0])
+    for cache in caches:
+        cache.trim(cache.offset - 75)
+    cache = caches[0]
+    assert (cache.folds[0].start, cache.folds[0].end, cache.store.rows, cache.offset) == (0, 64, 11, 75)
+    after = cache.rows()
+    for old, new in zip(before, after):
+        assert mx.array_equal(old[..., :75, :], new), "the kept blocks as they were, the cut block's rows dequantized"
+    greedy(model, mx.array([3]), caches, steps=40)  # and it goes on, folding again from 64
+    assert caches[0].folds[0].end % 32 == 0 and caches[0].folds[0].end > 64
+
+
+def test_a_saved_cache_loads_back_and_answers_the_same(tmp_path) -> None:
+    model = tiny("qwen3", seed=2, layers=4)
+    veloxpatch.patch(kv="quant", window=8, compress="chunk", knobs={"quant_group": 32, "quant_bits": 2})
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(150, 7), caches, steps=3, chunk=64)
+    loaded = assert_round_trip(str(tmp_path / "prompt.safetensors"), model, caches)
+    assert [c.folds[0].end for c in loaded] == [c.folds[0].end for c in caches]
+
+
+def test_batched_sequences_generate_what_each_does_alone() -> None:
+    model = tiny("llama", layers=2)
+    veloxpatch.patch(kv="quant", window=4, compress="chunk", knobs={"quant_group": 32, "quant_bits": 3})
+    prompts = [random_tokens(n, seed).tolist() for n, seed in ((90, 1), (140, 2))]
+    alone = [greedy(model, mx.array(p), steps=12) for p in prompts]
+    gen = BatchGenerator(model, max_tokens=12, prefill_step_size=32)
+    uids = gen.insert(prompts)
+    assert drain(gen, uids) == alone
