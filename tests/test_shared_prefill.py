@@ -144,7 +144,7 @@ def test_the_declared_prompt_state_sends_each_method_to_its_prefill() -> None:
     declared = {name: cache_class(name).prompt_state() for name in METHODS}
     assert declared == {"chunkkv": "window", "pyramidkv": "window", "snapkv": "window", "streamingllm": "rows",
                         "h2o": "own", "tova": "own", "squeeze": "own", "xkv": "own", "minicache": "own",
-                        "xquant": "own"}
+                        "xquant": "own", "quant": "own"}
     assert all(sharing.candidate(Variant(name)) == (sharing.OWN if state == "own" else sharing.SHARED)
                for name, state in declared.items())
     assert sharing.candidate(Variant("rotating", 0.5)) == sharing.PLAIN == sharing.candidate(Variant("quantized", 0.5))

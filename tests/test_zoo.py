@@ -38,7 +38,8 @@ from veloxpatch.registry import METHODS, cache_class
 # model types whose forward cannot run a prefix of their layers, so the probe runs all of them
 PROBED_WHOLE = {"kimi_k3": "its forward walks range(self.num_layers), not its layer list"}
 SMALL_BUDGET = dict(budget=8, sink=2, window=4)
-SMALL_KNOBS = {"minicache": {"minicache_start": 0.0}}  # zoo models have two layers: pair them both
+# zoo models have two layers: pair them both; a 44-token run quantizes one block of 32
+SMALL_KNOBS = {"minicache": {"minicache_start": 0.0}, "quant": {"quant_group": 32}}
 
 
 def greedy(model, caches, steps: int = 4) -> list[int]:

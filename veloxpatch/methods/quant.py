@@ -114,8 +114,7 @@ class QuantCache(CrossLayerCache):
             self.folds = [Fold(first.start, last.end, own, None, group)]
 
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
-        keys = self._keys_decoded(fold.own[0])
-        return keys, self._values_decoded(fold.own[1], keys.shape[-1])
+        return self._keys_decoded(fold.own[0]), self._values_decoded(fold.own[1], fold.end - fold.start)
 
     # ----------------------------------------------------------------- the formats
     def _keys_encoded(self, keys: mx.array) -> Parts:
@@ -145,12 +144,15 @@ class QuantCache(CrossLayerCache):
         rows = values if group is not None else values.reshape(b, h, t * d // 32, 32)
         return tuple(mx.quantize(rows, group_size=group or 32, bits=self.bits))
 
-    def _values_decoded(self, parts: Parts, width: int) -> mx.array:
+    def _values_decoded(self, parts: Parts, tokens: int) -> mx.array:
+        """The values of ``tokens`` tokens back as (B, H, tokens, d): a row per token, or (no group dividing d)
+        groups of 32 over the rows' elements in order."""
         if len(parts) == 1:
             return parts[0]
         packed, scales, biases = parts
+        width = packed.shape[-1] * 32 // self.bits if packed.shape[2] == tokens else packed.shape[2] * 32 // tokens
         out = mx.dequantize(packed, scales, biases, group_size=self._value_group(width) or 32, bits=self.bits)
-        return out.reshape(*out.shape[:2], -1, width).astype(scales.dtype)
+        return out.reshape(*out.shape[:2], tokens, width).astype(scales.dtype)
 
     # ----------------------------------------------------------------- the cache protocol
     def _cut(self, fold: Fold, rows: int) -> tuple[Parts, Parts]:
