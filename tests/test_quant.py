@@ -100,3 +100,16 @@ def test_batched_sequences_generate_what_each_does_alone() -> None:
     gen = BatchGenerator(model, max_tokens=12, prefill_step_size=32)
     uids = gen.insert(prompts)
     assert drain(gen, uids) == alone
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [1, 5])
+def test_a_decode_step_over_the_held_fold_equals_attention_over_the_rebuilt_rows(bits: int, n: int) -> None:
+    mx.random.seed(bits)
+    cache = folded(bits, mx.random.normal((1, 2, 300, 64)), window=8, group=32)
+    keys, values = cache.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+    queries = mx.random.normal((1, 6, n, 64))
+    assert cache._direct(queries, None, None), "a decode-sized step over per-token values goes direct"
+    rebuilt = cache._attention(queries, keys, values, 0.125, None if n == 1 else "causal", None)
+    assert mx.allclose(cache._direct_attention(queries, 0.125), rebuilt, atol=1e-5)
+    assert not cache._direct(mx.random.normal((1, 6, 100, 64)), "causal", None), "a prompt chunk does not"

@@ -31,9 +31,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
 from ..caches.store import RowStore
+from ..coordinators import members_of
 from ..registry import method
 from ..settings import Setting
 
@@ -115,6 +117,54 @@ class QuantCache(CrossLayerCache):
 
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
         return self._keys_decoded(fold.own[0]), self._values_decoded(fold.own[1], fold.end - fold.start)
+
+    # ----------------------------------------------------------------- attention
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
+               sinks: mx.array | None = None) -> mx.array:
+        """A decode-sized step attends over the fold as it is held (:meth:`_direct_attention`); any other step
+        over the rows ``update_and_fetch`` rebuilt, as every folding cache does."""
+        if not self._direct(queries, mask, sinks):
+            return super().attend(queries, keys, values, scale, mask, sinks)
+        out = self._direct_attention(queries, scale)
+        masks.forget_issued(self, members_of(self))
+        self._fold_if_due(queries.shape[2])
+        return out
+
+    def _direct(self, queries: mx.array, mask: Any, sinks: mx.array | None) -> bool:
+        """Whether this step can attend over the quantized fold directly: a decode-sized step, a mask that carries
+        nothing of the model's, no attention sinks, no holes, and rows in the per-token layout mlx multiplies."""
+        if not self.folds or self.bits == 16 or sinks is not None or self.store.holes:
+            return False
+        if isinstance(mask, mx.array) and not masks.issued(mask, members_of(self)):
+            return False
+        fold = self.folds[0]
+        values = fold.own[1]
+        return self.schedule.decode_sized(queries.shape[2]) and len(values) == 3 and values[0].shape[2] == fold.end
+
+    def _direct_attention(self, queries: mx.array, scale: float) -> mx.array:
+        """Attention of ``queries`` (B, q_heads, n, dim) over the fold by mlx's quantized matmul (on this CPU
+        several times faster than dequantizing the fold first: ``bench/quantized_matmul.py``), then over the exact
+        rows (the step's own last, causal among themselves), under one softmax."""
+        exact_keys, exact_values = self.store.fetch()
+        b, heads_q, n, dim = queries.shape
+        heads, rows = exact_keys.shape[1], exact_keys.shape[2]
+        q = (queries * scale).reshape(b, heads, heads_q // heads * n, dim)
+        keys, values = self.folds[0].own
+        folded = self._times(q, keys, self.group_size)
+        exact = q @ exact_keys.swapaxes(-1, -2)
+        if n > 1:  # query r is token r % n of the step, which sees the exact rows up to its own
+            seen = mx.arange(rows)[None] <= (rows - n + mx.arange(q.shape[2]) % n)[:, None]
+            exact = mx.where(seen, exact, -mx.inf)
+        probs = mx.softmax(mx.concatenate([folded, exact], axis=-1), axis=-1, precise=True).astype(q.dtype)
+        width = exact_values.shape[-1]
+        at = folded.shape[-1]
+        out = self._times(probs[..., :at], values, self._value_group(width)) + probs[..., at:] @ exact_values
+        return out.reshape(b, heads_q, n, width)
+
+    def _times(self, x: mx.array, parts: Parts, group: int | None) -> mx.array:
+        """``x`` times the matrix ``parts`` holds quantized along its last axis."""
+        packed, scales, biases = parts
+        return mx.quantized_matmul(x, packed, scales, biases, transpose=False, group_size=group, bits=self.bits)
 
     # ----------------------------------------------------------------- the formats
     def _keys_encoded(self, keys: mx.array) -> Parts:
