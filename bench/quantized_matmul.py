@@ -4,7 +4,12 @@
 
 Times mlx_lm's quantized attention product (64 queries x 1024 keys, head_dim 32, 4 and 8 bits, group 32, as for
 the shipped model) against the same product on unquantized fp16 keys, and against dequantizing the keys first and
-then running the dense product (what veloxpatch's quantized caches do), median of 20 after a warm-up.
+then running the dense product (what veloxpatch's caches with ``kv_bits`` do), median of 20 after a warm-up.
+
+Then the decode step of ``quant`` (float32, SmolLM2-135M's shapes: 9 query heads over 3 KV heads of 64, one query,
+8192 rows): both products of attention, ``q K^T`` with the keys held per channel (quantized along the tokens) and
+``p V`` with the values per token, each by mlx's quantized matmul as ``quant`` runs them (``transpose=False``),
+against dequantizing first and against the dense products, at 2, 3, 4 and 8 bits, groups of 64.
 """
 
 from __future__ import annotations
@@ -39,5 +44,26 @@ def main() -> None:
         print(f"dequant+dense {bits} {unpacked * 1e3:8.2f} ms  ({unpacked / dense:.1f}x dense)")
 
 
+def decode_step() -> None:
+    """``quant``'s decode-step products against dequantize-then-dense and dense (module doc)."""
+    queries = mx.random.normal((1, 3, 3, 64))
+    keys_t, values = mx.random.normal((1, 3, 64, 8192)), mx.random.normal((1, 3, 8192, 64))
+    weights = mx.softmax(queries @ keys_t, axis=-1)
+    dense = median_seconds(lambda: (queries @ keys_t, weights @ values))
+    print(f"decode step, dense float32 {dense * 1e3:8.2f} ms")
+    for bits in (2, 3, 4, 8):
+        k, v = mx.quantize(keys_t, group_size=64, bits=bits), mx.quantize(values, group_size=64, bits=bits)
+        mx.eval(k, v)
+        direct = median_seconds(lambda: (
+            mx.quantized_matmul(queries, *k, transpose=False, group_size=64, bits=bits),
+            mx.quantized_matmul(weights, *v, transpose=False, group_size=64, bits=bits)))
+        rebuilt = median_seconds(lambda: (
+            queries @ mx.dequantize(*k, group_size=64, bits=bits),
+            weights @ mx.dequantize(*v, group_size=64, bits=bits)))
+        print(f"  {bits} bits: quantized matmul {direct * 1e3:7.2f} ms ({direct / dense:.1f}x dense), "
+              f"dequantize + dense {rebuilt * 1e3:7.2f} ms ({rebuilt / dense:.1f}x dense)")
+
+
 if __name__ == "__main__":
     main()
+    decode_step()

@@ -161,6 +161,23 @@ def int_range(lo: int, hi: int | None) -> Callable[[str], int]:
     return parse
 
 
+def int_choice(options: tuple[int, ...]) -> Callable[[str], int]:
+    """A parser taking exactly one of the integers ``options``."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value not in options:
+            raise ValueError
+        return value
+
+    return parse
+
+
+def one_of_text(options: tuple[int, ...]) -> str:
+    """What :func:`int_choice` allows, in words for messages and docs."""
+    return "one of " + ", ".join(map(str, options))
+
+
 def number_range(lo: float, hi: float | None = None, above: bool = False) -> Callable[[str], float]:
     """A parser taking a finite number at least ``lo`` (more than ``lo`` when ``above``) and at most ``hi``."""
 

@@ -21,7 +21,9 @@ here, 0.93 at 4 bits: it spreads the outliers' error into the channels the queri
 How it sits in the shim. A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): new rows
 go to the row store exact; after each prompt chunk and every ``VELOX_QUANT_GROUP`` decode tokens, the rows older
 than the window are quantized in whole blocks of that many tokens and join the layer's one fold; the rest wait
-in the store. Attention runs over the fold dequantized, then the exact rows. A trim back into the fold keeps its
+in the store. A prompt chunk attends over the fold dequantized, then the exact rows; a decode step multiplies the
+fold as held, by mlx's quantized matmul: keys held per channel are the matrix the queries multiply, values per
+token the one the attention weights multiply, so nothing is dequantized whole. A trim back into the fold keeps its
 whole blocks before the new end and returns the cut block's prefix to the store, dequantized.
 """
 
@@ -37,7 +39,7 @@ from ..caches.spec import CacheSpec
 from ..caches.store import RowStore
 from ..coordinators import members_of
 from ..registry import method
-from ..settings import Setting
+from ..settings import Setting, int_choice, one_of_text
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
@@ -45,25 +47,10 @@ GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per 
 Parts = tuple[mx.array, ...]  # mlx's (packed, scales, biases), or the array itself (16 bits)
 
 
-def _int_in(options: tuple[int, ...]):
-    """A parser accepting exactly one of ``options``."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value not in options:
-            raise ValueError(text)
-        return value
-
-    return parse
-
-
-def _allowed(options: tuple[int, ...]) -> str:
-    return "one of " + ", ".join(map(str, options))
-
-
 KNOBS = (
-    Setting("VELOX_QUANT_BITS", _int_in(BITS), "4", _allowed(BITS),
+    Setting("VELOX_QUANT_BITS", int_choice(BITS), "4", one_of_text(BITS),
             "Quant: bits per element of every key and value older than the window.", method="quant"),
-    Setting("VELOX_QUANT_GROUP", _int_in(GROUPS), "64", _allowed(GROUPS),
+    Setting("VELOX_QUANT_GROUP", int_choice(GROUPS), "64", one_of_text(GROUPS),
             "Quant: tokens per block whose key channels share a scale and bias (and a value row's elements per "
             "group, or the largest of 32, 64 and 128 dividing the head dimension).", method="quant"),
 )

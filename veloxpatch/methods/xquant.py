@@ -94,7 +94,7 @@ from ..coordinators import members_of
 from ..log import model_type, once
 from ..memo import per_model
 from ..registry import method
-from ..settings import Setting, choice, int_range
+from ..settings import Setting, choice, int_choice, int_range, one_of_text
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)
@@ -102,30 +102,16 @@ K_NORMS = ("k_norm", "k_layernorm")  # the key norms of qwen3, gemma3, olmo2 / l
 LATENT_MODES = ("auto", "on", "off")
 
 
-def _one_of(options: tuple[int, ...]):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value not in options:
-            raise ValueError(text)
-        return value
-
-    return parse
-
-
-def _allowed(options: tuple[int, ...]) -> str:
-    return "one of " + ", ".join(map(str, options))
-
-
 KNOBS = (
-    Setting("VELOX_XQUANT_BITS", _one_of(BITS), "4", _allowed(BITS),
+    Setting("VELOX_XQUANT_BITS", int_choice(BITS), "4", one_of_text(BITS),
             "XQuant: bits per element of the cached layer input X (mlx's affine quantization; 16 keeps X "
             "unquantized).", method="xquant"),
-    Setting("VELOX_XQUANT_GROUP", _one_of(GROUPS), "64", _allowed(GROUPS),
+    Setting("VELOX_XQUANT_GROUP", int_choice(GROUPS), "64", one_of_text(GROUPS),
             "XQuant: elements of X per quantization group (one scale and bias each).", method="xquant"),
     Setting("VELOX_XQUANT_CL", int_range(1, 64), "4", "an integer in [1, 64]",
             "XQuant-CL: consecutive layers whose first keeps X and the others their delta from it (1: off).",
             method="xquant"),
-    Setting("VELOX_XQUANT_CL_BITS", _one_of(BITS), "3", _allowed(BITS),
+    Setting("VELOX_XQUANT_CL_BITS", int_choice(BITS), "3", one_of_text(BITS),
             "XQuant-CL: bits per element of a layer's delta from its group's first layer.", method="xquant"),
     Setting("VELOX_XQUANT_LATENT", choice(LATENT_MODES), "auto", "one of " + ", ".join(LATENT_MODES),
             "XQuant: cache the paper's GQA latent (X on the singular vectors of W_k and W_v) instead of X: `auto` "
