@@ -7,7 +7,9 @@ Reads the samples journal ``veloxpatch eval --question after --equal-bytes`` wri
 measures all variants of one example together), so every row is on the same prompts. A row's accuracy is over all
 its examples pooled (equal to the average over tasks where each task has the same n), with its 95% Wilson interval;
 its share is its KV bytes once the context was read, counted as a 16-bit model holds them, over the full cache's,
-averaged over the examples. ``--per-task`` adds one column per task.
+averaged over the examples. ``--per-task`` adds one column per task; ``--variant NAME`` (repeatable) tables only
+the variants named as the table names them, and then counts every example those finished (a run that changed its
+variants part way has more of them).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from veloxpatch.eval.report import accuracy_text, markdown
+from veloxpatch.registry import METHODS, cache_class
 
 Key = tuple[str, int]  # (task, seed)
 
@@ -33,9 +36,12 @@ def load(folder: Path) -> dict[str, dict[Key, dict]]:
 
 
 def _name(label: str) -> str:
-    """A variant's name in the table: mlx_lm's quantized cache at a width it names once, without the share column
-    it was listed under (it holds what its width holds, whatever the share)."""
-    return label.rsplit("@", 1)[0] if label.startswith("quantized[bits=") else label
+    """A variant's name in the table: mlx_lm's quantized cache at a width it names, or a method that keeps every
+    token (``quant``), once, without the share column it was listed under (it holds what it holds, whatever the
+    share)."""
+    method = label.split("[", 1)[0].split("@", 1)[0]
+    ignores = label.startswith("quantized[bits=") or (method in METHODS and not cache_class(method).uses_budget)
+    return label.rsplit("@", 1)[0] if ignores else label
 
 
 def complete(samples: dict[str, dict[Key, dict]]) -> set[Key]:
@@ -76,8 +82,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--per-task", action="store_true")
+    parser.add_argument("--variant", action="append", help="a variant to table, as the table names it (repeatable)")
     args = parser.parse_args()
     samples = load(args.folder)
+    if args.variant:
+        samples = {name: by_key for name, by_key in samples.items() if name in {"full", *args.variant}}
     table = rows(samples, args.per_task)
     keys = complete(samples)
     per_task: dict[str, int] = defaultdict(int)

@@ -31,3 +31,20 @@ def test_pooled_over_finished_examples_with_shares(tmp_path: Path) -> None:
     assert list(rows) == ["full", "quantized[bits=4]", "snapkv@0.25"]
     assert rows["snapkv@0.25"]["bytes (16-bit share)"] == "0.245" and rows["snapkv@0.25"]["a"] == "0.00"
     assert rows["quantized[bits=4]"]["accuracy"].startswith("0.50 [") and rows["full"]["accuracy"].endswith("n=2")
+
+
+def test_a_method_keeping_every_token_is_one_row_and_a_chosen_few_count_their_own_examples(tmp_path: Path) -> None:
+    lines = [sample("a", 0, "full", 1.0, 100.0), sample("a", 0, "quant[bits=3]@0.25", 1.0, 23.0),
+             sample("a", 0, "quant[bits=3]@0.5", 1.0, 23.0), sample("a", 0, "snapkv@0.25", 0.0, 25.0),
+             sample("b", 0, "full", 1.0, 100.0), sample("b", 0, "quant[bits=3]@0.25", 0.0, 23.0),
+             sample("b", 0, "quant[bits=3]@0.5", 0.0, 23.0)]  # snapkv was dropped from the run before b
+    (tmp_path / "eval.samples.jsonl").write_text("\n".join(lines) + "\n")
+    script = load_script()
+    samples = script.load(tmp_path)
+    assert sorted(samples) == ["full", "quant[bits=3]", "snapkv@0.25"]
+    assert script.complete(samples) == {("a", 0)}
+    chosen = {name: by_key for name, by_key in samples.items() if name in {"full", "quant[bits=3]"}}
+    assert script.complete(chosen) == {("a", 0), ("b", 0)}
+    rows = {r["variant"]: r for r in script.rows(chosen, per_task=False)}
+    assert rows["quant[bits=3]"]["accuracy"].startswith("0.50 [")
+    assert rows["quant[bits=3]"]["bytes (16-bit share)"] == "0.230"
