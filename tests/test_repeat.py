@@ -120,3 +120,38 @@ def test_the_server_answers_a_repeated_request_as_the_first_time(method: str, tm
             read.append(processed(body))
     assert read[1] < 5, f"the second request reused the first one's cache ({read})"
     assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("mode", ["end", "chunk"])
+def test_a_short_next_turn_chooses_among_every_row(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chat's next question shorter than the decode headroom (30 tokens under a 512-row budget's 64) is still a
+    prompt: it takes the tier back, so its own queries choose among every row the first prompt left, and in ``end``
+    mode nothing is compressed before its last token. (It used to be read as decode steps: compressed after its
+    first chunk, the tier never taken back.)"""
+    from veloxpatch.caches.evicting import EvictingCache
+
+    model = wide()
+    veloxpatch.patch(kv="snapkv", budget=512, window=8, compress=mode, tier="8")
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(1200, 7), caches, steps=1, chunk=256)
+    assert all(c.tier is not None and c.tier.rows for c in caches)
+    took: list[int] = []
+    held: list[int] = []
+    take_back = EvictingCache._take_back
+    compress = EvictingCache.compress
+
+    def spy_take(self: EvictingCache, keys: mx.array, values: mx.array) -> None:
+        took.append(self.tier.rows if self.tier is not None else 0)
+        take_back(self, keys, values)
+
+    def spy_compress(self: EvictingCache, keep: int, scale: float) -> None:
+        held.append(self.store.rows)
+        compress(self, keep, scale)
+
+    monkeypatch.setattr(EvictingCache, "_take_back", spy_take)
+    monkeypatch.setattr(EvictingCache, "compress", spy_compress)
+    greedy(model, random_tokens(30, 8), caches, steps=1, chunk=256)
+    assert len(took) == len(caches) and all(took), "every layer took its tier back for the question"
+    if mode == "end":
+        assert not held, "nothing compressed mid-question: the selection waits for its last token"
+    assert all(c.store.rows <= 512 + c.headroom(512) for c in caches)

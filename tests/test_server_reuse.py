@@ -73,9 +73,11 @@ def test_big_budget_reuse_is_the_unpatched_servers(plain, tmp_path) -> None:
 
 def test_small_budget_reuse_is_compressed_and_correctly_positioned(tmp_path) -> None:
     log = tmp_path / "log"
-    # the shipped model's passkey survives a quarter of the context with SnapKV's paper kernel, not the default
-    # 31 (docs/results.md: on this model kernel 7 keeps 37 of 40 passkeys at 25%, kernel 31 23 of 40)
-    env = {"VELOX_KV": "snapkv", "VELOX_BUDGET": "256", "VELOX_SNAPKV_KERNEL": "7", "VELOX_LOG": "DEBUG"}
+    # the shipped model's passkey survives a third of the context with SnapKV's paper kernel, not the default
+    # 31 (docs/results.md: on this model kernel 7 keeps 37 of 40 passkeys at 25%, kernel 31 23 of 40); at 256 rows
+    # B read fresh is answered wrongly, and a reused cache answers B's question as a fresh read does (B's question
+    # takes A's dropped rows back and chooses again), so the budget is one where every request read fresh is right
+    env = {"VELOX_KV": "snapkv", "VELOX_BUDGET": "320", "VELOX_SNAPKV_KERNEL": "7", "VELOX_LOG": "DEBUG"}
     got, (a, b, c) = answers(str(model_path()), log, env, launcher=True)
     if REPORTS_REUSE:
         assert b < 40, f"B reused A's compressed cache ({b} tokens processed)"

@@ -207,10 +207,10 @@ class EvictingCache(CompressedKVCache):
         """Sequences in this cache (1 before the first step)."""
         return 1 if self.store.keys is None else self.store.keys[0].shape[0]
 
-    def _over_limit(self, n: int, keep: int) -> int | None:
-        """After a prompt chunk of ``n`` tokens left uncompressed (``end`` mode): the rows to compress to when
-        the store holds more than ``VELOX_KV_MEMORY`` allows (its cap, or ``keep`` if more), else None."""
-        if self.memory_plan is None or n <= self.headroom(keep):
+    def _over_limit(self, chunk: bool, keep: int) -> int | None:
+        """After a prompt chunk left uncompressed (``end`` mode): the rows to compress to when the store holds more
+        than ``VELOX_KV_MEMORY`` allows (its cap, or ``keep`` if more), else None."""
+        if self.memory_plan is None or not chunk:
             return None
         rows = max(self.memory_plan.keep_cap(self.batch), keep)
         return rows if self.store.rows > rows else None
@@ -244,9 +244,14 @@ class EvictingCache(CompressedKVCache):
         self.offset += n
         try:
             keep = self.target()
+            return self._prompt_chunk(n, keep) or self.schedule.pending(self.store.rows + n, n, keep)
         finally:
             self.offset -= n
-        return n > self.headroom(keep) or self.schedule.pending(self.store.rows + n, n, keep)
+
+    def _prompt_chunk(self, n: int, keep: int) -> bool:
+        """Whether the step of ``n`` tokens ending at ``offset`` is a prompt chunk: longer than the decode headroom,
+        or before the last token of the prompt a generation announced (:meth:`expect_prompt`), however short."""
+        return n > self.headroom(keep) or (self.prompt_end is not None and self.offset < self.prompt_end)
 
     def _take_back(self, keys: mx.array, values: mx.array) -> None:
         """The tier's rows back into the store, with their row columns (the policy catches its own up first), in time
@@ -275,19 +280,20 @@ class EvictingCache(CompressedKVCache):
         n = queries.shape[2]
         self.scale = scale
         keep = self.target()
-        kept = self.select(keep, scale) if self.schedule.pending(self.store.rows, n, keep) else None
+        chunk = self._prompt_chunk(n, keep)
+        kept = self.select(keep, scale) if not chunk and self.schedule.pending(self.store.rows, n, keep) else None
         out = self._attention(queries, keys, values, scale, mask, sinks, kept)
         self.observe(queries, keys, scale)
         self.memory.remember(queries, self.offset, remembered(self.policy, self.window))
         if kept is not None:
             self.keep_rows(kept)
-        elif self.schedule.due(self.store.rows, n, keep):
+        elif self.schedule.due(self.store.rows, n, keep, chunk):
             self.compress(keep, scale)
-        elif (capped := self._over_limit(n, keep)) is not None:
+        elif (capped := self._over_limit(chunk, keep)) is not None:
             self.compress(capped, scale)
         if self.took_back:
             self._evaluate_kept(out)
-        if n > self.headroom(keep):
+        if chunk:
             self.reading = True
         elif self.reading or self._prompt_read():  # under VELOX_KV_MEMORY the target wins: no snapshot, whose
             self.reading = False  # queries it skips

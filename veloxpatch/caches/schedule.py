@@ -29,12 +29,13 @@ class Schedule:
         """Whether a step of ``n`` tokens is decode-sized under any budget (at most the largest headroom)."""
         return n <= self.max_headroom
 
-    def due(self, rows: int, n: int, keep: int) -> bool:
-        """Whether a cache holding ``rows`` rows compresses to ``keep`` after a step of ``n`` tokens."""
+    def due(self, rows: int, n: int, keep: int, chunk: bool = False) -> bool:
+        """Whether a cache holding ``rows`` rows compresses to ``keep`` after a step of ``n`` tokens (``chunk``: a
+        prompt's, however short: the cache knows where an announced prompt ends)."""
         if rows <= keep:
             return False
         room = self.headroom(keep)
-        if n > room:  # a prompt chunk
+        if chunk or n > room:  # a prompt chunk
             return self.mode == "chunk"
         return rows >= keep + room
 
