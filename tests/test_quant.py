@@ -113,3 +113,13 @@ def test_a_decode_step_over_the_held_fold_equals_attention_over_the_rebuilt_rows
     rebuilt = cache._attention(queries, keys, values, 0.125, None if n == 1 else "causal", None)
     assert mx.allclose(cache._direct_attention(queries, 0.125), rebuilt, atol=1e-5)
     assert not cache._direct(mx.random.normal((1, 6, 100, 64)), "causal", None), "a prompt chunk does not"
+
+
+def test_keys_the_model_changed_after_the_store_are_attended_as_given() -> None:
+    mx.random.seed(5)
+    cache = folded(4, mx.random.normal((1, 2, 300, 64)), window=8, group=32)
+    keys, values = cache.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
+    changed = keys * 2  # not the keys the store handed out: the held fold would not be what the model attends
+    queries = mx.random.normal((1, 6, 1, 64))
+    expected = cache._attention(queries, changed, values, 0.125, None, None)
+    assert mx.allclose(cache.attend(queries, changed, values, 0.125, None), expected, atol=1e-5)

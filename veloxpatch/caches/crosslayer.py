@@ -58,6 +58,8 @@ class CrossLayerCache(CompressedKVCache):
         self.folds: list[Fold] = []
         self.pending: list[tuple[Hashable, tuple[int, ...], int, int]] = []  # contributed, not yet folded
         self.linked = True  # False after loading from a file: shared parts are still per-layer copies
+        self.handed: mx.array | None = None  # the keys the last store handed out (a method attending over its folds
+        # as held checks the model attends over exactly these, unchanged)
 
     # ----------------------------------------------------------------- what a method provides
     @abstractmethod
@@ -143,7 +145,9 @@ class CrossLayerCache(CompressedKVCache):
         if not self.linked:
             self._relink()
         self._pick_up()
-        return super().update_and_fetch(keys, values)
+        fetched = super().update_and_fetch(keys, values)
+        self.handed = fetched[0]
+        return fetched
 
     def rows(self) -> tuple[mx.array, mx.array]:
         """Every row attention runs over: the folds' rebuilt rows, then the exact ones (what a copy into
@@ -161,6 +165,7 @@ class CrossLayerCache(CompressedKVCache):
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
         """Attention over folded + exact rows (the folds all in the past), then fold what is due."""
+        self.handed = None  # not kept past the step: they may be every row, rebuilt
         out = self._attention(queries, keys, values, scale, mask, sinks)
         self._fold_if_due(queries.shape[2])
         return out

@@ -110,7 +110,8 @@ class QuantCache(CrossLayerCache):
                sinks: mx.array | None = None) -> mx.array:
         """A decode-sized step attends over the fold as it is held (:meth:`_direct_attention`); any other step
         over the rows ``update_and_fetch`` rebuilt, as every folding cache does."""
-        if not self._direct(queries, mask, sinks):
+        handed, self.handed = self.handed, None
+        if keys is not handed or not self._direct(queries, mask, sinks):
             return super().attend(queries, keys, values, scale, mask, sinks)
         out = self._direct_attention(queries, scale)
         masks.forget_issued(self, members_of(self))
@@ -118,8 +119,9 @@ class QuantCache(CrossLayerCache):
         return out
 
     def _direct(self, queries: mx.array, mask: Any, sinks: mx.array | None) -> bool:
-        """Whether this step can attend over the quantized fold directly: a decode-sized step, a mask that carries
-        nothing of the model's, no attention sinks, no holes, and rows in the per-token layout mlx multiplies."""
+        """Whether this step can attend over the quantized fold directly (given the model attends over the keys the
+        store handed out, unchanged): a decode-sized step, a mask that carries nothing of the model's, no attention
+        sinks, no holes, and rows in the per-token layout mlx multiplies."""
         if not self.folds or self.bits == 16 or sinks is not None or self.store.holes:
             return False
         if isinstance(mask, mx.array) and not masks.issued(mask, members_of(self)):

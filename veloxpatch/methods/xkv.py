@@ -88,7 +88,6 @@ class XKVCache(CrossLayerCache):
         self.energy = energy
         self.max_ctx = max_ctx
         self.width = 0
-        self.handed: mx.array | None = None  # the keys the last store handed out (to tell them in ``attend``)
 
     def knob_values(self) -> dict[str, object]:
         return {"group": self.group_layers, "rank": self.rank, "energy": self.energy, "max_ctx": self.max_ctx}
@@ -104,9 +103,7 @@ class XKVCache(CrossLayerCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.width = keys.shape[1] * keys.shape[3]  # kv heads x head dim, for the rank of a percentage
-        fetched = super().update_and_fetch(keys, values)
-        self.handed = fetched[0]
-        return fetched
+        return super().update_and_fetch(keys, values)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
