@@ -287,7 +287,7 @@ class EvictingCache(CompressedKVCache):
         self.memory.remember(queries, self.offset, remembered(self.policy, self.window))
         if kept is not None:
             self.keep_rows(kept)
-        elif self.schedule.due(self.store.rows, n, keep, chunk):
+        elif self.schedule.due(self.store.rows, keep, chunk):
             self.compress(keep, scale)
         elif (capped := self._over_limit(chunk, keep)) is not None:
             self.compress(capped, scale)

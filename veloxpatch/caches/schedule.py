@@ -29,15 +29,14 @@ class Schedule:
         """Whether a step of ``n`` tokens is decode-sized under any budget (at most the largest headroom)."""
         return n <= self.max_headroom
 
-    def due(self, rows: int, n: int, keep: int, chunk: bool = False) -> bool:
-        """Whether a cache holding ``rows`` rows compresses to ``keep`` after a step of ``n`` tokens (``chunk``: a
-        prompt's, however short: the cache knows where an announced prompt ends)."""
+    def due(self, rows: int, keep: int, chunk: bool) -> bool:
+        """Whether a cache holding ``rows`` rows compresses to ``keep`` after a step, a prompt chunk or not (the cache
+        says: a step longer than the headroom, or of an announced prompt before its last token, however short)."""
         if rows <= keep:
             return False
-        room = self.headroom(keep)
-        if chunk or n > room:  # a prompt chunk
+        if chunk:
             return self.mode == "chunk"
-        return rows >= keep + room
+        return rows >= keep + self.headroom(keep)
 
     def pending(self, rows: int, n: int, keep: int) -> bool:
         """Whether a decode-sized step of ``n`` tokens arrives over a prompt left uncompressed (``end`` mode):
