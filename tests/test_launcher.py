@@ -36,6 +36,8 @@ APP = textwrap.dedent("""
     if "--spawn" in sys.argv:
         child = "import mlx_lm, veloxpatch; print('child', veloxpatch.is_patched())"
         print(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True).stdout.strip())
+    if "--own-handler" in sys.argv:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(5))
     if "--signal" in sys.argv:
         os.kill(os.getpid(), signal.SIGTERM)
     sys.exit(code)
@@ -69,6 +71,25 @@ def test_argv_path_and_name_are_the_apps_own(app: Path) -> None:
 def test_exit_code_and_signal_pass_through(app: Path) -> None:
     assert launch("run", "--kv", "snapkv", str(app), "4").returncode == 4
     assert launch("run", "--kv", "snapkv", str(app), "--signal").returncode == -signal.SIGTERM
+
+
+def test_a_sigterm_prints_the_stats_line_and_keeps_the_exit_status(app: Path) -> None:
+    # how systemd, docker and supervisors stop a server: by default SIGTERM ends a process without atexit
+    for handler, status in ([], -signal.SIGTERM), (["--own-handler"], 5):
+        result = launch("run", "--kv", "snapkv", "--budget", "64", "--stats", str(app), "--check-patch",
+                        *handler, "--signal")
+        assert result.returncode == status, result.stderr
+        assert "veloxpatch: snapkv | 0 generation(s), 1 layer cache(s) built" in result.stderr, result.stderr
+
+
+def test_info_says_what_was_built_for_each_model(app: Path) -> None:
+    result = launch("run", "--kv", "snapkv", "--budget", "64", str(app), "--check-patch", env={"VELOX_LOG": "INFO"})
+    assert result.returncode == 0, result.stderr
+    assert ("veloxpatch: INFO: llama: snapkv on 1 of 1 cache slots (VELOX_BUDGET=64, VELOX_SINK=4, VELOX_TIER=8, "
+            "VELOX_TIER_SIZE=3x, VELOX_COMPRESS=chunk, VELOX_WINDOW=32, VELOX_SNAPKV_KERNEL=") in result.stderr
+    result = launch("run", "--kv", "quant", str(app), "--check-patch", env={"VELOX_LOG": "INFO"})
+    assert "llama: quant on 1 of 1 cache slots (VELOX_WINDOW=32, VELOX_QUANT_BITS=4, VELOX_QUANT_GROUP=64)" \
+        in result.stderr, result.stderr
 
 
 def test_module_mode(app: Path) -> None:

@@ -25,7 +25,7 @@ from .caches.evicting import queries_held, row_bytes_per_head
 from .caches.memory import MemoryPlan, device_bytes
 from .config import Memory, VeloxConfig
 from .fallback import notice
-from .log import log, model_type, once
+from .log import model_type, once
 
 NO_SLOT = "no plain full-attention KVCache slot; running unpatched"
 LAZY = ("its parameters are not evaluated yet, and the probe would evaluate them before the app does (the first "
@@ -91,7 +91,8 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
         _left(name, config, found, len(slots))
     if not found.slots:
         return caches
-    log.debug("%s: %s on %d of %d cache slots", name, config.kv, len(found.slots), len(caches))
+    once(f"built {name} {config.cache_settings()}", logging.INFO,
+         f"{name}: {config.kv} on {len(found.slots)} of {len(caches)} cache slots ({config.described()})")
     plan = _planned(name, caches, found, config) if config.kv_memory else None
     built = eligibility.assemble(caches, found.slots, lambda: make_cache(config, memory_plan=plan, runtime=runtime),
                                  config.kv, span)

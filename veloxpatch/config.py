@@ -208,6 +208,19 @@ class VeloxConfig:
         return (self.kv, self.budget, self.sink, self.window, self.tier, self.tier_size, self.compress, self.draft_kv,
                 self.kv_memory, tuple(knobs))
 
+    def described(self) -> str:
+        """The settings that reach this method's caches, spelled as in the environment: what a user reads in the
+        INFO line of the caches built (the budget only where the method uses it, the tier where it evicts)."""
+        cls = METHODS[self.kv].cls
+        core = ["VELOX_BUDGET"] if cls.uses_budget and not self.kv_memory else []
+        core += ["VELOX_KV_MEMORY"] if self.kv_memory else []
+        if cls.bounds_memory:
+            core += ["VELOX_SINK", "VELOX_TIER", *(["VELOX_TIER_SIZE"] if self.tier else []), "VELOX_COMPRESS"]
+        by_name = {s.name: s for s in CORE_SETTINGS}
+        given = [f"{name}={to_text(getattr(self, by_name[name].key))}" for name in [*core, "VELOX_WINDOW"]]
+        given += [f"{s.name}={to_text(self.knobs[s.key])}" for s in knob_settings(self.kv, self.knobs).values()]
+        return ", ".join(given)
+
     def knob(self, key: str) -> Any:
         """A method knob's value by key (``snapkv_kernel``)."""
         return self.knobs[key]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import signal
 import sys
 import threading
 from types import ModuleType
@@ -243,9 +245,28 @@ def _guard_exit() -> None:
 
 
 def _register_stats(config: VeloxConfig) -> None:
+    """The stats line at every normal end: at exit, and on SIGTERM (how systemd, docker and supervisors stop a
+    server), which by default ends the process without running ``atexit``."""
     if config.stats and not STATE.stats_registered:
         STATE.stats_registered = True
         atexit.register(_print_stats)
+        _stats_on_sigterm()
+
+
+def _stats_on_sigterm() -> None:
+    """Print the stats line before SIGTERM's default action, where SIGTERM has it (an app's own handler is left
+    alone, and its exit runs ``atexit``); only the main thread may set a handler."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    """The stats line, then the signal again under its default action: the process ends as it would have
+    unpatched (killed by SIGTERM, status 143 in a shell), not by an exit of ours."""
+    _print_stats()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _print_stats() -> None:
