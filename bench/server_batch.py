@@ -3,10 +3,12 @@
 Two servers on loopback under the launcher, both float32 with OpenBLAS (the launcher's defaults on the CPU): one with
 no method (mlx_lm's own batching, the reference), one compressing. Each round sends ``--concurrency`` distinct
 prompts of ``--context`` tokens at once to one server, then the same to the other (the order alternates between
-rounds, so both meet the same machine), and times the round's wall clock. Every prompt starts with its own line, so
-no request reuses another's prompt cache. After the rounds, each of the compressing server's prompts is sent again
-alone (a seed makes mlx_lm serve a request one at a time) to a fresh compressing server, and its answer compared
-with the batched one; the batched answers' ``usage.velox`` say what each sequence's KV held.
+rounds, so both meet the same machine), and times the round's wall clock. Every prompt opens with its own line,
+"Document R-I.", so two prompts share at most a few tokens; mlx_lm's prompt cache still starts a request from an
+earlier one's cache trimmed back to them (``--prompt-cache-size 0`` turns it off for both timed servers). After the
+rounds, each of the compressing server's prompts is sent again alone (a seed makes mlx_lm serve a request one at a
+time) to a fresh compressing server without a prompt cache (each read fresh), and its answer compared with the
+batched one (both kept in ``result.json``); the batched answers' ``usage.velox`` say what each sequence's KV held.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
     python bench/server_batch.py --model "$(veloxpatch fetch-model smollm2 | tail -1)" --context 2048 \\
@@ -63,11 +65,11 @@ def send(url: str, batch: list[str], alone: bool = False) -> tuple[float, list[d
     return time.perf_counter() - start, answers
 
 
-def server(model: str, env: dict[str, str], log: Path) -> Any:
+def server(model: str, env: dict[str, str], log: Path, *extra: str) -> Any:
     """A server under the launcher with ``env`` over this process's environment (VELOX_* removed)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_") and k != "LD_PRELOAD"}
     command = [sys.executable, "-m", "veloxpatch.cli", "run", "-m", "mlx_lm", "server", "--model", model,
-               "--log-level", "INFO"]
+               "--log-level", "INFO", *extra]
     return serving.running(command, log, {**base, **env})
 
 
@@ -79,6 +81,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv", default="snapkv")
     parser.add_argument("--budget", default="512")
+    parser.add_argument("--prompt-cache-size", help="the timed servers' (default: mlx_lm's)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -90,8 +93,9 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="server-batch-"))
     times: dict[str, list[float]] = {"plain": [], "ours": []}
     batched: list[tuple[str, dict]] = []
-    with (server(args.model, plain_env, logs / "plain.log") as plain,
-          server(args.model, ours_env, logs / "ours.log") as ours):
+    extra = ("--prompt-cache-size", args.prompt_cache_size) if args.prompt_cache_size else ()
+    with (server(args.model, plain_env, logs / "plain.log", *extra) as plain,
+          server(args.model, ours_env, logs / "ours.log", *extra) as ours):
         send(plain, prompts(tokenizer, 256, 2, -1))  # warm-up: the first request loads and probes
         send(ours, prompts(tokenizer, 256, 2, -2))
         for r in range(args.rounds):
@@ -103,7 +107,9 @@ def main() -> None:
                 if name == "ours":
                     batched += list(zip(batch, answers))
                 print(f"round {r}: {name} {seconds:.1f} s", flush=True)
-    with server(args.model, ours_env, logs / "alone.log") as alone:
+    # no prompt cache: every prompt starts "Document", so each would otherwise start from the last one's cache
+    # trimmed back to that word (a lossy cache's rows then come back as held, not as read fresh)
+    with server(args.model, ours_env, logs / "alone.log", "--prompt-cache-size", "0") as alone:
         _, singles = send(alone, [p for p, _ in batched], alone=True)
     result = summary(args, times, batched, singles)
     (args.out / "result.json").write_text(json.dumps(result, indent=1))
@@ -123,6 +129,8 @@ def summary(args: argparse.Namespace, times: dict[str, list[float]], batched: li
         "rows_kept_per_layer": [h["rows_kept"] / layers(args.model) for h in held],
         "share_kept": [h["share_kept"] for h in held], "kv_bytes": [h["kv_bytes"] for h in held],
         "dense_kv_bytes": [h["dense_kv_bytes"] for h in held],
+        "answers": [{"batched": a["choices"][0]["text"], "alone": s["choices"][0]["text"]}
+                    for (_, a), s in zip(batched, singles)],
     }
 
 

@@ -1,0 +1,255 @@
+"""Which rows a cache can drop before it knows the question: scores measured on a real model, with and without
+keys per channel at low bits on top (the bytes ``quant`` would hold for the rows kept).
+
+    python bench/agnostic_selection.py --model FOLDER [--context 4096] [--tasks niah_single_2,niah_multikey_3,vt]
+        [--samples 1] [--keep 0.5,0.35] [--bits 16,4] [--out FOLDER]
+
+For each RULER example the full cache reads the context (the question left out, the field's protocol). Each scorer
+then rates every row of every layer's key heads, without the question:
+
+* ``window``: the attention the context's last 64 queries pay a row (SnapKV's observation window, question-free);
+* ``repeat``: the most attention any query pays a row while the model reads "repeat the context" and the context
+  again on top of the cache, then trimmed away (KVzip's reconstruction score, Kim et al., arXiv 2505.23416);
+* ``expected``: the attention a query drawn from the last 128 queries' mean and per-channel variance is expected
+  to pay it, times its value's norm (Expected Attention, Devoto et al., arXiv 2510.00636; RoPE not rotated forward);
+* ``keynorm``: a small key norm (Devoto et al., arXiv 2406.11430).
+
+Each layer keeps its first 4 and last 32 rows and, of the rest, the best ``--keep`` share of the context, either
+the same number per head or (``head-wise``) one top-k over the layer's heads (AdaKV). The question and reference
+answer are read on top, the dropped rows masked out per head (with ``--bits`` under 16 every row first quantized
+per channel in 64-token blocks and back, values per token, as ``quant`` holds them). Printed per variant: the
+mean KL of the next-token distributions from the full cache's over those tokens, and answers right (greedy, 32
+tokens), with the bytes held as a share of the 16-bit full cache's. With ``--out`` each example's rows are appended
+to ``rows.jsonl`` there as it finishes, and a rerun skips the examples it holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.models import base
+from mlx_lm.models.cache import make_prompt_cache
+
+from kv_quant_schemes import kl_after, per_channel
+from veloxpatch.eval import ruler
+
+SINK, RECENT, WINDOW, STATS = 4, 32, 64, 128
+REPEAT = "\n\nRepeat the previous context exactly.\n"
+
+
+class Attention:
+    """Stands in for mlx_lm's attention in the model's module: records what a reading phase asks for, per layer
+    (in call order), and masks each head's dropped rows while the question is read."""
+
+    def __init__(self, layers: int, sdpa: Callable[..., mx.array]) -> None:
+        self.layers, self.sdpa, self.calls = layers, sdpa, 0
+        self.record: str | None = None  # "max" or "sum": the attention queries pay the rows below ``limit``
+        self.queries = False  # keep the queries themselves
+        self.limit = 0
+        self.found: dict[int, Any] = {}
+        self.seen: dict[int, list[mx.array]] = {}
+        self.keep: list[mx.array] | None = None  # per layer: (kv heads, context rows) bool
+
+    def __call__(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                 mask: Any, sinks: Any = None) -> mx.array:
+        layer, self.calls = self.calls % self.layers, self.calls + 1
+        if self.record:
+            self._record(layer, self._weights(queries, keys, scale, mask)[..., : self.limit])
+        if self.queries:
+            self.seen.setdefault(layer, []).append(queries[0])
+        if self.keep is not None:
+            mask = self._kept(layer, queries, keys, mask)
+        return self.sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    def _weights(self, queries: mx.array, keys: mx.array, scale: float, mask: Any) -> mx.array:
+        """Attention weights (kv heads, group * queries, keys) of one sequence."""
+        b, hq, n, d = queries.shape
+        heads = keys.shape[1]
+        logits = (queries * scale).reshape(heads, hq // heads, n, d) @ keys[0].swapaxes(-1, -2)[:, None]
+        logits = mx.where(_causal(n, keys.shape[2]) if mask is not None else True, logits, -mx.inf)
+        return mx.softmax(logits, axis=-1, precise=True).reshape(heads, -1, keys.shape[2])
+
+    def _record(self, layer: int, weights: mx.array) -> None:
+        got = weights.max(axis=1) if self.record == "max" else weights.sum(axis=1)
+        held = self.found.get(layer)
+        self.found[layer] = got if held is None else (mx.maximum(held, got) if self.record == "max" else held + got)
+        mx.eval(self.found[layer])
+
+    def _kept(self, layer: int, queries: mx.array, keys: mx.array, mask: Any) -> mx.array:
+        assert self.keep is not None
+        keep = self.keep[layer]
+        rows, n = keys.shape[2], queries.shape[2]
+        keep = mx.concatenate([keep, mx.ones((keep.shape[0], rows - keep.shape[1]), dtype=mx.bool_)], axis=1)
+        keep = mx.repeat(keep, queries.shape[1] // keep.shape[0], axis=0)[:, None, :]
+        return keep & _causal(n, rows) if n > 1 else keep[None]
+
+
+def _causal(n: int, rows: int) -> mx.array:
+    """(n, rows): the last ``n`` rows are the queries' own, each seeing those up to itself."""
+    return mx.arange(rows)[None] <= (rows - n + mx.arange(n))[:, None]
+
+
+def read(model: Any, cache: list, tokens: list[int], chunk: int = 1024) -> None:
+    for start in range(0, len(tokens), chunk):
+        model(mx.array(tokens[start: start + chunk])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def scores(model: Any, tokenizer: Any, attention: Attention, context: list[int]) -> tuple[list, dict[str, list]]:
+    """The full cache of ``context`` and each scorer's (kv heads, rows) per layer."""
+    cache = make_prompt_cache(model)
+    attention.limit, out = len(context), {}
+    read(model, cache, context[: -STATS])
+    attention.queries, attention.seen = True, {}
+    read(model, cache, context[-STATS: -WINDOW])
+    attention.record, attention.found = "sum", {}
+    read(model, cache, context[-WINDOW:])
+    out["window"] = [attention.found[i] for i in range(len(cache))]
+    queries = {i: mx.concatenate(q, axis=1) for i, q in attention.seen.items()}
+    attention.queries, attention.record, attention.found = False, "max", {}
+    extra = tokenizer.encode(REPEAT, add_special_tokens=False) + context
+    read(model, cache, extra, 512)
+    for c in cache:
+        c.trim(len(extra))
+    out["repeat"] = [attention.found[i] for i in range(len(cache))]
+    attention.record = None
+    out["expected"] = [_expected(queries[i], c) for i, c in enumerate(cache)]
+    out["keynorm"] = [-mx.linalg.norm(c.keys[0, :, : c.offset], axis=-1) for c in cache]
+    return cache, out
+
+
+def _expected(queries: mx.array, layer: Any) -> mx.array:
+    """Expected attention of a query ~ N(mean, diag var) of ``queries`` (hq, n, d), per kv head, times ||v||."""
+    keys, values = layer.keys[0, :, : layer.offset], layer.values[0, :, : layer.offset]
+    heads, d = keys.shape[0], keys.shape[-1]
+    scale = d ** -0.5
+    mean, var = queries.mean(axis=1), queries.var(axis=1)  # (hq, d)
+    mean, var = mean.reshape(heads, -1, d), var.reshape(heads, -1, d)
+    logits = scale * (mean @ keys.swapaxes(-1, -2)) + 0.5 * scale**2 * (var @ (keys**2).swapaxes(-1, -2))
+    return mx.softmax(logits, axis=-1).mean(axis=1) * mx.linalg.norm(values, axis=-1)
+
+
+def kept(score: mx.array, share: float, headwise: bool) -> mx.array:
+    """(heads, rows) bool: the first and last rows, and the best of the rest (``share`` of all rows)."""
+    heads, rows = score.shape
+    middle = score[:, SINK: rows - RECENT].astype(mx.float32)
+    per_head = max(int(share * rows) - SINK - RECENT, 0)
+    if headwise:
+        flat = middle / mx.maximum(middle.sum(axis=1, keepdims=True), 1e-30) if middle.min() >= 0 else middle
+        cut = mx.sort(flat.reshape(-1))[-per_head * heads] if per_head else mx.inf
+        chosen = flat >= cut
+    else:
+        chosen = middle >= (mx.sort(middle, axis=1)[:, -per_head:-per_head + 1] if per_head else mx.inf)
+    edge = mx.ones((heads, SINK), dtype=mx.bool_), mx.ones((heads, RECENT), dtype=mx.bool_)
+    return mx.concatenate([edge[0], chosen, edge[1]], axis=1)
+
+
+def per_token(x: mx.array, bits: int) -> mx.array:
+    """Values quantized per token (groups of 64 along the head, 32 where 64 does not divide it) and back."""
+    group = 64 if x.shape[-1] % 64 == 0 else 32
+    return mx.dequantize(*mx.quantize(x, group_size=group, bits=bits), group_size=group, bits=bits).astype(x.dtype)
+
+
+def answer(model: Any, tokenizer: Any, cache: list, question: list[int], tokens: int = 32) -> str:
+    logits = model(mx.array(question)[None], cache=cache)
+    out: list[int] = []
+    for _ in range(tokens):
+        token = int(logits[0, -1].argmax())
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(token)
+        logits = model(mx.array([[token]]), cache=cache)
+    return tokenizer.decode(out)
+
+
+def variant(model: Any, tokenizer: Any, attention: Attention, cache: list, keep: list | None, bits: int,
+            example: ruler.Example, question: list[int], rest: list[int], reference: mx.array) -> tuple[float, bool]:
+    """(KL over ``rest``, answer right) with ``keep``'s rows (all: None) at ``bits`` per element."""
+    copied = copy.deepcopy(cache)
+    if bits < 16:
+        for c in copied:
+            k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+            c.keys, c.values = per_channel(k, bits), per_token(v, bits)
+    attention.keep = keep
+    _, kl = kl_after(model, copied, rest, reference)
+    for c in copied:
+        c.trim(len(rest))
+    right = ruler.score(answer(model, tokenizer, copied, question), example)
+    attention.keep = None
+    return kl, right
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--tasks", default="niah_single_2,niah_multikey_3,vt")
+    parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--keep", default="0.5,0.35")
+    parser.add_argument("--bits", default="16,4")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    model, tokenizer = load(args.model)
+    module = __import__(type(model).__module__, fromlist=["x"])
+    attention = Attention(len(model.layers), base.scaled_dot_product_attention)
+    module.scaled_dot_product_attention = attention
+    journal = args.out / "rows.jsonl" if args.out else None
+    rows = [json.loads(line) for line in journal.read_text().splitlines()] if journal and journal.exists() else []
+    for task in args.tasks.split(","):
+        for seed in range(args.samples):
+            if any(r["task"] == task and r["seed"] == seed for r in rows):
+                continue  # measured by an earlier run: the journal is resumable
+            found = one_example(model, tokenizer, attention, task, seed, args)
+            rows += found
+            if journal:
+                journal.parent.mkdir(parents=True, exist_ok=True)
+                with journal.open("a") as sink:
+                    sink.writelines(json.dumps(r) + "\n" for r in found)
+    print(table(rows))
+
+
+def one_example(model: Any, tokenizer: Any, attention: Attention, task: str, seed: int,
+                args: argparse.Namespace) -> list[dict[str, Any]]:
+    example = ruler.example(task, tokenizer, args.context, seed, "heldout")
+    context = tokenizer.encode(example.context)
+    question = tokenizer.encode(example.prompt)[len(context):]
+    rest = tokenizer.encode(example.prompt + example.answer)[len(context):]
+    cache, found = scores(model, tokenizer, attention, context)
+    reference, _ = kl_after(model, copy.deepcopy(cache), rest, None)
+    out = []
+    plans: list[tuple[str, float, bool]] = [("full", 1.0, False)]
+    plans += [(name, share, headwise) for name in found for share in map(float, args.keep.split(","))
+              for headwise in (False, True)]
+    for bits in map(int, args.bits.split(",")):
+        for name, share, headwise in plans:
+            keep = None if name == "full" else [kept(s, share, headwise) for s in found[name]]
+            kl, right = variant(model, tokenizer, attention, cache, keep, bits, example, question, rest, reference)
+            label = name + (" head-wise" if headwise else "")
+            held = share * (16 if bits == 16 else bits + 0.5) / 16
+            out.append({"task": task, "seed": seed, "scorer": label, "keep": share, "bits": bits,
+                        "bytes": held, "kl": kl, "right": right})
+            print(f"{task} {seed}: {label} keep {share} at {bits} bits ({held:.3f} of the bytes): KL {kl:.4f}, "
+                  f"{'right' if right else 'wrong'}", flush=True)
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["scorer"], r["keep"], r["bits"]), []).append(r)
+    lines = ["| scorer | rows kept | bits | bytes (16-bit share) | mean KL | right |", "|---|---|---|---|---|---|"]
+    for (scorer, share, bits), got in groups.items():
+        lines.append(f"| {scorer} | {share:g} | {bits} | {got[0]['bytes']:.3f} | "
+                     f"{sum(r['kl'] for r in got) / len(got):.4f} | {sum(r['right'] for r in got)}/{len(got)} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
