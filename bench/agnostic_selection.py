@@ -37,7 +37,7 @@ from mlx_lm import load
 from mlx_lm.models import base
 from mlx_lm.models.cache import make_prompt_cache
 
-from kv_quant_schemes import kl_after, per_channel
+from kv_quant_schemes import kl_after, per_channel, ruler_arguments
 from veloxpatch.eval import ruler
 
 SINK, RECENT, WINDOW, STATS = 4, 32, 64, 128
@@ -187,13 +187,8 @@ def variant(model: Any, tokenizer: Any, attention: Attention, cache: list, keep:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--tasks", default="niah_single_2,niah_multikey_3,vt")
-    parser.add_argument("--samples", type=int, default=1)
+    parser = ruler_arguments(__doc__.split("\n\n")[0], 4096, "16,4")
     parser.add_argument("--keep", default="0.5,0.35")
-    parser.add_argument("--bits", default="16,4")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model, tokenizer = load(args.model)

@@ -79,14 +79,19 @@ def with_scheme(cache: list, keys: Callable[[mx.array], mx.array], values: Calla
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def ruler_arguments(description: str, context: int, bits: str) -> argparse.ArgumentParser:
+    """The options of a script measuring a cache's error on RULER examples of a real model."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--context", type=int, default=context)
     parser.add_argument("--tasks", default="niah_single_2,niah_multikey_3,vt")
     parser.add_argument("--samples", type=int, default=1)
-    parser.add_argument("--bits", default="4,3,2")
-    args = parser.parse_args()
+    parser.add_argument("--bits", default=bits)
+    return parser
+
+
+def main() -> None:
+    args = ruler_arguments(__doc__.split("\n\n")[0], 2048, "4,3,2").parse_args()
     model, tokenizer = load(args.model)
     widths = [int(b) for b in args.bits.split(",")]
     found: dict[tuple[str, int], list[float]] = {}
