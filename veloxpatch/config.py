@@ -216,8 +216,7 @@ class VeloxConfig:
         core += ["VELOX_KV_MEMORY"] if self.kv_memory else []
         if cls.bounds_memory:
             core += ["VELOX_SINK", "VELOX_TIER", *(["VELOX_TIER_SIZE"] if self.tier else []), "VELOX_COMPRESS"]
-        by_name = {s.name: s for s in CORE_SETTINGS}
-        given = [f"{name}={to_text(getattr(self, by_name[name].key))}" for name in [*core, "VELOX_WINDOW"]]
+        given = [f"{name}={to_text(getattr(self, setting(name).key))}" for name in [*core, "VELOX_WINDOW"]]
         given += [f"{s.name}={to_text(self.knobs[s.key])}" for s in knob_settings(self.kv, self.knobs).values()]
         return ", ".join(given)
 
