@@ -109,10 +109,12 @@ def test_a_decode_step_over_the_held_fold_equals_attention_over_the_rebuilt_rows
     cache = folded(bits, mx.random.normal((1, 2, 300, 64)), window=8, group=32)
     keys, values = cache.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
     queries = mx.random.normal((1, 6, n, 64))
-    assert cache._direct(queries, None, None), "a decode-sized step over per-token values goes direct"
+    assert cache._held_usable(queries, None, None), "a decode-sized step goes over the fold as held"
     rebuilt = cache._attention(queries, keys, values, 0.125, None if n == 1 else "causal", None)
-    assert mx.allclose(cache._direct_attention(queries, 0.125), rebuilt, atol=1e-5)
-    assert not cache._direct(mx.random.normal((1, 6, 100, 64)), "causal", None), "a prompt chunk does not"
+    held = cache.attend_held(queries, 0.125)
+    assert held is not None, "per-token values: the quantized matmul takes them"
+    assert mx.allclose(held, rebuilt, atol=1e-5)
+    assert not cache._held_usable(mx.random.normal((1, 6, 100, 64)), "causal", None), "a prompt chunk does not"
 
 
 def test_keys_the_model_changed_after_the_store_are_attended_as_given() -> None:

@@ -13,7 +13,6 @@ from mlx_lm.models.cache import make_prompt_cache
 import veloxpatch
 from conftest import KVCacheRoute, count_joints, feed_layers, greedy, random_tokens, tiny
 from veloxpatch.caches import CacheSpec
-from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.coordinators import Coordinator
 from veloxpatch.methods.xkv import XKVCache
@@ -100,19 +99,19 @@ def test_decode_steps_attend_in_the_rank_space_as_over_the_rebuilt_rows(n: int) 
         k2, v2 = rebuilt.update_and_fetch(chunk, chunk)
         assert len(cache.folds) == 1
         latent = cache.attend(queries, k, v, 0.25, mask="causal" if n > 1 else None)
-        over_rows = CrossLayerCache.attend(rebuilt, queries, k2, v2, 0.25, mask="causal" if n > 1 else None)
+        over_rows = rebuilt._attention(queries, k2, v2, 0.25, "causal" if n > 1 else None, None)
         assert mx.allclose(latent, over_rows, atol=1e-4).item(), float(mx.abs(latent - over_rows).max())
 
 
 def test_the_latent_path_is_taken_for_decode_steps_only(monkeypatch) -> None:
     taken: list[int] = []
-    latent = XKVCache._latent_attention
+    latent = XKVCache.attend_held
 
     def counted(self, queries, scale):
         taken.append(queries.shape[2])
         return latent(self, queries, scale)
 
-    monkeypatch.setattr(XKVCache, "_latent_attention", counted)
+    monkeypatch.setattr(XKVCache, "attend_held", counted)
     caches = xkv_list(layers=2, group=2, rank="6")
     feed_layers(caches, low_rank_rows(2, 300, rank=6), [80, 70, 1, 1, 100])
     assert taken == [1, 1], "the second decode step, in both layers (the first folded after attending); no chunk"

@@ -31,7 +31,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import stats
+from ..coordinators import members_of
 from ..log import once
+from . import masks
 from .base import CompressedKVCache
 from .spec import CacheSpec
 from .store import RowStore
@@ -164,11 +166,33 @@ class CrossLayerCache(CompressedKVCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """Attention over folded + exact rows (the folds all in the past), then fold what is due."""
-        self.handed = None  # not kept past the step: they may be every row, rebuilt
-        out = self._attention(queries, keys, values, scale, mask, sinks)
+        """Attention over folded + exact rows (the folds all in the past), then fold what is due. A step that
+        may use the folds as held (:meth:`_held_usable`) asks the method's :meth:`attend_held` first; any
+        other step, or a method without such a path, attends over the rows ``update_and_fetch`` rebuilt."""
+        handed, self.handed = self.handed, None  # not kept past the step: they may be every row, rebuilt
+        out = self.attend_held(queries, scale) if keys is handed and self._held_usable(queries, mask, sinks) else None
+        if out is None:
+            out = self._attention(queries, keys, values, scale, mask, sinks)
+        else:
+            masks.forget_issued(self, members_of(self))
         self._fold_if_due(queries.shape[2])
         return out
+
+    def attend_held(self, queries: mx.array, scale: float) -> mx.array | None:
+        """Attention of a decode-sized step of ``queries`` (B, q_heads, n, dim) over the folds as held, then the
+        exact rows (the step's own last, causal among themselves), without rebuilding the folded rows; None
+        where the method has no such path (the base's: attention over the rebuilt rows)."""
+        return None
+
+    def _held_usable(self, queries: mx.array, mask: Any, sinks: mx.array | None) -> bool:
+        """Whether this step may attend over the folds as held, given the model attends over the keys the store
+        handed out, unchanged: folds present, a decode-sized step, a mask that carries nothing of the model's, no
+        attention sinks and no holes among the exact rows."""
+        if not self.folds or sinks is not None or self.store.holes:
+            return False
+        if isinstance(mask, mx.array) and not masks.issued(mask, members_of(self)):
+            return False
+        return self.schedule.decode_sized(queries.shape[2])
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens; a fold cut by the new end becomes exact rows of its prefix."""

@@ -33,11 +33,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
 from ..caches.store import RowStore
-from ..coordinators import members_of
 from ..registry import method
 from ..settings import Setting, int_choice, one_of_text
 
@@ -106,34 +104,14 @@ class QuantCache(CrossLayerCache):
         return self._keys_decoded(fold.own[0]), self._values_decoded(fold.own[1], fold.end - fold.start)
 
     # ----------------------------------------------------------------- attention
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
-               sinks: mx.array | None = None) -> mx.array:
-        """A decode-sized step attends over the fold as it is held (:meth:`_direct_attention`); any other step
-        over the rows ``update_and_fetch`` rebuilt, as every folding cache does."""
-        handed, self.handed = self.handed, None
-        if keys is not handed or not self._direct(queries, mask, sinks):
-            return super().attend(queries, keys, values, scale, mask, sinks)
-        out = self._direct_attention(queries, scale)
-        masks.forget_issued(self, members_of(self))
-        self._fold_if_due(queries.shape[2])
-        return out
-
-    def _direct(self, queries: mx.array, mask: Any, sinks: mx.array | None) -> bool:
-        """Whether this step can attend over the quantized fold directly (given the model attends over the keys the
-        store handed out, unchanged): a decode-sized step, a mask that carries nothing of the model's, no attention
-        sinks, no holes, and rows in the per-token layout mlx multiplies."""
-        if not self.folds or self.bits == 16 or sinks is not None or self.store.holes:
-            return False
-        if isinstance(mask, mx.array) and not masks.issued(mask, members_of(self)):
-            return False
-        fold = self.folds[0]
-        values = fold.own[1]
-        return self.schedule.decode_sized(queries.shape[2]) and len(values) == 3 and values[0].shape[2] == fold.end
-
-    def _direct_attention(self, queries: mx.array, scale: float) -> mx.array:
+    def attend_held(self, queries: mx.array, scale: float) -> mx.array | None:
         """Attention of ``queries`` (B, q_heads, n, dim) over the fold by mlx's quantized matmul (on this CPU half
         the time of dequantizing the fold first at 4 and 8 bits: ``bench/quantized_matmul.py``), then over the exact
-        rows (the step's own last, causal among themselves), under one softmax."""
+        rows (the step's own last, causal among themselves), under one softmax. None at 16 bits, or for values held
+        in groups across rows (no group size divides the head), which the matmul cannot take per row."""
+        fold = self.folds[0]
+        if self.bits == 16 or fold.own[1][0].shape[2] != fold.end:
+            return None
         exact_keys, exact_values = self.store.fetch()
         b, heads_q, n, dim = queries.shape
         heads, rows = exact_keys.shape[1], exact_keys.shape[2]

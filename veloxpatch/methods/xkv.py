@@ -40,11 +40,9 @@ Where the shim's position makes this deviate from the paper, and why:
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import mlx.core as mx
 
-from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
 from ..coordinators import members_of
@@ -105,24 +103,6 @@ class XKVCache(CrossLayerCache):
         self.width = keys.shape[1] * keys.shape[3]  # kv heads x head dim, for the rank of a percentage
         return super().update_and_fetch(keys, values)
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
-               sinks: mx.array | None = None) -> mx.array:
-        """A decode-sized step over folded rows attends in the rank-r space: logits ``(q B_l^T) A^T`` and
-        output ``(p A) B_l``, a few rank x tokens products per head instead of rebuilding ``A B_l``
-        (tokens x rank x width; mlx is lazy, so the rebuilt rows handed out are never computed). Any
-        other step (a prompt chunk, a mask of the model's own, sinks, holes, keys the model changed)
-        goes the base's way over the rebuilt rows."""
-        handed, self.handed = self.handed, None
-        latent = (self.folds and keys is handed and sinks is None and not self.store.holes
-                  and self.schedule.decode_sized(queries.shape[2])
-                  and (not isinstance(mask, mx.array) or masks.issued(mask, members_of(self))))
-        if not latent:
-            return super().attend(queries, keys, values, scale, mask, sinks)
-        out = self._latent_attention(queries, scale)
-        masks.forget_issued(self, members_of(self))
-        self._fold_if_due(queries.shape[2])
-        return out
-
     def min_fold(self) -> int:
         """A fold shorter than the rank would take more bytes than its exact rows; with ``auto`` and a
         budget of every token seen, nothing folds (the cache is then mlx_lm's)."""
@@ -141,9 +121,10 @@ class XKVCache(CrossLayerCache):
         """``A B_l`` for keys and values: (B, 1, T, r) @ (B, heads, r, head_dim)."""
         return tuple(mx.expand_dims(fold.shared[x], 1) @ fold.own[x] for x in ("k", "v"))
 
-    def _latent_attention(self, queries: mx.array, scale: float) -> mx.array:
-        """Attention of ``queries`` (B, q_heads, n, dim) over the folds, in their rank space, and the exact
-        rows (the step's own last, causal among themselves)."""
+    def attend_held(self, queries: mx.array, scale: float) -> mx.array | None:
+        """A decode-sized step attends over the folds in their rank space: logits ``(q B_l^T) A^T`` and output
+        ``(p A) B_l``, a few rank x tokens products per head instead of rebuilding ``A B_l`` (tokens x rank x
+        width; mlx is lazy, so the rebuilt rows handed out are never computed), then over the exact rows."""
         exact_keys, exact_values = self.store.fetch()
         b, heads_q, n, dim = queries.shape
         heads = exact_keys.shape[1]
