@@ -190,6 +190,23 @@ def number_range(lo: float, hi: float | None = None, above: bool = False) -> Cal
     return parse
 
 
+class Share(float):
+    """A fraction that reads back as the percentage it was written as (``str(Share(0.4)) == "40%"``)."""
+
+    def __str__(self) -> str:
+        return f"{self * 100:g}%"
+
+
+def percent(text: str) -> Share:
+    """A share written as a percentage in (0, 100] (``"40%"``), as a fraction."""
+    if not text.endswith("%"):
+        raise ValueError(text)
+    value = float(text[:-1])
+    if not 0 < value <= 100:
+        raise ValueError(text)
+    return Share(value / 100)
+
+
 def choice(options: tuple[str, ...] | Callable[[], tuple[str, ...]], upper: bool = False) -> Callable[[str], str]:
     """A parser taking one of ``options`` in any case; the Setting turns its ValueError into the message.
     ``options`` may be a function, for choices that grow as methods register (read when a value is parsed)."""

@@ -101,7 +101,11 @@ class CrossLayerCache(CompressedKVCache):
         return self.folded_rows() + self.store.rows
 
     def folded_rows(self) -> int:
-        return sum(fold.end - fold.start for fold in self.folds)
+        return sum(self.held_rows(fold) for fold in self.folds)
+
+    def held_rows(self, fold: Fold) -> int:
+        """Rows the fold holds per head (its range: a method dropping rows says otherwise)."""
+        return fold.end - fold.start
 
     def folded_as(self) -> str | None:
         """The form of the folded rows, in words for the stats line (None: they are exact keys and values)."""
@@ -120,8 +124,12 @@ class CrossLayerCache(CompressedKVCache):
         exact = self.store.row_positions()
         if not self.folds:
             return exact
-        ranges = mx.concatenate([mx.arange(fold.start, fold.end, dtype=exact.dtype) for fold in self.folds])
-        return mx.concatenate([mx.broadcast_to(ranges, (*exact.shape[:2], ranges.size)), exact], axis=-1)
+        return mx.concatenate([*(self.fold_positions(fold) for fold in self.folds), exact], axis=-1)
+
+    def fold_positions(self, fold: Fold) -> mx.array:
+        """(B, kv_heads, rows) the position of each row the fold holds: its range (a method dropping rows says)."""
+        heads = self.store.row_positions().shape[:2]
+        return mx.broadcast_to(mx.arange(fold.start, fold.end, dtype=mx.int32), (*heads, fold.end - fold.start))
 
     def empty(self) -> bool:
         return super().empty() and not self.folds

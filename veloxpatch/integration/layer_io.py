@@ -98,7 +98,7 @@ def install(model: Any) -> bool:
         return False
     with STATE.lock:
         for owner, wrapper in found.items():
-            _wrap(owner, wrapper)
+            wrap_call(owner, wrapper, "layer io")
     return True
 
 
@@ -124,14 +124,14 @@ def _cache_takers(model: Any) -> dict[str, tuple[type, Parameters]]:
     for name, module in model.named_modules():
         cls = type(module)
         if cls not in per_class:
-            per_class[cls] = _defined_call(cls)
+            per_class[cls] = defined_call(cls)
         found = per_class[cls]
         if found is not None:
             takers[name] = found
     return takers
 
 
-def _defined_call(cls: type) -> tuple[type, Parameters] | None:
+def defined_call(cls: type) -> tuple[type, Parameters] | None:
     """The class in ``cls``'s MRO that defines the ``__call__`` it runs, and its parameters (None if it
     takes no cache): wrapping that class once serves every subclass that inherits it."""
     owner = next((c for c in cls.__mro__ if "__call__" in vars(c)), None)
@@ -148,9 +148,9 @@ def _ancestors(name: str) -> Iterator[str]:
         yield name
 
 
-def _wrap(owner: type, wrapper: Wrapper) -> None:
-    """Bind ``wrapper`` around ``owner.__call__`` once, recorded for ``unpatch``."""
-    key = f"layer io {owner.__module__}.{owner.__qualname__} at {id(owner):#x}"
+def wrap_call(owner: type, wrapper: Wrapper, purpose: str) -> None:
+    """Bind ``wrapper`` around ``owner.__call__`` once for ``purpose``, recorded for ``unpatch``."""
+    key = f"{purpose} {owner.__module__}.{owner.__qualname__} at {id(owner):#x}"
     if key not in STATE.swaps:
         original = vars(owner)["__call__"]
         STATE.swaps[key] = Swap("__call__", original, wrapt.FunctionWrapper(original, wrapper), owner)

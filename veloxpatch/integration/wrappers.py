@@ -37,7 +37,7 @@ from ..fallback import StrictError, fall_back
 from ..log import once
 from ..ranks import RanksDisagree
 from ..settings import ConfigError
-from . import layer_io
+from . import layer_io, rereading
 from .state import STATE, in_batched_generation, in_force
 
 SDPA_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
@@ -53,6 +53,7 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
     try:
         if builder.candidate_slots(caches):
             layer_io.prepare(model, config)
+            rereading.prepare(model, config)
         return builder.build(model, caches, config, STATE.runtime)
     # RanksDisagree: every rank raises it, never one method per rank; ConfigError: a setting this model cannot take
     except (RanksDisagree, StrictError, ConfigError):
@@ -156,6 +157,8 @@ def start_generation(caches: Any, model: Any, prompt: int | None = None) -> None
             cache.expect_prompt(prompt)
     if model is not None and any(c.wants_layer_io for c in found):
         layer_io.install(model)
+    if model is not None and any(getattr(c, "wants_rereading", False) for c in found):
+        rereading.install(model)
     _adopt(found)
     for cache in found:
         stats.track(cache, built=False)

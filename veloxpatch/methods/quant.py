@@ -33,16 +33,20 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
-from ..caches.store import RowStore
+from ..caches.store import RowStore, take_rows
+from ..coordinators import members_of
 from ..registry import method
-from ..settings import Setting, int_choice, one_of_text
+from ..settings import Setting, int_choice, one_of_text, percent
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
 
 Parts = tuple[mx.array, ...]  # mlx's (packed, scales, biases), or the array itself (16 bits)
+REREAD = "reread"  # the store's column of 1 + the most attention the second reading paid a row (0: not scored)
+QUERY_BLOCK = 256  # queries of a second reading scored at once: (heads, group x block, rows) float32 logits
 
 
 KNOBS = (
@@ -51,6 +55,10 @@ KNOBS = (
     Setting("VELOX_QUANT_GROUP", int_choice(GROUPS), "64", one_of_text(GROUPS),
             "Quant: tokens per block whose key channels share a scale and bias (and a value row's elements per "
             "group, or the largest of 32, 64 and 128 dividing the head dimension).", method="quant"),
+    Setting("VELOX_QUANT_KEEP", percent, "100%", "a percentage in (0, 100]",
+            "Quant: share of each prompt chunk's rows a head keeps, those the model attends to most while it reads "
+            "the chunk a second time (KVzip's score; the first VELOX_SINK tokens always stay). Below 100% every "
+            "prompt chunk is read twice.", method="quant"),
 )
 
 
@@ -63,12 +71,21 @@ class QuantCache(CrossLayerCache):
     budget_use = ("VELOX_BUDGET does not apply: it keeps every token, all but the exact window at VELOX_QUANT_BITS "
                   "bits (4 by default).")
 
-    def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64) -> None:
+    rereads_prompt = True  # the model call may read a prompt chunk twice for it (integration.rereading)
+
+    def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float = 1.0) -> None:
         super().__init__(spec)
-        self.bits, self.group_size = bits, group
+        self.bits, self.group_size, self.keep = bits, group, keep
+        self.rereading = False  # the model reads the last prompt chunk again: this cache scores its rows
+        self.awaiting = False  # the last prompt chunk's rows wait for their scores before they fold
 
     def knob_values(self) -> dict[str, Any]:
-        return {"bits": self.bits, "group": self.group_size}
+        return {"bits": self.bits, "group": self.group_size, "keep": self.keep}
+
+    @property
+    def wants_rereading(self) -> bool:
+        """Whether each prompt chunk should be read a second time to score its rows (a share to keep is set)."""
+        return self.keep < 1
 
     def folded_as(self) -> str | None:
         return f"at {self.bits} bits (keys per channel, values per token)"
@@ -87,21 +104,54 @@ class QuantCache(CrossLayerCache):
         return self.group_size
 
     def joint(self, parts: list[tuple[mx.array, mx.array]]) -> tuple[list[Any], Any]:
-        """Rows ``[start, end)`` (whole blocks) quantized: keys per channel, values per token."""
+        """Rows ``[start, end)`` (whole blocks; the store's first rows, this layer's group being itself alone)
+        quantized: keys per channel, values per token; with a share to keep, each head's best-scored rows only,
+        with their positions."""
         ((keys, values),) = parts
-        return [(self._keys_encoded(keys), self._values_encoded(values))], None
+        rows = keys.shape[2]
+        chosen = self._chosen(rows)
+        if chosen is None:
+            return [(self._keys_encoded(keys), self._values_encoded(values))], None
+        keys, values = take_rows((keys, values), chosen)
+        positions = mx.take_along_axis(self.store.row_positions()[..., :rows], chosen, axis=-1)
+        return [(self._keys_encoded(keys), self._values_encoded(values), _compact(positions))], None
+
+    def _chosen(self, rows: int) -> mx.array | None:
+        """The store's first ``rows`` rows each head keeps, (B, H, k) ascending, k a whole number of blocks; None:
+        all of them (no share to keep, or a row among them the second reading never scored: a decoded token)."""
+        g = self.group_size
+        k = max(g, round(self.keep * rows / g) * g)
+        if self.keep >= 1 or k >= rows:
+            return None
+        score = self.store.column(REREAD)[..., :rows]
+        if not bool((score > 0).all().item()):
+            return None
+        score = mx.where(self.store.row_positions()[..., :rows] < self.sink, mx.inf, score)
+        return mx.sort(mx.argpartition(-score, kth=k - 1, axis=-1)[..., :k], axis=-1)
 
     def _apply(self, start: int, end: int, group: tuple[int, ...], result: tuple[list[Any], Any], at: int) -> None:
-        """The base's new fold, joined to the one held: the layer keeps one fold of every quantized block."""
+        """The base's new fold, joined to the one held: the layer keeps one fold of every quantized block (with
+        every row's position once either part has dropped rows)."""
         super()._apply(start, end, group, result, at)
         if len(self.folds) == 2:
             first, last = self.folds
             tokens = 2 if self.bits == 16 else -1  # the keys' token axis
-            own = (_joined(first.own[0], last.own[0], tokens), _joined(first.own[1], last.own[1], 2))
+            own: tuple[Any, ...] = (_joined(first.own[0], last.own[0], tokens), _joined(first.own[1], last.own[1], 2))
+            if len(first.own) == 3 or len(last.own) == 3:
+                own += (_compact(mx.concatenate([self.fold_positions(first), self.fold_positions(last)], axis=-1)),)
             self.folds = [Fold(first.start, last.end, own, None, group)]
 
+    def held_rows(self, fold: Fold) -> int:
+        """Rows the fold holds per head: its range, or fewer where rows were dropped (their positions kept)."""
+        return fold.own[2].shape[-1] if len(fold.own) == 3 else fold.end - fold.start
+
+    def fold_positions(self, fold: Fold) -> mx.array:
+        if len(fold.own) == 3:
+            return fold.own[2].astype(mx.int32)
+        return super().fold_positions(fold)
+
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
-        return self._keys_decoded(fold.own[0]), self._values_decoded(fold.own[1], fold.end - fold.start)
+        return self._keys_decoded(fold.own[0]), self._values_decoded(fold.own[1], self.held_rows(fold))
 
     # ----------------------------------------------------------------- attention
     def attend_held(self, queries: mx.array, scale: float) -> mx.array | None:
@@ -110,7 +160,7 @@ class QuantCache(CrossLayerCache):
         rows (the step's own last, causal among themselves), under one softmax. None at 16 bits, or for values held
         in groups across rows (no group size divides the head), which the matmul cannot take per row."""
         fold = self.folds[0]
-        if self.bits == 16 or fold.own[1][0].shape[2] != fold.end:
+        if self.bits == 16 or fold.own[1][0].shape[2] != self.held_rows(fold):
             return None
         exact_keys, exact_values = self.store.fetch()
         b, heads_q, n, dim = queries.shape
@@ -127,6 +177,52 @@ class QuantCache(CrossLayerCache):
         at = folded.shape[-1]
         out = self._times(probs[..., :at], values, self._value_group(width)) + probs[..., at:] @ exact_values
         return out.reshape(b, heads_q, n, width)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
+               sinks: mx.array | None = None) -> mx.array:
+        """A second reading of a prompt chunk attends as every step does and scores the rows it reads over
+        (:meth:`_scored_attention`); its rows are trimmed afterwards, so nothing folds."""
+        if not self.rereading or sinks is not None:
+            return super().attend(queries, keys, values, scale, mask, sinks)
+        self.handed = None
+        out = self._scored_attention(queries, keys, values, scale)
+        masks.forget_issued(self, members_of(self))
+        return out
+
+    def _scored_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+        """Attention of the second reading's ``queries`` over every row (causal among its own), a block of queries
+        at a time; the exact rows before them get 1 + the most attention any of the queries of any head of their
+        group paid them, or keep what an earlier reading gave them if that was more."""
+        b, heads_q, n, dim = queries.shape
+        heads, rows = keys.shape[1], keys.shape[2]
+        group, first = heads_q // heads, self.folded_rows()
+        q = (queries * scale).reshape(b, heads, group, n, dim)
+        outs, best = [], mx.zeros((b, heads, rows - n - first), mx.float32)
+        for at in range(0, n, QUERY_BLOCK):
+            block = q[..., at : at + QUERY_BLOCK, :]
+            m = block.shape[3]
+            seen = mx.arange(rows)[None] <= (rows - n + at + mx.arange(m))[:, None]
+            logits = mx.where(seen, block @ keys[:, :, None].swapaxes(-1, -2), -mx.inf)
+            probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+            best = mx.maximum(best, probs[..., first : rows - n].max(axis=(2, 3)))
+            outs.append(probs.astype(values.dtype) @ values[:, :, None])
+            mx.eval(outs[-1], best)
+        held = self.store.column(REREAD)[..., : best.shape[-1]]
+        self.store.set_column(REREAD, mx.maximum(held, 1 + best))
+        return mx.concatenate(outs, axis=3).reshape(b, heads_q, n, -1)
+
+    def _fold_if_due(self, n: int) -> None:
+        """Fold as the base does, unless the last prompt chunk's rows wait for their scores."""
+        if not self.awaiting:
+            super()._fold_if_due(n)
+
+    def scored(self, n: int, read: bool) -> None:
+        """The second reading of a prompt chunk of ``n`` tokens is over and trimmed (``read``: it did not fail
+        midway, which leaves no row scored): the rows fold as due."""
+        self.awaiting = self.rereading = False
+        if not read:
+            self.store.set_column(REREAD, None)
+        self._fold_if_due(n)
 
     def _times(self, x: mx.array, parts: Parts, group: int | None) -> mx.array:
         """``x`` times the matrix ``parts`` holds quantized along its last axis."""
@@ -172,19 +268,24 @@ class QuantCache(CrossLayerCache):
         return out.reshape(*out.shape[:2], tokens, width).astype(scales.dtype)
 
     # ----------------------------------------------------------------- the cache protocol
-    def _cut(self, fold: Fold, rows: int) -> tuple[Parts, Parts]:
-        """A fold's (keys, values) encodings for its first ``rows`` tokens (whole blocks)."""
-        keys, values = fold.own
-        values = tuple(part[..., : part.shape[2] * rows // fold.end, :] for part in values)
+    def _cut(self, fold: Fold, rows: int) -> Parts:
+        """A fold's encodings (keys, values, and positions if it has them) for its first ``rows`` held rows (whole
+        blocks)."""
+        keys, values = fold.own[:2]
+        values = tuple(part[..., : part.shape[2] * rows // self.held_rows(fold), :] for part in values)
+        extra = (fold.own[2][..., :rows],) if len(fold.own) == 3 else ()
         if self.bits == 16:
-            return tuple(part[..., :rows, :] for part in keys), values
+            return (tuple(part[..., :rows, :] for part in keys), values, *extra)
         packed, scales, biases = keys
         blocks = rows // self.group_size
-        return (packed[..., : rows * self.bits // 32], scales[..., :blocks], biases[..., :blocks]), values
+        return ((packed[..., : rows * self.bits // 32], scales[..., :blocks], biases[..., :blocks]), values, *extra)
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens. A new end among the quantized rows keeps the fold's whole blocks before
-        it; the cut block's rows before the end become exact rows again (dequantized)."""
+        it; the cut block's rows before the end become exact rows again (dequantized). Where rows were dropped,
+        the heads' blocks end at different positions: each keeps the blocks wholly before the new end in every
+        head, and the kept rows after them that lie before it are dropped too (a rare path: a server request
+        reusing a shorter prefix of a compressed document; the result is a valid compressed cache of it)."""
         n = min(n, self.offset)
         if n <= 0:
             return 0
@@ -192,12 +293,14 @@ class QuantCache(CrossLayerCache):
         if not self.folds or prefix >= self.folds[0].end:
             return super().trim(n)
         fold, g = self.folds[0], self.group_size
-        kept = prefix // g * g
-        keys, values = self.unfold(fold)
+        before = int((self.fold_positions(fold) < prefix).sum(axis=-1).min())
+        kept = before // g * g
         self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
-        if prefix > kept:
+        if prefix > kept and len(fold.own) == 2:
+            keys, values = self.unfold(fold)
             self.store.append(keys[..., kept:prefix, :], values[..., kept:prefix, :], kept)
-        self.folds = [Fold(0, kept, self._cut(fold, kept), None, fold.group)] if kept else []
+        end = prefix if len(fold.own) == 3 else kept
+        self.folds = [Fold(0, end, self._cut(fold, kept), None, fold.group)] if kept else []
         self.offset = prefix
         return n
 
@@ -206,3 +309,7 @@ def _joined(first: tuple[mx.array, ...], last: tuple[mx.array, ...], axis: int) 
     """Two encodings of consecutive rows as one (keys join on their last axis, the tokens'; values on the rows')."""
     return tuple(mx.concatenate([a, b], axis=axis) for a, b in zip(first, last))
 
+
+def _compact(positions: mx.array) -> mx.array:
+    """Row positions as held in a fold: two bytes each while they fit."""
+    return positions.astype(mx.uint16 if int(positions.max()) < 2**16 else mx.int32)

@@ -1,0 +1,131 @@
+"""Quant with VELOX_QUANT_KEEP below 100%: each prompt chunk read a second time (KVzip's score), each head keeping
+the rows that reading attends to most; what is scored, what is kept, and that the rows kept are the first reading's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx_lm.models.llama as llama
+import pytest
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+import veloxpatch
+from conftest import assert_round_trip, greedy, random_tokens, tiny
+from veloxpatch.config import ConfigError
+from veloxpatch.methods.quant import REREAD, QuantCache
+
+PROMPT = 100  # one prompt chunk: 92 rows older than the window, of which 64 (two blocks of 32) fold
+
+
+def quant_caches(model, keep: str, bits: int = 4) -> list[QuantCache]:
+    veloxpatch.patch(kv="quant", window=8, sink=4, compress="chunk",
+                     knobs={"quant_group": 32, "quant_bits": bits, "quant_keep": keep})
+    return make_prompt_cache(model)
+
+
+def reference_scores(model, prompt: mx.array, monkeypatch) -> list[mx.array]:
+    """Per layer (B, kv heads, rows): the most attention any query (of any head of a row's group) of the prompt read
+    a second time pays each row of the first reading, with mlx_lm's own cache and attention."""
+    veloxpatch.unpatch()
+    seen: list[tuple[mx.array, mx.array, float]] = []
+    original = llama.scaled_dot_product_attention
+
+    def recorder(queries, keys, values, cache, scale, mask, sinks=None):
+        seen.append((queries, keys, scale))
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", recorder)
+    caches = [KVCache() for _ in model.layers]
+    model(prompt[None], cache=caches)
+    seen.clear()
+    model(prompt[None], cache=caches)
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", original)
+    out = []
+    for queries, keys, scale in seen:
+        b, hq, n, d = queries.shape
+        heads, rows = keys.shape[1], keys.shape[2]
+        logits = (queries * scale).reshape(b, heads, hq // heads, n, d) @ keys[:, :, None].swapaxes(-1, -2)
+        causal = mx.arange(rows)[None] <= (rows - n + mx.arange(n))[:, None]
+        probs = mx.softmax(mx.where(causal, logits, -mx.inf), axis=-1, precise=True)
+        out.append(probs[..., : rows - n].max(axis=(2, 3)))
+    return out
+
+
+def test_rows_are_scored_by_the_second_reading_and_each_head_keeps_its_best(monkeypatch) -> None:
+    model = tiny("llama", layers=2)
+    prompt = random_tokens(PROMPT + 1, 4)
+    expected = reference_scores(model, prompt[:PROMPT], monkeypatch)
+    recorded: list[mx.array] = []
+    scored = QuantCache.scored
+
+    def record(self, n, read):
+        recorded.append(self.store.column(REREAD))
+        scored(self, n, read)
+
+    monkeypatch.setattr(QuantCache, "scored", record)
+    caches = quant_caches(model, "50%")
+    greedy(model, prompt, caches, steps=1, chunk=PROMPT)
+    assert len(recorded) == 2, "the prompt chunk was read twice, each layer scoring once"
+    for cache, got, want in zip(caches, recorded, expected):
+        assert mx.allclose(got - 1, want, atol=1e-4).item(), float(mx.abs(got - 1 - want).max())
+        (fold,) = cache.folds
+        assert (fold.start, fold.end, cache.held_rows(fold)) == (0, 64, 32), "half of two blocks: one block per head"
+        score = mx.where(mx.arange(64) < 4, mx.inf, want[..., :64])
+        best = mx.sort(mx.argsort(-score, axis=-1)[..., :32], axis=-1)
+        assert mx.array_equal(cache.fold_positions(fold), best).item(), "each head's 32 best rows, the sinks first"
+        assert cache.store.rows == cache.offset - 64, "the second reading left no row"
+        assert cache.offset == PROMPT + 2, "the prompt, and generate_step's one step ahead"
+
+
+def test_keeping_every_row_reads_each_prompt_chunk_once(monkeypatch) -> None:
+    model = tiny("llama", layers=2)
+    calls: list[int] = []
+    update = QuantCache.update_and_fetch
+
+    def counted(self, keys, values):
+        calls.append(keys.shape[2])
+        return update(self, keys, values)
+
+    monkeypatch.setattr(QuantCache, "update_and_fetch", counted)
+    prompt = random_tokens(PROMPT + 1, 5)
+    for keep, readings in (("100%", 1), ("40%", 2)):
+        caches = quant_caches(model, keep)
+        calls.clear()  # (building the caches probed the model)
+        greedy(model, prompt, caches, steps=2, chunk=PROMPT)
+        assert calls[: 2 * readings] == [PROMPT] * 2 * readings, f"{keep}: two layers, the chunk {readings}x"
+        assert set(calls[2 * readings :]) == {1}, "then decode steps only"
+
+
+def test_the_rows_kept_are_the_first_readings_at_their_positions() -> None:
+    model = tiny("llama", layers=2)
+    prompt = random_tokens(300, 6)
+    every, some = quant_caches(model, "100%", bits=8), quant_caches(model, "40%", bits=8)
+    greedy(model, prompt, every, steps=4, chunk=300)  # one chunk: no layer's rows depend on another's choice
+    greedy(model, prompt, some, steps=4, chunk=300)
+    for full, kept in zip(every, some):
+        assert kept.offset == full.offset and kept.size() < full.size()
+        positions = kept.fold_positions(kept.folds[0])
+        assert (positions[..., 1:] > positions[..., :-1]).all().item(), "ascending per head"
+        assert (positions[..., :4] == mx.arange(4)).all().item(), "the sinks stay"
+        rows = mx.take_along_axis(full.rows()[0], positions[..., None], axis=2)
+        step = float(mx.abs(rows).max()) * 2 / 255  # one 8-bit level of these keys (up to ~13 here)
+        assert mx.allclose(kept.unfold(kept.folds[0])[0], rows, atol=step).item(), "the same rows, rounded twice"
+
+
+def test_a_trim_into_the_kept_rows_leaves_a_cache_of_the_prefix(tmp_path) -> None:
+    model = tiny("llama", layers=2)
+    caches = quant_caches(model, "40%")
+    greedy(model, random_tokens(300, 7), caches, steps=3, chunk=128)
+    loaded = assert_round_trip(str(tmp_path / "kept.safetensors"), model, caches)
+    for cache in loaded:
+        cache.trim(cache.offset - 150)
+        (fold,) = cache.folds
+        assert cache.offset == 150 and fold.end == 150 and cache.store.rows == 0
+        assert (cache.fold_positions(fold) < 150).all().item() and cache.held_rows(fold) % 32 == 0
+        assert cache.size() == cache.held_rows(fold)
+    assert len(greedy(model, mx.array([3, 4]), loaded, steps=3)) == 3
+
+
+@pytest.mark.parametrize("keep", ["0%", "101%", "40", "half"])
+def test_a_bad_share_to_keep_is_refused_by_name(keep: str) -> None:
+    with pytest.raises(ConfigError, match=rf"VELOX_QUANT_KEEP='{keep}' is not allowed: expected a percentage"):
+        veloxpatch.patch(kv="quant", knobs={"quant_keep": keep})
