@@ -10,8 +10,10 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
 from conftest import assert_round_trip, greedy, random_tokens, tiny
-from veloxpatch.config import ConfigError
+from veloxpatch.caches import CacheSpec
+from veloxpatch.config import Budget, ConfigError
 from veloxpatch.methods.quant import REREAD, QuantCache
+from veloxpatch.settings import Share
 
 PROMPT = 100  # one prompt chunk: 92 rows older than the window, of which 64 (two blocks of 32) fold
 
@@ -129,3 +131,20 @@ def test_a_trim_into_the_kept_rows_leaves_a_cache_of_the_prefix(tmp_path) -> Non
 def test_a_bad_share_to_keep_is_refused_by_name(keep: str) -> None:
     with pytest.raises(ConfigError, match=rf"VELOX_QUANT_KEEP='{keep}' is not allowed: expected a percentage"):
         veloxpatch.patch(kv="quant", knobs={"quant_keep": keep})
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_a_decode_step_over_kept_rows_equals_attention_over_them_rebuilt(n: int) -> None:
+    mx.random.seed(n)
+    cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, mode="chunk"), bits=4, group=32, keep=Share(0.4))
+    rows = mx.random.normal((1, 2, 300, 64))
+    keys, values = cache.update_and_fetch(rows, rows)
+    cache.store.set_column(REREAD, 1 + mx.random.uniform(shape=(1, 2, 300)))  # as a second reading leaves them
+    cache.attend(mx.random.normal((1, 6, 300, 64)), keys, values, 0.125, "causal")
+    assert cache.held_rows(cache.folds[0]) == 128, "40% of 288 rows: 3.6 blocks of 32, rounded to 4"
+    keys, values = cache.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
+    queries = mx.random.normal((1, 6, n, 64))
+    held = cache.attend_held(queries, 0.125)
+    assert held is not None and cache._held_usable(queries, None, None)
+    rebuilt = cache._attention(queries, keys, values, 0.125, None if n == 1 else "causal", None)
+    assert mx.allclose(held, rebuilt, atol=1e-5).item()

@@ -25,6 +25,18 @@ in the store. A prompt chunk attends over the fold dequantized, then the exact r
 fold as held, by mlx's quantized matmul: keys held per channel are the matrix the queries multiply, values per
 token the one the attention weights multiply, so nothing is dequantized whole. A trim back into the fold keeps its
 whole blocks before the new end and returns the cut block's prefix to the store, dequantized.
+
+Fewer rows too (``VELOX_QUANT_KEEP`` below 100%). Quantization alone stops at about a fifth of the 16-bit bytes
+(3 bits); an eighth needs fewer rows as well, chosen before any question is asked (a document read once, asked
+many things). KVzip's score chooses them: the model reads each prompt chunk a second time
+(:mod:`veloxpatch.integration.rereading`) and each row scores the most attention any query of its head group pays
+it then; when the chunk's rows fold, each head keeps that share of them, its best-scored (the first ``VELOX_SINK``
+tokens always), in whole blocks, with each row's position (two bytes) for trims. Every head keeps the same number
+(KVzip and AdaKV let heads differ: ragged rows the quantized matmul cannot take). Rows of decoded tokens, never
+read twice, are all kept. Measured (``bench/agnostic_selection.py``, Qwen2.5-0.5B, RULER at 4k, question after):
+KVzip's score with its instruction kept every answer the full cache gave at 35% of the rows and 4 bits, where
+the scores a cache can compute alone (the prompt's last queries, expected attention, key norms) lost the needles
+at 50%.
 """
 
 from __future__ import annotations
@@ -166,7 +178,7 @@ class QuantCache(CrossLayerCache):
         b, heads_q, n, dim = queries.shape
         heads, rows = exact_keys.shape[1], exact_keys.shape[2]
         q = (queries * scale).reshape(b, heads, heads_q // heads * n, dim)
-        keys, values = self.folds[0].own
+        keys, values = fold.own[:2]
         folded = self._times(q, keys, self.group_size)
         exact = q @ exact_keys.swapaxes(-1, -2)
         if n > 1:  # query r is token r % n of the step, which sees the exact rows up to its own
