@@ -58,7 +58,8 @@ GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per 
 
 Parts = tuple[mx.array, ...]  # mlx's (packed, scales, biases), or the array itself (16 bits)
 REREAD = "reread"  # the store's column of 1 + the most attention the second reading paid a row (0: not scored)
-QUERY_BLOCK = 256  # queries of a second reading scored at once: (heads, group x block, rows) float32 logits
+QUERY_BLOCK = 64  # queries of a second reading scored at once: (heads, group x block, rows) float32 logits, a few
+# times over while the chunk is read: 17 MB each for Qwen2.5-0.5B at 4k tokens
 
 
 KNOBS = (
