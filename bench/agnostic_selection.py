@@ -2,7 +2,7 @@
 keys per channel at low bits on top (the bytes ``quant`` would hold for the rows kept).
 
     python bench/agnostic_selection.py --model FOLDER [--context 4096] [--tasks niah_single_2,niah_multikey_3,vt]
-        [--samples 1] [--keep 0.5,0.35] [--bits 16,4] [--out FOLDER]
+        [--samples 1] [--keep 0.5,0.35] [--bits 16,4] [--scorers window,repeat,expected,keynorm] [--out FOLDER]
 
 For each RULER example the full cache reads the context (the question left out, the field's protocol). Each scorer
 then rates every row of every layer's key heads, without the question:
@@ -10,6 +10,9 @@ then rates every row of every layer's key heads, without the question:
 * ``window``: the attention the context's last 64 queries pay a row (SnapKV's observation window, question-free);
 * ``repeat``: the most attention any query pays a row while the model reads "repeat the context" and the context
   again on top of the cache, then trimmed away (KVzip's reconstruction score, Kim et al., arXiv 2505.23416);
+* ``bare``: ``repeat`` without the instruction, the context read again as it is (what ``VELOX_QUANT_KEEP`` reads:
+  a model call has no tokenizer), and ``bare-chunked``: each 512-token chunk read again right after it is read
+  (as ``VELOX_QUANT_KEEP`` does while a prompt is read in chunks);
 * ``expected``: the attention a query drawn from the last 128 queries' mean and per-channel variance is expected
   to pay it, times its value's norm (Expected Attention, Devoto et al., arXiv 2510.00636; RoPE not rotated forward);
 * ``keynorm``: a small key norm (Devoto et al., arXiv 2406.11430).
@@ -102,27 +105,52 @@ def read(model: Any, cache: list, tokens: list[int], chunk: int = 1024) -> None:
         mx.eval([c.state for c in cache])
 
 
-def scores(model: Any, tokenizer: Any, attention: Attention, context: list[int]) -> tuple[list, dict[str, list]]:
+def scores(model: Any, tokenizer: Any, attention: Attention, context: list[int],
+           scorers: list[str]) -> tuple[list, dict[str, list]]:
     """The full cache of ``context`` and each scorer's (kv heads, rows) per layer."""
     cache = make_prompt_cache(model)
     attention.limit, out = len(context), {}
-    read(model, cache, context[: -STATS])
+    body = _chunked(model, cache, attention, context[: -STATS]) if "bare-chunked" in scorers else None
+    if body is None:
+        read(model, cache, context[: -STATS])
     attention.queries, attention.seen = True, {}
     read(model, cache, context[-STATS: -WINDOW])
     attention.record, attention.found = "sum", {}
     read(model, cache, context[-WINDOW:])
     out["window"] = [attention.found[i] for i in range(len(cache))]
     queries = {i: mx.concatenate(q, axis=1) for i, q in attention.seen.items()}
-    attention.queries, attention.record, attention.found = False, "max", {}
-    extra = tokenizer.encode(REPEAT, add_special_tokens=False) + context
+    attention.queries = False
+    if body is not None:
+        attention.limit = len(context)
+        tail = _read_again(model, cache, attention, context[-STATS:])
+        out["bare-chunked"] = [mx.concatenate([b, t[:, -STATS:]], axis=1) for b, t in zip(body, tail)]
+    for name, prefix in (("repeat", tokenizer.encode(REPEAT, add_special_tokens=False)), ("bare", [])):
+        if name in scorers:
+            out[name] = _read_again(model, cache, attention, prefix + context)
+    out["expected"] = [_expected(queries[i], c) for i, c in enumerate(cache)]
+    out["keynorm"] = [-mx.linalg.norm(c.keys[0, :, : c.offset], axis=-1) for c in cache]
+    return cache, {name: out[name] for name in scorers}
+
+
+def _read_again(model: Any, cache: list, attention: Attention, extra: list[int]) -> list[mx.array]:
+    """Per layer, the most attention each row gets while ``extra`` is read on top of the cache (then trimmed)."""
+    attention.record, attention.found = "max", {}
     read(model, cache, extra, 512)
     for c in cache:
         c.trim(len(extra))
-    out["repeat"] = [attention.found[i] for i in range(len(cache))]
     attention.record = None
-    out["expected"] = [_expected(queries[i], c) for i, c in enumerate(cache)]
-    out["keynorm"] = [-mx.linalg.norm(c.keys[0, :, : c.offset], axis=-1) for c in cache]
-    return cache, out
+    return [attention.found[i] for i in range(len(cache))]
+
+
+def _chunked(model: Any, cache: list, attention: Attention, tokens: list[int]) -> list[mx.array]:
+    """Read ``tokens`` in 512-token chunks, each read again at once: per layer, each row's most attention from the
+    second reading of its own chunk."""
+    found: list[list[mx.array]] = []
+    for start in range(0, len(tokens), 512):
+        read(model, cache, tokens[start: start + 512], 512)
+        attention.limit = cache[0].offset
+        found.append([r[:, start:] for r in _read_again(model, cache, attention, tokens[start: start + 512])])
+    return [mx.concatenate([f[i] for f in found], axis=1) for i in range(len(cache))]
 
 
 def _expected(queries: mx.array, layer: Any) -> mx.array:
@@ -189,6 +217,7 @@ def variant(model: Any, tokenizer: Any, attention: Attention, cache: list, keep:
 def main() -> None:
     parser = ruler_arguments(__doc__.split("\n\n")[0], 4096, "16,4")
     parser.add_argument("--keep", default="0.5,0.35")
+    parser.add_argument("--scorers", default="window,repeat,expected,keynorm")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model, tokenizer = load(args.model)
@@ -216,7 +245,7 @@ def one_example(model: Any, tokenizer: Any, attention: Attention, task: str, see
     context = tokenizer.encode(example.context)
     question = tokenizer.encode(example.prompt)[len(context):]
     rest = tokenizer.encode(example.prompt + example.answer)[len(context):]
-    cache, found = scores(model, tokenizer, attention, context)
+    cache, found = scores(model, tokenizer, attention, context, args.scorers.split(","))
     reference, _ = kl_after(model, copy.deepcopy(cache), rest, None)
     out = []
     plans: list[tuple[str, float, bool]] = [("full", 1.0, False)]

@@ -148,3 +148,14 @@ def test_a_decode_step_over_kept_rows_equals_attention_over_them_rebuilt(n: int)
     assert held is not None and cache._held_usable(queries, None, None)
     rebuilt = cache._attention(queries, keys, values, 0.125, None if n == 1 else "causal", None)
     assert mx.allclose(held, rebuilt, atol=1e-5).item()
+
+
+def test_the_share_is_kept_over_the_prompts_folds_not_rounded_in_each() -> None:
+    model = tiny("llama", layers=2)
+    veloxpatch.patch(kv="quant", window=32, compress="chunk", knobs={"quant_group": 64, "quant_keep": "35%"})
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(769, 8), caches, steps=1, chunk=256)
+    for cache in caches:
+        (fold,) = cache.folds
+        assert fold.end == 704, "three chunks: 192, then 256 and 256 rows folded"
+        assert cache.held_rows(fold) == 256, "35% of 704 in blocks of 64 (each fold alone: 64 + 64 + 64)"
