@@ -6,9 +6,16 @@ exact above the context, through ``veloxpatch run`` and ``import veloxpatch.auto
 matter for compatibility. CI runs the newest only; run the matrix before a release and whenever mlx-lm
 is bumped (``nox -s "compat(mlx_lm='0.30')"`` for one minor; test files after ``--`` replace the list), and
 update docs/compatibility.md.
+
+Not in the default run: ``nox -s apps`` installs third-party apps built on mlx_lm from PyPI (``APPS``), each in a venv
+of its own beside this checkout, and runs ``tests/apps/test_third_party.py`` there: each app unmodified, plain and
+under ``veloxpatch run`` on the shipped model over loopback, the same answers at a budget above the context and
+compressed caches at a small one (``nox -s "apps(app='llm-mlx')"`` for one).
 """
 
 from __future__ import annotations
+
+import re
 
 import nox
 
@@ -35,7 +42,18 @@ TESTS = [
     "tests/test_compat.py",  # mlx_lm's private layouts batching and the server's settings per request rely on
 ]
 
+APPS = {
+    "llm-mlx": ["llm-mlx==0.4", "llm==0.36", "mlx-lm==0.32.*"],
+    "mlx-dev-server": ["mlx-dev-server==0.1.2", "mlx-lm==0.28.4", "mlx<0.32", "huggingface-hub==0.36.2"],
+}
+"""Each app's pins. llm-mlx: a plugin of the ``llm`` command-line tool, on the newest mlx-lm. mlx-dev-server: an
+OpenAI-compatible server (aiohttp, generation on executor threads, ``max_kv_size``); it asks for
+``huggingface-hub~=0.36``, which mlx-lm 0.31+ (transformers 5) do not take, and for mlx-lm 0.28 on macOS only, so
+here mlx-lm 0.28.4 with mlx older than 0.32 (``PINS``' reason: generation off the main thread). Apps tried and left
+out are in docs/compatibility.md."""
+
 nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["compat"]  # not ``apps``: it installs third-party apps from PyPI
 
 
 @nox.session
@@ -48,3 +66,14 @@ def compat(session: nox.Session, mlx_lm: str) -> None:
     session.run("veloxpatch", "info", env={"VELOX_KV": "snapkv"})
     session.run("python", "bench/compat_check.py")
     session.run("python", "-m", "pytest", "-q", "-n", "0", "-rfEs", *(session.posargs or TESTS))  # with why skipped
+
+
+@nox.session
+@nox.parametrize("app", list(APPS))
+def apps(session: nox.Session, app: str) -> None:
+    """Third-party app ``app`` (``APPS``) unmodified, plain and under the launcher (tests/apps/test_third_party.py)."""
+    session.install("-e", ".", "pytest>=8", "pytest-xdist>=3.5", *APPS[app])
+    names = list(dict.fromkeys([*(re.split(r"[=<>~]", pin)[0] for pin in APPS[app]), "mlx-lm", "mlx"]))
+    session.run("python", "-c", f"import importlib.metadata as m; print({{n: m.version(n) for n in {names!r}}})")
+    session.run("python", "-m", "pytest", "-q", "-n", "0", "-rfEs", "-p", "no:cacheprovider",
+                "tests/apps/test_third_party.py", *session.posargs)

@@ -87,6 +87,19 @@ def test_a_model_with_no_replaceable_slot_runs_unpatched_with_one_log_line(caplo
     assert len(lines) == 1 and "no plain full-attention KVCache slot" in lines[0]
 
 
+def test_an_apps_max_kv_size_is_said_as_why_nothing_is_compressed(records) -> None:
+    """Servers pass their context limit as ``max_kv_size`` (mlx-dev-server's ``--max-kv-size``): the line says that
+    this, not the model, left the list mlx_lm's, and the list stays what the app asked for."""
+    model = tiny("qwen2")
+    veloxpatch.patch(kv="snapkv", budget=64, log="INFO")
+    assert {type(c).__name__ for c in make_prompt_cache(model, 64)} == {"RotatingKVCache"}
+    assert {type(c).__name__ for c in make_prompt_cache(model)} == {"SnapKVCache"}, "without it: compressed"
+    lines = [r.getMessage() for r in records if "running unpatched" in r.getMessage()]
+    assert lines == ["qwen2: no plain full-attention KVCache slot: the app's max_kv_size=64 asked mlx_lm for "
+                     "RotatingKVCache slots, a window of the app's own that veloxpatch leaves as it is (without "
+                     "max_kv_size they would be plain KVCache slots, compressed); running unpatched"]
+
+
 def test_compression_changes_nothing_until_the_budget_is_reached() -> None:
     """Under budget the cache is dense, so the tokens match up to the first eviction, which
     does come: 40 prompt tokens, a budget of 48 and 8 rows of decode headroom evict at 56."""

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import run_group, without_velox
-from veloxpatch.cli import main
+from veloxpatch.cli import app_arguments_apart, main
 from veloxpatch.launching import SHIM_DIR, free_ring_port
 
 LAUNCHER = str(Path(sys.executable).parent / "veloxpatch")
@@ -259,6 +259,21 @@ def test_other_programs_get_no_env_flags(execs: list) -> None:
     execs.clear()
     argv, _ = run_captured(execs, "mlx_lm.generate", "--prompt", "hi")
     assert argv == [sys.executable, str(Path(sys.executable).parent / "mlx_lm.generate"), "--prompt", "hi"]
+
+
+@pytest.mark.parametrize("args", [["-m", "mlx_lm.generate"], ["-mmlx_lm.generate"]], ids=["apart", "attached"])
+def test_an_apps_own_dash_m_is_the_apps(execs: list, args: list[str]) -> None:
+    """``llm -m MODEL`` under ``-m``: as with ``python -m``, what follows the module is the app's (it was read as a
+    second ``-m MODULE`` of ours, and the launcher tried to run the model's name)."""
+    argv, env = run_captured(execs, *args, "-m", "tiny", "--kv", "none", "--", "-x")
+    assert argv == [sys.executable, "-m", "mlx_lm.generate", "-m", "tiny", "--kv", "none", "--", "-x"]
+    assert env["VELOX_KV"] == "snapkv", "the app's --kv is not the launcher's"
+
+
+def test_an_option_value_is_not_taken_for_dash_m() -> None:
+    assert app_arguments_apart(["--kv", "-m", "x.py", "-m", "y"], {"--kv"}) == ["--kv", "-m", "x.py", "-m", "y"]
+    assert app_arguments_apart(["--stats", "-m", "app", "-m"], set()) == ["--stats", "-m", "app", "--", "-m"]
+    assert app_arguments_apart(["-m"], set()) == ["-m"], "click says the module is missing"
 
 
 @pytest.mark.parametrize("args, named", [

@@ -65,11 +65,13 @@ def explain(model: Any, config: VeloxConfig) -> str:
     return text
 
 
-def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime = Runtime()) -> list[Any]:
+def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime = Runtime(),
+          max_kv_size: int | None = None) -> list[Any]:
     """Replace the slots the probe clears with compressed caches sharing one coordinator, each built whole with
     ``runtime`` (what the integration answers them) and the list's memory plan, and counted in the statistics. On
     a model split across ranks, the ranks agree first (:mod:`veloxpatch.ranks`): every rank takes part,
-    whatever its own verdict."""
+    whatever its own verdict. ``max_kv_size``: what the app asked ``make_prompt_cache`` for (said when it is why
+    no slot is plain)."""
     name = model_type(model)
     slots = candidate_slots(caches)
     if slots and unprobed_and_lazy(model, slots, config):  # before the ranks agree: every rank's model is alike
@@ -85,7 +87,8 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
     if found.slots and not ready:
         found = eligibility.Verdict((), reason="another rank of this distributed run could not use it")
     if not slots:
-        notice(f"{name}: {NO_SLOT}", config, key=name, level=logging.INFO)
+        reason = no_slot(caches, max_kv_size)
+        notice(f"{name}: {reason}", config, key=f"{name} {reason}", level=logging.INFO)
         return caches
     if not found.slots or found.left:
         _left(name, config, found, len(slots))
@@ -99,6 +102,19 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
     for cache in {id(built[i]): built[i] for i in found.slots}.values():  # a cache filling several slots is one
         stats.track(cache)
     return built
+
+
+def no_slot(caches: list[Any], max_kv_size: int | None) -> str:
+    """Why a list has no slot of ours, in words: where the app's ``max_kv_size`` made mlx_lm build its
+    ``RotatingKVCache`` slots (servers pass their context limit, e.g. mlx-dev-server's ``--max-kv-size``), say so,
+    so a user who launched with a method learns why nothing is compressed and what to change."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    if max_kv_size is None or not any(type(c) is RotatingKVCache for c in caches):
+        return NO_SLOT
+    return (f"{NO_SLOT.removesuffix('; running unpatched')}: the app's max_kv_size={max_kv_size} asked mlx_lm for "
+            "RotatingKVCache slots, a window of the app's own that veloxpatch leaves as it is (without max_kv_size "
+            "they would be plain KVCache slots, compressed); running unpatched")
 
 
 def unprobed_and_lazy(model: Any, slots: tuple[int, ...], config: VeloxConfig) -> bool:

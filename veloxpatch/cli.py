@@ -29,6 +29,38 @@ from .registry import METHODS
 RUN_CONTEXT = {"ignore_unknown_options": True, "allow_interspersed_args": False}
 
 
+class AppCommand(click.Command):
+    """``run``: as with ``python -m MODULE``, every argument after ``-m MODULE`` is the app's. Click would read an
+    app's own ``-m`` (``llm -m MODEL``, ``mlx_lm.server``-style tools) as a second ``-m MODULE`` of ours and run
+    that instead, so the arguments are cut after the module before click parses them."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Click's parsing, with a ``--`` put after ``-m MODULE`` (and none where a script comes first)."""
+        return super().parse_args(ctx, app_arguments_apart(args, self._valued_options()))
+
+    def _valued_options(self) -> set[str]:
+        """The option names of this command that take a value (their next argument is not the app's)."""
+        return {name for param in self.params if isinstance(param, click.Option) and not param.is_flag
+                for name in param.opts if name != "-m"}
+
+
+def app_arguments_apart(args: list[str], valued: set[str]) -> list[str]:
+    """``args`` with ``--`` after the first ``-m MODULE`` among the launcher's own options (``-mMODULE`` too), so
+    that what follows is passed on whole; unchanged where the script (the first positional argument) or ``--``
+    comes first, or ``-m`` has no module."""
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--" or not arg.startswith("-"):
+            return args
+        if arg == "-m":
+            return args if i + 1 >= len(args) else [*args[:i + 2], "--", *args[i + 2:]]
+        if arg.startswith("-m") and not arg.startswith("--"):
+            return [*args[:i + 1], "--", *args[i + 1:]]
+        i += 2 if arg in valued else 1
+    return args
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="veloxpatch")
 def main() -> None:
@@ -59,7 +91,7 @@ def child_environment(options: dict[str, Any], base: dict[str, str]) -> dict[str
     return env
 
 
-@main.command(context_settings=RUN_CONTEXT)
+@main.command(cls=AppCommand, context_settings=RUN_CONTEXT)
 @click.option("-m", "module", metavar="MODULE", help="Run a library module as a script (like python -m).")
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @_setting_options

@@ -54,13 +54,18 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
         if builder.candidate_slots(caches):
             layer_io.prepare(model, config)
             rereading.prepare(model, config)
-        return builder.build(model, caches, config, STATE.runtime)
+        return builder.build(model, caches, config, STATE.runtime, _max_kv_size(args, kwargs))
     # RanksDisagree: every rank raises it, never one method per rank; ConfigError: a setting this model cannot take
     except (RanksDisagree, StrictError, ConfigError):
         raise
     except Exception as error:  # the host app must keep running
         fall_back("building compressed caches", error, config, model=model, instead="it runs on mlx_lm's own caches")
         return caches
+
+
+def _max_kv_size(args: tuple, kwargs: dict) -> int | None:
+    """The ``max_kv_size`` of a ``make_prompt_cache(model, max_kv_size=None)`` call, by position or name."""
+    return args[1] if len(args) > 1 else kwargs.get("max_kv_size")
 
 
 @wrapt.decorator
