@@ -28,15 +28,15 @@ whole blocks before the new end and returns the cut block's prefix to the store,
 
 Fewer rows too (``VELOX_QUANT_KEEP`` below 100%). Quantization alone stops at about a fifth of the 16-bit bytes
 (3 bits); an eighth needs fewer rows as well, chosen before any question is asked (a document read once, asked
-many things). KVzip's score chooses them: the model reads each prompt chunk a second time
-(:mod:`veloxpatch.integration.rereading`) and each row scores the most attention any query of its head group pays
-it then; when the chunk's rows fold, each head keeps that share of them, its best-scored (the first ``VELOX_SINK``
-tokens always), in whole blocks, with each row's position (two bytes) for trims. Every head keeps the same number
-(KVzip and AdaKV let heads differ: ragged rows the quantized matmul cannot take). Rows of decoded tokens, never
-read twice, are all kept. Measured (``bench/agnostic_selection.py``, Qwen2.5-0.5B, RULER at 4k, question after):
-KVzip's score with its instruction kept every answer the full cache gave at 35% of the rows and 4 bits, where
-the scores a cache can compute alone (the prompt's last queries, expected attention, key norms) lost the needles
-at 50%.
+many things). KVzip's score chooses them: once a prompt is read (its rows folded at low bits as usual, so memory
+stays bounded while it is read), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and
+each folded row scores the most attention any query of its head group pays it then; each head keeps that share of
+the prompt's rows, its best-scored (and the first ``VELOX_SINK`` tokens), the fold quantized again from the rows
+kept, each with its position (two bytes) for trims. Every head keeps the same number (KVzip and AdaKV let heads
+differ: ragged rows the quantized matmul cannot take). Rows of decoded tokens, never read twice, are all kept.
+Measured (``bench/agnostic_selection.py``, Qwen2.5-0.5B, RULER at 4k, question after): KVzip's score kept every
+answer the full cache gave at 35% of the rows and 4 bits, where the scores a cache can compute alone (the prompt's
+last queries, expected attention, key norms) lost the needles at 50%.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, i
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
 
 Parts = tuple[mx.array, ...]  # mlx's (packed, scales, biases), or the array itself (16 bits)
-REREAD = "reread"  # the store's column of 1 + the most attention the second reading paid a row (0: not scored)
 QUERY_BLOCK = 64  # queries of a second reading scored at once: (heads, group x block, rows) float32 logits, a few
 # times over while the chunk is read: 17 MB each for Qwen2.5-0.5B at 4k tokens
 
@@ -69,9 +68,9 @@ KNOBS = (
             "Quant: tokens per block whose key channels share a scale and bias (and a value row's elements per "
             "group, or the largest of 32, 64 and 128 dividing the head dimension).", method="quant"),
     Setting("VELOX_QUANT_KEEP", percent, "100%", "a percentage in (0, 100]",
-            "Quant: share of each prompt chunk's rows a head keeps, those the model attends to most while it reads "
-            "the chunk a second time (KVzip's score; the first VELOX_SINK tokens always stay). Below 100% every "
-            "prompt chunk is read twice.", method="quant"),
+            "Quant: share of a prompt's quantized rows each head keeps once the prompt is read: those the model "
+            "attends to most while it reads the prompt a second time (KVzip's score; the first VELOX_SINK tokens "
+            "always stay). Below 100% every prompt is read twice.", method="quant"),
 )
 
 
@@ -89,17 +88,38 @@ class QuantCache(CrossLayerCache):
     def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float = 1.0) -> None:
         super().__init__(spec)
         self.bits, self.group_size, self.keep = bits, group, keep
-        self.rereading = False  # the model reads the last prompt chunk again: this cache scores its rows
-        self.awaiting = False  # the last prompt chunk's rows wait for their scores before they fold
-        self.scored_rows = self.scored_kept = 0  # rows of the folds chosen from so far, and how many of them stay
+        self.rereading = False  # the model reads the prompt again: this cache scores its folded rows
+        self.unscored: list[mx.array] = []  # the prompt chunks read since the last scoring (token ids)
+        self.since = 0  # the position the unscored prompt begins at: folded rows before it were chosen already
+        self.scores: mx.array | None = None  # (B, H, folded rows) the most attention the second reading paid
 
     def knob_values(self) -> dict[str, Any]:
         return {"bits": self.bits, "group": self.group_size, "keep": self.keep}
 
     @property
     def wants_rereading(self) -> bool:
-        """Whether each prompt chunk should be read a second time to score its rows (a share to keep is set)."""
+        """Whether a prompt should be read a second time to score its rows (a share to keep is set)."""
         return self.keep < 1
+
+    def read_prompt_chunk(self, tokens: mx.array) -> None:
+        """A prompt chunk of token ids has been read: it will be read again before the next decode step."""
+        if not self.unscored:
+            self.since = self.offset - tokens.shape[-1]
+        self.unscored.append(tokens)
+
+    def start_rereading(self) -> None:
+        """The model is about to read the unscored prompt again: the rows due fold first (all the prompt's, under
+        ``VELOX_COMPRESS=end``, where they fold at the first decode step), so the reading scores them."""
+        self._fold_if_due(1)
+        self.rereading, self.unscored, self.scores = True, [], None
+
+    def stop_rereading(self, read: bool) -> None:
+        """The second reading is over and trimmed away; ``read``: it did not fail midway (then nothing is
+        dropped). Each head keeps the share of the prompt's folded rows it scored best (:meth:`_kept`)."""
+        self.rereading = False
+        scores, self.scores = self.scores, None
+        if read and scores is not None and self.folds:
+            self._keep_best(scores)
 
     def folded_as(self) -> str | None:
         return f"at {self.bits} bits (keys per channel, values per token)"
@@ -118,34 +138,28 @@ class QuantCache(CrossLayerCache):
         return self.group_size
 
     def joint(self, parts: list[tuple[mx.array, mx.array]]) -> tuple[list[Any], Any]:
-        """Rows ``[start, end)`` (whole blocks; the store's first rows, this layer's group being itself alone)
-        quantized: keys per channel, values per token; with a share to keep, each head's best-scored rows only,
-        with their positions."""
+        """Rows ``[start, end)`` (whole blocks) quantized: keys per channel, values per token."""
         ((keys, values),) = parts
-        rows = keys.shape[2]
-        chosen = self._chosen(rows)
-        if chosen is None:
-            return [(self._keys_encoded(keys), self._values_encoded(values))], None
-        keys, values = take_rows((keys, values), chosen)
-        positions = mx.take_along_axis(self.store.row_positions()[..., :rows], chosen, axis=-1)
-        return [(self._keys_encoded(keys), self._values_encoded(values), _compact(positions))], None
+        return [(self._keys_encoded(keys), self._values_encoded(values))], None
 
-    def _chosen(self, rows: int) -> mx.array | None:
-        """The store's first ``rows`` rows each head keeps, (B, H, k) ascending; None: all of them (no share to
-        keep, or a row among them the second reading never scored: a decoded token). k is a whole number of
-        blocks, so the share is kept over every fold chosen from so far, not each alone (256-token prompt chunks
-        fold 192 or 256 rows, of which 35% would round to one block of 64 each: a quarter)."""
-        g = self.group_size
-        due = self.keep * (self.scored_rows + rows) - self.scored_kept
-        k = min(max(g, round(due / g) * g), rows)
-        if self.keep >= 1 or k >= rows:
-            return None
-        score = self.store.column(REREAD)[..., :rows]
-        if not bool((score > 0).all().item()):
-            return None
-        self.scored_rows, self.scored_kept = self.scored_rows + rows, self.scored_kept + k
-        score = mx.where(self.store.row_positions()[..., :rows] < self.sink, mx.inf, score)
-        return mx.sort(mx.argpartition(-score, kth=k - 1, axis=-1)[..., :k], axis=-1)
+    def _keep_best(self, scores: mx.array) -> None:
+        """Rebuild the fold from each head's best-scored rows of the prompt (the same number per head, the share
+        over them rounded to whole blocks) and every row before it or among the first ``VELOX_SINK``: dequantized,
+        chosen, quantized again in blocks of the rows kept."""
+        fold, g = self.folds[0], self.group_size
+        positions = self.fold_positions(fold)
+        held = positions.shape[-1]
+        protected = (positions < self.since) | (positions < self.sink)
+        fresh = int((~protected[0, 0]).sum())
+        k = min(held, max(g, round((held - fresh + self.keep * fresh) / g) * g))
+        if k >= held:
+            return
+        score = mx.where(protected, mx.inf, scores[..., :held])
+        chosen = mx.sort(mx.argpartition(-score, kth=k - 1, axis=-1)[..., :k], axis=-1)
+        keys, values = take_rows(self.unfold(fold), chosen)
+        own = (self._keys_encoded(keys), self._values_encoded(values),
+               _compact(mx.take_along_axis(positions, chosen, axis=-1)))
+        self.folds = [Fold(fold.start, fold.end, own, None, fold.group)]
 
     def _apply(self, start: int, end: int, group: tuple[int, ...], result: tuple[list[Any], Any], at: int) -> None:
         """The base's new fold, joined to the one held: the layer keeps one fold of every quantized block (with
@@ -209,38 +223,24 @@ class QuantCache(CrossLayerCache):
 
     def _scored_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
         """Attention of the second reading's ``queries`` over every row (causal among its own), a block of queries
-        at a time; the exact rows before them get 1 + the most attention any of the queries of any head of their
-        group paid them, or keep what an earlier reading gave them if that was more."""
+        at a time; each folded row scores the most attention any query of any head of its group pays it, over
+        every chunk of the reading."""
         b, heads_q, n, dim = queries.shape
         heads, rows = keys.shape[1], keys.shape[2]
-        group, first = heads_q // heads, self.folded_rows()
+        group, folded = heads_q // heads, self.folded_rows()
         q = (queries * scale).reshape(b, heads, group, n, dim)
-        outs, best = [], mx.zeros((b, heads, rows - n - first), mx.float32)
+        outs, best = [], mx.zeros((b, heads, folded), mx.float32) if self.scores is None else self.scores
         for at in range(0, n, QUERY_BLOCK):
             block = q[..., at : at + QUERY_BLOCK, :]
             m = block.shape[3]
             seen = mx.arange(rows)[None] <= (rows - n + at + mx.arange(m))[:, None]
             logits = mx.where(seen, block @ keys[:, :, None].swapaxes(-1, -2), -mx.inf)
             probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
-            best = mx.maximum(best, probs[..., first : rows - n].max(axis=(2, 3)))
+            best = mx.maximum(best, probs[..., :folded].max(axis=(2, 3)))
             outs.append(probs.astype(values.dtype) @ values[:, :, None])
             mx.eval(outs[-1], best)
-        held = self.store.column(REREAD)[..., : best.shape[-1]]
-        self.store.set_column(REREAD, mx.maximum(held, 1 + best))
+        self.scores = best
         return mx.concatenate(outs, axis=3).reshape(b, heads_q, n, -1)
-
-    def _fold_if_due(self, n: int) -> None:
-        """Fold as the base does, unless the last prompt chunk's rows wait for their scores."""
-        if not self.awaiting:
-            super()._fold_if_due(n)
-
-    def scored(self, n: int, read: bool) -> None:
-        """The second reading of a prompt chunk of ``n`` tokens is over and trimmed (``read``: it did not fail
-        midway, which leaves no row scored): the rows fold as due."""
-        self.awaiting = self.rereading = False
-        if not read:
-            self.store.set_column(REREAD, None)
-        self._fold_if_due(n)
 
     def _times(self, x: mx.array, parts: Parts, group: int | None) -> mx.array:
         """``x`` times the matrix ``parts`` holds quantized along its last axis."""
