@@ -7,10 +7,11 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx_lm.models.llama as llama
 import pytest
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
-from conftest import assert_round_trip, greedy, random_tokens, tiny
+from conftest import assert_round_trip, drain, greedy, random_tokens, tiny
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.methods.quant import QuantCache
@@ -164,3 +165,14 @@ def test_every_row_stays_while_the_prompt_is_read_and_the_share_after_it() -> No
     for cache in caches:
         (fold,) = cache.folds
         assert fold.end == 736 and cache.held_rows(fold) == 256, "4 sinks and 35% of 732 (260), in blocks of 32"
+
+
+def test_batched_sequences_keep_every_row_and_say_so(records) -> None:
+    model = tiny("llama", layers=2)
+    prompts = [random_tokens(n, seed).tolist() for n, seed in ((90, 1), (140, 2))]
+    veloxpatch.patch(kv="quant", window=4, compress="chunk", knobs={"quant_group": 32})
+    every_row = [greedy(model, mx.array(p), steps=12, chunk=100) for p in prompts]
+    veloxpatch.patch(kv="quant", window=4, compress="chunk", log="INFO", knobs={"quant_group": 32, "quant_keep": "40%"})
+    gen = BatchGenerator(model, max_tokens=12, prefill_step_size=100)
+    assert drain(gen, gen.insert(prompts)) == every_row
+    assert any("sequences generated in a batch keep every row" in r.getMessage() for r in records)

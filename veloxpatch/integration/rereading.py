@@ -81,6 +81,10 @@ def _readers(params: Parameters, args: tuple, kwargs: dict) -> list[Any]:
     caches = params.cache(args, kwargs)
     if not isinstance(caches, (list, tuple)) or not caches:
         return []
+    if any(getattr(m, "wants_rereading", False) for c in caches for m in getattr(c, "members", ())):
+        once("rereading batched", logging.INFO,
+             "VELOX_QUANT_KEEP: sequences generated in a batch keep every row (each prompt is read once)")
+        return []
     asking = [c for c in caches if getattr(c, "wants_rereading", False)]
     if not asking or any(c.rereading for c in asking):
         return []
