@@ -108,6 +108,8 @@ def test_the_rows_kept_are_the_first_readings_at_their_positions() -> None:
     greedy(model, prompt, some, steps=4, chunk=300)
     for full, kept in zip(every, some):
         assert kept.offset == full.offset and kept.size() < full.size()
+        spare = kept.store.capacity - kept.store.rows
+        assert spare < kept.store.step, f"{spare} spare rows: the room the second reading took is given back"
         positions = kept.fold_positions(kept.folds[0])
         assert (positions[..., 1:] > positions[..., :-1]).all().item(), "ascending per head"
         assert (positions[..., :4] == mx.arange(4)).all().item(), "the sinks stay"

@@ -120,6 +120,9 @@ class QuantCache(CrossLayerCache):
         scores, self.scores = self.scores, None
         if read and scores is not None and self.folds:
             self._keep_best(scores)
+        rows = self.store.rows
+        if self.store.capacity > rows:  # the room the second reading's rows took, given back
+            self.store.keep(mx.broadcast_to(mx.arange(rows), (*self.store.row_positions().shape[:2], rows)), 0)
 
     def folded_as(self) -> str | None:
         return f"at {self.bits} bits (keys per channel, values per token)"
