@@ -70,7 +70,8 @@ KNOBS = (
     Setting("VELOX_QUANT_KEEP", percent, "100%", "a percentage in (0, 100]",
             "Quant: share of a prompt's quantized rows each head keeps once the prompt is read: those the model "
             "attends to most while it reads the prompt a second time (KVzip's score; the first VELOX_SINK tokens "
-            "always stay). Below 100% every prompt is read twice.", method="quant"),
+            "always stay). Below 100% every prompt is read twice. Experimental: it lost answers in every measurement "
+            "so far (docs/results.md).", method="quant"),
 )
 
 
