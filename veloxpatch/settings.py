@@ -39,10 +39,7 @@ class Budget:
         """``"1024"`` -> 1024 tokens, ``"25%"`` -> a quarter of the tokens seen; ValueError otherwise."""
         text = text.strip()
         if text.endswith("%"):
-            pct = float(text[:-1])
-            if not 0 < pct <= 100:
-                raise ValueError(text)
-            return cls(fraction=pct / 100)
+            return cls(fraction=float(percent(text)))
         value = int(text)
         if value < 1:
             raise ValueError(text)

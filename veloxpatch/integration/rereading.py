@@ -111,13 +111,13 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
     try:
         for chunk in chunks:
             again, named = _with_input(params, args, kwargs, chunk)
-            wrapped(*again, **named)
-            for cache, offset in zip(readers, offsets):
-                cache.trim(cache.offset - offset)
+            try:
+                wrapped(*again, **named)
+            finally:  # the second reading's rows go, whether it finished or not
+                for cache, offset in zip(readers, offsets):
+                    cache.trim(cache.offset - offset)
         read = True
     except Exception as error:  # the host app must keep running
-        for cache, offset in zip(readers, offsets):
-            cache.trim(cache.offset - offset)
         fall_back("reading a prompt again", error, in_force(), instead="its rows are all kept")
     finally:
         for cache in readers:

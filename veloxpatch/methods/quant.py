@@ -84,7 +84,7 @@ class QuantCache(CrossLayerCache):
     budget_use = ("VELOX_BUDGET does not apply: it keeps every token, all but the exact window at VELOX_QUANT_BITS "
                   "bits (4 by default).")
 
-    rereads_prompt = True  # the model call may read a prompt chunk twice for it (integration.rereading)
+    rereads_prompt = True  # the model call may read a prompt twice for it (integration.rereading)
 
     def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float = 1.0) -> None:
         super().__init__(spec)
@@ -116,7 +116,7 @@ class QuantCache(CrossLayerCache):
 
     def stop_rereading(self, read: bool) -> None:
         """The second reading is over and trimmed away; ``read``: it did not fail midway (then nothing is
-        dropped). Each head keeps the share of the prompt's folded rows it scored best (:meth:`_kept`)."""
+        dropped). Each head keeps the share of the prompt's folded rows it scored best (:meth:`_keep_best`)."""
         self.rereading = False
         scores, self.scores = self.scores, None
         if read and scores is not None and self.folds:
@@ -216,7 +216,7 @@ class QuantCache(CrossLayerCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """A second reading of a prompt chunk attends as every step does and scores the rows it reads over
+        """A chunk of the prompt's second reading attends as every step does and scores the folded rows
         (:meth:`_scored_attention`); its rows are trimmed afterwards, so nothing folds."""
         if not self.rereading or sinks is not None:
             return super().attend(queries, keys, values, scale, mask, sinks)
