@@ -12,7 +12,8 @@ then rates every row of every layer's key heads, without the question:
   again on top of the cache, then trimmed away (KVzip's reconstruction score, Kim et al., arXiv 2505.23416);
 * ``bare``: ``repeat`` without the instruction, the context read again as it is (what ``VELOX_QUANT_KEEP`` reads:
   a model call has no tokenizer), and ``bare-chunked``: each 512-token chunk read again right after it is read
-  (as ``VELOX_QUANT_KEEP`` does while a prompt is read in chunks);
+  (what a first version of ``VELOX_QUANT_KEEP`` did), and ``bare-trimmed``: the context read again in 2048-token
+  chunks, each trimmed away before the next is read (what ``VELOX_QUANT_KEEP`` does to bound the peak);
 * ``expected``: the attention a query drawn from the last 128 queries' mean and per-channel variance is expected
   to pay it, times its value's norm (Expected Attention, Devoto et al., arXiv 2510.00636; RoPE not rotated forward);
 * ``keynorm``: a small key norm (Devoto et al., arXiv 2406.11430).
@@ -22,8 +23,13 @@ the same number per head or (``head-wise``) one top-k over the layer's heads (Ad
 answer are read on top, the dropped rows masked out per head (with ``--bits`` under 16 every row first quantized
 per channel in 64-token blocks and back, values per token, as ``quant`` holds them). Printed per variant: the
 mean KL of the next-token distributions from the full cache's over those tokens, and answers right (greedy, 32
-tokens), with the bytes held as a share of the 16-bit full cache's. With ``--out`` each example's rows are appended
-to ``rows.jsonl`` there as it finishes, and a rerun skips the examples it holds.
+tokens), with the bytes held as a share of the 16-bit full cache's. Two more options follow ``VELOX_QUANT_KEEP``
+step by step: ``--score-bits 4`` (a list; keys/values as ``8/4``) reads the context again over rows already at
+those bits (scorers named "... from 4"), and ``--held-bits N``
+(a list: each a variant) holds every row at N bits first and then quantizes each head's kept keys to ``--bits``
+in blocks of the rows kept (``quant``'s fold rebuilt from them: ``--held-bits 4`` quantizes 4-bit rows a second
+time). With ``--out`` each example's rows are appended to ``rows.jsonl`` there as it finishes, and a rerun skips the
+examples it holds.
 """
 
 from __future__ import annotations
@@ -36,11 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm import load
 from mlx_lm.models import base
 from mlx_lm.models.cache import make_prompt_cache
 
-from kv_quant_schemes import kl_after, per_channel, ruler_arguments
+from kv_quant_schemes import kl_after, per_channel, ruler_arguments, with_scheme
 from veloxpatch.eval import ruler
 
 SINK, RECENT, WINDOW, STATS = 4, 32, 64, 128
@@ -106,8 +113,9 @@ def read(model: Any, cache: list, tokens: list[int], chunk: int = 1024) -> None:
 
 
 def scores(model: Any, tokenizer: Any, attention: Attention, context: list[int],
-           scorers: list[str]) -> tuple[list, dict[str, list]]:
-    """The full cache of ``context`` and each scorer's (kv heads, rows) per layer."""
+           scorers: list[str], score_bits: list[str]) -> tuple[list, dict[str, list]]:
+    """The full cache of ``context`` and each scorer's (kv heads, rows) per layer (the second readings once over
+    its rows at each of ``score_bits``: "16", "4" or keys/values "8/4"; named "<scorer> from 8/4" but at 16)."""
     cache = make_prompt_cache(model)
     attention.limit, out = len(context), {}
     body = _chunked(model, cache, attention, context[: -STATS]) if "bare-chunked" in scorers else None
@@ -124,20 +132,31 @@ def scores(model: Any, tokenizer: Any, attention: Attention, context: list[int],
         attention.limit = len(context)
         tail = _read_again(model, cache, attention, context[-STATS:])
         out["bare-chunked"] = [mx.concatenate([b, t[:, -STATS:]], axis=1) for b, t in zip(body, tail)]
-    for name, prefix in (("repeat", tokenizer.encode(REPEAT, add_special_tokens=False)), ("bare", [])):
-        if name in scorers:
-            out[name] = _read_again(model, cache, attention, prefix + context)
+    for spec in score_bits:
+        key_bits, value_bits = (int(b) for b in (spec.split("/") + [spec])[:2])
+        again = cache if spec == "16" else with_scheme(cache, lambda k: per_channel(k, key_bits),
+                                                        lambda v: per_token(v, value_bits))
+        named = "" if spec == "16" else f" from {spec}"
+        for name, prefix in (("repeat", tokenizer.encode(REPEAT, add_special_tokens=False)), ("bare", [])):
+            if name in scorers:
+                out[name + named] = _read_again(model, again, attention, prefix + context)
+        if "bare-trimmed" in scorers:
+            out["bare-trimmed" + named] = _read_again(model, again, attention, context, 2048)
     out["expected"] = [_expected(queries[i], c) for i, c in enumerate(cache)]
     out["keynorm"] = [-mx.linalg.norm(c.keys[0, :, : c.offset], axis=-1) for c in cache]
-    return cache, {name: out[name] for name in scorers}
+    return cache, {name: got for name, got in out.items() if name.split(" from ")[0] in scorers}
 
 
-def _read_again(model: Any, cache: list, attention: Attention, extra: list[int]) -> list[mx.array]:
-    """Per layer, the most attention each row gets while ``extra`` is read on top of the cache (then trimmed)."""
+def _read_again(model: Any, cache: list, attention: Attention, extra: list[int],
+                trimmed: int = 0) -> list[mx.array]:
+    """Per layer, the most attention each row gets while ``extra`` is read on top of the cache (then trimmed; with
+    ``trimmed``, in chunks of that many tokens, each trimmed before the next)."""
     attention.record, attention.found = "max", {}
-    read(model, cache, extra, 512)
-    for c in cache:
-        c.trim(len(extra))
+    step = trimmed or len(extra)
+    for start in range(0, len(extra), step):
+        read(model, cache, extra[start: start + step], 512)
+        for c in cache:
+            c.trim(len(extra[start: start + step]))
     attention.record = None
     return [attention.found[i] for i in range(len(cache))]
 
@@ -197,14 +216,33 @@ def answer(model: Any, tokenizer: Any, cache: list, question: list[int], tokens:
     return tokenizer.decode(out)
 
 
+def requantized(keys: mx.array, keep: mx.array, bits: int) -> mx.array:
+    """``keys`` (1, H, T, d) with each head's kept rows quantized per channel to ``bits`` in blocks of the rows kept
+    (as ``quant`` rebuilds its fold); dropped rows as they were (masked anyway)."""
+    out = np.array(keys.astype(mx.float32))
+    mask = np.array(keep)
+    for head in range(out.shape[1]):
+        rows = np.nonzero(mask[head])[0]
+        again = per_channel(mx.array(out[:, head: head + 1, rows]).astype(keys.dtype), bits)
+        out[:, head, rows] = np.array(again.astype(mx.float32))[:, 0]
+    return mx.array(out).astype(keys.dtype)
+
+
 def variant(model: Any, tokenizer: Any, attention: Attention, cache: list, keep: list | None, bits: int,
-            example: ruler.Example, question: list[int], rest: list[int], reference: mx.array) -> tuple[float, bool]:
-    """(KL over ``rest``, answer right) with ``keep``'s rows (all: None) at ``bits`` per element."""
+            example: ruler.Example, question: list[int], rest: list[int], reference: mx.array,
+            held_bits: int = 0) -> tuple[float, bool]:
+    """(KL over ``rest``, answer right) with ``keep``'s rows (all: None) at ``bits`` per element (with
+    ``held_bits``, held at those first and the kept keys quantized to ``bits`` after)."""
     copied = copy.deepcopy(cache)
     if bits < 16:
-        for c in copied:
+        twice = bool(held_bits) and keep is not None
+        for i, c in enumerate(copied):
             k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
-            c.keys, c.values = per_channel(k, bits), per_token(v, bits)
+            first = held_bits if twice else bits
+            c.keys, c.values = per_channel(k, first), per_token(per_token(v, first), bits)
+            if twice:
+                assert keep is not None
+                c.keys = requantized(c.keys, keep[i], bits)
     attention.keep = keep
     _, kl = kl_after(model, copied, rest, reference)
     for c in copied:
@@ -218,6 +256,8 @@ def main() -> None:
     parser = ruler_arguments(__doc__.split("\n\n")[0], 4096, "16,4")
     parser.add_argument("--keep", default="0.5,0.35")
     parser.add_argument("--scorers", default="window,repeat,expected,keynorm")
+    parser.add_argument("--score-bits", default="16", help="comma-separated: 16, 4, or keys/values as 8/4")
+    parser.add_argument("--held-bits", default="0", help="comma-separated; 0: quantized once")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model, tokenizer = load(args.model)
@@ -245,7 +285,8 @@ def one_example(model: Any, tokenizer: Any, attention: Attention, task: str, see
     context = tokenizer.encode(example.context)
     question = tokenizer.encode(example.prompt)[len(context):]
     rest = tokenizer.encode(example.prompt + example.answer)[len(context):]
-    cache, found = scores(model, tokenizer, attention, context, args.scorers.split(","))
+    cache, found = scores(model, tokenizer, attention, context, args.scorers.split(","),
+                           args.score_bits.split(","))
     reference, _ = kl_after(model, copy.deepcopy(cache), rest, None)
     out = []
     plans: list[tuple[str, float, bool]] = [("full", 1.0, False)]
@@ -254,13 +295,15 @@ def one_example(model: Any, tokenizer: Any, attention: Attention, task: str, see
     for bits in map(int, args.bits.split(",")):
         for name, share, headwise in plans:
             keep = None if name == "full" else [kept(s, share, headwise) for s in found[name]]
-            kl, right = variant(model, tokenizer, attention, cache, keep, bits, example, question, rest, reference)
-            label = name + (" head-wise" if headwise else "")
-            held = share * (16 if bits == 16 else bits + 0.5) / 16
-            out.append({"task": task, "seed": seed, "scorer": label, "keep": share, "bits": bits,
-                        "bytes": held, "kl": kl, "right": right})
-            print(f"{task} {seed}: {label} keep {share} at {bits} bits ({held:.3f} of the bytes): KL {kl:.4f}, "
-                  f"{'right' if right else 'wrong'}", flush=True)
+            for held_bits in map(int, args.held_bits.split(",")) if keep is not None and bits < 16 else [0]:
+                kl, right = variant(model, tokenizer, attention, cache, keep, bits, example, question, rest,
+                                    reference, held_bits)
+                label = name + (" head-wise" if headwise else "") + (f" held at {held_bits}" if held_bits else "")
+                held = share * (16 if bits == 16 else bits + 0.5) / 16
+                out.append({"task": task, "seed": seed, "scorer": label, "keep": share, "bits": bits,
+                            "bytes": held, "kl": kl, "right": right})
+                print(f"{task} {seed}: {label} keep {share} at {bits} bits ({held:.3f} of the bytes): "
+                      f"KL {kl:.4f}, {'right' if right else 'wrong'}", flush=True)
     return out
 
 

@@ -8,13 +8,13 @@ import mlx.core as mx
 import mlx_lm.models.llama as llama
 import pytest
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 import veloxpatch
 from conftest import assert_round_trip, drain, greedy, random_tokens, tiny
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
-from veloxpatch.methods.quant import QuantCache
+from veloxpatch.methods.quant import HOLD_BITS, QuantCache
 from veloxpatch.settings import Share
 
 PROMPT = 100  # one prompt chunk: 92 rows older than the window, of which 64 (two blocks of 32) fold
@@ -178,3 +178,72 @@ def test_batched_sequences_keep_every_row_and_say_so(records) -> None:
     gen = BatchGenerator(model, max_tokens=12, prefill_step_size=100)
     assert drain(gen, gen.insert(prompts)) == every_row
     assert any("sequences generated in a batch keep every row" in r.getMessage() for r in records)
+
+
+def first_reading(model, prompt: mx.array) -> list[mx.array]:
+    """Per layer, the keys mlx_lm's own cache holds after reading ``prompt`` in one chunk."""
+    veloxpatch.unpatch()
+    caches = [KVCache() for _ in model.layers]
+    model(prompt[None], cache=caches)
+    return [c.keys[..., : c.offset, :] for c in caches]
+
+
+def once_at(keys: mx.array, bits: int, group: int) -> mx.array:
+    """``keys`` quantized per channel in blocks of ``group`` rows, once, and back."""
+    parts = mx.quantize(mx.swapaxes(keys, 2, 3), group_size=group, bits=bits)
+    return mx.swapaxes(mx.dequantize(*parts, group_size=group, bits=bits), 2, 3)
+
+
+def key_bits(cache: QuantCache) -> list[int]:
+    return [cache._key_bits(fold.own[0]) for fold in cache.folds]
+
+
+def test_a_prompt_is_held_at_eight_bits_until_its_rows_are_chosen_then_quantized_once() -> None:
+    model = tiny("llama", layers=2)
+    prompt = random_tokens(301, 9)
+    exact = first_reading(model, prompt[:300])
+    caches = quant_caches(model, "40%")
+    model(prompt[None, :300], cache=caches)
+    assert [key_bits(c) for c in caches] == [[HOLD_BITS]] * 2, "the prompt's keys wait at 8 bits for its scores"
+    greedy(model, prompt[300:], caches, steps=1)
+    for cache, keys in zip(caches, exact):
+        (fold,) = cache.folds
+        assert key_bits(cache) == [4] and cache.held_rows(fold) < 300 - 8
+        chosen = mx.take_along_axis(keys, cache.fold_positions(fold)[..., None], axis=2)
+        kept_error = float(mx.abs(cache.unfold(fold)[0] - chosen).mean())
+        once_error = float(mx.abs(once_at(chosen, 4, 32) - chosen).mean())
+        assert kept_error < 1.05 * once_error, f"{kept_error} vs {once_error}: the rows kept rounded to 4 bits once"
+
+
+def test_a_second_prompt_holds_its_own_keys_and_keeps_every_earlier_row() -> None:
+    model = tiny("llama", layers=2)
+    caches = quant_caches(model, "40%")
+    greedy(model, random_tokens(200, 10), caches, steps=2, chunk=200)
+    before = [c.fold_positions(c.folds[0]) for c in caches]
+    second = random_tokens(161, 11)
+    model(second[None, :160], cache=caches)
+    assert [key_bits(c) for c in caches] == [[4, HOLD_BITS]] * 2, "the first turn's fold, the new prompt's"
+    greedy(model, second[160:], caches, steps=1)
+    for cache, earlier in zip(caches, before):
+        (fold,) = cache.folds
+        positions = cache.fold_positions(fold)
+        assert key_bits(cache) == [4]
+        assert mx.array_equal(positions[..., : earlier.shape[-1]], earlier).item(), "every earlier row stays"
+        assert int((positions >= 202).sum(axis=-1).max()) < 160 - 8, "the new prompt's rows were chosen"
+
+
+def test_held_keys_settle_at_four_bits_when_no_second_reading_comes(tmp_path) -> None:
+    model = tiny("llama", layers=2)
+    prompt = random_tokens(300, 12)
+    caches = quant_caches(model, "40%")
+    model(prompt[None], cache=caches)  # a prompt cache built and saved without a decode step (mlx_lm cache_prompt)
+    save_prompt_cache(str(tmp_path / "held.safetensors"), caches)
+    loaded, _ = load_prompt_cache(str(tmp_path / "held.safetensors"), return_metadata=True)
+    assert [key_bits(c) for c in loaded] == [[HOLD_BITS]] * 2
+    greedy(model, mx.array([5]), loaded, steps=2)
+    assert [key_bits(c) for c in loaded] == [[4]] * 2, "settled at the first decode step, every row kept"
+    assert [c.held_rows(c.folds[0]) for c in loaded] == [288] * 2
+    model(prompt[None], cache=caches)
+    for cache in caches:  # a trim into held keys settles them first
+        cache.trim(cache.offset - 100)
+        assert key_bits(cache) == [4] and cache.folds[0].end == 96 and cache.offset == 100

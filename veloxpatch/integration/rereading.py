@@ -5,15 +5,15 @@ KVzip (Kim et al., arXiv 2505.23416) rates a context's rows by the attention the
 context again: a row the model needs to say the document again is one a later question may need, and the question,
 not asked yet, cannot choose. A cache cannot run the model, but the model's own call can: the class defining the
 top-level model's ``__call__`` is wrapped (once, undone by ``unpatch``). Over a list of our caches that ask for it,
-a prompt chunk of token ids is read as usual (its rows fold quantized: memory stays bounded while the prompt is
-read) and its tokens remembered; the first decode-sized call after them (the prompt's last token, in
-``generate_step``) first runs the model over the prompt again, a chunk at a time, each chunk's rows trimmed before
-the next, while the caches record the most attention each of their folded rows gets; then each head keeps its
-best-scored rows. The paper puts "Repeat the previous context" before the repeat; a model call has no tokenizer, so
-the prompt is read again as it is. Measured (``bench/agnostic_selection.py``, SmolLM2-135M, five RULER examples at
-1k tokens): without the instruction the rows chosen answer as with it (mean KL 0.026 against 0.027 at half the
-rows); scored right after each 512-token chunk is read instead, as a first version did, they lose the needles
-(0.118, two right of five against three): the whole prompt must be read before its second reading.
+a prompt chunk of token ids is remembered and read as usual (its rows fold quantized, the keys at 8 bits until they
+are chosen: memory stays bounded while the prompt is read); the first decode-sized call after them (the prompt's
+last token, in ``generate_step``) first runs the model over the prompt again, a chunk at a time, each chunk's rows
+trimmed before the next, while the caches record the most attention each of their folded rows gets; then each head
+keeps its best-scored rows. The paper puts "Repeat the previous context" before the repeat; a model call has no
+tokenizer, so the prompt is read again as it is. Measured (``bench/agnostic_selection.py``, SmolLM2-135M, five RULER
+examples at 1k tokens): without the instruction the rows chosen answer as with it (mean KL 0.026 against 0.027 at
+half the rows); scored right after each 512-token chunk is read instead, as a first version did, they lose the
+needles (0.118, two right of five against three): the whole prompt must be read before its second reading.
 
 Where it cannot be done the prompt is read once and every row kept, said once: a list holding any cache that is not
 one of ours asking for it (a sliding-window slot of mlx_lm's, whose rows cannot be trimmed; batched generation's
@@ -65,10 +65,9 @@ def _reading_twice(params: Parameters) -> Wrapper:
             return wrapped(*args, **kwargs)
         tokens = params.input(args, kwargs)
         if not readers[0].schedule.decode_sized(tokens.shape[1]):
-            out = wrapped(*args, **kwargs)
             for cache in readers:
                 cache.read_prompt_chunk(tokens)
-            return out
+            return wrapped(*args, **kwargs)
         if readers[0].unscored:
             _read_again(wrapped, params, args, kwargs, readers)
         return wrapped(*args, **kwargs)

@@ -26,17 +26,24 @@ fold as held, by mlx's quantized matmul: keys held per channel are the matrix th
 token the one the attention weights multiply, so nothing is dequantized whole. A trim back into the fold keeps its
 whole blocks before the new end and returns the cut block's prefix to the store, dequantized.
 
-Fewer rows too (``VELOX_QUANT_KEEP`` below 100%). Quantization alone stops at about a fifth of the 16-bit bytes
-(3 bits); an eighth needs fewer rows as well, chosen before any question is asked (a document read once, asked
-many things). KVzip's score chooses them: once a prompt is read (its rows folded at low bits as usual, so memory
-stays bounded while it is read), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and
-each folded row scores the most attention any query of its head group pays it then; each head keeps that share of
-the prompt's rows, its best-scored (and the first ``VELOX_SINK`` tokens), the fold quantized again from the rows
-kept, each with its position (two bytes) for trims. Every head keeps the same number (KVzip and AdaKV let heads
-differ: ragged rows the quantized matmul cannot take). Rows of decoded tokens, never read twice, are all kept.
-Measured (``bench/agnostic_selection.py``, Qwen2.5-0.5B, RULER at 4k, question after): KVzip's score kept every
-answer the full cache gave at 35% of the rows and 4 bits, where the scores a cache can compute alone (the prompt's
-last queries, expected attention, key norms) lost the needles at 50%.
+Fewer rows too (``VELOX_QUANT_KEEP`` below 100%). Quantization alone stops at about a fifth of the 16-bit bytes (3
+bits); an eighth needs fewer rows as well, chosen before any question is asked (a document read once, asked many
+things). KVzip's score chooses them: once a prompt is read (its rows folded at low bits as usual, so memory stays
+bounded while it is read), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each
+folded row scores the most attention any query of its head group pays it then; each head keeps that share of the
+prompt's rows, its best-scored (and the first ``VELOX_SINK`` tokens), each with its position (two bytes) for trims.
+Until then the prompt's keys fold at ``HOLD_BITS`` (8; values at ``VELOX_QUANT_BITS``), and the keys kept are
+quantized to ``VELOX_QUANT_BITS`` once, from them. Both halves were measured (``bench/agnostic_selection.py``, half
+the rows kept, 4 bits, RULER niah_multikey_1, question after): on Qwen2.5-0.5B at 4k the second reading over 4-bit
+keys chose rows that lost the needle (mean KL 0.30, wrong) where over 8-bit keys and 4-bit values it chose as over
+exact rows (0.10 and 0.09, right); on SmolLM2 at 1k, kept 4-bit keys quantized again in blocks of the rows kept lost
+it (0.11) where quantized once from 8 bits they kept it (0.06). The price: while such a prompt is read the fold
+holds 8.5 bits per key element and 4.5 per value element (scales and biases counted), 0.41 of the 16-bit bytes,
+against 0.28. Every head keeps the same number (KVzip and AdaKV let heads differ: ragged rows the quantized matmul
+cannot take). Rows of decoded tokens, never read twice, are all kept. Measured (``bench/agnostic_selection.py``,
+Qwen2.5-0.5B, RULER at 4k, question after): KVzip's score kept every answer the full cache gave at 35% of the rows
+and 4 bits, where the scores a cache can compute alone (the prompt's last queries, expected attention, key norms)
+lost the needles at 50%.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, i
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
 
 Parts = tuple[mx.array, ...]  # mlx's (packed, scales, biases), or the array itself (16 bits)
+HOLD_BITS = 8  # the keys of a prompt awaiting its second reading (below: why not at VELOX_QUANT_BITS)
 QUERY_BLOCK = 64  # queries of a second reading scored at once: (heads, group x block, rows) float32 logits, a few
 # times over while the chunk is read: 17 MB each for Qwen2.5-0.5B at 4k tokens
 
@@ -103,9 +111,10 @@ class QuantCache(CrossLayerCache):
         return self.keep < 1
 
     def read_prompt_chunk(self, tokens: mx.array) -> None:
-        """A prompt chunk of token ids has been read: it will be read again before the next decode step."""
+        """A prompt chunk of token ids is about to be read: it will be read again before the next decode step, and
+        its keys fold at ``HOLD_BITS`` until then."""
         if not self.unscored:
-            self.since = self.offset - tokens.shape[-1]
+            self.since = self.offset
         self.unscored.append(tokens)
 
     def start_rereading(self) -> None:
@@ -121,6 +130,7 @@ class QuantCache(CrossLayerCache):
         scores, self.scores = self.scores, None
         if read and scores is not None and self.folds:
             self._keep_best(scores)
+        self._settle()
         rows = self.store.rows
         if self.store.capacity > rows:  # the room the second reading's rows took, given back
             self.store.keep(mx.broadcast_to(mx.arange(rows), (*self.store.row_positions().shape[:2], rows)), 0)
@@ -144,13 +154,14 @@ class QuantCache(CrossLayerCache):
     def joint(self, parts: list[tuple[mx.array, mx.array]]) -> tuple[list[Any], Any]:
         """Rows ``[start, end)`` (whole blocks) quantized: keys per channel, values per token."""
         ((keys, values),) = parts
-        return [(self._keys_encoded(keys), self._values_encoded(values))], None
+        bits = HOLD_BITS if self.unscored and self.bits < HOLD_BITS else self.bits
+        return [(self._keys_encoded(keys, bits), self._values_encoded(values))], None
 
     def _keep_best(self, scores: mx.array) -> None:
-        """Rebuild the fold from each head's best-scored rows of the prompt (the same number per head, the share
-        over them rounded to whole blocks) and every row before it or among the first ``VELOX_SINK``: dequantized,
-        chosen, quantized again in blocks of the rows kept."""
-        fold, g = self.folds[0], self.group_size
+        """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from each head's best-scored rows (the
+        same number per head, the share over them rounded to whole blocks) and every row before the prompt or among
+        the first ``VELOX_SINK``: dequantized, chosen, the keys quantized to ``VELOX_QUANT_BITS`` once."""
+        fold, g = self.folds[-1], self.group_size
         positions = self.fold_positions(fold)
         held = positions.shape[-1]
         protected = (positions < self.since) | (positions < self.sink)
@@ -158,24 +169,40 @@ class QuantCache(CrossLayerCache):
         k = min(held, max(g, round((held - fresh + self.keep * fresh) / g) * g))
         if k >= held:
             return
-        score = mx.where(protected, mx.inf, scores[..., :held])
+        earlier = self.folded_rows() - held  # rows of earlier turns' folds, scored first
+        score = mx.where(protected, mx.inf, scores[..., earlier: earlier + held])
         chosen = mx.sort(mx.argpartition(-score, kth=k - 1, axis=-1)[..., :k], axis=-1)
         keys, values = take_rows(self.unfold(fold), chosen)
-        own = (self._keys_encoded(keys), self._values_encoded(values),
+        own = (self._keys_encoded(keys, self.bits), self._values_encoded(values),
                _compact(mx.take_along_axis(positions, chosen, axis=-1)))
-        self.folds = [Fold(fold.start, fold.end, own, None, fold.group)]
+        self.folds[-1] = Fold(fold.start, fold.end, own, None, fold.group)
+
+    def _settle(self) -> None:
+        """Keys held at ``HOLD_BITS`` (a prompt whose second reading is over, failed or never came) quantized to
+        ``VELOX_QUANT_BITS``, and the folds joined into one."""
+        for i, fold in enumerate(self.folds):
+            if self._key_bits(fold.own[0]) != self.bits:
+                own = (self._keys_encoded(self._keys_decoded(fold.own[0]), self.bits), *fold.own[1:])
+                self.folds[i] = Fold(fold.start, fold.end, own, None, fold.group)
+        self._join()
 
     def _apply(self, start: int, end: int, group: tuple[int, ...], result: tuple[list[Any], Any], at: int) -> None:
-        """The base's new fold, joined to the one held: the layer keeps one fold of every quantized block (with
-        every row's position once either part has dropped rows)."""
+        """The base's new fold, joined to the one held where their keys have the same bits."""
         super()._apply(start, end, group, result, at)
-        if len(self.folds) == 2:
-            first, last = self.folds
+        self._join()
+
+    def _join(self) -> None:
+        """The last folds as one while their keys have the same bits: a layer keeps one fold of every quantized
+        block (with every row's position once either part has dropped rows), or two while a prompt's keys are held
+        at ``HOLD_BITS``."""
+        while len(self.folds) > 1 and self._key_bits(self.folds[-2].own[0]) == self._key_bits(self.folds[-1].own[0]):
+            first, last = self.folds[-2:]
             tokens = 2 if self.bits == 16 else -1  # the keys' token axis
-            own: tuple[Any, ...] = (_joined(first.own[0], last.own[0], tokens), _joined(first.own[1], last.own[1], 2))
+            own: tuple[Any, ...] = (_joined(first.own[0], last.own[0], tokens),
+                                    _joined(first.own[1], last.own[1], 2))
             if len(first.own) == 3 or len(last.own) == 3:
                 own += (_compact(mx.concatenate([self.fold_positions(first), self.fold_positions(last)], axis=-1)),)
-            self.folds = [Fold(first.start, last.end, own, None, group)]
+            self.folds[-2:] = [Fold(first.start, last.end, own, None, last.group)]
 
     def held_rows(self, fold: Fold) -> int:
         """Rows the fold holds per head: its range, or fewer where rows were dropped (their positions kept)."""
@@ -219,6 +246,8 @@ class QuantCache(CrossLayerCache):
         """A chunk of the prompt's second reading attends as every step does and scores the folded rows
         (:meth:`_scored_attention`); its rows are trimmed afterwards, so nothing folds."""
         if not self.rereading or sinks is not None:
+            if not self.unscored and self.schedule.decode_sized(queries.shape[2]):
+                self._settle()  # a prompt's held keys whose second reading did not come (a saved cache, say)
             return super().attend(queries, keys, values, scale, mask, sinks)
         self.handed = None
         out = self._scored_attention(queries, keys, values, scale)
@@ -252,18 +281,25 @@ class QuantCache(CrossLayerCache):
         return mx.quantized_matmul(x, packed, scales, biases, transpose=False, group_size=group, bits=self.bits)
 
     # ----------------------------------------------------------------- the formats
-    def _keys_encoded(self, keys: mx.array) -> Parts:
+    def _keys_encoded(self, keys: mx.array, bits: int) -> Parts:
         """(B, H, T, d) keys as per-channel blocks: quantized along the tokens, (B, H, d, T)."""
-        if self.bits == 16:
+        if bits == 16:
             return (keys,)
-        return tuple(mx.quantize(mx.swapaxes(keys, 2, 3), group_size=self.group_size, bits=self.bits))
+        return tuple(mx.quantize(mx.swapaxes(keys, 2, 3), group_size=self.group_size, bits=bits))
 
     def _keys_decoded(self, parts: Parts) -> mx.array:
         if len(parts) == 1:
             return parts[0]
         packed, scales, biases = parts
-        out = mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self.bits)
+        out = mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self._key_bits(parts))
         return mx.swapaxes(out, 2, 3).astype(scales.dtype)
+
+    def _key_bits(self, parts: Parts) -> int:
+        """The bits of keys held as ``parts``: ``VELOX_QUANT_BITS``, or ``HOLD_BITS`` while a prompt waits."""
+        if len(parts) == 1:
+            return 16
+        packed, scales = parts[:2]
+        return packed.shape[-1] * 32 // (scales.shape[-1] * self.group_size)
 
     def _value_group(self, width: int) -> int | None:
         """Elements per value group: the knob's, else the largest of mlx's sizes dividing the head (None: none
@@ -300,7 +336,8 @@ class QuantCache(CrossLayerCache):
             return (tuple(part[..., :rows, :] for part in keys), values, *extra)
         packed, scales, biases = keys
         blocks = rows // self.group_size
-        return ((packed[..., : rows * self.bits // 32], scales[..., :blocks], biases[..., :blocks]), values, *extra)
+        width = rows * self._key_bits(keys) // 32
+        return ((packed[..., :width], scales[..., :blocks], biases[..., :blocks]), values, *extra)
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens. A new end among the quantized rows keeps the fold's whole blocks before
@@ -312,8 +349,9 @@ class QuantCache(CrossLayerCache):
         if n <= 0:
             return 0
         prefix = self.offset - n
-        if not self.folds or prefix >= self.folds[0].end:
+        if not self.folds or prefix >= self.folds[-1].end:
             return super().trim(n)
+        self._settle()
         fold, g = self.folds[0], self.group_size
         before = int((self.fold_positions(fold) < prefix).sum(axis=-1).min())
         kept = before // g * g
