@@ -37,7 +37,7 @@ quantized to ``VELOX_QUANT_BITS`` once, from them. Both halves were measured (``
 the rows kept, 4 bits, RULER niah_multikey_1, question after): on Qwen2.5-0.5B at 4k the second reading over 4-bit
 keys chose rows that lost the needle (mean KL 0.30, wrong) where over 8-bit keys and 4-bit values it chose as over
 exact rows (0.10 and 0.09, right); on SmolLM2 at 1k, kept 4-bit keys quantized again in blocks of the rows kept lost
-it (0.11) where quantized once from 8 bits they kept it (0.06). The price: while such a prompt is read the fold
+it (0.10) where quantized once from 8 bits they kept it (0.06). The price: while such a prompt is read the fold
 holds 8.5 bits per key element and 4.5 per value element (scales and biases counted), 0.41 of the 16-bit bytes,
 against 0.28. Every head keeps the same number (KVzip and AdaKV let heads differ: ragged rows the quantized matmul
 cannot take). Rows of decoded tokens, never read twice, are all kept. Measured (``bench/agnostic_selection.py``,
