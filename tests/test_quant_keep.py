@@ -1,11 +1,13 @@
 """Quant with VELOX_QUANT_KEEP below 100%: once a prompt is read, the model reads it a second time (KVzip's score)
-and each head keeps the rows that reading attends to most; what is scored, what is kept, and that the rows kept are
-the first reading's."""
+and the layer keeps the rows that reading attends to most, one top-k over its heads (heads keep different numbers:
+a ragged fold); what is scored, what is kept, that the rows kept are the first reading's, and that a ragged fold
+attends, trims, saves and joins a later turn as the rows it holds."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx_lm.models.llama as llama
+import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
@@ -14,7 +16,7 @@ import veloxpatch
 from conftest import assert_round_trip, drain, greedy, random_tokens, tiny
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
-from veloxpatch.methods.quant import HOLD_BITS, QuantCache
+from veloxpatch.methods.quant import HOLD_BITS, QuantCache, _heads, _ragged
 from veloxpatch.settings import Share
 
 PROMPT = 100  # one prompt chunk: 92 rows older than the window, of which 64 (two blocks of 32) fold
@@ -54,6 +56,38 @@ def reference_scores(model, prompt: mx.array, monkeypatch) -> list[mx.array]:
     return out
 
 
+def head_positions(cache: QuantCache, fold) -> list[np.ndarray]:
+    """Each head's rows' positions, its holes (a ragged fold's padding) left out."""
+    return [p[p >= 0] for p in np.array(cache.fold_positions(fold))[0]]
+
+
+def headwise(score: np.ndarray, protected: np.ndarray, keep: float, group: int) -> list[np.ndarray]:
+    """The rows (H, rows) of ``score`` head-wise selection keeps, per head, ascending: each head's scores over its
+    sum on the fresh rows (not ``protected``), one top-k of ``keep`` of every head's fresh rows, each head's count
+    (its protected rows and those chosen) rounded to whole blocks, at least one; its protected rows, then its best."""
+    fresh = ~protected
+    normed = np.where(fresh, score, 0)
+    normed = normed / normed.sum(axis=-1, keepdims=True)
+    top = np.argsort(-np.where(fresh, normed, -1).ravel(), kind="stable")[: round(keep * fresh.sum())]
+    chosen = np.bincount(top // score.shape[1], minlength=score.shape[0])
+    out = []
+    for h in range(score.shape[0]):
+        count = min(score.shape[1], max(group, round((chosen[h] + protected[h].sum()) / group) * group))
+        out.append(np.sort(np.argsort(-np.where(protected[h], np.inf, normed[h]), kind="stable")[:count]))
+    return out
+
+
+def lopsided(model):
+    """``model`` with its first KV head's keys six times larger and the second's a fifth (its attention peaks more
+    there and spreads more here), so the heads' scores differ as a real model's do and head-wise budgets differ."""
+    for layer in model.model.layers:
+        weight = layer.self_attn.k_proj.weight
+        half = weight.shape[0] // 2
+        layer.self_attn.k_proj.weight = mx.concatenate([weight[:half] * 6, weight[half:] * 0.2])
+    mx.eval(model.parameters())  # (the probe runs only on a model whose parameters are evaluated)
+    return model
+
+
 def test_rows_are_scored_by_the_second_reading_and_each_head_keeps_its_best(monkeypatch) -> None:
     model = tiny("llama", layers=2)
     prompt = random_tokens(PROMPT + 1, 4)
@@ -72,10 +106,10 @@ def test_rows_are_scored_by_the_second_reading_and_each_head_keeps_its_best(monk
     for cache, got, want in zip(caches, recorded, expected):
         assert mx.allclose(got, want[..., :64], atol=1e-4).item(), float(mx.abs(got - want[..., :64]).max())
         (fold,) = cache.folds
-        assert (fold.start, fold.end, cache.held_rows(fold)) == (0, 64, 32), "4 sinks and half of 60: one block"
-        score = mx.where(mx.arange(64) < 4, mx.inf, want[..., :64])
-        best = mx.sort(mx.argsort(-score, axis=-1)[..., :32], axis=-1)
-        assert mx.array_equal(cache.fold_positions(fold), best).item(), "each head's 32 best rows, the sinks first"
+        assert (fold.start, fold.end) == (0, 64)
+        best = headwise(np.array(want[0, :, :64]), np.broadcast_to(np.arange(64) < 4, (2, 64)), 0.5, 32)
+        got = head_positions(cache, fold)
+        assert all(np.array_equal(a, b) for a, b in zip(got, best)), "the heads' best normalized rows, sinks first"
         assert cache.store.rows == cache.offset - 64, "the second reading left no row"
         assert cache.offset == PROMPT + 2, "the prompt, and generate_step's one step ahead"
 
@@ -110,12 +144,13 @@ def test_the_rows_kept_are_the_first_readings_at_their_positions() -> None:
         assert kept.offset == full.offset and kept.size() < full.size()
         spare = kept.store.capacity - kept.store.rows
         assert spare < kept.store.step, f"{spare} spare rows: the room the second reading took is given back"
-        positions = kept.fold_positions(kept.folds[0])
-        assert (positions[..., 1:] > positions[..., :-1]).all().item(), "ascending per head"
-        assert (positions[..., :4] == mx.arange(4)).all().item(), "the sinks stay"
-        rows = mx.take_along_axis(full.rows()[0], positions[..., None], axis=2)
-        step = float(mx.abs(rows).max()) * 2 / 255  # one 8-bit level of these keys (up to ~13 here)
-        assert mx.allclose(kept.unfold(kept.folds[0])[0], rows, atol=step).item(), "the same rows, rounded twice"
+        full_keys, kept_keys = np.array(full.rows()[0][0]), np.array(kept.unfold(kept.folds[0])[0][0])
+        for head, positions in enumerate(head_positions(kept, kept.folds[0])):
+            assert (np.diff(positions) > 0).all(), "ascending per head"
+            assert (positions[:4] == np.arange(4)).all(), "the sinks stay"
+            rows = full_keys[head, positions]
+            step = np.abs(rows).max() * 2 / 255  # one 8-bit level of these keys (up to ~13 here)
+            assert np.allclose(kept_keys[head, : positions.size], rows, atol=step), "the same rows, rounded twice"
 
 
 def test_a_trim_into_the_kept_rows_leaves_a_cache_of_the_prefix(tmp_path) -> None:
@@ -138,16 +173,46 @@ def test_a_bad_share_to_keep_is_refused_by_name(keep: str) -> None:
         veloxpatch.patch(kv="quant", knobs={"quant_keep": keep})
 
 
-@pytest.mark.parametrize("n", [1, 5])
-def test_a_decode_step_over_kept_rows_equals_attention_over_them_rebuilt(n: int) -> None:
-    mx.random.seed(n)
+def kept_by_scores(peaked: int, seed: int = 1) -> tuple[QuantCache, np.ndarray]:
+    """A cache that read 300 random rows (keys and values alike), its 288 folded rows then kept at 40% as a second
+    reading would keep them by scores uniform in the first head and raised to the power ``peaked`` in the second
+    (1: the heads alike; 8: a few of the second's rows stand out, the rest far below the first head's); and the
+    scores, (heads, rows)."""
+    mx.random.seed(seed)
     cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, mode="chunk"), bits=4, group=32, keep=Share(0.4))
     rows = mx.random.normal((1, 2, 300, 64))
     keys, values = cache.update_and_fetch(rows, rows)
     cache.attend(mx.random.normal((1, 6, 300, 64)), keys, values, 0.125, "causal")
-    cache.scores = mx.random.uniform(shape=(1, 2, 288))  # as a second reading leaves them
+    uniform = mx.random.uniform(shape=(1, 2, 288))
+    scores = mx.concatenate([uniform[:, :1], uniform[:, 1:] ** peaked], axis=1)
+    cache.scores = scores  # as a second reading leaves them
     cache.stop_rereading(True)
-    assert cache.held_rows(cache.folds[0]) == 128, "4 sinks and 40% of 284 rows: 3.7 blocks of 32, rounded to 4"
+    return cache, np.array(scores[0])
+
+
+def test_heads_keep_different_numbers_of_rows_their_best_normalized_and_the_layer_its_share() -> None:
+    cache, score = kept_by_scores(peaked=8)
+    (fold,) = cache.folds
+    assert _ragged(fold), "the heads' counts differ: one own per head"
+    got = head_positions(cache, fold)
+    counts = [p.size for p in got]
+    assert counts == [160, 64] and cache.held_rows(fold) == 160 and cache.size() == 160 + cache.store.rows
+    assert abs(sum(counts) - (2 * 4 + 0.4 * 2 * 284)) <= 32, "the layer's total: the sinks and 40% of its rows"
+    best = headwise(score, np.broadcast_to(np.arange(288) < 4, (2, 288)), 0.4, 32)
+    assert all(np.array_equal(a, b) for a, b in zip(got, best)), "each head's best normalized rows, sinks first"
+    positions = np.array(cache.fold_positions(fold))[0]
+    assert (positions[1, 64:] == -1).all(), "the shorter head padded with holes"
+    keys, _ = cache.unfold(fold)
+    assert keys.shape == (1, 2, 160, 64) and not mx.any(keys[0, 1, 64:]).item(), "zero rows at the holes"
+    alike, _ = kept_by_scores(peaked=1)
+    assert not _ragged(alike.folds[0]) and alike.held_rows(alike.folds[0]) == 128, "as many rows each: one array"
+
+
+@pytest.mark.parametrize("peaked", [1, 8])
+@pytest.mark.parametrize("n", [1, 5])
+def test_a_decode_step_over_kept_rows_equals_attention_over_them_rebuilt(n: int, peaked: int) -> None:
+    cache, _ = kept_by_scores(peaked)
+    assert _ragged(cache.folds[0]) == (peaked > 1)
     keys, values = cache.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
     queries = mx.random.normal((1, 6, n, 64))
     held = cache.attend_held(queries, 0.125)
@@ -166,7 +231,9 @@ def test_every_row_stays_while_the_prompt_is_read_and_the_share_after_it() -> No
     greedy(model, prompt[768:], caches, steps=1)
     for cache in caches:
         (fold,) = cache.folds
-        assert fold.end == 736 and cache.held_rows(fold) == 256, "4 sinks and 35% of 732 (260), in blocks of 32"
+        counts = [p.size for p in head_positions(cache, fold)]
+        assert fold.end == 736 and all(c % 32 == 0 for c in counts), "whole blocks of 32 per head"
+        assert abs(sum(counts) - 2 * (4 + 0.35 * 732)) <= 32, "the layer's: 4 sinks and 35% of 732 per head"
 
 
 def test_batched_sequences_keep_every_row_and_say_so(records) -> None:

@@ -447,8 +447,8 @@ class QuantCache(CrossLayerCache):
         self.offset = prefix
         if _ragged(fold):
             kept = [rows // g * g for rows in _ints(before[0])]
-            heads = [self._cut(own, k, own[2].shape[-1]) for own, k in zip(self._split(fold), kept)]
-            self.folds = [_fold_of(0, prefix, heads, fold.group)] if min(kept) else []
+            heads = [self._cut(own, k, own[2].shape[-1]) for own, k in zip(self._split(fold), kept)] if min(kept) else []
+            self.folds = [_fold_of(0, prefix, heads, fold.group)] if heads else []
             return n
         rows = int(before.min()) // g * g
         if prefix > rows and len(fold.own) == 2:
@@ -478,7 +478,8 @@ def _fold_of(start: int, end: int, heads: list[tuple[Any, ...]], group: tuple[in
     if len({head[2].shape[-1] for head in heads}) == 1:
         own = tuple(tuple(mx.concatenate(list(arrays), axis=1) for arrays in zip(*(head[i] for head in heads)))
                     for i in range(2))
-        return Fold(start, end, (*own, _compact(mx.concatenate([head[2] for head in heads], axis=1))), None, group)
+        positions = mx.concatenate([head[2].astype(mx.int32) for head in heads], axis=1)
+        return Fold(start, end, (*own, _compact(positions)), None, group)
     return Fold(start, end, {"heads": tuple(tuple(head) for head in heads)}, None, group)
 
 
