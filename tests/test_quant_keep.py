@@ -153,17 +153,24 @@ def test_the_rows_kept_are_the_first_readings_at_their_positions() -> None:
             assert np.allclose(kept_keys[head, : positions.size], rows, atol=step), "the same rows, rounded twice"
 
 
-def test_a_trim_into_the_kept_rows_leaves_a_cache_of_the_prefix(tmp_path) -> None:
+@pytest.mark.parametrize("heads", ["alike", "lopsided"])
+def test_a_trim_into_the_kept_rows_leaves_a_cache_of_the_prefix(tmp_path, heads: str) -> None:
     model = tiny("llama", layers=2)
+    model = lopsided(model) if heads == "lopsided" else model
     caches = quant_caches(model, "40%")
-    greedy(model, random_tokens(300, 7), caches, steps=3, chunk=128)
+    greedy(model, random_tokens(300, 7 if heads == "alike" else 8), caches, steps=3, chunk=128)
+    assert [_ragged(c.folds[0]) for c in caches] == [heads == "lopsided"] * 2, "one own per head where they differ"
     loaded = assert_round_trip(str(tmp_path / "kept.safetensors"), model, caches)
+    assert [_ragged(c.folds[0]) for c in loaded] == [heads == "lopsided"] * 2, "loaded as saved"
     for cache in loaded:
+        before = head_positions(cache, cache.folds[0])
         cache.trim(cache.offset - 150)
         (fold,) = cache.folds
         assert cache.offset == 150 and fold.end == 150 and cache.store.rows == 0
-        assert (cache.fold_positions(fold) < 150).all().item() and cache.held_rows(fold) % 32 == 0
-        assert cache.size() == cache.held_rows(fold)
+        for positions, earlier in zip(head_positions(cache, fold), before):
+            whole = (earlier < 150).sum() // 32 * 32
+            assert np.array_equal(positions, earlier[:whole]), "each head's whole blocks before the end"
+        assert cache.size() == cache.held_rows(fold) and cache.held_rows(fold) % 32 == 0
     assert len(greedy(model, mx.array([3, 4]), loaded, steps=3)) == 3
 
 
@@ -262,7 +269,7 @@ def once_at(keys: mx.array, bits: int, group: int) -> mx.array:
 
 
 def key_bits(cache: QuantCache) -> list[int]:
-    return [cache._key_bits(fold.own[0]) for fold in cache.folds]
+    return [cache._fold_bits(fold) for fold in cache.folds]
 
 
 def test_a_prompt_is_held_at_eight_bits_until_its_rows_are_chosen_then_quantized_once() -> None:
@@ -314,3 +321,47 @@ def test_held_keys_settle_at_four_bits_when_no_second_reading_comes(tmp_path) ->
     for cache in caches:  # a trim into held keys settles them first
         cache.trim(cache.offset - 100)
         assert key_bits(cache) == [4] and cache.folds[0].end == 96 and cache.offset == 100
+
+
+def test_a_prompt_chunk_over_a_ragged_fold_attends_over_each_heads_real_rows_only() -> None:
+    cache, _ = kept_by_scores(peaked=8)
+    assert _ragged(cache.folds[0])
+    folded_keys, folded_values = cache.unfold(cache.folds[0])
+    counts = [p.size for p in head_positions(cache, cache.folds[0])]
+    exact_keys, exact_values = cache.store.fetch()
+    new_keys, new_values = mx.random.normal((1, 2, 100, 64)), mx.random.normal((1, 2, 100, 64))
+    keys, values = cache.update_and_fetch(new_keys, new_values)  # 100 tokens: a prompt chunk, not decode-sized
+    queries = mx.random.normal((1, 6, 100, 64))
+    assert not cache._held_usable(queries, "causal", None)
+    out = cache.attend(queries, keys, values, 0.125, "causal")
+    by_hand = []
+    for head, count in enumerate(counts):  # each head over its own rows, the exact ones after, causal among the new
+        k = mx.concatenate([folded_keys[:, head: head + 1, :count], exact_keys[:, head: head + 1],
+                            new_keys[:, head: head + 1]], axis=2)
+        v = mx.concatenate([folded_values[:, head: head + 1, :count], exact_values[:, head: head + 1],
+                            new_values[:, head: head + 1]], axis=2)
+        by_hand.append(mx.fast.scaled_dot_product_attention(queries[:, 3 * head: 3 * head + 3], k, v, scale=0.125,
+                                                             mask="causal"))
+    assert mx.allclose(out, mx.concatenate(by_hand, axis=1), atol=1e-5).item()
+    unmasked = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask="causal")
+    assert not mx.allclose(out, unmasked, atol=1e-3).item(), "(the holes would count, unmasked)"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_second_prompt_joins_a_ragged_fold_head_by_head(bits: int) -> None:
+    model = lopsided(tiny("llama", layers=2))
+    caches = quant_caches(model, "40%", bits=bits)
+    greedy(model, random_tokens(230, 8), caches, steps=2, chunk=230)
+    assert all(_ragged(c.folds[0]) for c in caches)
+    before = [head_positions(c, c.folds[0]) for c in caches]
+    second = random_tokens(161, 11)
+    model(second[None, :160], cache=caches)
+    assert [key_bits(c) for c in caches] == [[4, HOLD_BITS] if bits == 4 else [8]] * 2, "held apart below 8 bits"
+    tokens = greedy(model, second[160:], caches, steps=3)
+    assert len(tokens) == 3
+    for cache, earlier in zip(caches, before):
+        (fold,) = cache.folds
+        assert key_bits(cache) == [bits]
+        for positions, old in zip(head_positions(cache, fold), earlier):
+            assert np.array_equal(positions[: old.size], old), "every earlier row stays in its head"
+            assert (np.diff(positions) > 0).all() and (positions >= 232).sum() < 160 - 8, "the new prompt's chosen"

@@ -428,11 +428,11 @@ class QuantCache(CrossLayerCache):
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens. A new end among the quantized rows keeps the fold's whole blocks before
         it; the cut block's rows before the end become exact rows again (dequantized). Where rows were dropped,
-        the heads' blocks end at different positions: each head of a ragged fold keeps its own blocks wholly before
-        the new end (none, in every head, where some head would keep none: a fold holds a block per head), each
-        head of a dense one the blocks wholly before it in every head; kept rows after them that lie before the end
-        are dropped too (a rare path: a server request reusing a shorter prefix of a compressed document; the
-        result is a valid compressed cache of it)."""
+        the heads' blocks end at different positions: each head keeps its own blocks wholly before the new end (the
+        fold ragged where their numbers then differ; none in any head where some head would keep none: a fold holds
+        a block per head), or, in a batch of sequences, the blocks wholly before it in every head; kept rows after
+        them that lie before the end are dropped too (a rare path: a server request reusing a shorter prefix of a
+        compressed document; the result is a valid compressed cache of it)."""
         n = min(n, self.offset)
         if n <= 0:
             return 0
@@ -445,7 +445,7 @@ class QuantCache(CrossLayerCache):
         before = ((positions >= 0) & (positions < prefix)).sum(axis=-1)
         self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
         self.offset = prefix
-        if _ragged(fold):
+        if _ragged(fold) or (len(fold.own) == 3 and positions.shape[0] == 1):  # one sequence's heads apart
             kept = [rows // g * g for rows in _ints(before[0])]
             heads = [self._cut(own, k, own[2].shape[-1]) for own, k in zip(self._split(fold), kept)] if min(kept) else []
             self.folds = [_fold_of(0, prefix, heads, fold.group)] if heads else []
