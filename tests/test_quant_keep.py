@@ -16,7 +16,7 @@ import veloxpatch
 from conftest import assert_round_trip, drain, greedy, random_tokens, tiny
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
-from veloxpatch.methods.quant import HOLD_BITS, QuantCache, _heads, _ragged
+from veloxpatch.methods.quant import HOLD_BITS, QuantCache, _ragged
 from veloxpatch.settings import Share
 
 PROMPT = 100  # one prompt chunk: 92 rows older than the window, of which 64 (two blocks of 32) fold

@@ -30,8 +30,10 @@ Fewer rows too (``VELOX_QUANT_KEEP`` below 100%). Quantization alone stops at ab
 bits); an eighth needs fewer rows as well, chosen before any question is asked (a document read once, asked many
 things). KVzip's score chooses them: once a prompt is read (its rows folded at low bits as usual, so memory stays
 bounded while it is read), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each
-folded row scores the most attention any query of its head group pays it then; each head keeps that share of the
-prompt's rows, its best-scored (and the first ``VELOX_SINK`` tokens), each with its position (two bytes) for trims.
+folded row scores the most attention any query of its head group pays it then; the layer keeps that share of the
+prompt's rows by one top-k over its heads (AdaKV's head-wise budgets: each head's scores over their sum first), so
+heads keep different numbers of rows, each its best-scored in whole blocks (and the first ``VELOX_SINK`` tokens),
+each with its position (two bytes) for trims.
 Until then the prompt's keys fold at ``HOLD_BITS`` (8; values at ``VELOX_QUANT_BITS``), and the keys kept are
 quantized to ``VELOX_QUANT_BITS`` once, from them. Both halves were measured (``bench/agnostic_selection.py``, half
 the rows kept, 4 bits, RULER niah_multikey_1, question after): on Qwen2.5-0.5B at 4k the second reading over 4-bit
@@ -39,11 +41,17 @@ keys chose rows that lost the needle (mean KL 0.30, wrong) where over 8-bit keys
 exact rows (0.10 and 0.09, right); on SmolLM2 at 1k, kept 4-bit keys quantized again in blocks of the rows kept lost
 it (0.11) where quantized once from 8 bits they kept it (0.06). The price: while such a prompt is read the fold
 holds 8.5 bits per key element and 4.5 per value element (scales and biases counted), 0.41 of the 16-bit bytes,
-against 0.28. Every head keeps the same number (KVzip and AdaKV let heads differ: ragged rows the quantized matmul
-cannot take). Rows of decoded tokens, never read twice, are all kept. Measured (``bench/agnostic_selection.py``,
-Qwen2.5-0.5B, RULER at 4k, question after): KVzip's score kept every answer the full cache gave at 35% of the rows
-and 4 bits, where the scores a cache can compute alone (the prompt's last queries, expected attention, key norms)
-lost the needles at 50%.
+against 0.28. Heads holding different numbers of rows cannot share one array, and each head's keys quantize in
+blocks of its own rows, so such a *ragged* fold keeps one part per head (keys, values and positions, a head axis of
+one; no padding held). A prompt chunk attends over it rebuilt, the shorter heads padded with zero rows at position -1
+(holes, which the mask by position hides); a decode step multiplies each head's own rows as held by the quantized
+matmul, one head at a time (two or three on the models measured), under one softmax with the exact rows; a later
+fold joins it head by head, and a trim keeps each head's own whole blocks before the new end. Only a cache holding
+several sequences at once (B > 1; the shim's batches keep a cache per sequence) keeps the same number per head. Rows
+of decoded tokens, never read twice, are all kept. Measured (``bench/agnostic_selection.py``, Qwen2.5-0.5B, RULER at 4k,
+question after): KVzip's score with head-wise budgets kept every answer the full cache gave at 35% of the rows and 4
+bits (mean KL 0.069), where the same number per head lost niah_multikey_1 (0.150) and the scores a cache can compute
+alone (the prompt's last queries, expected attention, key norms) lost the needles at 50%.
 """
 
 from __future__ import annotations
@@ -76,10 +84,11 @@ KNOBS = (
             "Quant: tokens per block whose key channels share a scale and bias (and a value row's elements per "
             "group, or the largest of 32, 64 and 128 dividing the head dimension).", method="quant"),
     Setting("VELOX_QUANT_KEEP", percent, "100%", "a percentage in (0, 100]",
-            "Quant: share of a prompt's quantized rows each head keeps once the prompt is read: those the model "
-            "attends to most while it reads the prompt a second time (KVzip's score; the first VELOX_SINK tokens "
-            "always stay). Below 100% every prompt is read twice. Experimental: it lost answers in every measurement "
-            "so far (docs/results.md).", method="quant"),
+            "Quant: share of a prompt's quantized rows each layer keeps once the prompt is read: those the model "
+            "attends to most while it reads the prompt a second time (KVzip's score), by one top-k over the layer's "
+            "heads, so heads keep different numbers (the first VELOX_SINK tokens always stay). Below 100% every "
+            "prompt is read twice. Experimental: it lost answers in every measurement so far (docs/results.md).",
+            method="quant"),
 )
 
 
@@ -195,8 +204,8 @@ class QuantCache(CrossLayerCache):
         the sinks) of ``normed`` (each head's scores over its sum there, so a head that spreads its attention
         competes with one that spikes), ``VELOX_QUANT_KEEP`` of them in all; each head then keeps its protected
         rows and those chosen, rounded to whole blocks (keys are quantized per channel in blocks of rows), at least
-        one. Measured (``bench/agnostic_selection.py``, head-wise): at 35% of the rows this kept the answer the same
-        number per head lost (mean KL 0.11 against 0.43)."""
+        one. Measured (``bench/agnostic_selection.py``, head-wise; module doc): at 35% of the rows this kept the answer
+        the same number per head lost."""
         g, heads = self.group_size, normed.shape[1]
         flat = mx.where(fresh, normed, -1).reshape(-1)
         total = min(round(self.keep * int(fresh.sum())), flat.size)
@@ -447,8 +456,8 @@ class QuantCache(CrossLayerCache):
         self.offset = prefix
         if _ragged(fold) or (len(fold.own) == 3 and positions.shape[0] == 1):  # one sequence's heads apart
             kept = [rows // g * g for rows in _ints(before[0])]
-            heads = [self._cut(own, k, own[2].shape[-1]) for own, k in zip(self._split(fold), kept)] if min(kept) else []
-            self.folds = [_fold_of(0, prefix, heads, fold.group)] if heads else []
+            heads = [self._cut(own, k, own[2].shape[-1]) for own, k in zip(self._split(fold), kept)]
+            self.folds = [_fold_of(0, prefix, heads, fold.group)] if min(kept) else []
             return n
         rows = int(before.min()) // g * g
         if prefix > rows and len(fold.own) == 2:
