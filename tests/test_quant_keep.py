@@ -348,7 +348,17 @@ def test_a_prompt_chunk_over_a_ragged_fold_attends_over_each_heads_real_rows_onl
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_second_prompt_joins_a_ragged_fold_head_by_head(bits: int) -> None:
+def test_a_second_prompt_joins_a_ragged_fold_head_by_head(bits: int, monkeypatch) -> None:
+    holes: list[np.ndarray] = []  # the scores the second reading gave the earlier fold's holes
+    stop = QuantCache.stop_rereading
+
+    def record(self, read):
+        if self.scores is not None and _ragged(self.folds[0]):
+            positions = self.fold_positions(self.folds[0])
+            holes.append(np.array(self.scores[..., : positions.shape[-1]])[np.array(positions) < 0])
+        stop(self, read)
+
+    monkeypatch.setattr(QuantCache, "stop_rereading", record)
     model = lopsided(tiny("llama", layers=2))
     caches = quant_caches(model, "40%", bits=bits)
     greedy(model, random_tokens(230, 8), caches, steps=2, chunk=230)
@@ -357,8 +367,10 @@ def test_a_second_prompt_joins_a_ragged_fold_head_by_head(bits: int) -> None:
     second = random_tokens(161, 11)
     model(second[None, :160], cache=caches)
     assert [key_bits(c) for c in caches] == [[4, HOLD_BITS] if bits == 4 else [8]] * 2, "held apart below 8 bits"
+    holes.clear()
     tokens = greedy(model, second[160:], caches, steps=3)
     assert len(tokens) == 3
+    assert len(holes) == 2 and all(h.size and not h.any() for h in holes), "holes masked while scored"
     for cache, earlier in zip(caches, before):
         (fold,) = cache.folds
         assert key_bits(cache) == [bits]
