@@ -170,7 +170,8 @@ class QuantCache(CrossLayerCache):
         """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from the best-scored rows of its heads and
         every row before the prompt or among the first ``VELOX_SINK``: dequantized, chosen, the keys quantized to
         ``VELOX_QUANT_BITS`` once. How many rows each head keeps: :meth:`_head_counts` (one sequence: heads differ,
-        as AdaKV's), or the same number per head (a batch of sequences, whose folds must stay dense)."""
+        as AdaKV's), or the same number per head (several sequences in one cache, B > 1: its fold stays dense, as
+        one sequence's counts per head would not be another's)."""
         fold = self.folds[-1]
         positions = self.fold_positions(fold)
         held = positions.shape[-1]
