@@ -1,11 +1,13 @@
 """Quant with VELOX_QUANT_KEEP below 100%: once a prompt is read, the model reads it a second time (KVzip's score)
-and each head keeps the rows that reading attends to most; what is scored, what is kept, and that the rows kept are
-the first reading's."""
+and the layer keeps the rows that reading attends to most, one top-k over its heads (heads keep different numbers:
+a ragged fold); what is scored, what is kept, that the rows kept are the first reading's, and that a ragged fold
+attends, trims, saves and joins a later turn as the rows it holds."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx_lm.models.llama as llama
+import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
@@ -14,7 +16,7 @@ import veloxpatch
 from conftest import assert_round_trip, drain, greedy, random_tokens, tiny
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
-from veloxpatch.methods.quant import HOLD_BITS, QuantCache
+from veloxpatch.methods.quant import HOLD_BITS, QuantCache, _ragged
 from veloxpatch.settings import Share
 
 PROMPT = 100  # one prompt chunk: 92 rows older than the window, of which 64 (two blocks of 32) fold
@@ -54,6 +56,38 @@ def reference_scores(model, prompt: mx.array, monkeypatch) -> list[mx.array]:
     return out
 
 
+def head_positions(cache: QuantCache, fold) -> list[np.ndarray]:
+    """Each head's rows' positions, its holes (a ragged fold's padding) left out."""
+    return [p[p >= 0] for p in np.array(cache.fold_positions(fold))[0]]
+
+
+def headwise(score: np.ndarray, protected: np.ndarray, keep: float, group: int) -> list[np.ndarray]:
+    """The rows (H, rows) of ``score`` head-wise selection keeps, per head, ascending: each head's scores over its
+    sum on the fresh rows (not ``protected``), one top-k of ``keep`` of every head's fresh rows, each head's count
+    (its protected rows and those chosen) rounded to whole blocks, at least one; its protected rows, then its best."""
+    fresh = ~protected
+    normed = np.where(fresh, score, 0)
+    normed = normed / normed.sum(axis=-1, keepdims=True)
+    top = np.argsort(-np.where(fresh, normed, -1).ravel(), kind="stable")[: round(keep * fresh.sum())]
+    chosen = np.bincount(top // score.shape[1], minlength=score.shape[0])
+    out = []
+    for h in range(score.shape[0]):
+        count = min(score.shape[1], max(group, round((chosen[h] + protected[h].sum()) / group) * group))
+        out.append(np.sort(np.argsort(-np.where(protected[h], np.inf, normed[h]), kind="stable")[:count]))
+    return out
+
+
+def lopsided(model):
+    """``model`` with its first KV head's keys six times larger and the second's a fifth (its attention peaks more
+    there and spreads more here), so the heads' scores differ as a real model's do and head-wise budgets differ."""
+    for layer in model.model.layers:
+        weight = layer.self_attn.k_proj.weight
+        half = weight.shape[0] // 2
+        layer.self_attn.k_proj.weight = mx.concatenate([weight[:half] * 6, weight[half:] * 0.2])
+    mx.eval(model.parameters())  # (the probe runs only on a model whose parameters are evaluated)
+    return model
+
+
 def test_rows_are_scored_by_the_second_reading_and_each_head_keeps_its_best(monkeypatch) -> None:
     model = tiny("llama", layers=2)
     prompt = random_tokens(PROMPT + 1, 4)
@@ -72,10 +106,10 @@ def test_rows_are_scored_by_the_second_reading_and_each_head_keeps_its_best(monk
     for cache, got, want in zip(caches, recorded, expected):
         assert mx.allclose(got, want[..., :64], atol=1e-4).item(), float(mx.abs(got - want[..., :64]).max())
         (fold,) = cache.folds
-        assert (fold.start, fold.end, cache.held_rows(fold)) == (0, 64, 32), "4 sinks and half of 60: one block"
-        score = mx.where(mx.arange(64) < 4, mx.inf, want[..., :64])
-        best = mx.sort(mx.argsort(-score, axis=-1)[..., :32], axis=-1)
-        assert mx.array_equal(cache.fold_positions(fold), best).item(), "each head's 32 best rows, the sinks first"
+        assert (fold.start, fold.end) == (0, 64)
+        best = headwise(np.array(want[0, :, :64]), np.broadcast_to(np.arange(64) < 4, (2, 64)), 0.5, 32)
+        got = head_positions(cache, fold)
+        assert all(np.array_equal(a, b) for a, b in zip(got, best)), "the heads' best normalized rows, sinks first"
         assert cache.store.rows == cache.offset - 64, "the second reading left no row"
         assert cache.offset == PROMPT + 2, "the prompt, and generate_step's one step ahead"
 
@@ -110,25 +144,33 @@ def test_the_rows_kept_are_the_first_readings_at_their_positions() -> None:
         assert kept.offset == full.offset and kept.size() < full.size()
         spare = kept.store.capacity - kept.store.rows
         assert spare < kept.store.step, f"{spare} spare rows: the room the second reading took is given back"
-        positions = kept.fold_positions(kept.folds[0])
-        assert (positions[..., 1:] > positions[..., :-1]).all().item(), "ascending per head"
-        assert (positions[..., :4] == mx.arange(4)).all().item(), "the sinks stay"
-        rows = mx.take_along_axis(full.rows()[0], positions[..., None], axis=2)
-        step = float(mx.abs(rows).max()) * 2 / 255  # one 8-bit level of these keys (up to ~13 here)
-        assert mx.allclose(kept.unfold(kept.folds[0])[0], rows, atol=step).item(), "the same rows, rounded twice"
+        full_keys, kept_keys = np.array(full.rows()[0][0]), np.array(kept.unfold(kept.folds[0])[0][0])
+        for head, positions in enumerate(head_positions(kept, kept.folds[0])):
+            assert (np.diff(positions) > 0).all(), "ascending per head"
+            assert (positions[:4] == np.arange(4)).all(), "the sinks stay"
+            rows = full_keys[head, positions]
+            step = np.abs(rows).max() * 2 / 255  # one 8-bit level of these keys (up to ~13 here)
+            assert np.allclose(kept_keys[head, : positions.size], rows, atol=step), "the same rows, rounded twice"
 
 
-def test_a_trim_into_the_kept_rows_leaves_a_cache_of_the_prefix(tmp_path) -> None:
+@pytest.mark.parametrize("heads", ["alike", "lopsided"])
+def test_a_trim_into_the_kept_rows_leaves_a_cache_of_the_prefix(tmp_path, heads: str) -> None:
     model = tiny("llama", layers=2)
+    model = lopsided(model) if heads == "lopsided" else model
     caches = quant_caches(model, "40%")
-    greedy(model, random_tokens(300, 7), caches, steps=3, chunk=128)
+    greedy(model, random_tokens(300, 7 if heads == "alike" else 8), caches, steps=3, chunk=128)
+    assert [_ragged(c.folds[0]) for c in caches] == [heads == "lopsided"] * 2, "one own per head where they differ"
     loaded = assert_round_trip(str(tmp_path / "kept.safetensors"), model, caches)
+    assert [_ragged(c.folds[0]) for c in loaded] == [heads == "lopsided"] * 2, "loaded as saved"
     for cache in loaded:
+        before = head_positions(cache, cache.folds[0])
         cache.trim(cache.offset - 150)
         (fold,) = cache.folds
         assert cache.offset == 150 and fold.end == 150 and cache.store.rows == 0
-        assert (cache.fold_positions(fold) < 150).all().item() and cache.held_rows(fold) % 32 == 0
-        assert cache.size() == cache.held_rows(fold)
+        for positions, earlier in zip(head_positions(cache, fold), before):
+            whole = (earlier < 150).sum() // 32 * 32
+            assert np.array_equal(positions, earlier[:whole]), "each head's whole blocks before the end"
+        assert cache.size() == cache.held_rows(fold) and cache.held_rows(fold) % 32 == 0
     assert len(greedy(model, mx.array([3, 4]), loaded, steps=3)) == 3
 
 
@@ -138,16 +180,46 @@ def test_a_bad_share_to_keep_is_refused_by_name(keep: str) -> None:
         veloxpatch.patch(kv="quant", knobs={"quant_keep": keep})
 
 
-@pytest.mark.parametrize("n", [1, 5])
-def test_a_decode_step_over_kept_rows_equals_attention_over_them_rebuilt(n: int) -> None:
-    mx.random.seed(n)
+def kept_by_scores(peaked: int, seed: int = 1) -> tuple[QuantCache, np.ndarray]:
+    """A cache that read 300 random rows (keys and values alike), its 288 folded rows then kept at 40% as a second
+    reading would keep them by scores uniform in the first head and raised to the power ``peaked`` in the second
+    (1: the heads alike; 8: a few of the second's rows stand out, the rest far below the first head's); and the
+    scores, (heads, rows)."""
+    mx.random.seed(seed)
     cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, mode="chunk"), bits=4, group=32, keep=Share(0.4))
     rows = mx.random.normal((1, 2, 300, 64))
     keys, values = cache.update_and_fetch(rows, rows)
     cache.attend(mx.random.normal((1, 6, 300, 64)), keys, values, 0.125, "causal")
-    cache.scores = mx.random.uniform(shape=(1, 2, 288))  # as a second reading leaves them
+    uniform = mx.random.uniform(shape=(1, 2, 288))
+    scores = mx.concatenate([uniform[:, :1], uniform[:, 1:] ** peaked], axis=1)
+    cache.scores = scores  # as a second reading leaves them
     cache.stop_rereading(True)
-    assert cache.held_rows(cache.folds[0]) == 128, "4 sinks and 40% of 284 rows: 3.7 blocks of 32, rounded to 4"
+    return cache, np.array(scores[0])
+
+
+def test_heads_keep_different_numbers_of_rows_their_best_normalized_and_the_layer_its_share() -> None:
+    cache, score = kept_by_scores(peaked=8)
+    (fold,) = cache.folds
+    assert _ragged(fold), "the heads' counts differ: one own per head"
+    got = head_positions(cache, fold)
+    counts = [p.size for p in got]
+    assert counts == [160, 64] and cache.held_rows(fold) == 160 and cache.size() == 160 + cache.store.rows
+    assert abs(sum(counts) - (2 * 4 + 0.4 * 2 * 284)) <= 32, "the layer's total: the sinks and 40% of its rows"
+    best = headwise(score, np.broadcast_to(np.arange(288) < 4, (2, 288)), 0.4, 32)
+    assert all(np.array_equal(a, b) for a, b in zip(got, best)), "each head's best normalized rows, sinks first"
+    positions = np.array(cache.fold_positions(fold))[0]
+    assert (positions[1, 64:] == -1).all(), "the shorter head padded with holes"
+    keys, _ = cache.unfold(fold)
+    assert keys.shape == (1, 2, 160, 64) and not mx.any(keys[0, 1, 64:]).item(), "zero rows at the holes"
+    alike, _ = kept_by_scores(peaked=1)
+    assert not _ragged(alike.folds[0]) and alike.held_rows(alike.folds[0]) == 128, "as many rows each: one array"
+
+
+@pytest.mark.parametrize("peaked", [1, 8])
+@pytest.mark.parametrize("n", [1, 5])
+def test_a_decode_step_over_kept_rows_equals_attention_over_them_rebuilt(n: int, peaked: int) -> None:
+    cache, _ = kept_by_scores(peaked)
+    assert _ragged(cache.folds[0]) == (peaked > 1)
     keys, values = cache.update_and_fetch(mx.random.normal((1, 2, n, 64)), mx.random.normal((1, 2, n, 64)))
     queries = mx.random.normal((1, 6, n, 64))
     held = cache.attend_held(queries, 0.125)
@@ -166,7 +238,9 @@ def test_every_row_stays_while_the_prompt_is_read_and_the_share_after_it() -> No
     greedy(model, prompt[768:], caches, steps=1)
     for cache in caches:
         (fold,) = cache.folds
-        assert fold.end == 736 and cache.held_rows(fold) == 256, "4 sinks and 35% of 732 (260), in blocks of 32"
+        counts = [p.size for p in head_positions(cache, fold)]
+        assert fold.end == 736 and all(c % 32 == 0 for c in counts), "whole blocks of 32 per head"
+        assert abs(sum(counts) - 2 * (4 + 0.35 * 732)) <= 32, "the layer's: 4 sinks and 35% of 732 per head"
 
 
 def test_batched_sequences_keep_every_row_and_say_so(records) -> None:
@@ -195,7 +269,7 @@ def once_at(keys: mx.array, bits: int, group: int) -> mx.array:
 
 
 def key_bits(cache: QuantCache) -> list[int]:
-    return [cache._key_bits(fold.own[0]) for fold in cache.folds]
+    return [cache._fold_bits(fold) for fold in cache.folds]
 
 
 def test_a_prompt_is_held_at_eight_bits_until_its_rows_are_chosen_then_quantized_once() -> None:
@@ -247,3 +321,59 @@ def test_held_keys_settle_at_four_bits_when_no_second_reading_comes(tmp_path) ->
     for cache in caches:  # a trim into held keys settles them first
         cache.trim(cache.offset - 100)
         assert key_bits(cache) == [4] and cache.folds[0].end == 96 and cache.offset == 100
+
+
+def test_a_prompt_chunk_over_a_ragged_fold_attends_over_each_heads_real_rows_only() -> None:
+    cache, _ = kept_by_scores(peaked=8)
+    assert _ragged(cache.folds[0])
+    folded_keys, folded_values = cache.unfold(cache.folds[0])
+    counts = [p.size for p in head_positions(cache, cache.folds[0])]
+    exact_keys, exact_values = cache.store.fetch()
+    new_keys, new_values = mx.random.normal((1, 2, 100, 64)), mx.random.normal((1, 2, 100, 64))
+    keys, values = cache.update_and_fetch(new_keys, new_values)  # 100 tokens: a prompt chunk, not decode-sized
+    queries = mx.random.normal((1, 6, 100, 64))
+    assert not cache._held_usable(queries, "causal", None)
+    out = cache.attend(queries, keys, values, 0.125, "causal")
+    by_hand = []
+    for head, count in enumerate(counts):  # each head over its own rows, the exact ones after, causal among the new
+        k = mx.concatenate([folded_keys[:, head: head + 1, :count], exact_keys[:, head: head + 1],
+                            new_keys[:, head: head + 1]], axis=2)
+        v = mx.concatenate([folded_values[:, head: head + 1, :count], exact_values[:, head: head + 1],
+                            new_values[:, head: head + 1]], axis=2)
+        by_hand.append(mx.fast.scaled_dot_product_attention(queries[:, 3 * head: 3 * head + 3], k, v, scale=0.125,
+                                                             mask="causal"))
+    assert mx.allclose(out, mx.concatenate(by_hand, axis=1), atol=1e-5).item()
+    unmasked = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask="causal")
+    assert not mx.allclose(out, unmasked, atol=1e-3).item(), "(the holes would count, unmasked)"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_second_prompt_joins_a_ragged_fold_head_by_head(bits: int, monkeypatch) -> None:
+    holes: list[np.ndarray] = []  # the scores the second reading gave the earlier fold's holes
+    stop = QuantCache.stop_rereading
+
+    def record(self, read):
+        if self.scores is not None and _ragged(self.folds[0]):
+            positions = self.fold_positions(self.folds[0])
+            holes.append(np.array(self.scores[..., : positions.shape[-1]])[np.array(positions) < 0])
+        stop(self, read)
+
+    monkeypatch.setattr(QuantCache, "stop_rereading", record)
+    model = lopsided(tiny("llama", layers=2))
+    caches = quant_caches(model, "40%", bits=bits)
+    greedy(model, random_tokens(230, 8), caches, steps=2, chunk=230)
+    assert all(_ragged(c.folds[0]) for c in caches)
+    before = [head_positions(c, c.folds[0]) for c in caches]
+    second = random_tokens(161, 11)
+    model(second[None, :160], cache=caches)
+    assert [key_bits(c) for c in caches] == [[4, HOLD_BITS] if bits == 4 else [8]] * 2, "held apart below 8 bits"
+    holes.clear()
+    tokens = greedy(model, second[160:], caches, steps=3)
+    assert len(tokens) == 3
+    assert len(holes) == 2 and all(h.size and not h.any() for h in holes), "holes masked while scored"
+    for cache, earlier in zip(caches, before):
+        (fold,) = cache.folds
+        assert key_bits(cache) == [bits]
+        for positions, old in zip(head_positions(cache, fold), earlier):
+            assert np.array_equal(positions[: old.size], old), "every earlier row stays in its head"
+            assert (np.diff(positions) > 0).all() and (positions >= 232).sum() < 160 - 8, "the new prompt's chosen"

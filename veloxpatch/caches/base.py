@@ -342,13 +342,18 @@ class CompressedKVCache(ABC):
         information. Every row held is in the past, so causal is right unless a hole (position -1) is among them."""
         n = queries.shape[2]
         own: mx.array | str | None = None if n == 1 else "causal"
-        if self.store.holes:  # (B, query heads, n, rows) by the positions of the rows this step attends over
+        if self.has_holes():  # (B, query heads, n, rows) by the positions of the rows this step attends over
             own = masks.by_position(self._key_positions(), n, self.offset, queries.shape[1])
         if not isinstance(given, mx.array) or masks.issued(given, members_of(self)):
             return own
         if own is None:
             return given
         return masks.combined(own, given, rows, n)
+
+    def has_holes(self) -> bool:
+        """Whether a row attention runs over is a hole (position -1), so masks must go by position: the store's
+        holes here (a trim left heads with different numbers of rows); a kind holding rows elsewhere adds its own."""
+        return self.store.holes
 
     def _key_positions(self) -> mx.array:
         """(B, kv_heads, rows): the position of every row attention runs over, in its order (-1: a hole)."""

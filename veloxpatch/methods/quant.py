@@ -30,8 +30,10 @@ Fewer rows too (``VELOX_QUANT_KEEP`` below 100%). Quantization alone stops at ab
 bits); an eighth needs fewer rows as well, chosen before any question is asked (a document read once, asked many
 things). KVzip's score chooses them: once a prompt is read (its rows folded at low bits as usual, so memory stays
 bounded while it is read), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each
-folded row scores the most attention any query of its head group pays it then; each head keeps that share of the
-prompt's rows, its best-scored (and the first ``VELOX_SINK`` tokens), each with its position (two bytes) for trims.
+folded row scores the most attention any query of its head group pays it then; the layer keeps that share of the
+prompt's rows by one top-k over its heads (AdaKV's head-wise budgets: each head's scores over their sum first), so
+heads keep different numbers of rows, each its best-scored in whole blocks (and the first ``VELOX_SINK`` tokens),
+each with its position (two bytes) for trims.
 Until then the prompt's keys fold at ``HOLD_BITS`` (8; values at ``VELOX_QUANT_BITS``), and the keys kept are
 quantized to ``VELOX_QUANT_BITS`` once, from them. Both halves were measured (``bench/agnostic_selection.py``, half
 the rows kept, 4 bits, RULER niah_multikey_1, question after): on Qwen2.5-0.5B at 4k the second reading over 4-bit
@@ -39,16 +41,22 @@ keys chose rows that lost the needle (mean KL 0.30, wrong) where over 8-bit keys
 exact rows (0.10 and 0.09, right); on SmolLM2 at 1k, kept 4-bit keys quantized again in blocks of the rows kept lost
 it (0.10) where quantized once from 8 bits they kept it (0.06). The price: while such a prompt is read the fold
 holds 8.5 bits per key element and 4.5 per value element (scales and biases counted), 0.41 of the 16-bit bytes,
-against 0.28. Every head keeps the same number (KVzip and AdaKV let heads differ: ragged rows the quantized matmul
-cannot take). Rows of decoded tokens, never read twice, are all kept. Measured (``bench/agnostic_selection.py``,
-Qwen2.5-0.5B, RULER at 4k, question after): KVzip's score kept every answer the full cache gave at 35% of the rows
-and 4 bits, where the scores a cache can compute alone (the prompt's last queries, expected attention, key norms)
-lost the needles at 50%.
+against 0.28. Heads holding different numbers of rows cannot share one array, and each head's keys quantize in
+blocks of its own rows, so such a *ragged* fold keeps one part per head (keys, values and positions, a head axis of
+one; no padding held). A prompt chunk attends over it rebuilt, the shorter heads padded with zero rows at position -1
+(holes, which the mask by position hides); a decode step multiplies each head's own rows as held by the quantized
+matmul, one head at a time (two or three on the models measured), under one softmax with the exact rows; a later
+fold joins it head by head, and a trim keeps each head's own whole blocks before the new end. Only a cache holding
+several sequences at once (B > 1; the shim's batches keep a cache per sequence) keeps the same number per head. Rows
+of decoded tokens, never read twice, are all kept. Measured (``bench/agnostic_selection.py``, Qwen2.5-0.5B, RULER at 4k,
+question after): KVzip's score with head-wise budgets kept every answer the full cache gave at 35% of the rows and 4
+bits (mean KL 0.069), where the same number per head lost niah_multikey_1 (0.150) and the scores a cache can compute
+alone (the prompt's last queries, expected attention, key norms) lost the needles at 50%.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -76,10 +84,11 @@ KNOBS = (
             "Quant: tokens per block whose key channels share a scale and bias (and a value row's elements per "
             "group, or the largest of 32, 64 and 128 dividing the head dimension).", method="quant"),
     Setting("VELOX_QUANT_KEEP", percent, "100%", "a percentage in (0, 100]",
-            "Quant: share of a prompt's quantized rows each head keeps once the prompt is read: those the model "
-            "attends to most while it reads the prompt a second time (KVzip's score; the first VELOX_SINK tokens "
-            "always stay). Below 100% every prompt is read twice. Experimental: it lost answers in every measurement "
-            "so far (docs/results.md).", method="quant"),
+            "Quant: share of a prompt's quantized rows each layer keeps once the prompt is read: those the model "
+            "attends to most while it reads the prompt a second time (KVzip's score), by one top-k over the layer's "
+            "heads, so heads keep different numbers (the first VELOX_SINK tokens always stay). Below 100% every "
+            "prompt is read twice. Experimental: it lost answers in every measurement so far (docs/results.md).",
+            method="quant"),
 )
 
 
@@ -158,32 +167,65 @@ class QuantCache(CrossLayerCache):
         return [(self._keys_encoded(keys, bits), self._values_encoded(values))], None
 
     def _keep_best(self, scores: mx.array) -> None:
-        """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from each head's best-scored rows (the
-        same number per head, the share over them rounded to whole blocks) and every row before the prompt or among
-        the first ``VELOX_SINK``: dequantized, chosen, the keys quantized to ``VELOX_QUANT_BITS`` once."""
-        fold, g = self.folds[-1], self.group_size
+        """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from the best-scored rows of its heads and
+        every row before the prompt or among the first ``VELOX_SINK``: dequantized, chosen, the keys quantized to
+        ``VELOX_QUANT_BITS`` once. How many rows each head keeps: :meth:`_head_counts` (one sequence: heads differ,
+        as AdaKV's), or the same number per head (several sequences in one cache, B > 1: its fold stays dense, as
+        one sequence's counts per head would not be another's)."""
+        fold = self.folds[-1]
         positions = self.fold_positions(fold)
         held = positions.shape[-1]
-        protected = (positions < self.since) | (positions < self.sink)
-        fresh = int((~protected[0, 0]).sum())
-        k = min(held, max(g, round((held - fresh + self.keep * fresh) / g) * g))
-        if k >= held:
-            return
         earlier = self.folded_rows() - held  # rows of earlier turns' folds, scored first
-        score = mx.where(protected, mx.inf, scores[..., earlier: earlier + held])
-        chosen = mx.sort(mx.argpartition(-score, kth=k - 1, axis=-1)[..., :k], axis=-1)
-        keys, values = take_rows(self.unfold(fold), chosen)
-        own = (self._keys_encoded(keys, self.bits), self._values_encoded(values),
-               _compact(mx.take_along_axis(positions, chosen, axis=-1)))
-        self.folds[-1] = Fold(fold.start, fold.end, own, None, fold.group)
+        score = scores[..., earlier: earlier + held].astype(mx.float32)
+        real = positions >= 0  # not a hole (a ragged fold's shorter heads end in some)
+        protected = real & ((positions < self.since) | (positions < self.sink))
+        fresh = real & ~protected
+        if positions.shape[0] == 1:
+            normed = mx.where(fresh, score, 0)
+            normed = normed / mx.maximum(normed.sum(axis=-1, keepdims=True), 1e-30)
+            counts = self._head_counts(normed, fresh, protected)
+        else:
+            normed, count = score, int(fresh[0, 0].sum())
+            counts = [min(held, max(self.group_size, round((held - count + self.keep * count) / self.group_size)
+                                    * self.group_size))] * positions.shape[1]
+        if counts == _ints(real.sum(axis=-1).max(axis=0)):
+            return  # every row stays (the keys settle at VELOX_QUANT_BITS later, as when nothing was read)
+        priority = mx.where(protected, mx.inf, mx.where(fresh, normed, -mx.inf))
+        keys, values = self.unfold(fold)
+        heads = []
+        for h, k in enumerate(counts):
+            chosen = mx.sort(mx.argpartition(-priority[:, h: h + 1], kth=k - 1, axis=-1)[..., :k], axis=-1)
+            rows_k, rows_v = take_rows((keys[:, h: h + 1], values[:, h: h + 1]), chosen)
+            heads.append((self._keys_encoded(rows_k, self.bits), self._values_encoded(rows_v),
+                          _compact(mx.take_along_axis(positions[:, h: h + 1], chosen, axis=-1))))
+        self.folds[-1] = _fold_of(fold.start, fold.end, heads, fold.group)
+
+    def _head_counts(self, normed: mx.array, fresh: mx.array, protected: mx.array) -> list[int]:
+        """Rows each head of one sequence keeps (AdaKV): one top-k over every head's fresh rows (the prompt's, past
+        the sinks) of ``normed`` (each head's scores over its sum there, so a head that spreads its attention
+        competes with one that spikes), ``VELOX_QUANT_KEEP`` of them in all; each head then keeps its protected
+        rows and those chosen, rounded to whole blocks (keys are quantized per channel in blocks of rows), at least
+        one. Measured (``bench/agnostic_selection.py``, head-wise; module doc): at 35% of the rows this kept the answer
+        the same number per head lost."""
+        g, heads = self.group_size, normed.shape[1]
+        flat = mx.where(fresh, normed, -1).reshape(-1)
+        total = min(round(self.keep * int(fresh.sum())), flat.size)
+        chosen = mx.zeros(flat.shape, mx.int32)
+        if total > 0:
+            chosen = chosen.at[mx.argpartition(-flat, kth=total - 1)[:total]].add(1)
+        per_head = _ints(chosen.reshape(heads, -1).sum(axis=-1) + protected.reshape(heads, -1).sum(axis=-1))
+        real = _ints((fresh | protected).reshape(heads, -1).sum(axis=-1))
+        return [min(rows, max(g, round(n / g) * g)) for n, rows in zip(per_head, real)]
 
     def _settle(self) -> None:
         """Keys held at ``HOLD_BITS`` (a prompt whose second reading is over, failed or never came) quantized to
         ``VELOX_QUANT_BITS``, and the folds joined into one."""
+        def settled(own: Any) -> tuple[Any, ...]:
+            return (self._keys_encoded(self._keys_decoded(own[0]), self.bits), *own[1:])
+
         for i, fold in enumerate(self.folds):
-            if self._key_bits(fold.own[0]) != self.bits:
-                own = (self._keys_encoded(self._keys_decoded(fold.own[0]), self.bits), *fold.own[1:])
-                self.folds[i] = Fold(fold.start, fold.end, own, None, fold.group)
+            if self._fold_bits(fold) != self.bits:
+                self.folds[i] = _per_head(fold, settled)
         self._join()
 
     def _apply(self, start: int, end: int, group: tuple[int, ...], result: tuple[list[Any], Any], at: int) -> None:
@@ -194,10 +236,16 @@ class QuantCache(CrossLayerCache):
     def _join(self) -> None:
         """The last folds as one while their keys have the same bits: a layer keeps one fold of every quantized
         block (with every row's position once either part has dropped rows), or two while a prompt's keys are held
-        at ``HOLD_BITS``."""
-        while len(self.folds) > 1 and self._key_bits(self.folds[-2].own[0]) == self._key_bits(self.folds[-1].own[0]):
+        at ``HOLD_BITS``. A ragged fold joins head by head: each head's rows, then the next fold's of that head."""
+        while len(self.folds) > 1 and self._fold_bits(self.folds[-2]) == self._fold_bits(self.folds[-1]):
             first, last = self.folds[-2:]
             tokens = 2 if self.bits == 16 else -1  # the keys' token axis
+            if _ragged(first) or _ragged(last):
+                heads = [(_joined(a[0], b[0], tokens), _joined(a[1], b[1], 2),
+                          _compact(mx.concatenate([a[2].astype(mx.int32), b[2].astype(mx.int32)], axis=-1)))
+                         for a, b in zip(self._split(first), self._split(last))]
+                self.folds[-2:] = [_fold_of(first.start, last.end, heads, last.group)]
+                continue
             own: tuple[Any, ...] = (_joined(first.own[0], last.own[0], tokens),
                                     _joined(first.own[1], last.own[1], 2))
             if len(first.own) == 3 or len(last.own) == 3:
@@ -205,41 +253,86 @@ class QuantCache(CrossLayerCache):
             self.folds[-2:] = [Fold(first.start, last.end, own, None, last.group)]
 
     def held_rows(self, fold: Fold) -> int:
-        """Rows the fold holds per head: its range, or fewer where rows were dropped (their positions kept)."""
+        """Rows the fold holds per head: its range, or fewer where rows were dropped (their positions kept); in a
+        ragged fold, its largest head's (the others padded with holes to as many, as attention sees them)."""
+        if _ragged(fold):
+            return max(head[2].shape[-1] for head in _heads(fold))
         return fold.own[2].shape[-1] if len(fold.own) == 3 else fold.end - fold.start
 
     def fold_positions(self, fold: Fold) -> mx.array:
+        """Each row's position; a ragged fold's shorter heads end in holes (-1), which attention masks."""
+        if _ragged(fold):
+            width = self.held_rows(fold)
+            return mx.concatenate([_padded(head[2].astype(mx.int32), width, -1) for head in _heads(fold)], axis=1)
         if len(fold.own) == 3:
             return fold.own[2].astype(mx.int32)
         return super().fold_positions(fold)
 
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
-        return self._keys_decoded(fold.own[0]), self._values_decoded(fold.own[1], self.held_rows(fold))
+        """The fold's keys and values dequantized; a ragged fold's shorter heads padded with zero rows (holes)."""
+        if not _ragged(fold):
+            return self._keys_decoded(fold.own[0]), self._values_decoded(fold.own[1], self.held_rows(fold))
+        width = self.held_rows(fold)
+        rows = [(self._keys_decoded(head[0]), self._values_decoded(head[1], head[2].shape[-1]))
+                for head in _heads(fold)]
+        return (mx.concatenate([_padded(k, width, 0, axis=2) for k, _ in rows], axis=1),
+                mx.concatenate([_padded(v, width, 0, axis=2) for _, v in rows], axis=1))
+
+    def has_holes(self) -> bool:
+        """The store's holes, or a ragged fold's (its shorter heads padded to its largest)."""
+        return super().has_holes() or any(_ragged(fold) for fold in self.folds)
+
+    def _fold_bits(self, fold: Fold) -> int:
+        """The bits of the fold's keys (every head of a ragged fold holds them at the same)."""
+        return self._key_bits(_heads(fold)[0][0] if _ragged(fold) else fold.own[0])
+
+    def _split(self, fold: Fold) -> list[tuple[Any, ...]]:
+        """The fold as one own per head (keys, values, positions, a head axis of one): a ragged fold's heads, or a
+        dense fold's sliced."""
+        if _ragged(fold):
+            return [tuple(head) for head in _heads(fold)]
+        positions = self.fold_positions(fold)
+        return [(tuple(p[:, h: h + 1] for p in fold.own[0]), tuple(p[:, h: h + 1] for p in fold.own[1]),
+                 _compact(positions[:, h: h + 1])) for h in range(positions.shape[1])]
 
     # ----------------------------------------------------------------- attention
     def attend_held(self, queries: mx.array, scale: float) -> mx.array | None:
         """Attention of ``queries`` (B, q_heads, n, dim) over the fold by mlx's quantized matmul (on this CPU half
         the time of dequantizing the fold first at 4 and 8 bits: ``bench/quantized_matmul.py``), then over the exact
-        rows (the step's own last, causal among themselves), under one softmax. None at 16 bits, or for values held
-        in groups across rows (no group size divides the head), which the matmul cannot take per row."""
+        rows (the step's own last, causal among themselves), under one softmax. A ragged fold's heads each attend
+        over their own rows, one head at a time (two or three on the models measured). None at 16 bits, or for
+        values held in groups across rows (no group size divides the head), which the matmul cannot take per row."""
         fold = self.folds[0]
-        if self.bits == 16 or fold.own[1][0].shape[2] != self.held_rows(fold):
+        parts = [(head, head[2].shape[-1]) for head in _heads(fold)] if _ragged(fold) else [(fold.own,
+                                                                                            self.held_rows(fold))]
+        if self.bits == 16 or any(own[1][0].shape[2] != rows for own, rows in parts):
             return None
         exact_keys, exact_values = self.store.fetch()
         b, heads_q, n, dim = queries.shape
-        heads, rows = exact_keys.shape[1], exact_keys.shape[2]
+        heads = exact_keys.shape[1]
         q = (queries * scale).reshape(b, heads, heads_q // heads * n, dim)
-        keys, values = fold.own[:2]
+        outs, at = [], 0
+        for own, _ in parts:
+            h = slice(at, at + own[1][0].shape[1])
+            outs.append(self._held_attention(q[:, h], own[0], own[1], exact_keys[:, h], exact_values[:, h], n))
+            at = h.stop
+        out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+        return out.reshape(b, heads_q, n, exact_values.shape[-1])
+
+    def _held_attention(self, q: mx.array, keys: Parts, values: Parts, exact_keys: mx.array, exact_values: mx.array,
+                        n: int) -> mx.array:
+        """Scaled queries ``q`` (B, h, group x n, dim) over folded rows held as ``keys``/``values`` (h heads with
+        the same rows), then over the exact rows, under one softmax."""
+        rows = exact_keys.shape[2]
         folded = self._times(q, keys, self.group_size)
         exact = q @ exact_keys.swapaxes(-1, -2)
         if n > 1:  # query r is token r % n of the step, which sees the exact rows up to its own
             seen = mx.arange(rows)[None] <= (rows - n + mx.arange(q.shape[2]) % n)[:, None]
             exact = mx.where(seen, exact, -mx.inf)
         probs = mx.softmax(mx.concatenate([folded, exact], axis=-1), axis=-1, precise=True).astype(q.dtype)
-        width = exact_values.shape[-1]
         at = folded.shape[-1]
-        out = self._times(probs[..., :at], values, self._value_group(width)) + probs[..., at:] @ exact_values
-        return out.reshape(b, heads_q, n, width)
+        return self._times(probs[..., :at], values, self._value_group(exact_values.shape[-1])) + \
+            probs[..., at:] @ exact_values
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
@@ -263,10 +356,13 @@ class QuantCache(CrossLayerCache):
         group, folded = heads_q // heads, self.folded_rows()
         q = (queries * scale).reshape(b, heads, group, n, dim)
         outs, best = [], mx.zeros((b, heads, folded), mx.float32) if self.scores is None else self.scores
+        real = (self._key_positions() >= 0)[:, :, None, None] if self.has_holes() else None  # a ragged fold's holes
         for at in range(0, n, QUERY_BLOCK):
             block = q[..., at : at + QUERY_BLOCK, :]
             m = block.shape[3]
             seen = mx.arange(rows)[None] <= (rows - n + at + mx.arange(m))[:, None]
+            if real is not None:
+                seen = seen & real
             logits = mx.where(seen, block @ keys[:, :, None].swapaxes(-1, -2), -mx.inf)
             probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
             best = mx.maximum(best, probs[..., :folded].max(axis=(2, 3)))
@@ -326,12 +422,12 @@ class QuantCache(CrossLayerCache):
         return out.reshape(*out.shape[:2], tokens, width).astype(scales.dtype)
 
     # ----------------------------------------------------------------- the cache protocol
-    def _cut(self, fold: Fold, rows: int) -> Parts:
-        """A fold's encodings (keys, values, and positions if it has them) for its first ``rows`` held rows (whole
-        blocks)."""
-        keys, values = fold.own[:2]
-        values = tuple(part[..., : part.shape[2] * rows // self.held_rows(fold), :] for part in values)
-        extra = (fold.own[2][..., :rows],) if len(fold.own) == 3 else ()
+    def _cut(self, own: Any, rows: int, held: int) -> tuple[Any, ...]:
+        """The encodings ``own`` of ``held`` rows (keys, values, and positions if it has them) for their first
+        ``rows`` (whole blocks)."""
+        keys, values = own[:2]
+        values = tuple(part[..., : part.shape[2] * rows // held, :] for part in values)
+        extra = (own[2][..., :rows],) if len(own) == 3 else ()
         if self.bits == 16:
             return (tuple(part[..., :rows, :] for part in keys), values, *extra)
         packed, scales, biases = keys
@@ -342,9 +438,11 @@ class QuantCache(CrossLayerCache):
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens. A new end among the quantized rows keeps the fold's whole blocks before
         it; the cut block's rows before the end become exact rows again (dequantized). Where rows were dropped,
-        the heads' blocks end at different positions: each keeps the blocks wholly before the new end in every
-        head, and the kept rows after them that lie before it are dropped too (a rare path: a server request
-        reusing a shorter prefix of a compressed document; the result is a valid compressed cache of it)."""
+        the heads' blocks end at different positions: each head keeps its own blocks wholly before the new end (the
+        fold ragged where their numbers then differ; none in any head where some head would keep none: a fold holds
+        a block per head), or, in a batch of sequences, the blocks wholly before it in every head; kept rows after
+        them that lie before the end are dropped too (a rare path: a server request reusing a shorter prefix of a
+        compressed document; the result is a valid compressed cache of it)."""
         n = min(n, self.offset)
         if n <= 0:
             return 0
@@ -353,16 +451,68 @@ class QuantCache(CrossLayerCache):
             return super().trim(n)
         self._settle()
         fold, g = self.folds[0], self.group_size
-        before = int((self.fold_positions(fold) < prefix).sum(axis=-1).min())
-        kept = before // g * g
+        positions = self.fold_positions(fold)
+        before = ((positions >= 0) & (positions < prefix)).sum(axis=-1)
         self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
-        if prefix > kept and len(fold.own) == 2:
-            keys, values = self.unfold(fold)
-            self.store.append(keys[..., kept:prefix, :], values[..., kept:prefix, :], kept)
-        end = prefix if len(fold.own) == 3 else kept
-        self.folds = [Fold(0, end, self._cut(fold, kept), None, fold.group)] if kept else []
         self.offset = prefix
+        if _ragged(fold) or (len(fold.own) == 3 and positions.shape[0] == 1):  # one sequence's heads apart
+            kept = [rows // g * g for rows in _ints(before[0])]
+            heads = [self._cut(own, k, own[2].shape[-1]) for own, k in zip(self._split(fold), kept)]
+            self.folds = [_fold_of(0, prefix, heads, fold.group)] if min(kept) else []
+            return n
+        rows = int(before.min()) // g * g
+        if prefix > rows and len(fold.own) == 2:
+            keys, values = self.unfold(fold)
+            self.store.append(keys[..., rows:prefix, :], values[..., rows:prefix, :], rows)
+        end = prefix if len(fold.own) == 3 else rows
+        self.folds = [Fold(0, end, self._cut(fold.own, rows, self.held_rows(fold)), None, fold.group)] if rows else []
         return n
+
+
+def _ragged(fold: Fold) -> bool:
+    """Whether the fold's heads hold different numbers of rows: its own is ``{"heads": [...]}``, one dense own per
+    head (keys, values, positions; a head axis of one), as :func:`_fold_of` builds it."""
+    return isinstance(fold.own, dict)
+
+
+def _heads(fold: Fold) -> list[Any]:
+    """A ragged fold's per-head owns (lists once loaded from a file, tuples before)."""
+    return list(fold.own["heads"])
+
+
+def _fold_of(start: int, end: int, heads: list[tuple[Any, ...]], group: tuple[int, ...]) -> Fold:
+    """A fold of rows ``[start, end)`` from one own per head (keys, values, positions): dense (the heads'
+    arrays side by side) where every head holds as many rows, else ragged, each head's own kept apart. Apart,
+    not padded: a pad of quantized keys would cost its bytes, and each head's keys quantize in blocks of its
+    own rows."""
+    if len({head[2].shape[-1] for head in heads}) == 1:
+        own = tuple(tuple(mx.concatenate(list(arrays), axis=1) for arrays in zip(*(head[i] for head in heads)))
+                    for i in range(2))
+        positions = mx.concatenate([head[2].astype(mx.int32) for head in heads], axis=1)
+        return Fold(start, end, (*own, _compact(positions)), None, group)
+    return Fold(start, end, {"heads": tuple(tuple(head) for head in heads)}, None, group)
+
+
+def _per_head(fold: Fold, change: Any) -> Fold:
+    """The fold with ``change`` applied to its own (a dense fold's, every head at once) or to each head's."""
+    if _ragged(fold):
+        return Fold(fold.start, fold.end, {"heads": tuple(change(head) for head in _heads(fold))}, None, fold.group)
+    return Fold(fold.start, fold.end, change(fold.own), None, fold.group)
+
+
+def _ints(x: mx.array) -> list[int]:
+    """A 1-d integer array as a list of ints."""
+    return cast(list[int], x.tolist())
+
+
+def _padded(x: mx.array, width: int, fill: int, axis: int = -1) -> mx.array:
+    """``x`` padded with ``fill`` to ``width`` along ``axis`` (a shorter head's rows to its fold's largest)."""
+    missing = width - x.shape[axis]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[axis] = missing
+    return mx.concatenate([x, mx.full(shape, fill, x.dtype)], axis=axis)
 
 
 def _joined(first: tuple[mx.array, ...], last: tuple[mx.array, ...], axis: int) -> tuple[mx.array, ...]:
