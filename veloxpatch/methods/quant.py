@@ -87,7 +87,7 @@ KNOBS = (
             "Quant: share of a prompt's quantized rows each layer keeps once the prompt is read: those the model "
             "attends to most while it reads the prompt a second time (KVzip's score), by one top-k over the layer's "
             "heads, so heads keep different numbers (the first VELOX_SINK tokens always stay). Below 100% every "
-            "prompt is read twice. Experimental: it lost answers in every measurement so far (docs/results.md).",
+            "prompt is read twice. Experimental: measured on a few examples only (docs/results.md).",
             method="quant"),
 )
 
