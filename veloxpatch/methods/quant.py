@@ -134,7 +134,8 @@ class QuantCache(CrossLayerCache):
 
     def stop_rereading(self, read: bool) -> None:
         """The second reading is over and trimmed away; ``read``: it did not fail midway (then nothing is
-        dropped). Each head keeps the share of the prompt's folded rows it scored best (:meth:`_keep_best`)."""
+        dropped). The layer keeps the share of the prompt's folded rows its heads scored best (:meth:`_keep_best`);
+        keys held at ``HOLD_BITS`` settle at ``VELOX_QUANT_BITS``."""
         self.rereading = False
         scores, self.scores = self.scores, None
         if read and scores is not None and self.folds:
@@ -186,8 +187,7 @@ class QuantCache(CrossLayerCache):
             counts = self._head_counts(normed, fresh, protected)
         else:
             normed, count = score, int(fresh[0, 0].sum())
-            counts = [min(held, max(self.group_size, round((held - count + self.keep * count) / self.group_size)
-                                    * self.group_size))] * positions.shape[1]
+            counts = [self._whole_blocks(held - count + self.keep * count, held)] * positions.shape[1]
         if counts == _ints(real.sum(axis=-1).max(axis=0)):
             return  # every row stays (the keys settle at VELOX_QUANT_BITS later, as when nothing was read)
         priority = mx.where(protected, mx.inf, mx.where(fresh, normed, -mx.inf))
@@ -207,7 +207,7 @@ class QuantCache(CrossLayerCache):
         rows and those chosen, rounded to whole blocks (keys are quantized per channel in blocks of rows), at least
         one. Measured (``bench/agnostic_selection.py``, head-wise; module doc): at 35% of the rows this kept the answer
         the same number per head lost."""
-        g, heads = self.group_size, normed.shape[1]
+        heads = normed.shape[1]
         flat = mx.where(fresh, normed, -1).reshape(-1)
         total = min(round(self.keep * int(fresh.sum())), flat.size)
         chosen = mx.zeros(flat.shape, mx.int32)
@@ -215,7 +215,13 @@ class QuantCache(CrossLayerCache):
             chosen = chosen.at[mx.argpartition(-flat, kth=total - 1)[:total]].add(1)
         per_head = _ints(chosen.reshape(heads, -1).sum(axis=-1) + protected.reshape(heads, -1).sum(axis=-1))
         real = _ints((fresh | protected).reshape(heads, -1).sum(axis=-1))
-        return [min(rows, max(g, round(n / g) * g)) for n, rows in zip(per_head, real)]
+        return [self._whole_blocks(n, rows) for n, rows in zip(per_head, real)]
+
+    def _whole_blocks(self, wanted: float, held: int) -> int:
+        """``wanted`` rows of a head rounded to whole blocks (its keys quantize per channel in blocks of rows), at
+        least one, at most the ``held`` rows it has."""
+        g = self.group_size
+        return min(held, max(g, round(wanted / g) * g))
 
     def _settle(self) -> None:
         """Keys held at ``HOLD_BITS`` (a prompt whose second reading is over, failed or never came) quantized to
@@ -263,7 +269,8 @@ class QuantCache(CrossLayerCache):
         """Each row's position; a ragged fold's shorter heads end in holes (-1), which attention masks."""
         if _ragged(fold):
             width = self.held_rows(fold)
-            return mx.concatenate([_padded(head[2].astype(mx.int32), width, -1) for head in _heads(fold)], axis=1)
+            return mx.concatenate([mx.pad(head[2].astype(mx.int32), [(0, 0), (0, 0), (0, width - head[2].shape[-1])],
+                                          constant_values=-1) for head in _heads(fold)], axis=1)
         if len(fold.own) == 3:
             return fold.own[2].astype(mx.int32)
         return super().fold_positions(fold)
@@ -275,8 +282,9 @@ class QuantCache(CrossLayerCache):
         width = self.held_rows(fold)
         rows = [(self._keys_decoded(head[0]), self._values_decoded(head[1], head[2].shape[-1]))
                 for head in _heads(fold)]
-        return (mx.concatenate([_padded(k, width, 0, axis=2) for k, _ in rows], axis=1),
-                mx.concatenate([_padded(v, width, 0, axis=2) for _, v in rows], axis=1))
+        pad = [[(0, 0), (0, 0), (0, width - k.shape[2]), (0, 0)] for k, _ in rows]
+        return (mx.concatenate([mx.pad(k, p) for (k, _), p in zip(rows, pad)], axis=1),
+                mx.concatenate([mx.pad(v, p) for (_, v), p in zip(rows, pad)], axis=1))
 
     def has_holes(self) -> bool:
         """The store's holes, or a ragged fold's (its shorter heads padded to its largest)."""
@@ -503,16 +511,6 @@ def _per_head(fold: Fold, change: Any) -> Fold:
 def _ints(x: mx.array) -> list[int]:
     """A 1-d integer array as a list of ints."""
     return cast(list[int], x.tolist())
-
-
-def _padded(x: mx.array, width: int, fill: int, axis: int = -1) -> mx.array:
-    """``x`` padded with ``fill`` to ``width`` along ``axis`` (a shorter head's rows to its fold's largest)."""
-    missing = width - x.shape[axis]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[axis] = missing
-    return mx.concatenate([x, mx.full(shape, fill, x.dtype)], axis=axis)
 
 
 def _joined(first: tuple[mx.array, ...], last: tuple[mx.array, ...], axis: int) -> tuple[mx.array, ...]:
