@@ -2,13 +2,15 @@
 cache and compressed, each chat sent turn after turn as a client sends it (the server reusing its prompt cache).
 
     python bench/followup_server.py --model M [--context 1024] [--samples 10] [--budget 25%] [--kv snapkv]
-                                    [--compress end|chunk] [--tier BITS] --out DIR
+                                    [--compress end|chunk] [--tier BITS] [--set VELOX_QUANT_KEEP=30% ...] --out DIR
 
 Three turns per chat (``ruler.followup`` and ``ruler.ask_first_again``): a document's first question, a second about
 another fact, then the first again. Each chat runs on a server of its own (``veloxpatch run -m mlx_lm server``),
 unpatched and with ``VELOX_KV``/``VELOX_BUDGET``: a shared server would start the next chat from this one's cache
 trimmed back to the chat template. Every chat is appended to ``DIR/chats.jsonl`` as it ends, and a rerun skips those
-there; the table (``DIR/table.md``) counts each turn right when its answer has the number asked and not the other.
+there; the table (``DIR/table.md``) counts each turn right when its answer has the number asked and not the other,
+and gives the median KV bytes the server said it held after the last turn (``usage.velox.kv_bytes``; mlx_lm's own
+bytes for the full cache, from the same field) and their share of the full cache's (``dense_kv_bytes``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from dataclasses import replace
@@ -32,13 +35,15 @@ def turn_examples(ex: ruler.Example) -> list[ruler.Example]:
     return [ex, replace(ex, wanted=ex.unwanted, unwanted=ex.wanted), ex]
 
 
-def run_chat(model: str, tokenizer, ex: ruler.Example, env: dict[str, str]) -> list[str]:
-    """One chat's answers from a fresh server with ``env``."""
+def run_chat(model: str, tokenizer, ex: ruler.Example, env: dict[str, str]) -> tuple[list[str], dict]:
+    """One chat's answers from a fresh server with ``env``, and the last answer's ``usage.velox``."""
     serve = [sys.executable, "-m", "veloxpatch.cli", "run", "-m", "mlx_lm", "server", "--model", model,
              "--log-level", "INFO"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
     with tempfile.TemporaryDirectory() as folder, serving.running(serve, Path(folder) / "log", {**clean, **env}) as url:
-        return serving.chat(url, tokenizer, ex, harness.FIRST_TURN)
+        usages: list[dict] = []
+        answers = serving.chat(url, tokenizer, ex, harness.FIRST_TURN, usages)
+        return answers, usages[-1].get("velox") or {}
 
 
 def main() -> None:
@@ -50,12 +55,18 @@ def main() -> None:
     parser.add_argument("--kv", default="snapkv")
     parser.add_argument("--compress", choices=["end", "chunk"], default="end")
     parser.add_argument("--tier", default="off", help="VELOX_TIER: off, or the bits of the tier dropped rows go to")
+    parser.add_argument("--set", action="append", default=[], metavar="VELOX_NAME=VALUE",
+                        help="another setting of the compressing server (a method knob), repeatable")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    extra = dict(item.split("=", 1) for item in args.set)
     tokenizer = load_tokenizer(Path(args.model))
-    ours = {"VELOX_KV": args.kv, "VELOX_BUDGET": args.budget, "VELOX_COMPRESS": args.compress, "VELOX_TIER": args.tier}
+    ours = {"VELOX_KV": args.kv, "VELOX_BUDGET": args.budget, "VELOX_COMPRESS": args.compress,
+            "VELOX_TIER": args.tier, **extra}
     label = args.kv + "".join(f"[{k}={v}]" for k, v, default in (("compress", args.compress, "end"),
                                                                     ("tier", args.tier, "off")) if v != default)
+    knob = f"VELOX_{args.kv.upper()}_"  # a method's knob named as in its brackets elsewhere: [keep=30%]
+    label += "".join(f"[{k.removeprefix(knob).removeprefix('VELOX_').lower()}={v}]" for k, v in extra.items())
     variants = {"full": {}, f"{label}@{args.budget}": ours}
     journal = args.out / "chats.jsonl"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -66,15 +77,16 @@ def main() -> None:
         for name, env in variants.items():
             if (name, seed, args.context) in seen:
                 continue
-            answers = run_chat(args.model, tokenizer, ex, env)
-            row = {"variant": name, "seed": seed, "context": args.context, "answers": answers,
+            answers, usage = run_chat(args.model, tokenizer, ex, env)
+            row = {"variant": name, "seed": seed, "context": args.context, "answers": answers, "usage": usage,
                    "right": [ruler.score(a, t) for a, t in zip(answers, turn_examples(ex))]}
             done.append(row)
             with journal.open("a") as handle:
                 handle.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
     lines = [f"**followup through `mlx_lm server`, {args.context} tokens, three turns, n={args.samples}**", "",
-             "| variant | turn 1 | turn 2 (follow-up) | turn 3 (the first again) |", "|---|---|---|---|"]
+             "| variant | turn 1 | turn 2 (follow-up) | turn 3 (the first again) | KV after (MiB) | share of full |",
+             "|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["variant"] for r in done):  # every variant the journal holds, in the order run
         rows = [r for r in done if r["variant"] == name and r["context"] == args.context and r["seed"] < args.samples]
         cells = []
@@ -82,10 +94,21 @@ def main() -> None:
             k, n = sum(r["right"][turn] for r in rows), len(rows)
             low, high = wilson(k, n)
             cells.append(f"{k / n:.2f} [{low:.2f}, {high:.2f}]")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(cells + held(rows)) + " |")
     table = "\n".join(lines)
     print(table)
     (args.out / "table.md").write_text(table + "\n")
+
+
+def held(rows: list[dict]) -> list[str]:
+    """The median KV bytes held after a chat's last turn (MiB) and their share of the full cache's, where the
+    journal has them (chats measured before they were recorded have not)."""
+    usages = [r["usage"] for r in rows if r.get("usage", {}).get("kv_bytes")]
+    if not usages:
+        return ["", ""]
+    kv = statistics.median(u["kv_bytes"] for u in usages)
+    share = statistics.median(u["kv_bytes"] / u["dense_kv_bytes"] for u in usages)
+    return [f"{kv / 2**20:.1f}", f"{share:.3f}"]
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 import veloxpatch
-from conftest import assert_round_trip, drain, greedy, random_tokens, tiny
+from conftest import assert_round_trip, greedy, random_tokens, tiny
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.methods.quant import HOLD_BITS, QuantCache, _ragged
@@ -243,15 +243,35 @@ def test_every_row_stays_while_the_prompt_is_read_and_the_share_after_it() -> No
         assert abs(sum(counts) - 2 * (4 + 0.35 * 732)) <= 32, "the layer's: 4 sinks and 35% of 732 per head"
 
 
-def test_batched_sequences_keep_every_row_and_say_so(records) -> None:
+def test_batched_sequences_keep_the_rows_each_keeps_alone() -> None:
+    """mlx_lm's BatchGenerator (the server's batches): each sequence is read again alone at its first decode step
+    and keeps the rows it keeps under generate_step, so it generates the same tokens; sequences of unequal length
+    (right-padded steps), one of them still reading while the other decodes."""
     model = tiny("llama", layers=2)
-    prompts = [random_tokens(n, seed).tolist() for n, seed in ((90, 1), (140, 2))]
-    veloxpatch.patch(kv="quant", window=4, compress="chunk", knobs={"quant_group": 32})
-    every_row = [greedy(model, mx.array(p), steps=12, chunk=100) for p in prompts]
-    veloxpatch.patch(kv="quant", window=4, compress="chunk", log="INFO", knobs={"quant_group": 32, "quant_keep": "40%"})
+    prompts = [random_tokens(n, seed).tolist() for n, seed in ((190, 1), (340, 2))]
+    settings = dict(kv="quant", window=4, compress="chunk", knobs={"quant_group": 32, "quant_keep": "40%"})
+    veloxpatch.patch(**settings)
+    alone, kept = [], []
+    for prompt in prompts:
+        caches = make_prompt_cache(model)
+        alone.append(greedy(model, mx.array(prompt), caches, steps=12, chunk=100))
+        kept.append([head_positions(c, c.folds[0]) for c in caches])
+    veloxpatch.patch(**settings)
     gen = BatchGenerator(model, max_tokens=12, prefill_step_size=100)
-    assert drain(gen, gen.insert(prompts)) == every_row
-    assert any("sequences generated in a batch keep every row" in r.getMessage() for r in records)
+    uids = gen.insert(prompts)
+    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+    left: dict[int, list] = {}
+    while responses := gen.next_generated():
+        for r in responses:
+            tokens[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                left[r.uid] = r.prompt_cache
+    gen.close()
+    assert [tokens[uid] for uid in uids] == alone
+    for uid, own, prompt in zip(uids, kept, prompts):
+        held = [head_positions(c, c.folds[0]) for c in left[uid] if isinstance(c, QuantCache)]
+        assert len(held) == 2 and all(sum(map(len, layer)) < 0.6 * len(layer) * len(prompt) for layer in held)
+        assert all(np.array_equal(a, b) for layer, mine in zip(held, own) for a, b in zip(layer, mine))
 
 
 def first_reading(model, prompt: mx.array) -> list[mx.array]:

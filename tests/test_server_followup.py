@@ -1,5 +1,6 @@
 """A chat of several turns through the real ``mlx_lm server`` on SmolLM2-135M-Instruct, SnapKV with its defaults
-at 25%: the document and a first question, a second question about another fact, then the first again.
+at 25% and Quant keeping half the rows (chosen by a second reading of each prompt, in the server's batches): the
+document and a first question, a second question about another fact, then the first again.
 
 Each turn after the first reuses the cache the last one left (the server's prompt-cache reuse) and reads only what
 is new, and the server answers every turn as the eval's chat (``veloxpatch eval --tasks followup``,
@@ -24,7 +25,10 @@ from veloxpatch.eval import harness, ruler, serving
 
 CONTEXT = 512
 SEEDS = (0, 1, 2)
-SETTINGS = {"VELOX_KV": "snapkv", "VELOX_BUDGET": "25%"}
+SETTINGS = {  # the settings, and the cache class the eval's chat must have run on
+    "snapkv": ({"VELOX_KV": "snapkv", "VELOX_BUDGET": "25%"}, "SnapKVCache"),
+    "quant-keep": ({"VELOX_KV": "quant", "VELOX_QUANT_KEEP": "50%"}, "QuantCache"),
+}
 
 CHAT_APP = """
 import json, sys
@@ -53,7 +57,7 @@ def chats(tokenizer) -> list[ruler.Example]:
     return [ruler.ask_first_again(ruler.followup(tokenizer, CONTEXT, seed)) for seed in SEEDS]
 
 
-def served(folder: str, log: Path, env: dict[str, str]) -> list[list[str]]:
+def served(folder: str, log: Path, env: dict[str, str], usages: list[dict]) -> list[list[str]]:
     """Each chat's answers, turn after turn, from a server of its own (launched as a user would: ``veloxpatch
     run``): the next chat's first request would otherwise start from this one's cache trimmed back to the chat
     template's first tokens, where compression has dropped rows (a fresh prefill does not)."""
@@ -65,24 +69,29 @@ def served(folder: str, log: Path, env: dict[str, str]) -> list[list[str]]:
     out = []
     for ex in chats(tokenizer):
         with running(serve, log.with_suffix(f".{len(out)}.log"), env) as url:
-            out.append(serving.chat(url, tokenizer, ex, harness.FIRST_TURN))
+            out.append(serving.chat(url, tokenizer, ex, harness.FIRST_TURN, usages))
     return out
 
 
-def test_a_chat_through_the_server_answers_as_the_eval_does(smollm2, tmp_path) -> None:
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_a_chat_through_the_server_answers_as_the_eval_does(smollm2, tmp_path, name: str) -> None:
+    settings, cache_class = SETTINGS[name]
     (tmp_path / "app.py").write_text(CHAT_APP)
     in_process = subprocess.run(
         [sys.executable, "-m", "veloxpatch.cli", "run", str(tmp_path / "app.py"), smollm2, json.dumps(SEEDS),
-         str(CONTEXT)], env={**without_velox(), **SETTINGS}, capture_output=True, text=True, timeout=600)
+         str(CONTEXT)], env={**without_velox(), **settings}, capture_output=True, text=True, timeout=600)
     assert in_process.returncode == 0, in_process.stderr
-    assert "SnapKVCache" in in_process.stderr, "the eval's chat ran on our caches"
+    assert cache_class in in_process.stderr, "the eval's chat ran on our caches"
     expected = json.loads(in_process.stdout.splitlines()[-1])
 
-    served_answers = served(smollm2, tmp_path / "server.log", {**SETTINGS, "VELOX_LOG": "DEBUG"})
+    usages: list[dict] = []
+    served_answers = served(smollm2, tmp_path / "server.log", {**settings, "VELOX_LOG": "DEBUG"}, usages)
     for got, want in zip(served_answers, expected):
         assert [g.strip().startswith(w.strip()) for g, w in zip(got, want)] == [True] * 3, (got, want)
+    shares = [u["velox"]["share_kept"] for u in usages]
+    assert len(shares) == 9 and max(shares) < 0.9, f"rows were dropped in the server's batches: {shares}"
     for log in sorted(tmp_path.glob("server.*.log")):
-        assert "snapkv on" in log.read_text(), "the server's caches were ours"
+        assert f"{settings['VELOX_KV']} on" in log.read_text(), "the server's caches were ours"
         reads = serving.read_per_request(log)
         assert len(reads) == 3 and max(reads[1:]) < 64, f"every later turn read only its own tokens: {reads}"
 

@@ -103,7 +103,7 @@ class SequenceBatch:
         :meth:`attend`, which attends over each sequence's own rows."""
         self._fetched = [
             m.update_and_fetch(keys[i:i + 1, :, :n], values[i:i + 1, :, :n]) if n else None
-            for i, (m, n) in enumerate(zip(self.members, self._step_lengths(keys.shape[2])))
+            for i, (m, n) in enumerate(zip(self.members, self.step_lengths(keys.shape[2])))
         ]
         return keys, values
 
@@ -112,7 +112,7 @@ class SequenceBatch:
         """Each sequence's attention over its own rows with its own queries, padded back to the step."""
         steps = queries.shape[2]
         outputs = []
-        for i, (member, n, rows) in enumerate(zip(self.members, self._step_lengths(steps), self._fetched)):
+        for i, (member, n, rows) in enumerate(zip(self.members, self.step_lengths(steps), self._fetched)):
             out = mx.zeros((1, queries.shape[1], 0, values.shape[-1]), dtype=queries.dtype)
             if rows is not None:
                 out = _attend_one(member, queries[i:i + 1, :, :n], rows, scale, sinks)
@@ -135,7 +135,8 @@ class SequenceBatch:
             allowed = allowed & (rows[:, None] - rows[None, :] < window_size)
         return allowed
 
-    def _step_lengths(self, steps: int) -> list[int]:
+    def step_lengths(self, steps: int) -> list[int]:
+        """The real tokens each sequence brings to a step of ``steps`` (fewer where mlx_lm right-pads it)."""
         return self._lengths if self._lengths is not None else [steps] * len(self.members)
 
     # ----------------------------------------------------------------- layer inputs and outputs
@@ -156,7 +157,7 @@ class SequenceBatch:
             member.see_attention(normed[i:i + 1, :n], output[i:i + 1, :n])
 
     def _listeners(self, steps: int) -> list[tuple[int, Any, int]]:
-        return [(i, m, n) for i, (m, n) in enumerate(zip(self.members, self._step_lengths(steps)))
+        return [(i, m, n) for i, (m, n) in enumerate(zip(self.members, self.step_lengths(steps)))
                 if n and getattr(m, "wants_layer_io", False)]
 
     # ----------------------------------------------------------------- what mlx_lm reads

@@ -75,9 +75,11 @@ def running(command: list[str], log: Path, env: dict[str, str]) -> Iterator[str]
             server.wait()
 
 
-def chat(url: str, tokenizer: Any, ex: ruler.Example, max_tokens: int) -> list[str]:
+def chat(url: str, tokenizer: Any, ex: ruler.Example, max_tokens: int,
+         usages: list[dict[str, Any]] | None = None) -> list[str]:
     """A chat client's turns of ``ex`` (:func:`ruler.conversation`: each request the whole conversation so far, as
-    the server's prompt-cache reuse expects), greedy; each turn's answer as the server returned it."""
+    the server's prompt-cache reuse expects), greedy; each turn's answer as the server returned it (and its
+    ``usage`` appended to ``usages``, if given)."""
     answers: list[str] = []
     for _ in ex.turns:
         text = ruler.conversation(tokenizer, ex.prompt, ex.turns, answers)
@@ -85,6 +87,8 @@ def chat(url: str, tokenizer: Any, ex: ruler.Example, max_tokens: int) -> list[s
         if status != 200:
             raise RuntimeError(f"the server answered {status}: {body}")
         answers.append(body["choices"][0]["text"])
+        if usages is not None:
+            usages.append(body.get("usage") or {})
     return answers
 
 

@@ -15,9 +15,13 @@ examples at 1k tokens): without the instruction the rows chosen answer as with i
 half the rows); scored right after each 512-token chunk is read instead, as a first version did, they lose the
 needles (0.118, two right of five against three): the whole prompt must be read before its second reading.
 
+In mlx_lm's batched generation (the server's batches) each sequence keeps its own caches (:mod:`..caches.batch`):
+its prompt chunks are its slice of each right-padded step, and at the first decode-sized step after them it is read
+again alone, over its own caches, before the batch's step runs; the other sequences wait for it.
+
 Where it cannot be done the prompt is read once and every row kept, said once: a list holding any cache that is not
-one of ours asking for it (a sliding-window slot of mlx_lm's, whose rows cannot be trimmed; batched generation's
-caches), or input embeddings instead of token ids. The cost is the paper's: each prompt is read twice.
+one of ours asking for it (a sliding-window slot of mlx_lm's, whose rows cannot be trimmed), or input embeddings
+instead of token ids. The cost is the paper's: each prompt is read twice.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..caches.batch import SequenceBatch
 from ..config import VeloxConfig
 from ..fallback import fall_back
 from ..log import model_type, once
@@ -60,41 +65,53 @@ def _reading_twice(params: Parameters) -> Wrapper:
     decode-sized call after a prompt first reads the whole prompt again for the caches' scores."""
 
     def call(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        readers = _readers(params, args, kwargs)
-        if not readers:
+        sequences = _readers(params, args, kwargs)
+        if not sequences:
             return wrapped(*args, **kwargs)
-        tokens = params.input(args, kwargs)
-        if not readers[0].schedule.decode_sized(tokens.shape[1]):
-            for cache in readers:
-                cache.read_prompt_chunk(tokens)
-            return wrapped(*args, **kwargs)
-        if readers[0].unscored:
-            _read_again(wrapped, params, args, kwargs, readers)
+        for readers, tokens in sequences:
+            if not readers[0].schedule.decode_sized(tokens.shape[1]):
+                for cache in readers:
+                    cache.read_prompt_chunk(tokens)
+            elif readers[0].unscored:
+                _read_again(wrapped, params, args, kwargs, readers)
         return wrapped(*args, **kwargs)
 
     return call
 
 
-def _readers(params: Parameters, args: tuple, kwargs: dict) -> list[Any]:
-    """The call's caches when every one asks for a second reading (token ids, none reading already), else none."""
+def _readers(params: Parameters, args: tuple, kwargs: dict) -> list[tuple[list[Any], mx.array]]:
+    """Per sequence of the call whose caches all ask for a second reading (token ids, none reading already): its
+    caches and its own tokens of the step (:func:`_sequences`). None where a list mixes caches that ask with others,
+    or the input is embeddings (said once)."""
     caches = params.cache(args, kwargs)
     if not isinstance(caches, (list, tuple)) or not caches:
         return []
-    if any(getattr(m, "wants_rereading", False) for c in caches for m in getattr(c, "members", ())):
-        once("rereading batched", logging.INFO,
-             "VELOX_QUANT_KEEP: sequences generated in a batch keep every row (each prompt is read once)")
-        return []
-    asking = [c for c in caches if getattr(c, "wants_rereading", False)]
-    if not asking or any(c.rereading for c in asking):
-        return []
     tokens = params.input(args, kwargs)
-    if len(asking) < len(caches) or kwargs.get("input_embeddings") is not None or not isinstance(
-            tokens, mx.array) or tokens.ndim != 2 or mx.issubdtype(tokens.dtype, mx.floating):
+    asking = [(readers, own) for readers, own in _sequences(caches, tokens) if any(_asks(c) for c in readers)]
+    if not asking or any(getattr(c, "rereading", False) for readers, _ in asking for c in readers):
+        return []
+    mixed = any(len(readers) < len(caches) or not all(_asks(c) for c in readers) for readers, _ in asking)
+    if mixed or kwargs.get("input_embeddings") is not None or not isinstance(tokens, mx.array) or tokens.ndim != 2 \
+            or mx.issubdtype(tokens.dtype, mx.floating):
         once("rereading refused", logging.INFO,
              "VELOX_QUANT_KEEP: a prompt over caches that are not all ours (or given as embeddings) is read once "
              "and every row kept")
         return []
     return asking
+
+
+def _sequences(caches: list[Any] | tuple[Any, ...], tokens: Any) -> list[tuple[list[Any], Any]]:
+    """The call's sequences as (caches, tokens): one, or in a batch of ours (a :class:`SequenceBatch` per layer)
+    each sequence that brings tokens to the step, with its members of every layer, to be read again alone."""
+    if not isinstance(caches[0], SequenceBatch):
+        return [(list(caches), tokens)]
+    lengths = caches[0].step_lengths(tokens.shape[1])
+    return [([c.members[i] for c in caches if isinstance(c, SequenceBatch)], tokens[i: i + 1, :n])
+            for i, n in enumerate(lengths) if n]
+
+
+def _asks(cache: Any) -> bool:
+    return bool(getattr(cache, "wants_rereading", False))
 
 
 def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kwargs: dict,
@@ -109,7 +126,7 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
     read = False
     try:
         for chunk in chunks:
-            again, named = _with_input(params, args, kwargs, chunk)
+            again, named = _with_input(params, args, kwargs, chunk, readers)
             try:
                 wrapped(*again, **named)
             finally:  # the second reading's rows go, whether it finished or not
@@ -123,8 +140,16 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
             cache.stop_rereading(read)
 
 
-def _with_input(params: Parameters, args: tuple, kwargs: dict, tokens: mx.array) -> tuple[tuple, dict]:
-    """The call's arguments with ``tokens`` as its input."""
-    if args:
-        return (tokens, *args[1:]), kwargs
-    return args, {**kwargs, params.input_name: tokens}
+def _with_input(params: Parameters, args: tuple, kwargs: dict, tokens: mx.array,
+                caches: list[Any]) -> tuple[tuple, dict]:
+    """The call's arguments with ``tokens`` as its input and ``caches`` (one sequence's) as its cache."""
+    given, named = list(args), dict(kwargs)
+    if given:
+        given[0] = tokens
+    else:
+        named[params.input_name] = tokens
+    if "cache" in named or params.cache_index is None or params.cache_index >= len(given):
+        named["cache"] = caches
+    else:
+        given[params.cache_index] = caches
+    return tuple(given), named
