@@ -358,23 +358,24 @@ class QuantCache(CrossLayerCache):
     def _scored_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
         """Attention of the second reading's ``queries`` over every row (causal among its own), a block of queries
         at a time; each folded row scores the most attention any query of any head of its group pays it, over
-        every chunk of the reading."""
+        every chunk of the reading. The rows before the chunk, which every query sees, and the chunk's own, which
+        each sees up to itself, are multiplied apart under one softmax: no mask over the long part, and no block
+        multiplies the chunk's rows after its last query (the same output to float32 rounding; a 4096-token
+        SmolLM2 prompt's first token came 3-10% sooner, other jobs running)."""
         b, heads_q, n, dim = queries.shape
         heads, rows = keys.shape[1], keys.shape[2]
-        group, folded = heads_q // heads, self.folded_rows()
-        q = (queries * scale).reshape(b, heads, group, n, dim)
+        past, folded = rows - n, self.folded_rows()
+        q = (queries * scale).reshape(b, heads, heads_q // heads, n, dim)
+        earlier = (keys[:, :, None, :past].swapaxes(-1, -2), values[:, :, None, :past])
+        real = (self._key_positions() >= 0)[:, :, None, None, :past] if self.has_holes() else None
         outs, best = [], mx.zeros((b, heads, folded), mx.float32) if self.scores is None else self.scores
-        real = (self._key_positions() >= 0)[:, :, None, None] if self.has_holes() else None  # a ragged fold's holes
         for at in range(0, n, QUERY_BLOCK):
             block = q[..., at : at + QUERY_BLOCK, :]
-            m = block.shape[3]
-            seen = mx.arange(rows)[None] <= (rows - n + at + mx.arange(m))[:, None]
-            if real is not None:
-                seen = seen & real
-            logits = mx.where(seen, block @ keys[:, :, None].swapaxes(-1, -2), -mx.inf)
-            probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+            stop = past + at + block.shape[3]
+            own = (keys[:, :, None, past:stop].swapaxes(-1, -2), values[:, :, None, past:stop])
+            out, probs = _two_part_attention(block, earlier, own, real)
             best = mx.maximum(best, probs[..., :folded].max(axis=(2, 3)))
-            outs.append(probs.astype(values.dtype) @ values[:, :, None])
+            outs.append(out.astype(values.dtype))
             mx.eval(outs[-1], best)
         self.scores = best
         return mx.concatenate(outs, axis=3).reshape(b, heads_q, n, -1)
@@ -475,6 +476,27 @@ class QuantCache(CrossLayerCache):
         end = prefix if len(fold.own) == 3 else rows
         self.folds = [Fold(0, end, self._cut(fold.own, rows, self.held_rows(fold)), None, fold.group)] if rows else []
         return n
+
+
+def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tuple[mx.array, mx.array],
+                        real: mx.array | None) -> tuple[mx.array, mx.array]:
+    """A block of scaled queries ``q`` (B, h, group, m, d), the last ``m`` of a chunk, over the rows before the chunk
+    (``earlier``: keys already transposed and values; every one seen, but the holes ``real`` is false at) and the
+    chunk's own rows up to the block's last query (causal), under one softmax in float32: the output, and the
+    probabilities over the earlier rows."""
+    m, seen = q.shape[3], own[0].shape[-1]
+    first = (q @ earlier[0]).astype(mx.float32)
+    if real is not None:
+        first = mx.where(real, first, -mx.inf)
+    causal = mx.arange(seen)[None] <= (seen - m + mx.arange(m))[:, None]
+    second = mx.where(causal, (q @ own[0]).astype(mx.float32), -mx.inf)
+    top = second.max(axis=-1, keepdims=True)  # finite: each query sees itself
+    if first.shape[-1]:
+        top = mx.maximum(top, first.max(axis=-1, keepdims=True))
+    first, second = mx.exp(first - top), mx.exp(second - top)
+    total = first.sum(axis=-1, keepdims=True) + second.sum(axis=-1, keepdims=True)
+    out = (first.astype(earlier[1].dtype) @ earlier[1] + second.astype(own[1].dtype) @ own[1]) / total
+    return out, first / total
 
 
 def _ragged(fold: Fold) -> bool:
