@@ -88,12 +88,21 @@ __all__ = [
 
 def drain(gen: BatchGenerator, uids: list[int]) -> list[list[int]]:
     """Drive mlx_lm's ``BatchGenerator`` to the end; the tokens of each uid in order."""
-    out: dict[int, list[int]] = {uid: [] for uid in uids}
+    return drain_with_caches(gen, uids)[0]
+
+
+def drain_with_caches(gen: BatchGenerator, uids: list[int]) -> tuple[list[list[int]], list[list]]:
+    """As :func:`drain`, with the cache list each sequence leaves the batch with (None where the installed mlx_lm's
+    responses carry none)."""
+    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+    caches: dict[int, list] = {}
     while responses := gen.next_generated():
         for r in responses:
-            out[r.uid].append(r.token)
+            tokens[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                caches[r.uid] = getattr(r, "prompt_cache", None)
     gen.close()
-    return [out[uid] for uid in uids]
+    return [tokens[uid] for uid in uids], [caches[uid] for uid in uids]
 
 
 def unless_offered(feature: str) -> pytest.MarkDecorator:

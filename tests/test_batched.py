@@ -19,7 +19,7 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 import veloxpatch
-from conftest import drain, random_tokens, unless_offered
+from conftest import drain, drain_with_caches, random_tokens, unless_offered
 from veloxpatch.caches import CompressedKVCache
 from veloxpatch.caches.batch import SequenceBatch
 from veloxpatch.registry import METHODS
@@ -53,16 +53,7 @@ def batched(model, prompt_list: list[list[int]], limit: int, caches: list | None
 def finished(model, prompt_list: list[list[int]], limit: int, **options) -> tuple[list[list[int]], list[list]]:
     """As :func:`batched`, with the cache list each sequence leaves the batch with."""
     gen = BatchGenerator(model, max_tokens=limit, **options)
-    uids = gen.insert(prompt_list)
-    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
-    caches: dict[int, list] = {}
-    while responses := gen.next_generated():
-        for r in responses:
-            tokens[r.uid].append(r.token)
-            if r.finish_reason is not None:
-                caches[r.uid] = r.prompt_cache
-    gen.close()
-    return [tokens[uid] for uid in uids], [caches[uid] for uid in uids]
+    return drain_with_caches(gen, gen.insert(prompt_list))
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

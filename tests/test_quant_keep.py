@@ -13,7 +13,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 import veloxpatch
-from conftest import assert_round_trip, greedy, random_tokens, tiny
+from conftest import assert_round_trip, drain_with_caches, greedy, random_tokens, tiny
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.methods.quant import HOLD_BITS, QuantCache, _ragged
@@ -258,18 +258,10 @@ def test_batched_sequences_keep_the_rows_each_keeps_alone() -> None:
         kept.append([head_positions(c, c.folds[0]) for c in caches])
     veloxpatch.patch(**settings)
     gen = BatchGenerator(model, max_tokens=12, prefill_step_size=100)
-    uids = gen.insert(prompts)
-    tokens: dict[int, list[int]] = {uid: [] for uid in uids}
-    left: dict[int, list] = {}
-    while responses := gen.next_generated():
-        for r in responses:
-            tokens[r.uid].append(r.token)
-            if r.finish_reason is not None:
-                left[r.uid] = r.prompt_cache
-    gen.close()
-    assert [tokens[uid] for uid in uids] == alone
-    for uid, own, prompt in zip(uids, kept, prompts):
-        held = [head_positions(c, c.folds[0]) for c in left[uid] if isinstance(c, QuantCache)]
+    tokens, left = drain_with_caches(gen, gen.insert(prompts))
+    assert tokens == alone
+    for caches, own, prompt in zip(left, kept, prompts):
+        held = [head_positions(c, c.folds[0]) for c in caches if isinstance(c, QuantCache)]
         assert len(held) == 2 and all(sum(map(len, layer)) < 0.6 * len(layer) * len(prompt) for layer in held)
         assert all(np.array_equal(a, b) for layer, mine in zip(held, own) for a, b in zip(layer, mine))
 

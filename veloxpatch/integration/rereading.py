@@ -81,26 +81,34 @@ def _reading_twice(params: Parameters) -> Wrapper:
 
 def _readers(params: Parameters, args: tuple, kwargs: dict) -> list[tuple[list[Any], mx.array]]:
     """Per sequence of the call whose caches all ask for a second reading (token ids, none reading already): its
-    caches and its own tokens of the step (:func:`_sequences`). None where a list mixes caches that ask with others,
-    or the input is embeddings (said once)."""
+    caches and its own tokens of the step (:func:`_sequences`). None where no cache asks (checked first: every
+    model call passes here), a list mixes caches that ask with others, or the input is embeddings (said once)."""
     caches = params.cache(args, kwargs)
     if not isinstance(caches, (list, tuple)) or not caches:
         return []
+    flat = [m for c in caches for m in (c.members if isinstance(c, SequenceBatch) else (c,))]
+    asking_caches = [c for c in flat if _asks(c)]
+    if not asking_caches or any(c.rereading for c in asking_caches):
+        return []
     tokens = params.input(args, kwargs)
-    asking = [(readers, own) for readers, own in _sequences(caches, tokens) if any(_asks(c) for c in readers)]
-    if not asking or any(getattr(c, "rereading", False) for readers, _ in asking for c in readers):
-        return []
-    mixed = any(len(readers) < len(caches) or not all(_asks(c) for c in readers) for readers, _ in asking)
-    if mixed or kwargs.get("input_embeddings") is not None or not isinstance(tokens, mx.array) or tokens.ndim != 2 \
+    if kwargs.get("input_embeddings") is not None or not isinstance(tokens, mx.array) or tokens.ndim != 2 \
             or mx.issubdtype(tokens.dtype, mx.floating):
-        once("rereading refused", logging.INFO,
-             "VELOX_QUANT_KEEP: a prompt over caches that are not all ours (or given as embeddings) is read once "
-             "and every row kept")
-        return []
+        return _refused()
+    asking = [(readers, own) for readers, own in _sequences(caches, tokens) if any(_asks(c) for c in readers)]
+    if any(len(readers) < len(caches) or not all(_asks(c) for c in readers) for readers, _ in asking):
+        return _refused()
     return asking
 
 
-def _sequences(caches: list[Any] | tuple[Any, ...], tokens: Any) -> list[tuple[list[Any], Any]]:
+def _refused() -> list[tuple[list[Any], mx.array]]:
+    """No second reading for this call, said once."""
+    once("rereading refused", logging.INFO,
+         "VELOX_QUANT_KEEP: a prompt over caches that are not all ours (or given as embeddings) is read once "
+         "and every row kept")
+    return []
+
+
+def _sequences(caches: list[Any] | tuple[Any, ...], tokens: mx.array) -> list[tuple[list[Any], mx.array]]:
     """The call's sequences as (caches, tokens): one, or in a batch of ours (a :class:`SequenceBatch` per layer)
     each sequence that brings tokens to the step, with its members of every layer, to be read again alone."""
     if not isinstance(caches[0], SequenceBatch):
