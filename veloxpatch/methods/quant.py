@@ -360,8 +360,7 @@ class QuantCache(CrossLayerCache):
         at a time; each folded row scores the most attention any query of any head of its group pays it, over
         every chunk of the reading. The rows before the chunk, which every query sees, and the chunk's own, which
         each sees up to itself, are multiplied apart under one softmax: no mask over the long part, and no block
-        multiplies the chunk's rows after its last query (the same output to float32 rounding; a 4096-token
-        SmolLM2 prompt's first token came 3-10% sooner, other jobs running)."""
+        multiplies the chunk's rows after its last query (the same output to float32 rounding)."""
         b, heads_q, n, dim = queries.shape
         heads, rows = keys.shape[1], keys.shape[2]
         past, folded = rows - n, self.folded_rows()
