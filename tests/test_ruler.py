@@ -63,6 +63,19 @@ def test_ruler_tasks_fill_the_context_and_split_at_the_question(tokenizer: Any, 
     assert ex != ruler.example(task, tokenizer, 2048, seed=4)
 
 
+def test_a_list_answer_gets_rulers_tokens_and_a_single_one_its_own_length(tokenizer: Any) -> None:
+    """A numbered list of four seven-digit numbers takes about 46 tokens, more than the answer's own 34 and a few:
+    list tasks generate RULER's number of tokens; a single answer its own length and eight."""
+    many = ruler.example("niah_multiquery", tokenizer, 1024, seed=0)
+    listed = ":\n\n" + "".join(f"{i}. {n}\n" for i, n in enumerate(many.wanted, start=1))
+    assert harness._steps(tokenizer, many) == 128 >= len(tokenizer.encode(listed))
+    one = ruler.example("niah_single_2", tokenizer, 1024, seed=0)
+    assert harness._steps(tokenizer, one) == len(tokenizer.encode(one.answer)) + 8
+    assert all(ruler.example(t, tokenizer, 1024, seed=0).tokens == n > 0 for t, n in ruler.ANSWER_TOKENS.items())
+    assert {ruler.example(t, tokenizer, 1024, seed=0).tokens for t in ("niah_single_1", "niah_multikey_1", "trip")} \
+        == {0}
+
+
 def test_haystacks_of_needles_and_noise(tokenizer: Any) -> None:
     """niah_single_1 hides its needle in repeated noise; niah_multikey_2/3 in needles for other keys, the asked key
     once and its value once."""

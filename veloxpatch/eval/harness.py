@@ -344,9 +344,10 @@ def _prompt(tokenizer: Any, item: Item) -> tuple[mx.array, int]:
 
 def _steps(tokenizer: Any, item: Item) -> int:
     """How many tokens to generate: the answer's, and a few of slack for separators (RULER answers get more, for a
-    model's own phrasing)."""
-    answer = item.answer if isinstance(item, ruler.Example) else item[1]
-    return len(tokenizer.encode(answer)) + (8 if isinstance(item, ruler.Example) else 2)
+    model's own phrasing; a list answer RULER's own number, ``ruler.ANSWER_TOKENS``)."""
+    if isinstance(item, ruler.Example):
+        return max(len(tokenizer.encode(item.answer)) + 8, item.tokens)
+    return len(tokenizer.encode(item[1])) + 2
 
 
 def _right(tokenizer: Any, out: list[int], item: Item) -> float:

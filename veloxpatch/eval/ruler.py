@@ -40,6 +40,9 @@ TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "trip", "follo
 # niah_multikey_1 are niah_single and niah_multikey, niah_multivalue and vt the same generators
 RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
+# tokens a list answer may take, RULER's own per task (its niah tasks get 128): a model writes a numbered list, and
+# the answer's own length plus a few cut Qwen2.5's four numbers off after the third (single answers keep that length)
+ANSWER_TOKENS = {"niah_multivalue": 128, "niah_multiquery": 128, "vt": 30, "cwe": 120, "fwe": 50}
 HELDOUT_MOD = 4  # one topic in four (by name hash) is held out: about 120k characters, enough for 8k tokens
 
 INSTRUCTION = "Read the following text and answer the question after it.\n\n"
@@ -69,6 +72,7 @@ class Example:
     ordered: bool = False
     turns: tuple[tuple[str, str], ...] = ()  # (user message, answer start) of a chat's turns; ``wanted``: the last
     question_at: int = 0  # where in ``prompt`` the question begins: before it, the context a cache may compress alone
+    tokens: int = 0  # tokens the answer may take at least (``ANSWER_TOKENS``; 0: the answer's own and a few)
 
     @property
     def context(self) -> str:
@@ -423,7 +427,7 @@ GENERATORS: dict[str, Callable[..., Example]] = {
 
 def example(task: str, tokenizer: TokenizerOrLenFn, context: int, seed: int, split: str = "heldout") -> Example:
     """One example of a RULER-style task."""
-    return GENERATORS[task](tokenizer, context, seed, split)
+    return replace(GENERATORS[task](tokenizer, context, seed, split), tokens=ANSWER_TOKENS.get(task, 0))
 
 
 def score(generated: str, ex: Example) -> bool:
