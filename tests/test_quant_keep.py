@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx_lm.models.llama as llama
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
@@ -16,7 +17,8 @@ import veloxpatch
 from conftest import assert_round_trip, drain_with_caches, greedy, random_tokens, tiny
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
-from veloxpatch.methods.quant import HOLD_BITS, QuantCache, _ragged
+from veloxpatch.eval.variants import Variant
+from veloxpatch.methods.quant import HOLD_BITS, BytesShare, QuantCache, _ragged
 from veloxpatch.settings import Share
 
 PROMPT = 100  # one prompt chunk: 92 rows older than the window, of which 64 (two blocks of 32) fold
@@ -178,6 +180,53 @@ def test_a_trim_into_the_kept_rows_leaves_a_cache_of_the_prefix(tmp_path, heads:
 def test_a_bad_share_to_keep_is_refused_by_name(keep: str) -> None:
     with pytest.raises(ConfigError, match=rf"VELOX_QUANT_KEEP='{keep}' is not allowed: expected a percentage"):
         veloxpatch.patch(kv="quant", knobs={"quant_keep": keep})
+
+
+@pytest.mark.parametrize("keep", ["0x", "1.5x", "x", "-0.1x"])
+def test_a_bad_share_of_the_bytes_is_refused_by_name(keep: str) -> None:
+    with pytest.raises(ConfigError, match=rf"VELOX_QUANT_KEEP='{keep}' is not allowed: expected .* or a multiple in"):
+        veloxpatch.patch(kv="quant", knobs={"quant_keep": keep})
+
+
+def held16(cache: QuantCache) -> float:
+    """What ``cache`` holds (its saved state: folds, exact rows, positions) as a 16-bit model would hold it, over
+    what mlx_lm's full cache would hold at 16 bits for as many tokens."""
+    arrays = [a for _, a in tree_flatten(cache.state) if isinstance(a, mx.array)]
+    keys = cache.unfold(cache.folds[0])[0]
+    held = sum(a.size * 2 if mx.issubdtype(a.dtype, mx.floating) else a.nbytes for a in arrays)
+    return held / (cache.offset * keys.shape[1] * keys.shape[-1] * 2 * 2)
+
+
+@pytest.mark.parametrize("share", [0.12, 0.2])
+def test_a_share_of_the_bytes_keeps_the_rows_that_make_each_layer_hold_it(tmp_path, share: float) -> None:
+    """``0.12x``: once the prompt is read each layer holds about 0.12 of what the full cache would hold at 16 bits,
+    every byte counted (4-bit rows with their scales and positions, the exact window, the sinks); whole blocks of
+    32 rows per head put it within a block of the target. Saved and loaded, the setting stays a share of bytes."""
+    model = lopsided(tiny("llama", layers=2))
+    caches = quant_caches(model, f"{share}x", window=32)
+    assert all(c.wants_rereading for c in caches)
+    greedy(model, random_tokens(1025, 9), caches, steps=1, chunk=256)
+    for cache in caches:
+        block = 32 * (64 * 4.5 / 8 * 2) / (cache.offset * 64 * 2 * 2)  # one 4-bit block of one head, in the share
+        assert abs(held16(cache) - share) <= block, (held16(cache), share, block)
+    loaded = assert_round_trip(str(tmp_path / "share.safetensors"), model, caches)
+    assert all(isinstance(c.keep, BytesShare) and c.keep == share for c in loaded)
+
+
+def test_a_share_of_the_bytes_every_row_fits_reads_each_prompt_once() -> None:
+    """At 4 bits in blocks of 32 every row holds 5 of 16 bits (its scales counted): 0.35x keeps them all, 0.3x not."""
+    model = tiny("llama", layers=2)
+    assert not any(c.wants_rereading for c in quant_caches(model, "0.35x"))
+    assert all(c.wants_rereading for c in quant_caches(model, "0.3x"))
+
+
+def test_an_eval_variant_keeps_a_share_of_the_bytes_as_one() -> None:
+    """``quant[keep=0.125x]`` in `veloxpatch eval` builds caches keeping an eighth of the bytes, not of the rows, and
+    its journal line keeps the ``x`` (``keep=30%`` stays the number 0.3 its earlier lines hold)."""
+    variant, rows = Variant.of("quant[keep=0.125x]", 0.25), Variant.of("quant[keep=30%]", 0.25)
+    assert variant.knobs == (("keep", "0.125x"),) and rows.knobs == (("keep", 0.3),)
+    caches = variant.caches(tiny("llama", layers=2), 256)
+    assert all(isinstance(c.keep, BytesShare) and c.keep == 0.125 for c in caches)
 
 
 def kept_by_scores(peaked: int, seed: int = 1) -> tuple[QuantCache, np.ndarray]:

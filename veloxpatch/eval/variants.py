@@ -23,6 +23,7 @@ from typing import Any
 
 import veloxpatch
 from veloxpatch.config import Setting, setting
+from veloxpatch.methods.quant import BytesShare
 from veloxpatch.registry import METHODS, cache_class, knob_settings
 
 Knobs = tuple[tuple[str, Any], ...]  # (knob name without the method prefix, value), sorted by name
@@ -133,8 +134,10 @@ def parse_spec(spec: str) -> tuple[str, Knobs]:
 
 def _plain(value: Any) -> Any:
     """A knob's parsed value as a journal line keeps it (JSON): numbers, text and booleans as they are, a richer
-    value (``tier_size=all``: a TierSize) as the text that parses back to it."""
-    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
+    value (``tier_size=all``: a TierSize; ``keep=0.125x``: a share of the bytes, not of the rows) as the text that
+    parses back to it."""
+    plain = value is None or isinstance(value, (bool, int, float, str)) and not isinstance(value, BytesShare)
+    return value if plain else str(value)
 
 
 def _quantized_bits(spec: str, given: dict[str, str]) -> Knobs:

@@ -59,6 +59,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
@@ -77,17 +78,40 @@ QUERY_BLOCK = 64  # queries of a second reading scored at once: (heads, group x 
 # times over while the chunk is read: 17 MB each for Qwen2.5-0.5B at 4k tokens
 
 
+class BytesShare(float):
+    """A share of the bytes the full cache would hold at 16 bits (``"0.125x"``): ``VELOX_QUANT_KEEP``'s second form,
+    read back as it was written."""
+
+    def __str__(self) -> str:
+        return f"{float(self):g}x"
+
+
+def keep_share(text: str) -> float:
+    """``VELOX_QUANT_KEEP``: a share of the rows (``"30%"``), or of the full cache's 16-bit bytes (``"0.125x"``)."""
+    given = text.strip().lower()
+    if not given.endswith("x"):
+        return percent(given)
+    value = float(given[:-1])
+    if not 0 < value <= 1:
+        raise ValueError(text)
+    return BytesShare(value)
+
+
 KNOBS = (
     Setting("VELOX_QUANT_BITS", int_choice(BITS), "4", one_of_text(BITS),
             "Quant: bits per element of every key and value older than the window.", method="quant"),
     Setting("VELOX_QUANT_GROUP", int_choice(GROUPS), "64", one_of_text(GROUPS),
             "Quant: tokens per block whose key channels share a scale and bias (and a value row's elements per "
             "group, or the largest of 32, 64 and 128 dividing the head dimension).", method="quant"),
-    Setting("VELOX_QUANT_KEEP", percent, "100%", "a percentage in (0, 100]",
+    Setting("VELOX_QUANT_KEEP", keep_share, "100%",
+            "a percentage in (0, 100] of the rows, or a multiple in (0, 1] of the full cache's 16-bit bytes (`0.125x`)",
             "Quant: share of a prompt's quantized rows each layer keeps once the prompt is read: those the model "
             "attends to most while it reads the prompt a second time (KVzip's score), by one top-k over the layer's "
             "heads, so heads keep different numbers (the first VELOX_SINK tokens always stay). Below 100% every "
-            "prompt is read twice. Experimental: measured on a few examples only (docs/results.md).",
+            "prompt is read twice. Or a share of memory: `0.125x` keeps as many as make each layer hold an eighth "
+            "of what the full cache would hold at 16 bits for the tokens it has seen (every byte counted: scales, "
+            "positions, the exact window, earlier turns); a share every row fits at VELOX_QUANT_BITS keeps them all "
+            "and reads each prompt once. Experimental: measured on a few examples only (docs/results.md).",
             method="quant"),
 )
 
@@ -103,20 +127,26 @@ class QuantCache(CrossLayerCache):
 
     rereads_prompt = True  # the model call may read a prompt twice for it (integration.rereading)
 
-    def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float = 1.0) -> None:
+    def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float | str = 1.0) -> None:
         super().__init__(spec)
-        self.bits, self.group_size, self.keep = bits, group, keep
+        self.bits, self.group_size = bits, group
+        self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
         self.rereading = False  # the model reads the prompt again: this cache scores its folded rows
         self.unscored: list[mx.array] = []  # the prompt chunks read since the last scoring (token ids)
         self.since = 0  # the position the unscored prompt begins at: folded rows before it were chosen already
         self.scores: mx.array | None = None  # (B, H, folded rows) the most attention the second reading paid
 
     def knob_values(self) -> dict[str, Any]:
-        return {"bits": self.bits, "group": self.group_size, "keep": self.keep}
+        return {"bits": self.bits, "group": self.group_size,
+                "keep": str(self.keep) if isinstance(self.keep, BytesShare) else self.keep}
 
     @property
     def wants_rereading(self) -> bool:
-        """Whether a prompt should be read a second time to score its rows (a share to keep is set)."""
+        """Whether a prompt should be read a second time to score its rows: a share of the rows below all, or of the
+        bytes below what every row holds at ``VELOX_QUANT_BITS`` (a value and a key element each: its bits and a
+        16-bit scale and bias per group, e.g. 4.5 of 16 bits at 4)."""
+        if isinstance(self.keep, BytesShare):
+            return self.bits < 16 and self.keep < (self.bits + 32 / self.group_size) / 16
         return self.keep < 1
 
     def read_prompt_chunk(self, tokens: mx.array) -> None:
@@ -181,17 +211,18 @@ class QuantCache(CrossLayerCache):
         real = positions >= 0  # not a hole (a ragged fold's shorter heads end in some)
         protected = real & ((positions < self.since) | (positions < self.sink))
         fresh = real & ~protected
+        keys, values = self.unfold(fold)
+        share = self._fresh_share(int(fresh.sum()), int(protected.sum()), keys.shape[-1], values.shape[-1])
         if positions.shape[0] == 1:
             normed = mx.where(fresh, score, 0)
             normed = normed / mx.maximum(normed.sum(axis=-1, keepdims=True), 1e-30)
-            counts = self._head_counts(normed, fresh, protected)
+            counts = self._head_counts(normed, fresh, protected, share)
         else:
             normed, count = score, int(fresh[0, 0].sum())
-            counts = [self._whole_blocks(held - count + self.keep * count, held)] * positions.shape[1]
+            counts = [self._whole_blocks(held - count + share * count, held)] * positions.shape[1]
         if counts == _ints(real.sum(axis=-1).max(axis=0)):
             return  # every row stays (the keys settle at VELOX_QUANT_BITS later, as when nothing was read)
         priority = mx.where(protected, mx.inf, mx.where(fresh, normed, -mx.inf))
-        keys, values = self.unfold(fold)
         heads = []
         for h, k in enumerate(counts):
             chosen = mx.sort(mx.argpartition(-priority[:, h: h + 1], kth=k - 1, axis=-1)[..., :k], axis=-1)
@@ -200,16 +231,32 @@ class QuantCache(CrossLayerCache):
                           _compact(mx.take_along_axis(positions[:, h: h + 1], chosen, axis=-1))))
         self.folds[-1] = _fold_of(fold.start, fold.end, heads, fold.group)
 
-    def _head_counts(self, normed: mx.array, fresh: mx.array, protected: mx.array) -> list[int]:
+    def _fresh_share(self, fresh: int, protected: int, key_dim: int, value_dim: int) -> float:
+        """The share of the prompt's ``fresh`` rows (every head's) to keep: ``VELOX_QUANT_KEEP``'s share of the rows,
+        or, for a share of the bytes, as many as fit the layer's share of the full cache's 16-bit bytes for every
+        token seen, beside what it holds besides them (earlier folds, the exact rows, the ``protected`` rows) counted
+        as a 16-bit model holds them (:func:`_held16`), each kept row at ``VELOX_QUANT_BITS`` with its scales and
+        its two-byte position; none (whole blocks: :meth:`_whole_blocks`) where those fill the share already."""
+        if not isinstance(self.keep, BytesShare):
+            return self.keep
+        batch, heads = self.store.row_positions().shape[:2]
+        target = self.keep * self.offset * batch * heads * (key_dim + value_dim) * 2
+        besides = _held16([*tree_flatten([f.own for f in self.folds[:-1]]), *self.store.fetch(),
+                           self.store.row_positions()])
+        value_group = self._value_group(value_dim) or 32
+        row = (key_dim + value_dim) * self.bits / 8 + 4 * key_dim / self.group_size + 4 * value_dim / value_group + 2
+        return min(1.0, max(0.0, (target - besides - protected * row) / row / max(fresh, 1)))
+
+    def _head_counts(self, normed: mx.array, fresh: mx.array, protected: mx.array, share: float) -> list[int]:
         """Rows each head of one sequence keeps (AdaKV): one top-k over every head's fresh rows (the prompt's, past
         the sinks) of ``normed`` (each head's scores over its sum there, so a head that spreads its attention
-        competes with one that spikes), ``VELOX_QUANT_KEEP`` of them in all; each head then keeps its protected
+        competes with one that spikes), ``share`` of them in all; each head then keeps its protected
         rows and those chosen, rounded to whole blocks (keys are quantized per channel in blocks of rows), at least
         one. Measured (``bench/agnostic_selection.py``, head-wise; module doc): at 35% of the rows this kept the answer
         the same number per head lost."""
         heads = normed.shape[1]
         flat = mx.where(fresh, normed, -1).reshape(-1)
-        total = min(round(self.keep * int(fresh.sum())), flat.size)
+        total = min(round(share * int(fresh.sum())), flat.size)
         chosen = mx.zeros(flat.shape, mx.int32)
         if total > 0:
             chosen = chosen.at[mx.argpartition(-flat, kth=total - 1)[:total]].add(1)
@@ -496,6 +543,14 @@ def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tu
     total = first.sum(axis=-1, keepdims=True) + second.sum(axis=-1, keepdims=True)
     out = (first.astype(earlier[1].dtype) @ earlier[1] + second.astype(own[1].dtype) @ own[1]) / total
     return out, first / total
+
+
+def _held16(arrays: list[Any]) -> float:
+    """Bytes of ``arrays`` (or (path, array) pairs) as a 16-bit model holds them: floating-point arrays at two
+    bytes an element (this CPU runs float32), integer ones (packed values, positions) as they are."""
+    found = [a[1] if isinstance(a, tuple) else a for a in arrays]
+    return sum(a.size * 2 if mx.issubdtype(a.dtype, mx.floating) else a.nbytes for a in found
+               if isinstance(a, mx.array))
 
 
 def _ragged(fold: Fold) -> bool:
