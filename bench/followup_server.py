@@ -10,7 +10,8 @@ unpatched and with ``VELOX_KV``/``VELOX_BUDGET``: a shared server would start th
 trimmed back to the chat template. Every chat is appended to ``DIR/chats.jsonl`` as it ends, and a rerun skips those
 there; the table (``DIR/table.md``) counts each turn right when its answer has the number asked and not the other,
 and gives the median KV bytes the server said it held after the last turn (``usage.velox.kv_bytes``; mlx_lm's own
-bytes for the full cache, from the same field) and their share of the full cache's (``dense_kv_bytes``).
+bytes for the full cache, from the same field) and their share of the full cache's (``dense_kv_bytes``), also as a
+16-bit model would hold both (``kv_bytes_16bit``, ``dense_kv_bytes_16bit``: this CPU runs float32).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def main() -> None:
                 handle.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
     lines = [f"**followup through `mlx_lm server`, {args.context} tokens, three turns, n={args.samples}**", "",
-             "| variant | turn 1 | turn 2 (follow-up) | turn 3 (the first again) | KV after (MiB) | share of full |",
-             "|---|---|---|---|---|---|"]
+             "| variant | turn 1 | turn 2 (follow-up) | turn 3 (the first again) | KV after (MiB) | share of full "
+             "| share at 16 bits |", "|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["variant"] for r in done):  # every variant the journal holds, in the order run
         rows = [r for r in done if r["variant"] == name and r["context"] == args.context and r["seed"] < args.samples]
         cells = []
@@ -105,10 +106,11 @@ def held(rows: list[dict]) -> list[str]:
     journal has them (chats measured before they were recorded have not)."""
     usages = [r["usage"] for r in rows if r.get("usage", {}).get("kv_bytes")]
     if not usages:
-        return ["", ""]
+        return ["", "", ""]
     kv = statistics.median(u["kv_bytes"] for u in usages)
     share = statistics.median(u["kv_bytes"] / u["dense_kv_bytes"] for u in usages)
-    return [f"{kv / 2**20:.1f}", f"{share:.3f}"]
+    at16 = [u["kv_bytes_16bit"] / u["dense_kv_bytes_16bit"] for u in usages if u.get("dense_kv_bytes_16bit")]
+    return [f"{kv / 2**20:.1f}", f"{share:.3f}", f"{statistics.median(at16):.3f}" if at16 else ""]
 
 
 if __name__ == "__main__":

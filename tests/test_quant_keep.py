@@ -9,12 +9,12 @@ import mlx.core as mx
 import mlx_lm.models.llama as llama
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 import veloxpatch
 from conftest import assert_round_trip, drain_with_caches, greedy, random_tokens, tiny
+from veloxpatch import stats
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.eval.variants import Variant
@@ -188,27 +188,20 @@ def test_a_bad_share_of_the_bytes_is_refused_by_name(keep: str) -> None:
         veloxpatch.patch(kv="quant", knobs={"quant_keep": keep})
 
 
-def held16(cache: QuantCache) -> float:
-    """What ``cache`` holds (its saved state: folds, exact rows, positions) as a 16-bit model would hold it, over
-    what mlx_lm's full cache would hold at 16 bits for as many tokens."""
-    arrays = [a for _, a in tree_flatten(cache.state) if isinstance(a, mx.array)]
-    keys = cache.unfold(cache.folds[0])[0]
-    held = sum(a.size * 2 if mx.issubdtype(a.dtype, mx.floating) else a.nbytes for a in arrays)
-    return held / (cache.offset * keys.shape[1] * keys.shape[-1] * 2 * 2)
-
-
 @pytest.mark.parametrize("share", [0.12, 0.2])
 def test_a_share_of_the_bytes_keeps_the_rows_that_make_each_layer_hold_it(tmp_path, share: float) -> None:
     """``0.12x``: once the prompt is read each layer holds about 0.12 of what the full cache would hold at 16 bits,
-    every byte counted (4-bit rows with their scales and positions, the exact window, the sinks); whole blocks of
-    32 rows per head put it within a block of the target. Saved and loaded, the setting stays a share of bytes."""
+    every byte counted as ``usage.velox`` counts them (4-bit rows with their scales and positions, the exact window
+    and the store's room for the next rows, the sinks); whole blocks of 32 rows per head (of 16 elements here, values
+    in groups of 32 across rows) put it within a block of the target. Saved and loaded, it stays a share of bytes."""
     model = lopsided(tiny("llama", layers=2))
     caches = quant_caches(model, f"{share}x", window=32)
     assert all(c.wants_rereading for c in caches)
     greedy(model, random_tokens(1025, 9), caches, steps=1, chunk=256)
     for cache in caches:
-        block = 32 * (64 * 4.5 / 8 * 2) / (cache.offset * 64 * 2 * 2)  # one 4-bit block of one head, in the share
-        assert abs(held16(cache) - share) <= block, (held16(cache), share, block)
+        held = stats.held([cache])
+        block = 32 * (16 * 2 * 4 / 8 + 16 * 4 / 32 + 2) / held["dense_kv_bytes_16bit"]  # one head's block of rows
+        assert abs(held["kv_bytes_16bit"] / held["dense_kv_bytes_16bit"] - share) <= block, (held, share, block)
     loaded = assert_round_trip(str(tmp_path / "share.safetensors"), model, caches)
     assert all(isinstance(c.keep, BytesShare) and c.keep == share for c in loaded)
 

@@ -287,3 +287,31 @@ def test_held_bytes_count_a_16_bit_models_caches() -> None:
     scales = sum(a.nbytes for part in (quantized.keys, quantized.values) for a in part[1:])
     assert held_bytes([quantized]) == packed + scales / 2
     assert held_bytes([quantized]) / held_bytes([dense]) == (4 + 2 * 16 / 64) / 16  # mlx_lm's 4-bit cache: 0.28
+
+
+def test_usage_counts_what_a_16_bit_model_would_hold() -> None:
+    """``stats.held`` (the server's ``usage.velox``): a float32 cache's 16-bit bytes are half its bytes, and a quant
+    cache keeping an eighth of the bytes (``0.125x``) holds about that share of the full cache's, counted so."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from conftest import greedy, random_tokens, tiny
+    from veloxpatch import stats
+
+    keys = mx.random.normal((1, 2, 256, 64))
+    dense = KVCache()
+    dense.update_and_fetch(keys, keys)
+    held = stats.held([dense])
+    assert held["kv_bytes_16bit"] == held["dense_kv_bytes_16bit"] == dense.nbytes // 2
+    model = tiny("llama", layers=2)
+    harness.veloxpatch.patch(kv="quant", window=32, compress="chunk", knobs={"quant_keep": "0.125x"})
+    try:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        caches = make_prompt_cache(model)
+        greedy(model, random_tokens(1025, 3), caches, steps=1, chunk=256)
+        held = stats.held(caches)
+        assert held["dense_kv_bytes_16bit"] == held["dense_kv_bytes"] // 2
+        assert abs(held["kv_bytes_16bit"] / held["dense_kv_bytes_16bit"] - 0.125) < 0.02, held  # blocks of 64 rows
+    finally:
+        harness.veloxpatch.unpatch()

@@ -20,6 +20,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
@@ -72,18 +75,42 @@ def held(caches: list[Any]) -> dict[str, int]:
     """What one cache list holds, ours and mlx_lm's slots alike: ``kv_bytes`` (physical bytes, as ``nbytes``:
     spare capacity, a tier's low-bit rows and a prompt's snapshot included), ``dense_kv_bytes`` (what mlx_lm's
     full cache would hold for the same tokens; mlx_lm's own slots count as they are), ``rows_kept`` (the rows
-    attention runs over, summed over layers) and ``rows_seen`` (the tokens each layer has seen, summed)."""
-    found = {"kv_bytes": 0, "dense_kv_bytes": 0, "rows_kept": 0, "rows_seen": 0}
+    attention runs over, summed over layers) and ``rows_seen`` (the tokens each layer has seen, summed); and both
+    byte counts as a 16-bit model's caches would hold them (``kv_bytes_16bit``, ``dense_kv_bytes_16bit``: the same
+    where the model runs at 16 bits, as on a Mac; on the CPU, where float16 weights run as float32, what such a
+    Mac would hold, packed low-bit values counted as they are: :func:`at_16_bits`)."""
+    found = {"kv_bytes": 0, "dense_kv_bytes": 0, "rows_kept": 0, "rows_seen": 0, "kv_bytes_16bit": 0,
+             "dense_kv_bytes_16bit": 0}
     for cache in caches:
         nbytes = int(getattr(cache, "nbytes", 0) or 0)
         dense = getattr(cache, "dense_nbytes", None)
         offset = getattr(cache, "offset", None)
+        dense_bytes = nbytes if dense is None else int(dense())
         found["kv_bytes"] += nbytes
-        found["dense_kv_bytes"] += nbytes if dense is None else int(dense())
+        found["dense_kv_bytes"] += dense_bytes
+        arrays = [a for _, a in tree_flatten(getattr(cache, "state", ())) if isinstance(a, mx.array)]
+        widest = max((a.dtype.size for a in arrays if mx.issubdtype(a.dtype, mx.floating)), default=2)
+        spare = max(0, nbytes - sum(a.nbytes for a in arrays))  # room for rows not held yet: rows' dtype
+        held = sum(a.nbytes for a in arrays) * sixteen_bit_share(arrays)
+        found["kv_bytes_16bit"] += round(held + spare * min(1.0, 2 / widest))
+        found["dense_kv_bytes_16bit"] += round(dense_bytes * min(1.0, 2 / widest))
         if isinstance(offset, int):  # a slot without one (an SSM's state) keeps no rows per token
             found["rows_kept"] += int(cache.size())
             found["rows_seen"] += offset
     return found
+
+
+def sixteen_bit_share(arrays: list[mx.array]) -> float:
+    """What a cache's arrays shrink to at 16 bits: floating-point arrays wider than 16 bits halve (rows, scales,
+    queries), integer ones (quantized values, positions) stay."""
+    total = sum(a.nbytes for a in arrays)
+    if not total:
+        return 1.0
+    return sum(a.nbytes * (2 / a.dtype.size if _wide_float(a) else 1) for a in arrays) / total
+
+
+def _wide_float(a: mx.array) -> bool:
+    return mx.issubdtype(a.dtype, mx.floating) and a.dtype.size > 2
 
 
 def forms(cache: Any) -> dict[str, int]:

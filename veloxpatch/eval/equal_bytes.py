@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from veloxpatch.caches import CompressedKVCache
+from veloxpatch.stats import sixteen_bit_share
 
 from . import sharing
 from .variants import PROTECTED, Variant
@@ -43,19 +44,6 @@ def _arrays(cache: Any, dense: bool) -> list[mx.array]:
     if dense and isinstance(cache, CompressedKVCache):
         return sharing.rows_arrays(cache)
     return [a for _, a in tree_flatten(cache.state) if isinstance(a, mx.array)]
-
-
-def sixteen_bit_share(arrays: list[mx.array]) -> float:
-    """What a cache's arrays shrink to at 16 bits: floating-point arrays wider than 16 bits halve (rows, scales,
-    queries), integer ones (quantized values, positions) stay."""
-    total = sum(a.nbytes for a in arrays)
-    if not total:
-        return 1.0
-    return sum(a.nbytes * (2 / a.dtype.size if _wide_float(a) else 1) for a in arrays) / total
-
-
-def _wide_float(a: mx.array) -> bool:
-    return mx.issubdtype(a.dtype, mx.floating) and a.dtype.size > 2
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ cache and stored under its own request's settings; where batches are mlx_lm's ow
 its batching layouts changed), a request whose settings are not the process's is served one at a time.
 
 The answer's ``usage`` gains ``velox``: the method and budget in force and what the request's cache list holds
-once answered (``kv_bytes``, ``dense_kv_bytes``, ``rows_kept``, ``rows_seen``, ``share_kept``;
+once answered (``kv_bytes``, ``dense_kv_bytes``, ``rows_kept``, ``rows_seen``, ``share_kept``, and both byte counts
+as a 16-bit model would hold them, ``kv_bytes_16bit`` and ``dense_kv_bytes_16bit``;
 :func:`veloxpatch.stats.held`), measured on the generation thread once the list is in the prompt cache, whether the
 request was served alone or in a batch (its ticket rides on its list: :func:`.state.hand_to_batch`).
 """
@@ -48,6 +49,7 @@ from .batched import batching_on
 from .state import STATE, hand_to_batch, in_force, same_as_process, serving, to_batch
 
 FIELD = "velox"
+HELD = ("kv_bytes", "dense_kv_bytes", "rows_kept", "rows_seen", "kv_bytes_16bit", "dense_kv_bytes_16bit")
 """The JSON field of a request's settings."""
 
 HEADER = "x-velox-"
@@ -97,7 +99,7 @@ class Ticket:
         list the server stores for it."""
         if self.started and not self._done.wait(WAIT_S):
             log.warning("the KV usage of a request was not measured within %.0f s", WAIT_S)
-        held: dict[str, Any] = self.held or dict.fromkeys(("kv_bytes", "dense_kv_bytes", "rows_kept", "rows_seen"))
+        held: dict[str, Any] = self.held or dict.fromkeys(HELD)
         seen = held["rows_seen"]
         share = round(held["rows_kept"] / seen, 4) if seen else (None if seen is None else 1.0)
         return {"kv": self.config.kv, "budget": str(self.config.budget) if self.config.enabled else None,

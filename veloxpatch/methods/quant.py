@@ -168,12 +168,12 @@ class QuantCache(CrossLayerCache):
         keys held at ``HOLD_BITS`` settle at ``VELOX_QUANT_BITS``."""
         self.rereading = False
         scores, self.scores = self.scores, None
-        if read and scores is not None and self.folds:
-            self._keep_best(scores)
-        self._settle()
         rows = self.store.rows
         if self.store.capacity > rows:  # the room the second reading's rows took, given back
             self.store.keep(mx.broadcast_to(mx.arange(rows), (*self.store.row_positions().shape[:2], rows)), 0)
+        if read and scores is not None and self.folds:
+            self._keep_best(scores)
+        self._settle()
 
     def folded_as(self) -> str | None:
         return f"at {self.bits} bits (keys per channel, values per token)"
@@ -234,15 +234,17 @@ class QuantCache(CrossLayerCache):
     def _fresh_share(self, fresh: int, protected: int, key_dim: int, value_dim: int) -> float:
         """The share of the prompt's ``fresh`` rows (every head's) to keep: ``VELOX_QUANT_KEEP``'s share of the rows,
         or, for a share of the bytes, as many as fit the layer's share of the full cache's 16-bit bytes for every
-        token seen, beside what it holds besides them (earlier folds, the exact rows, the ``protected`` rows) counted
-        as a 16-bit model holds them (:func:`_held16`), each kept row at ``VELOX_QUANT_BITS`` with its scales and
-        its two-byte position; none (whole blocks: :meth:`_whole_blocks`) where those fill the share already."""
+        token seen, beside what it holds besides them (earlier folds, the exact rows and the room the store grows by
+        at the next row, the ``protected`` rows) counted as a 16-bit model holds them (:func:`_held16`), each kept
+        row at ``VELOX_QUANT_BITS`` with its scales and its two-byte position; none (whole blocks:
+        :meth:`_whole_blocks`) where those fill the share already."""
         if not isinstance(self.keep, BytesShare):
             return self.keep
         batch, heads = self.store.row_positions().shape[:2]
-        target = self.keep * self.offset * batch * heads * (key_dim + value_dim) * 2
+        exact = batch * heads * (key_dim + value_dim) * 2  # one exact row of every head, at 16 bits
+        target = self.keep * self.offset * exact
         besides = _held16([*tree_flatten([f.own for f in self.folds[:-1]]), *self.store.fetch(),
-                           self.store.row_positions()])
+                           self.store.row_positions()]) + self.store_step * exact  # and the next row's room
         value_group = self._value_group(value_dim) or 32
         row = (key_dim + value_dim) * self.bits / 8 + 4 * key_dim / self.group_size + 4 * value_dim / value_group + 2
         return min(1.0, max(0.0, (target - besides - protected * row) / row / max(fresh, 1)))
