@@ -1,22 +1,13 @@
 """Quant: every token kept at low bits, keys quantized per channel and values per token (KIVI, Liu et al.,
 arXiv 2402.02750), the last ``VELOX_WINDOW`` tokens exact.
 
-mlx_lm's ``kv_bits`` quantizes keys and values alike, per token: each row of a head is split into groups along
-the head dimension and each group gets a scale and a bias. Keys do not suit that. A few of their channels are
-large in every token (Qwen2.5's key biases make them so), so one group's scale is set by the outliers and the
-other channels of the row round to a handful of levels; the error lands in ``q·k`` where the queries are large
-too. KIVI quantizes keys *per channel* instead: each channel of a block of ``VELOX_QUANT_GROUP`` consecutive
-tokens gets its own scale and bias, so an outlier channel costs only its own precision. Values are summed by
-the attention weights row by row, and per-token groups suit them (the paper's finding).
-
-Measured on Qwen2.5-Coder-0.5B-Instruct (float32 on this CPU; ``bench/kv_quant_schemes.py``, run folder
-``qwen2.5-0.5b-kvquant-2k-schemes``): a 2k-token RULER context read by the full cache, every layer's keys and
-values then quantized and dequantized in place, the question and answer read on top; the mean KL divergence of the
-next-token distributions from the full cache's over three tasks (niah_single_2, niah_multikey_3, vt). Keys per
-token, as ``kv_bits``: 0.16 at 4 bits, 0.34 at 3, 3.3 at 2. Keys per channel in blocks of 64 tokens: 0.004, 0.018,
-0.25. So 3 bits per channel err a ninth of what ``kv_bits=4`` errs, in 22% of the 16-bit bytes against its 28%.
-(Rotating keys by a Hadamard matrix before quantizing them per token, a common fix for outliers, made it worse
-here, 0.93 at 4 bits: it spreads the outliers' error into the channels the queries weigh most.)
+Why per channel. mlx_lm's ``kv_bits`` quantizes keys as it does values, per token: each row of a head is split into
+groups along the head dimension, a scale and a bias per group. A few key channels are large in every token (Qwen2.5's
+key biases make them so), so one group's scale is set by the outliers and the other channels of the row round to a
+handful of levels, where the queries are large too. Each channel of a block of ``VELOX_QUANT_GROUP`` tokens gets its
+own scale and bias instead, so an outlier channel costs only its own precision. Values are summed by the attention
+weights row by row, and per-token groups suit them (the paper's finding). docs/results.md ("Keys per channel")
+measures the difference on Qwen2.5-0.5B, and why a Hadamard rotation did not help.
 
 How it sits in the shim. A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): new rows
 go to the row store exact; after each prompt chunk and every ``VELOX_QUANT_GROUP`` decode tokens, the rows older
@@ -26,32 +17,29 @@ fold as held, by mlx's quantized matmul: keys held per channel are the matrix th
 token the one the attention weights multiply, so nothing is dequantized whole. A trim back into the fold keeps its
 whole blocks before the new end and returns the cut block's prefix to the store, dequantized.
 
-Fewer rows too (``VELOX_QUANT_KEEP`` below 100%). Quantization alone stops at about a fifth of the 16-bit bytes (3
-bits); an eighth needs fewer rows as well, chosen before any question is asked (a document read once, asked many
-things). KVzip's score chooses them: once a prompt is read (its rows folded at low bits as usual, so memory stays
-bounded while it is read), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each
-folded row scores the most attention any query of its head group pays it then; the layer keeps that share of the
-prompt's rows by one top-k over its heads (AdaKV's head-wise budgets: each head's scores over their sum first), so
-heads keep different numbers of rows, each its best-scored in whole blocks (and the first ``VELOX_SINK`` tokens),
-each with its position (two bytes) for trims.
-Until then the prompt's keys fold at ``HOLD_BITS`` (8; values at ``VELOX_QUANT_BITS``), and the keys kept are
-quantized to ``VELOX_QUANT_BITS`` once, from them. Both halves were measured (``bench/agnostic_selection.py``, half
-the rows kept, 4 bits, RULER niah_multikey_1, question after): on Qwen2.5-0.5B at 4k the second reading over 4-bit
-keys chose rows that lost the needle (mean KL 0.30, wrong) where over 8-bit keys and 4-bit values it chose as over
-exact rows (0.10 and 0.09, right); on SmolLM2 at 1k, kept 4-bit keys quantized again in blocks of the rows kept lost
-it (0.10) where quantized once from 8 bits they kept it (0.06). The price: while such a prompt is read the fold
-holds 8.5 bits per key element and 4.5 per value element (scales and biases counted), 0.41 of the 16-bit bytes,
-against 0.28. Heads holding different numbers of rows cannot share one array, and each head's keys quantize in
-blocks of its own rows, so such a *ragged* fold keeps one part per head (keys, values and positions, a head axis of
-one; no padding held). A prompt chunk attends over it rebuilt, the shorter heads padded with zero rows at position -1
-(holes, which the mask by position hides); a decode step multiplies each head's own rows as held by the quantized
-matmul, one head at a time (two or three on the models measured), under one softmax with the exact rows; a later
-fold joins it head by head, and a trim keeps each head's own whole blocks before the new end. Only a cache holding
-several sequences at once (B > 1; the shim's batches keep a cache per sequence) keeps the same number per head. Rows
-of decoded tokens, never read twice, are all kept. Measured (``bench/agnostic_selection.py``, Qwen2.5-0.5B, RULER at 4k,
-question after): KVzip's score with head-wise budgets kept every answer the full cache gave at 35% of the rows and 4
-bits (mean KL 0.069), where the same number per head lost niah_multikey_1 (0.150) and the scores a cache can compute
-alone (the prompt's last queries, expected attention, key norms) lost the needles at 50%.
+Fewer rows too (``VELOX_QUANT_KEEP`` below 100%, or a share of the bytes such as ``0.125x``). Quantization alone
+stops at about a fifth of the 16-bit bytes (3 bits); an eighth needs fewer rows as well, chosen before any question is
+asked (a document read once, asked many things). KVzip's score chooses them: once a prompt is read (its rows folded
+as usual, so memory stays bounded while it is read), the model reads it a second time
+(:mod:`veloxpatch.integration.rereading`) and each folded row scores the most attention any query of its head group
+pays it then; the layer keeps its best rows by one top-k over its heads (AdaKV's head-wise budgets: each head's scores
+over their sum first), so heads keep different numbers of rows, each in whole blocks (and the first ``VELOX_SINK``
+tokens), each with its two-byte position for trims. Rows of decoded tokens, never read twice, are all kept.
+
+Two choices the measurements forced (docs/results.md, "Rows to drop before the question"). Until the second reading
+the prompt's keys fold at ``HOLD_BITS`` (8; values at ``VELOX_QUANT_BITS``) and the kept keys are quantized to
+``VELOX_QUANT_BITS`` once, from them: scores read over 4-bit keys chose rows that lost the needle, and kept keys
+quantized a second time lost it too. The price: while such a prompt is read the fold holds 0.41 of the 16-bit bytes
+(8.5 bits per key element, 4.5 per value element, scales counted) against 0.28. And heads keep different numbers of
+rows: the same number per head lost answers head-wise budgets kept.
+
+Heads holding different numbers of rows cannot share one array, and each head's keys quantize in blocks of its own
+rows, so such a *ragged* fold keeps one part per head (keys, values and positions, a head axis of one; no padding
+held). A prompt chunk attends over it rebuilt, the shorter heads padded with zero rows at position -1 (holes, which
+the mask by position hides); a decode step multiplies each head's own rows as held by the quantized matmul, one head
+at a time (two or three on the models measured), under one softmax with the exact rows; a later fold joins it head
+by head, and a trim keeps each head's own whole blocks before the new end. Only a cache holding several sequences at
+once (B > 1; the shim's batches keep a cache per sequence) keeps the same number per head.
 """
 
 from __future__ import annotations
