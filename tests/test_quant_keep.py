@@ -5,6 +5,8 @@ attends, trims, saves and joins a later turn as the rows it holds."""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import mlx_lm.models.llama as llama
 import numpy as np
@@ -204,6 +206,29 @@ def test_a_share_of_the_bytes_keeps_the_rows_that_make_each_layer_hold_it(tmp_pa
         assert abs(held["kv_bytes_16bit"] / held["dense_kv_bytes_16bit"] - share) <= block, (held, share, block)
     loaded = assert_round_trip(str(tmp_path / "share.safetensors"), model, caches)
     assert all(isinstance(c.keep, BytesShare) and c.keep == share for c in loaded)
+
+
+def test_the_process_holds_what_the_kept_rows_take_once_the_prompt_is_read_again() -> None:
+    """Memory as mlx counts it (``mx.get_active_memory``), not only as the caches count it: after the second reading
+    the process holds little more than the caches' bytes (nothing of the reading left: its scores, its rows, the
+    prompt's chunks), and far less than with every row kept."""
+    model = tiny("llama", layers=2)
+    prompt = random_tokens(2049, 4)
+    mx.eval(model.parameters(), prompt)
+    held = {}
+    for keep in ("100%", "0.125x"):
+        caches = quant_caches(model, keep, window=32)
+        gc.collect()
+        mx.clear_cache()
+        before = mx.get_active_memory()
+        greedy(model, prompt, caches, steps=1, chunk=512)
+        mx.eval([c.state for c in caches])
+        gc.collect()
+        held[keep] = mx.get_active_memory() - before, sum(c.nbytes for c in caches)
+        del caches
+    (every, every_bytes), (kept, kept_bytes) = held["100%"], held["0.125x"]
+    assert every_bytes <= every <= every_bytes * 1.05 and kept_bytes <= kept <= kept_bytes * 1.25, held
+    assert kept < 0.5 * every, held
 
 
 def test_a_share_of_the_bytes_every_row_fits_reads_each_prompt_once() -> None:
