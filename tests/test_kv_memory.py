@@ -56,10 +56,15 @@ def test_a_bad_kv_memory_names_the_setting_the_value_and_what_is_allowed(bad: st
         from_env({"VELOX_KV": "snapkv", "VELOX_KV_MEMORY": bad})
 
 
-@pytest.mark.parametrize("method", ["xkv", "minicache", "xquant"])
+@pytest.mark.parametrize("method", ["xkv", "minicache", "xquant", "quant"])
 def test_kv_memory_is_refused_for_a_method_that_does_not_evict(method: str) -> None:
     with pytest.raises(ConfigError, match=rf"VELOX_KV_MEMORY=1GB is not allowed with VELOX_KV={method}: .*snapkv"):
         VeloxConfig(kv=method, kv_memory="1GB")
+
+
+def test_quants_refusal_names_its_own_share_of_the_bytes() -> None:
+    with pytest.raises(ConfigError, match=r"own \(VELOX_QUANT_KEEP=0.125x keeps the rows that make it hold an eighth"):
+        VeloxConfig(kv="quant", kv_memory="1GB")
 
 
 LAYER = SlotLayout(heads=2, key_dim=64, value_dim=64, itemsize=4, query_bytes=4 * 64 * 4)

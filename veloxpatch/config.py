@@ -192,7 +192,8 @@ class VeloxConfig:
         if self.enabled and self.kv_memory and not getattr(METHODS[self.kv].cls, "bounds_memory", False):
             raise ConfigError(
                 f"VELOX_KV_MEMORY={self.kv_memory} is not allowed with VELOX_KV={self.kv}: it bounds the methods "
-                f"that evict rows ({', '.join(evicting_methods())}); {self.kv} keeps every token in a form of its own")
+                f"that evict rows ({', '.join(evicting_methods())}); {self.kv} keeps every token in a form of its own"
+                + METHODS[self.kv].cls.memory_instead)
 
     @property
     def enabled(self) -> bool:

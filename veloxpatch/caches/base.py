@@ -70,6 +70,7 @@ class CompressedKVCache(ABC):
     wants_layer_io: ClassVar[bool] = False  # see_block_input / see_attention(_input) are called (layer_io)
     uses_budget: ClassVar[bool] = True  # False: VELOX_BUDGET changes nothing it does (the eval measures it once)
     bounds_memory: ClassVar[bool] = False  # True: VELOX_KV_MEMORY can cap its rows (the methods that evict)
+    memory_instead: ClassVar[str] = ""  # where VELOX_KV_MEMORY is refused: the method's own way to less memory
     budget_use: ClassVar[str] = "VELOX_BUDGET is the rows it keeps per layer."  # said by `veloxpatch methods`
 
     def __init__(self, spec: CacheSpec) -> None:

@@ -114,6 +114,8 @@ class QuantCache(CrossLayerCache):
                   "bits (4 by default).")
 
     rereads_prompt = True  # the model call may read a prompt twice for it (integration.rereading)
+    memory_instead = (" (VELOX_QUANT_KEEP=0.125x keeps the rows that make it hold an eighth of the full cache's "
+                      "16-bit bytes)")  # said where VELOX_KV_MEMORY is refused
 
     def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float | str = 1.0) -> None:
         super().__init__(spec)
