@@ -190,19 +190,21 @@ def test_a_bad_share_of_the_bytes_is_refused_by_name(keep: str) -> None:
         veloxpatch.patch(kv="quant", knobs={"quant_keep": keep})
 
 
-@pytest.mark.parametrize("share", [0.12, 0.2])
-def test_a_share_of_the_bytes_keeps_the_rows_that_make_each_layer_hold_it(tmp_path, share: float) -> None:
-    """``0.12x``: once the prompt is read each layer holds about 0.12 of what the full cache would hold at 16 bits,
+@pytest.mark.parametrize(("share", "bits"), [(0.12, 4), (0.2, 4), (0.5, 16)])
+def test_a_share_of_the_bytes_keeps_the_rows_that_make_each_layer_hold_it(tmp_path, share: float, bits: int) -> None:
+    """``0.12x``: once the prompt is read each layer holds about 0.12 of what the full cache would hold at 16 bits (at
+    4 bits; unquantized rows too),
     every byte counted as ``usage.velox`` counts them (4-bit rows with their scales and positions, the exact window
     and the store's room for the next rows, the sinks); whole blocks of 32 rows per head (of 16 elements here, values
     in groups of 32 across rows) put it within a block of the target. Saved and loaded, it stays a share of bytes."""
     model = lopsided(tiny("llama", layers=2))
-    caches = quant_caches(model, f"{share}x", window=32)
+    caches = quant_caches(model, f"{share}x", bits=bits, window=32)
     assert all(c.wants_rereading for c in caches)
     greedy(model, random_tokens(1025, 9), caches, steps=1, chunk=256)
+    row = 32 * bits / 8 + (16 * 4 / 32 * 2 if bits < 16 else 0) + 2  # one row of one head, its scales and position
     for cache in caches:
         held = stats.held([cache])
-        block = 32 * (16 * 2 * 4 / 8 + 16 * 4 / 32 + 2) / held["dense_kv_bytes_16bit"]  # one head's block of rows
+        block = 32 * row / held["dense_kv_bytes_16bit"]  # one head's block of rows
         assert abs(held["kv_bytes_16bit"] / held["dense_kv_bytes_16bit"] - share) <= block, (held, share, block)
     loaded = assert_round_trip(str(tmp_path / "share.safetensors"), model, caches)
     assert all(isinstance(c.keep, BytesShare) and c.keep == share for c in loaded)
@@ -236,6 +238,7 @@ def test_a_share_of_the_bytes_every_row_fits_reads_each_prompt_once() -> None:
     model = tiny("llama", layers=2)
     assert not any(c.wants_rereading for c in quant_caches(model, "0.35x"))
     assert all(c.wants_rereading for c in quant_caches(model, "0.3x"))
+    assert all(c.wants_rereading for c in quant_caches(model, "0.9x", bits=16)), "unquantized rows: every byte"
 
 
 def test_an_eval_variant_keeps_a_share_of_the_bytes_as_one() -> None:

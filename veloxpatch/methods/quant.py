@@ -136,7 +136,7 @@ class QuantCache(CrossLayerCache):
         bytes below what every row holds at ``VELOX_QUANT_BITS`` (a value and a key element each: its bits and a
         16-bit scale and bias per group, e.g. 4.5 of 16 bits at 4)."""
         if isinstance(self.keep, BytesShare):
-            return self.bits < 16 and self.keep < (self.bits + 32 / self.group_size) / 16
+            return self.keep < ((self.bits + 32 / self.group_size) / 16 if self.bits < 16 else 1)
         return self.keep < 1
 
     def read_prompt_chunk(self, tokens: mx.array) -> None:
@@ -235,8 +235,8 @@ class QuantCache(CrossLayerCache):
         target = self.keep * self.offset * exact
         besides = _held16([*tree_flatten([f.own for f in self.folds[:-1]]), *self.store.fetch(),
                            self.store.row_positions()]) + self.store_step * exact  # and the next row's room
-        value_group = self._value_group(value_dim) or 32
-        row = (key_dim + value_dim) * self.bits / 8 + 4 * key_dim / self.group_size + 4 * value_dim / value_group + 2
+        scales = 4 * key_dim / self.group_size + 4 * value_dim / (self._value_group(value_dim) or 32)
+        row = (key_dim + value_dim) * self.bits / 8 + (scales if self.bits < 16 else 0) + 2
         return min(1.0, max(0.0, (target - besides - protected * row) / row / max(fresh, 1)))
 
     def _head_counts(self, normed: mx.array, fresh: mx.array, protected: mx.array, share: float) -> list[int]:
