@@ -192,11 +192,11 @@ def test_a_bad_share_of_the_bytes_is_refused_by_name(keep: str) -> None:
 
 @pytest.mark.parametrize(("share", "bits"), [(0.12, 4), (0.2, 4), (0.5, 16)])
 def test_a_share_of_the_bytes_keeps_the_rows_that_make_each_layer_hold_it(tmp_path, share: float, bits: int) -> None:
-    """``0.12x``: once the prompt is read each layer holds about 0.12 of what the full cache would hold at 16 bits (at
-    4 bits; unquantized rows too),
+    """``0.12x``: once the prompt is read each layer holds about 0.12 of what the full cache would hold at 16 bits,
     every byte counted as ``usage.velox`` counts them (4-bit rows with their scales and positions, the exact window
-    and the store's room for the next rows, the sinks); whole blocks of 32 rows per head (of 16 elements here, values
-    in groups of 32 across rows) put it within a block of the target. Saved and loaded, it stays a share of bytes."""
+    and the store's room for the next rows, the sinks), and so with unquantized rows; whole blocks of 32 rows per
+    head (of 16 elements here, values in groups of 32 across rows) put it within a block of the target. Saved and
+    loaded, it stays a share of bytes."""
     model = lopsided(tiny("llama", layers=2))
     caches = quant_caches(model, f"{share}x", bits=bits, window=32)
     assert all(c.wants_rereading for c in caches)
