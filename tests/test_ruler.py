@@ -173,6 +173,21 @@ def test_eval_runs_ruler_tasks_and_a_rerun_skips_finished_cells(model_dir: Path,
     assert changed.exit_code != 0 and "measured again" in repr(changed.exception), "other arguments recompute"
 
 
+def test_a_run_of_other_variants_into_the_folder_keeps_the_earlier_cells_in_its_tables(model_dir: Path,
+                                                                                    tmp_path: Path) -> None:
+    """eval.csv and eval.json are every cell the folder's journal holds under the run's arguments, not only the
+    variants this run asked for (a journal grown by several runs, each adding a variant)."""
+    out = tmp_path / "eval"
+    common = ["eval", "--model", str(model_dir), "--tasks", "niah_single", "--contexts", "200", "--samples", "1",
+              "--budgets", "50%", "--out", str(out), "--no-plots"]
+    for method in ("snapkv", "streamingllm"):
+        result = CliRunner().invoke(main, [*common, "--methods", method])
+        assert result.exit_code == 0, result.output
+    rows = json.loads((out / "eval.json").read_text())["rows"]
+    assert sorted(r["label"] for r in rows) == ["full", "snapkv@0.5", "streamingllm@0.5"]
+    assert "snapkv@0.5" in (out / "eval.csv").read_text()
+
+
 class ConversationTokenizer(ChatTokenizer):
     """A stand-in chat template that writes every role, as real ones do."""
 

@@ -20,7 +20,7 @@ from ..config import COMPRESS_MODES
 from ..settings import ConfigError
 from . import report, tasks
 from .bench import LARGE_RANDOM, PEAK_NOTE, BenchSpec, run_bench
-from .harness import ALL_TASKS, TASKS, EvalSpec, Journal, run_eval
+from .harness import ALL_TASKS, TASKS, Cell, EvalSpec, Journal, run_eval
 from .random_model import build, config_for
 from .variants import known_methods, parse_spec, split_specs
 
@@ -156,7 +156,9 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
     """Quality per method and budget: passkey, multi-key retrieval and perplexity, or RULER-style tasks.
 
     Accuracies show their 95% Wilson interval and sample count. Finished cells go to OUT/eval.cells.jsonl and
-    finished examples to OUT/eval.samples.jsonl as they finish; a rerun with the same arguments skips them."""
+    finished examples to OUT/eval.samples.jsonl as they finish; a rerun with the same arguments skips them, and
+    OUT/eval.csv and OUT/eval.json table every cell the journal holds under those arguments (earlier runs' variants
+    too)."""
     with_fast_blas()
     chosen = [t.strip() for t in task_list.split(",") if t.strip()]
     if any(t not in ALL_TASKS for t in chosen):
@@ -170,7 +172,8 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
         key.update(protocol=protocol, equal_bytes=equal_bytes)
     journal = Journal(out / "eval.cells.jsonl", key)
     started = time.time()
-    rows = [c.row() for c in run_eval(loaded, tokenizer, spec, _progress("eval"), journal)]
+    cells = run_eval(loaded, tokenizer, spec, _progress("eval"), journal)
+    rows = [c.row() for c in [*cells, *_others(journal, cells)]]
     rows = report.with_byte_shares(rows) if equal_bytes else rows
     meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
     columns = EVAL_COLUMNS + (("kv16_share",) if equal_bytes else ())
@@ -183,6 +186,13 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
             click.echo(f"wrote {png}", err=True)
         if not pngs:
             click.echo("no plots: matplotlib is not installed (pip install 'veloxpatch[plot]')", err=True)
+
+
+def _others(journal: Journal, cells: list[Cell]) -> list[Cell]:
+    """The journal's cells under the same arguments that this run did not ask for (another run's variants or
+    tasks into the same folder), so the folder's eval.csv and eval.json keep them."""
+    asked = {(c.task, c.context, c.variant.identity()) for c in cells}
+    return [cell for key, cell in journal.done().items() if key not in asked]
 
 
 @click.command("bench")
