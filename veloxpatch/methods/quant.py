@@ -44,6 +44,7 @@ once (B > 1; the shim's batches keep a cache per sequence) keeps the same number
 
 from __future__ import annotations
 
+import logging
 from typing import Any, cast
 
 import mlx.core as mx
@@ -54,6 +55,7 @@ from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
 from ..caches.store import RowStore, take_rows
 from ..coordinators import members_of
+from ..log import once
 from ..registry import method
 from ..settings import Setting, int_choice, one_of_text, percent
 
@@ -237,7 +239,14 @@ class QuantCache(CrossLayerCache):
                            self.store.row_positions()]) + self.store_step * exact  # and the next row's room
         scales = 4 * key_dim / self.group_size + 4 * value_dim / (self._value_group(value_dim) or 32)
         row = (key_dim + value_dim) * self.bits / 8 + (scales if self.bits < 16 else 0) + 2
-        return min(1.0, max(0.0, (target - besides - protected * row) / row / max(fresh, 1)))
+        left = target - besides - protected * row
+        if left < 0.05 * fresh * row:  # (a prompt of a few hundred tokens under a small share)
+            once(f"quant share {self.keep}", logging.WARNING,
+                 f"VELOX_QUANT_KEEP={self.keep}: at {self.offset} tokens the exact window, the unfinished block and "
+                 f"earlier turns take {(besides + protected * row) / (target / self.keep):.2f} of the 16-bit bytes "
+                 "already, so the prompt keeps almost none of its rows (a larger share, or a longer prompt, keeps "
+                 "more)")
+        return min(1.0, max(0.0, left / row / max(fresh, 1)))
 
     def _head_counts(self, normed: mx.array, fresh: mx.array, protected: mx.array, share: float) -> list[int]:
         """Rows each head of one sequence keeps (AdaKV): one top-k over every head's fresh rows (the prompt's, past
