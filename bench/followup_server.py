@@ -36,6 +36,9 @@ def turn_examples(ex: ruler.Example) -> list[ruler.Example]:
     return [ex, replace(ex, wanted=ex.unwanted, unwanted=ex.wanted), ex]
 
 
+TIMEOUT_S = 1800  # a request's first turn on this CPU: a 2k-token prompt read twice by Qwen2.5-0.5B passed 120 s
+
+
 def run_chat(model: str, tokenizer, ex: ruler.Example, env: dict[str, str]) -> tuple[list[str], dict]:
     """One chat's answers from a fresh server with ``env``, and the last answer's ``usage.velox``."""
     serve = [sys.executable, "-m", "veloxpatch.cli", "run", "-m", "mlx_lm", "server", "--model", model,
@@ -43,7 +46,7 @@ def run_chat(model: str, tokenizer, ex: ruler.Example, env: dict[str, str]) -> t
     clean = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
     with tempfile.TemporaryDirectory() as folder, serving.running(serve, Path(folder) / "log", {**clean, **env}) as url:
         usages: list[dict] = []
-        answers = serving.chat(url, tokenizer, ex, harness.FIRST_TURN, usages)
+        answers = serving.chat(url, tokenizer, ex, harness.FIRST_TURN, usages, timeout=TIMEOUT_S)
         return answers, usages[-1].get("velox") or {}
 
 

@@ -76,14 +76,14 @@ def running(command: list[str], log: Path, env: dict[str, str]) -> Iterator[str]
 
 
 def chat(url: str, tokenizer: Any, ex: ruler.Example, max_tokens: int,
-         usages: list[dict[str, Any]] | None = None) -> list[str]:
+         usages: list[dict[str, Any]] | None = None, timeout: float = 120) -> list[str]:
     """A chat client's turns of ``ex`` (:func:`ruler.conversation`: each request the whole conversation so far, as
     the server's prompt-cache reuse expects), greedy; each turn's answer as the server returned it (and its
-    ``usage`` appended to ``usages``, if given)."""
+    ``usage`` appended to ``usages``, if given); each request given ``timeout`` seconds."""
     answers: list[str] = []
     for _ in ex.turns:
         text = ruler.conversation(tokenizer, ex.prompt, ex.turns, answers)
-        status, body = post(url, {"prompt": text, "max_tokens": max_tokens, "temperature": 0})
+        status, body = post(url, {"prompt": text, "max_tokens": max_tokens, "temperature": 0}, timeout)
         if status != 200:
             raise RuntimeError(f"the server answered {status}: {body}")
         answers.append(body["choices"][0]["text"])
