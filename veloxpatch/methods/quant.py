@@ -226,15 +226,16 @@ class QuantCache(CrossLayerCache):
     def _fresh_share(self, fresh: int, protected: int, key_dim: int, value_dim: int) -> float:
         """The share of the prompt's ``fresh`` rows (every head's) to keep: ``VELOX_QUANT_KEEP``'s share of the rows,
         or, for a share of the bytes, as many as fit the layer's share of the full cache's 16-bit bytes for every
-        token seen, beside what it holds besides them (earlier folds, the exact rows and the room the store grows by
-        at the next row, the ``protected`` rows) counted as a 16-bit model holds them (:func:`_held16`), each kept
+        token seen beside everything else it holds (earlier folds, the exact rows and the room the store grows by
+        at the next row, the ``protected`` rows), counted as a 16-bit model holds them (:func:`_held16`), each kept
         row at ``VELOX_QUANT_BITS`` with its scales and its two-byte position; none (whole blocks:
         :meth:`_whole_blocks`) where those fill the share already."""
         if not isinstance(self.keep, BytesShare):
             return self.keep
         batch, heads = self.store.row_positions().shape[:2]
         exact = batch * heads * (key_dim + value_dim) * 2  # one exact row of every head, at 16 bits
-        target = self.keep * self.offset * exact
+        full = self.offset * exact  # the full cache's 16-bit bytes for the tokens seen
+        target = self.keep * full
         besides = _held16([*tree_flatten([f.own for f in self.folds[:-1]]), *self.store.fetch(),
                            self.store.row_positions()]) + self.store_step * exact  # and the next row's room
         scales = 4 * key_dim / self.group_size + 4 * value_dim / (self._value_group(value_dim) or 32)
@@ -243,7 +244,7 @@ class QuantCache(CrossLayerCache):
         if left < 0.05 * fresh * row:  # (a prompt of a few hundred tokens under a small share)
             once(f"quant share {self.keep}", logging.WARNING,
                  f"VELOX_QUANT_KEEP={self.keep}: at {self.offset} tokens the exact window, the unfinished block and "
-                 f"earlier turns take {(besides + protected * row) / (target / self.keep):.2f} of the 16-bit bytes "
+                 f"earlier turns take {(besides + protected * row) / full:.2f} of the 16-bit bytes "
                  "already, so the prompt keeps almost none of its rows (a larger share, or a longer prompt, keeps "
                  "more)")
         return min(1.0, max(0.0, left / row / max(fresh, 1)))
