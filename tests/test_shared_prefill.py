@@ -219,6 +219,19 @@ def test_a_journal_line_counts_for_the_same_knobs_under_any_spelling(tmp_path: P
     assert {seed for (_, _, ident, seed) in journal.samples() if ident == plain} == {0}
 
 
+def test_a_journal_line_written_before_its_method_gained_a_knob_counts_at_that_knobs_default(tmp_path: Path) -> None:
+    """``quant[bits=3]`` measured before ``VELOX_QUANT_KEEP`` existed (its line names bits and group only) counts for
+    ``quant[bits=3]`` now (keep at its default, 100%: what it did then), not for ``quant[bits=3,keep=30%]``."""
+    journal = harness.Journal(tmp_path / "eval.cells.jsonl", {"model": "m"})
+    with journal.samples_path.open("a") as handle:
+        handle.write(json.dumps({"task": "niah_single", "context": 2048, "label": "quant[bits=3]@0.25", "seed": 0,
+                                 "knobs": {"bits": 3, "group": 64}, "value": 1.0, "kv_bytes": 10,
+                                 "peak_bytes": 20, "key": {"model": "m"}}) + "\n")
+    found = {ident for (_, _, ident, _) in journal.samples()}
+    assert found == {Variant.of("quant[bits=3]", 0.25).identity()}
+    assert Variant.of("quant[bits=3,keep=30%]", 0.25).identity() not in found
+
+
 def test_cells_keep_old_journal_lines_and_add_knobs_and_intervals() -> None:
     old = {"task": "passkey", "context": 1024, "method": "snapkv", "share": 0.25, "label": "snapkv@0.25",
            "metric": "accuracy", "value": 0.8, "kv_bytes": 1.0, "peak_bytes": 2.0, "samples": 10}

@@ -32,7 +32,7 @@ import veloxpatch
 from . import equal_bytes as equal_bytes_
 from . import ruler, sharing, tasks
 from .report import wilson
-from .variants import KVLayout, Variant, identity, variants
+from .variants import KVLayout, Variant, line_identity, variants
 
 TASKS = ("passkey", "multikey", "perplexity")  # the default list, made for the shipped tiny model
 ALL_TASKS = TASKS + tuple(ruler.GENERATORS)
@@ -138,12 +138,12 @@ class Journal:
 
     def done(self) -> dict[tuple[str, int, str], Cell]:
         """Cells already measured under this key, by (task, context, variant identity)."""
-        return {(r["task"], r["context"], identity(r["label"], r.get("knobs"))): Cell.from_row(r)
+        return {(r["task"], r["context"], line_identity(r["label"], r.get("knobs"))): Cell.from_row(r)
                 for r in self._rows(self.path)}
 
     def samples(self) -> dict[tuple[str, int, str, int], Sample]:
         """Examples already measured under this key, by (task, context, variant identity, seed)."""
-        return {(r["task"], r["context"], identity(r["label"], r.get("knobs")), r["seed"]):
+        return {(r["task"], r["context"], line_identity(r["label"], r.get("knobs")), r["seed"]):
                 Sample(r["value"], r["kv_bytes"], r["peak_bytes"], r.get("read_peak_bytes"), r.get("kv16_bytes"))
                 for r in self._rows(self.samples_path, ignore=("samples", "seed"))}
 

@@ -85,6 +85,18 @@ def identity(label: str, knobs: dict[str, Any] | None) -> str:
     return f"{base} {json.dumps(knobs, sort_keys=True)}"
 
 
+def line_identity(label: str, knobs: dict[str, Any] | None) -> str:
+    """:func:`identity` of a journal line: a knob its method gained after the line was written counts at its default
+    (a new knob's default keeps what the method did before), so the line still matches the variant it measured."""
+    if knobs is None:
+        return identity(label, None)
+    try:
+        current = Variant.of(label.split("@")[0]).knob_values()
+    except ValueError:  # a method or knob that is no more: the line matches nothing it could mean now
+        return identity(label, knobs)
+    return identity(label, {**{k: v for k, v in current.items() if k not in knobs}, **knobs})
+
+
 def split_specs(text: str) -> list[str]:
     """``"snapkv,snapkv[kernel=15,pool=max],full"`` -> its items: commas inside brackets do not split."""
     items, depth, start = [], 0, 0
