@@ -91,8 +91,7 @@ def held(caches: list[Any]) -> dict[str, int]:
         arrays = [a for _, a in tree_flatten(getattr(cache, "state", ())) if isinstance(a, mx.array)]
         widest = max((a.dtype.size for a in arrays if mx.issubdtype(a.dtype, mx.floating)), default=2)
         spare = max(0, nbytes - sum(a.nbytes for a in arrays))  # room for rows not held yet: rows' dtype
-        held = sum(a.nbytes for a in arrays) * sixteen_bit_share(arrays)
-        found["kv_bytes_16bit"] += round(held + spare * min(1.0, 2 / widest))
+        found["kv_bytes_16bit"] += round(at_16_bits(arrays) + spare * min(1.0, 2 / widest))
         found["dense_kv_bytes_16bit"] += round(dense_bytes * min(1.0, 2 / widest))
         if isinstance(offset, int):  # a slot without one (an SSM's state) keeps no rows per token
             found["rows_kept"] += int(cache.size())
@@ -100,13 +99,16 @@ def held(caches: list[Any]) -> dict[str, int]:
     return found
 
 
+def at_16_bits(arrays: list[mx.array]) -> float:
+    """The bytes of ``arrays`` as a 16-bit model holds them: floating-point arrays wider than 16 bits halve (rows,
+    scales, queries), integer ones (quantized values, positions) stay."""
+    return sum(a.nbytes * (2 / a.dtype.size if _wide_float(a) else 1) for a in arrays)
+
+
 def sixteen_bit_share(arrays: list[mx.array]) -> float:
-    """What a cache's arrays shrink to at 16 bits: floating-point arrays wider than 16 bits halve (rows, scales,
-    queries), integer ones (quantized values, positions) stay."""
+    """What a cache's arrays shrink to at 16 bits (:func:`at_16_bits` over their bytes)."""
     total = sum(a.nbytes for a in arrays)
-    if not total:
-        return 1.0
-    return sum(a.nbytes * (2 / a.dtype.size if _wide_float(a) else 1) for a in arrays) / total
+    return at_16_bits(arrays) / total if total else 1.0
 
 
 def _wide_float(a: mx.array) -> bool:

@@ -58,6 +58,7 @@ from ..coordinators import members_of
 from ..log import once
 from ..registry import method
 from ..settings import Setting, int_choice, one_of_text, percent
+from ..stats import at_16_bits
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
@@ -227,8 +228,8 @@ class QuantCache(CrossLayerCache):
         """The share of the prompt's ``fresh`` rows (every head's) to keep: ``VELOX_QUANT_KEEP``'s share of the rows,
         or, for a share of the bytes, as many as fit the layer's share of the full cache's 16-bit bytes for every
         token seen beside everything else it holds (earlier folds, the exact rows and the room the store grows by
-        at the next row, the ``protected`` rows), counted as a 16-bit model holds them (:func:`_held16`), each kept
-        row at ``VELOX_QUANT_BITS`` with its scales and its two-byte position; none (whole blocks:
+        at the next row, the ``protected`` rows), counted as a 16-bit model holds them (:func:`.stats.at_16_bits`),
+        each kept row at ``VELOX_QUANT_BITS`` with its scales and its two-byte position; none (whole blocks:
         :meth:`_whole_blocks`) where those fill the share already."""
         if not isinstance(self.keep, BytesShare):
             return self.keep
@@ -236,8 +237,9 @@ class QuantCache(CrossLayerCache):
         exact = batch * heads * (key_dim + value_dim) * 2  # one exact row of every head, at 16 bits
         full = self.offset * exact  # the full cache's 16-bit bytes for the tokens seen
         target = self.keep * full
-        besides = _held16([*tree_flatten([f.own for f in self.folds[:-1]]), *self.store.fetch(),
-                           self.store.row_positions()]) + self.store_step * exact  # and the next row's room
+        earlier = [a for _, a in tree_flatten([f.own for f in self.folds[:-1]])]
+        besides = at_16_bits([*earlier, *self.store.fetch(), self.store.row_positions()]) \
+            + self.store_step * exact  # and the room for the next row
         scales = 4 * key_dim / self.group_size + 4 * value_dim / (self._value_group(value_dim) or 32)
         row = (key_dim + value_dim) * self.bits / 8 + (scales if self.bits < 16 else 0) + 2
         left = target - besides - protected * row
@@ -545,14 +547,6 @@ def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tu
     total = first.sum(axis=-1, keepdims=True) + second.sum(axis=-1, keepdims=True)
     out = (first.astype(earlier[1].dtype) @ earlier[1] + second.astype(own[1].dtype) @ own[1]) / total
     return out, first / total
-
-
-def _held16(arrays: list[Any]) -> float:
-    """Bytes of ``arrays`` (or (path, array) pairs) as a 16-bit model holds them: floating-point arrays at two
-    bytes an element (this CPU runs float32), integer ones (packed values, positions) as they are."""
-    found = [a[1] if isinstance(a, tuple) else a for a in arrays]
-    return sum(a.size * 2 if mx.issubdtype(a.dtype, mx.floating) else a.nbytes for a in found
-               if isinstance(a, mx.array))
 
 
 def _ragged(fold: Fold) -> bool:
