@@ -86,6 +86,7 @@ class CompressedKVCache(ABC):
         self.issued_mask: mx.array | None = None
         self.coordinator: Coordinator | None = None
         self.layer = 0  # index in the coordinator's members (set when it joins)
+        self.prompt_end: int | None = None  # the offset at which the prompt a generation announced ends
 
     # ----------------------------------------------------------------- what a kind of cache provides
     @abstractmethod
@@ -205,8 +206,14 @@ class CompressedKVCache(ABC):
         return True
 
     def expect_prompt(self, tokens: int) -> None:
-        """The next ``tokens`` tokens are a generation's prompt: a cache that keeps the state a prompt left (to
-        answer a repeated request the same) marks where it ends; the others need not know."""
+        """The next ``tokens`` tokens are a generation's prompt (the wrappers see it whole), however few tokens its
+        steps bring: a chat's next turn read on the cache of the last comes in steps no longer than a decode step's.
+        An evicting cache leaves a snapshot where it ends; quant reads it a second time."""
+        self.prompt_end = self.offset + tokens
+
+    def before_prompt_end(self, n: int) -> bool:
+        """Whether a step of ``n`` tokens read from here stops before the last token of the announced prompt."""
+        return self.prompt_end is not None and self.offset + n < self.prompt_end
 
     def trim(self, n: int) -> int:
         """Forget the last ``n`` tokens: the cache becomes the compressed cache of the prefix."""

@@ -175,7 +175,6 @@ class EvictingCache(CompressedKVCache):
         self.took_back = False  # this step took the tier's rows back into the store (evaluated after it)
         self.reading = False  # a prompt chunk came since the last decode-sized step
         self.read: Snapshot | None = None  # this cache as its last prompt left it (restored by a trim back into it)
-        self.prompt_end: int | None = None  # the offset at which the prompt a generation announced ends
 
     def make_policy(self, **knobs: Any) -> Policy:
         """The policy picking this cache's rows, from the method's knobs."""
@@ -299,12 +298,6 @@ class EvictingCache(CompressedKVCache):
             self.reading = False  # queries it skips
             self.read = None if self.memory_plan is not None else Snapshot(self)
         return out
-
-    def expect_prompt(self, tokens: int) -> None:
-        """The next ``tokens`` tokens are a generation's prompt (the wrappers see it whole): the step that reads its
-        last token leaves a snapshot, however few tokens its steps had. A chat's next turn, read on the cache of
-        the last as a decode-sized step, is then answered the same when the server is sent it again."""
-        self.prompt_end = self.offset + tokens
 
     def _prompt_read(self) -> bool:
         """Whether this step read the last token of the prompt :meth:`expect_prompt` announced (said once)."""

@@ -69,10 +69,11 @@ def _reading_twice(params: Parameters) -> Wrapper:
         if not sequences:
             return wrapped(*args, **kwargs)
         for readers, tokens in sequences:
-            if not readers[0].schedule.decode_sized(tokens.shape[1]):
+            first, n = readers[0], tokens.shape[1]
+            if not first.schedule.decode_sized(n) or first.before_prompt_end(n):
                 for cache in readers:
                     cache.read_prompt_chunk(tokens)
-            elif readers[0].unscored:
+            elif first.unscored:
                 _read_again(wrapped, params, args, kwargs, readers)
         return wrapped(*args, **kwargs)
 

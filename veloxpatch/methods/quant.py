@@ -24,7 +24,9 @@ as usual, so memory stays bounded while it is read), the model reads it a second
 (:mod:`veloxpatch.integration.rereading`) and each folded row scores the most attention any query of its head group
 pays it then; the layer keeps its best rows by one top-k over its heads (AdaKV's head-wise budgets: each head's scores
 over their sum first), so heads keep different numbers of rows, each in whole blocks (and the first ``VELOX_SINK``
-tokens), each with its two-byte position for trims. Rows of decoded tokens, never read twice, are all kept.
+tokens), each with its two-byte position for trims. Every prompt is read twice, a chat's next turn too however
+short (the generation announces it), and its rows are chosen with those still exact when it began (the last window,
+the answer's tail): a chat holds its share turn after turn. Rows an answer folds as it is decoded are all kept.
 
 Two choices the measurements forced (docs/results.md, "Rows to drop before the question"). Until the second reading
 the prompt's keys fold at ``HOLD_BITS`` (8; values at ``VELOX_QUANT_BITS``) and the kept keys are quantized to
@@ -126,12 +128,19 @@ class QuantCache(CrossLayerCache):
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
         self.rereading = False  # the model reads the prompt again: this cache scores its folded rows
         self.unscored: list[mx.array] = []  # the prompt chunks read since the last scoring (token ids)
-        self.since = 0  # the position the unscored prompt begins at: folded rows before it were chosen already
+        self.chosen_end = 0  # rows before this position were chosen by an earlier reading (or kept: every row)
         self.scores: mx.array | None = None  # (B, H, folded rows) the most attention the second reading paid
 
     def knob_values(self) -> dict[str, Any]:
         return {"bits": self.bits, "group": self.group_size,
                 "keep": str(self.keep) if isinstance(self.keep, BytesShare) else self.keep}
+
+    def _meta(self) -> dict[str, Any]:
+        return {**super()._meta(), "chosen_end": self.chosen_end}
+
+    def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
+        super()._load_extra(extra, info)
+        self.chosen_end = info.get("chosen_end", 0)
 
     @property
     def wants_rereading(self) -> bool:
@@ -145,8 +154,6 @@ class QuantCache(CrossLayerCache):
     def read_prompt_chunk(self, tokens: mx.array) -> None:
         """A prompt chunk of token ids is about to be read: it will be read again before the next decode step, and
         its keys fold at ``HOLD_BITS`` until then."""
-        if not self.unscored:
-            self.since = self.offset
         self.unscored.append(tokens)
 
     def start_rereading(self) -> None:
@@ -192,37 +199,51 @@ class QuantCache(CrossLayerCache):
 
     def _keep_best(self, scores: mx.array) -> None:
         """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from the best-scored rows of its heads and
-        every row before the prompt or among the first ``VELOX_SINK``: dequantized, chosen, the keys quantized to
-        ``VELOX_QUANT_BITS`` once. How many rows each head keeps: :meth:`_head_counts` (one sequence: heads differ,
-        as AdaKV's), or the same number per head (several sequences in one cache, B > 1: its fold stays dense, as
-        one sequence's counts per head would not be another's)."""
+        every row an earlier reading chose or among the first ``VELOX_SINK``: dequantized, chosen, the keys quantized
+        to ``VELOX_QUANT_BITS`` once. Rows still exact when the prompt began (the last window, the answer's last
+        tokens) are chosen now, with the new prompt's, by this reading's attention. How many rows each head keeps:
+        :meth:`_head_counts` (one sequence: heads differ, as AdaKV's), or the same number per head (several
+        sequences in one cache, B > 1: its fold stays dense, as one sequence's counts per head would not be
+        another's). A later turn's rows join the earlier fold at once, head by head, so a head may keep none of
+        them: a short turn costs its share of the bytes, not a block per head (``tests/test_quant_keep.py``: a chat
+        of short turns held 0.141, 0.157, 0.171 of the 16-bit bytes under 0.125x before)."""
         fold = self.folds[-1]
         positions = self.fold_positions(fold)
         held = positions.shape[-1]
         earlier = self.folded_rows() - held  # rows of earlier turns' folds, scored first
+        least = 0 if earlier else self.group_size  # the first fold holds a block per head
         score = scores[..., earlier: earlier + held].astype(mx.float32)
         real = positions >= 0  # not a hole (a ragged fold's shorter heads end in some)
-        protected = real & ((positions < self.since) | (positions < self.sink))
+        protected = real & ((positions < self.chosen_end) | (positions < self.sink))
         fresh = real & ~protected
+        self.chosen_end = fold.end
         keys, values = self.unfold(fold)
         share = self._fresh_share(int(fresh.sum()), int(protected.sum()), keys.shape[-1], values.shape[-1])
         if positions.shape[0] == 1:
             normed = mx.where(fresh, score, 0)
             normed = normed / mx.maximum(normed.sum(axis=-1, keepdims=True), 1e-30)
-            counts = self._head_counts(normed, fresh, protected, share)
+            counts = self._head_counts(normed, fresh, protected, share, least)
         else:
             normed, count = score, int(fresh[0, 0].sum())
-            counts = [self._whole_blocks(held - count + share * count, held)] * positions.shape[1]
+            counts = [self._whole_blocks(held - count + share * count, held, least)] * positions.shape[1]
         if counts == _ints(real.sum(axis=-1).max(axis=0)):
             return  # every row stays (the keys settle at VELOX_QUANT_BITS later, as when nothing was read)
         priority = mx.where(protected, mx.inf, mx.where(fresh, normed, -mx.inf))
-        heads = []
+        heads: list[tuple[Any, ...] | None] = []
         for h, k in enumerate(counts):
+            if not k:
+                heads.append(None)
+                continue
             chosen = mx.sort(mx.argpartition(-priority[:, h: h + 1], kth=k - 1, axis=-1)[..., :k], axis=-1)
             rows_k, rows_v = take_rows((keys[:, h: h + 1], values[:, h: h + 1]), chosen)
             heads.append((self._keys_encoded(rows_k, self.bits), self._values_encoded(rows_v),
                           _compact(mx.take_along_axis(positions[:, h: h + 1], chosen, axis=-1))))
-        self.folds[-1] = _fold_of(fold.start, fold.end, heads, fold.group)
+        if not earlier:
+            self.folds[-1] = _fold_of(fold.start, fold.end, cast(list[tuple[Any, ...]], heads), fold.group)
+            return
+        first = self.folds[-2]  # the earlier turns' one fold, at VELOX_QUANT_BITS (their keys settled, joined)
+        joined = [a if b is None else self._head_joined(a, b) for a, b in zip(self._split(first), heads)]
+        self.folds[-2:] = [_fold_of(first.start, fold.end, joined, fold.group)]
 
     def _fresh_share(self, fresh: int, protected: int, key_dim: int, value_dim: int) -> float:
         """The share of the prompt's ``fresh`` rows (every head's) to keep: ``VELOX_QUANT_KEEP``'s share of the rows,
@@ -251,13 +272,14 @@ class QuantCache(CrossLayerCache):
                  "more)")
         return min(1.0, max(0.0, left / row / max(fresh, 1)))
 
-    def _head_counts(self, normed: mx.array, fresh: mx.array, protected: mx.array, share: float) -> list[int]:
+    def _head_counts(self, normed: mx.array, fresh: mx.array, protected: mx.array, share: float,
+                     least: int) -> list[int]:
         """Rows each head of one sequence keeps (AdaKV): one top-k over every head's fresh rows (the prompt's, past
         the sinks) of ``normed`` (each head's scores over its sum there, so a head that spreads its attention
         competes with one that spikes), ``share`` of them in all; each head then keeps its protected
         rows and those chosen, rounded to whole blocks (keys are quantized per channel in blocks of rows), at least
-        one. Measured (``bench/agnostic_selection.py``, head-wise; module doc): at 35% of the rows this kept the answer
-        the same number per head lost."""
+        ``least`` rows. Measured (``bench/agnostic_selection.py``, head-wise; module doc): at 35% of the rows this
+        kept the answer the same number per head lost."""
         heads = normed.shape[1]
         flat = mx.where(fresh, normed, -1).reshape(-1)
         total = min(round(share * int(fresh.sum())), flat.size)
@@ -266,13 +288,13 @@ class QuantCache(CrossLayerCache):
             chosen = chosen.at[mx.argpartition(-flat, kth=total - 1)[:total]].add(1)
         per_head = _ints(chosen.reshape(heads, -1).sum(axis=-1) + protected.reshape(heads, -1).sum(axis=-1))
         real = _ints((fresh | protected).reshape(heads, -1).sum(axis=-1))
-        return [self._whole_blocks(n, rows) for n, rows in zip(per_head, real)]
+        return [self._whole_blocks(n, rows, least) for n, rows in zip(per_head, real)]
 
-    def _whole_blocks(self, wanted: float, held: int) -> int:
+    def _whole_blocks(self, wanted: float, held: int, least: int) -> int:
         """``wanted`` rows of a head rounded to whole blocks (its keys quantize per channel in blocks of rows), at
-        least one, at most the ``held`` rows it has."""
+        least ``least``, at most the ``held`` rows it has."""
         g = self.group_size
-        return min(held, max(g, round(wanted / g) * g))
+        return min(held, max(least, round(wanted / g) * g))
 
     def _settle(self) -> None:
         """Keys held at ``HOLD_BITS`` (a prompt whose second reading is over, failed or never came) quantized to
@@ -286,8 +308,11 @@ class QuantCache(CrossLayerCache):
         self._join()
 
     def _apply(self, start: int, end: int, group: tuple[int, ...], result: tuple[list[Any], Any], at: int) -> None:
-        """The base's new fold, joined to the one held where their keys have the same bits."""
+        """The base's new fold, joined to the one held where their keys have the same bits. Rows folded outside a
+        prompt (an answer's, as it is decoded) are kept as they come: no reading chooses them later."""
         super()._apply(start, end, group, result, at)
+        if not self.unscored:
+            self.chosen_end = end
         self._join()
 
     def _join(self) -> None:
@@ -296,11 +321,9 @@ class QuantCache(CrossLayerCache):
         at ``HOLD_BITS``. A ragged fold joins head by head: each head's rows, then the next fold's of that head."""
         while len(self.folds) > 1 and self._fold_bits(self.folds[-2]) == self._fold_bits(self.folds[-1]):
             first, last = self.folds[-2:]
-            tokens = 2 if self.bits == 16 else -1  # the keys' token axis
+            tokens = self._token_axis()
             if _ragged(first) or _ragged(last):
-                heads = [(_joined(a[0], b[0], tokens), _joined(a[1], b[1], 2),
-                          _compact(mx.concatenate([a[2].astype(mx.int32), b[2].astype(mx.int32)], axis=-1)))
-                         for a, b in zip(self._split(first), self._split(last))]
+                heads = [self._head_joined(a, b) for a, b in zip(self._split(first), self._split(last))]
                 self.folds[-2:] = [_fold_of(first.start, last.end, heads, last.group)]
                 continue
             own: tuple[Any, ...] = (_joined(first.own[0], last.own[0], tokens),
@@ -308,6 +331,16 @@ class QuantCache(CrossLayerCache):
             if len(first.own) == 3 or len(last.own) == 3:
                 own += (_compact(mx.concatenate([self.fold_positions(first), self.fold_positions(last)], axis=-1)),)
             self.folds[-2:] = [Fold(first.start, last.end, own, None, last.group)]
+
+    def _token_axis(self) -> int:
+        """The axis of held keys along the tokens: per-channel blocks put it last."""
+        return 2 if self.bits == 16 else -1
+
+    def _head_joined(self, first: tuple[Any, ...], last: tuple[Any, ...]) -> tuple[Any, ...]:
+        """One head's own (keys, values, positions) of two folds at the same bits as one: its rows, then the
+        next's."""
+        return (_joined(first[0], last[0], self._token_axis()), _joined(first[1], last[1], 2),
+                _compact(mx.concatenate([first[2].astype(mx.int32), last[2].astype(mx.int32)], axis=-1)))
 
     def held_rows(self, fold: Fold) -> int:
         """Rows the fold holds per head: its range, or fewer where rows were dropped (their positions kept); in a
@@ -359,12 +392,15 @@ class QuantCache(CrossLayerCache):
         """Attention of ``queries`` (B, q_heads, n, dim) over the fold by mlx's quantized matmul (on this CPU half
         the time of dequantizing the fold first at 4 and 8 bits: ``bench/quantized_matmul.py``), then over the exact
         rows (the step's own last, causal among themselves), under one softmax. A ragged fold's heads each attend
-        over their own rows, one head at a time (two or three on the models measured). None at 16 bits, or for
-        values held in groups across rows (no group size divides the head), which the matmul cannot take per row."""
+        over their own rows, one head at a time (two or three on the models measured). None at 16 bits, for values
+        held in groups across rows (no group size divides the head), which the matmul cannot take per row, and for
+        keys held at ``HOLD_BITS`` (a prompt chunk as short as a decode step, before the prompt's second reading)."""
         fold = self.folds[0]
+        if self.bits == 16 or len(self.folds) > 1 or self._fold_bits(fold) != self.bits:
+            return None
         parts = [(head, head[2].shape[-1]) for head in _heads(fold)] if _ragged(fold) else [(fold.own,
                                                                                             self.held_rows(fold))]
-        if self.bits == 16 or any(own[1][0].shape[2] != rows for own, rows in parts):
+        if any(own[1][0].shape[2] != rows for own, rows in parts):
             return None
         exact_keys, exact_values = self.store.fetch()
         b, heads_q, n, dim = queries.shape
