@@ -95,13 +95,6 @@ class CompressedKVCache(ABC):
         """Attention of this step over the rows :meth:`update_and_fetch` returned (the attention route calls
         this with the model's real queries), and whatever the cache does with its rows after a step."""
 
-    @classmethod
-    def prompt_state(cls) -> str:
-        """What reading a prompt leaves in a cache of this class, for the eval's shared prefills: ``rows``
-        (the rows and the offset), ``window`` (those and the remembered window of queries), or ``own``
-        (state of its own too: the prefill cannot be taken over from another method's)."""
-        return "own"
-
     @property
     def uses_queries(self) -> bool:
         """Whether the cache's choices read the model's real queries (the probe and batching ask)."""
