@@ -21,7 +21,7 @@ from veloxpatch.eval import harness, sharing, tasks
 from veloxpatch.eval.report import accuracy_text, wilson
 from veloxpatch.eval.variants import Variant, parse_spec, split_specs
 from veloxpatch.methods.snapkv import SnapKVCache
-from veloxpatch.registry import METHODS, cache_class, method
+from veloxpatch.registry import METHODS, method
 
 STEP = 100  # the prompt's tokens before the last go in as chunks of 100, 100 and over 64: all prefill-sized
 BUDGETS = (48, 96)
@@ -130,23 +130,24 @@ def hidden_state_methods() -> Iterator[None]:
         METHODS.remove(name)
 
 
-def test_a_method_the_rule_misjudges_is_caught(loaded: tuple[Any, mx.array], hidden_state_methods: None) -> None:
+def test_a_method_the_rule_misjudges_is_caught(loaded: tuple[Any, mx.array], hidden_state_methods: None,
+                                               monkeypatch) -> None:
     model, tokens = loaded
+    for name in ("hidden", "budgetmemo"):  # said to leave what SnapKV's prompt leaves, which they do not
+        monkeypatch.setitem(sharing.PROMPT_STATE, name, "window")
     assert sharing.candidate(Variant("hidden")) == sharing.SHARED == sharing.candidate(Variant("budgetmemo"))
     assert check_exact(model, tokens, Variant("hidden", 0.25), BUDGETS) == sharing.OWN, "state travels in a copy"
     assert check_exact(model, tokens, Variant("budgetmemo", 0.25), BUDGETS) == sharing.PLAIN, "state needs its budget"
 
 
-def test_the_declared_prompt_state_sends_each_method_to_its_prefill() -> None:
-    """A cache class says what reading a prompt leaves in it (``prompt_state``): only methods whose prompt leaves
-    its rows, and at most the window of queries, share a prefill; state of their own (accumulated attention,
-    reports, folds, the newest query alone) means a prefill of their own."""
-    declared = {name: cache_class(name).prompt_state() for name in METHODS}
-    assert declared == {"chunkkv": "window", "pyramidkv": "window", "snapkv": "window", "streamingllm": "rows",
-                        "h2o": "own", "tova": "own", "squeeze": "own", "xkv": "own", "minicache": "own",
-                        "xquant": "own", "quant": "own"}
-    assert all(sharing.candidate(Variant(name)) == (sharing.OWN if state == "own" else sharing.SHARED)
-               for name, state in declared.items())
+def test_what_a_prompt_leaves_sends_each_method_to_its_prefill() -> None:
+    """The eval knows what reading a prompt leaves in a method's caches (``sharing.PROMPT_STATE``): only methods
+    whose prompt leaves its rows, and at most the window of queries, share a prefill; state of their own
+    (accumulated attention, reports, folds, the newest query alone), or a method it does not know, means a prefill of
+    their own."""
+    shared = {name for name in METHODS if sharing.candidate(Variant(name)) == sharing.SHARED}
+    assert shared == {"chunkkv", "pyramidkv", "snapkv", "streamingllm"}
+    assert {name for name in METHODS if sharing.candidate(Variant(name)) == sharing.OWN} == set(METHODS) - shared
     assert sharing.candidate(Variant("rotating", 0.5)) == sharing.PLAIN == sharing.candidate(Variant("quantized", 0.5))
     assert sharing.source_method() == "snapkv"
 

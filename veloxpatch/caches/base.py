@@ -67,7 +67,7 @@ class CompressedKVCache(ABC):
     method: ClassVar[str] = ""  # set by the registry's ``@method``
     coordinator_class: ClassVar[type[Coordinator]] = Coordinator
     store_step: ClassVar[int] = 256  # rows the store grows by (KVCache's step)
-    wants_layer_io: ClassVar[bool] = False  # see_block_input / see_attention(_input) are called (layer_io)
+    wants_layer_io: ClassVar[bool] = False  # integration.layer_io hands it the hidden states around attention
     uses_budget: ClassVar[bool] = True  # False: VELOX_BUDGET changes nothing it does (the eval measures it once)
     bounds_memory: ClassVar[bool] = False  # True: VELOX_KV_MEMORY can cap its rows (the methods that evict)
     memory_instead: ClassVar[str] = ""  # where VELOX_KV_MEMORY is refused: the method's own way to less memory
@@ -95,13 +95,6 @@ class CompressedKVCache(ABC):
         """Attention of this step over the rows :meth:`update_and_fetch` returned (the attention route calls
         this with the model's real queries), and whatever the cache does with its rows after a step."""
 
-    @classmethod
-    def prompt_state(cls) -> str:
-        """What reading a prompt leaves in a cache of this class, for the eval's shared prefills: ``rows``
-        (the rows and the offset), ``window`` (those and the remembered window of queries), or ``own``
-        (state of its own too: the prefill cannot be taken over from another method's)."""
-        return "own"
-
     @property
     def uses_queries(self) -> bool:
         """Whether the cache's choices read the model's real queries (the probe and batching ask)."""
@@ -115,22 +108,6 @@ class CompressedKVCache(ABC):
         """Arrays (or trees of them) this layer uses together with other layers of its list; they
         count once over the list, in the first holder's ``nbytes``. Cross-layer methods list theirs."""
         return []
-
-    def see_block_input(self, hidden: mx.array) -> None:
-        """The decoder block's input (the residual stream, (B, n, hidden)) at every step, before the
-        block runs; called only when the class sets ``wants_layer_io``. The attention route sees
-        rotated queries and keys only: methods whose signal is the hidden state override this."""
-
-    def see_attention_input(self, normed: mx.array, module: Any) -> None:
-        """What the attention module is about to receive (the normed block input) and the module itself,
-        at every step, before it runs (so before :meth:`update_and_fetch`); called only when the class
-        sets ``wants_layer_io``. For methods that keep the attention's input instead of its keys and
-        values and recompute them with the module's own projections (XQuant)."""
-
-    def see_attention(self, normed: mx.array, output: mx.array) -> None:
-        """What the attention module received (the normed block input) and returned, at every step,
-        after it has run (and so after :meth:`attend`); called only when the class sets
-        ``wants_layer_io``. For methods that compare or keep the attention's input and output."""
 
     # ----------------------------------------------------------------- mlx_lm cache protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:

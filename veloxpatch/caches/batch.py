@@ -144,17 +144,14 @@ class SequenceBatch:
     def wants_layer_io(self) -> bool:
         return any(getattr(m, "wants_layer_io", False) for m in self.members)
 
-    def see_block_input(self, hidden: mx.array) -> None:
-        for i, member, n in self._listeners(hidden.shape[1]):
-            member.see_block_input(hidden[i:i + 1, :n])
-
-    def see_attention_input(self, normed: mx.array, module: Any) -> None:
-        for i, member, n in self._listeners(normed.shape[1]):
-            member.see_attention_input(normed[i:i + 1, :n], module)
-
-    def see_attention(self, normed: mx.array, output: mx.array) -> None:
-        for i, member, n in self._listeners(normed.shape[1]):
-            member.see_attention(normed[i:i + 1, :n], output[i:i + 1, :n])
+    def tell(self, hook: str, *args: Any) -> None:
+        """Hand a layer hook's arguments (arrays (B, n, ...), and the module) to each member that defines ``hook``
+        (:mod:`..integration.layer_io`): its own row of each array, its real tokens."""
+        steps = next(a.shape[1] for a in args if isinstance(a, mx.array))
+        for i, member, n in self._listeners(steps):
+            own = getattr(member, hook, None)
+            if own is not None:
+                own(*(a[i:i + 1, :n] if isinstance(a, mx.array) else a for a in args))
 
     def _listeners(self, steps: int) -> list[tuple[int, Any, int]]:
         return [(i, m, n) for i, (m, n) in enumerate(zip(self.members, self.step_lengths(steps)))

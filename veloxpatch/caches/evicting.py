@@ -39,7 +39,6 @@ class Policy(ABC):
     in its policy's constructor: SqueezeAttention builds it from them."""
 
     uses_queries: ClassVar[bool] = True  # the scores read the model's real queries
-    prompt_state: ClassVar[str] = "window"  # what a prompt leaves in its cache: see CompressedKVCache.prompt_state
     remembers: ClassVar[int | None] = None  # recent queries its cache remembers (:mod:`.queries`); None: the window
     logs_queries: ClassVar[bool] = False  # it queues queries in the cache's log (:class:`.queries.QueryLog`)
     row_columns: ClassVar[tuple[str, ...]] = ()  # float32 per-row state, by name: row columns of the store
@@ -179,10 +178,6 @@ class EvictingCache(CompressedKVCache):
     def make_policy(self, **knobs: Any) -> Policy:
         """The policy picking this cache's rows, from the method's knobs."""
         return self.policy_class(**knobs)
-
-    @classmethod
-    def prompt_state(cls) -> str:
-        return cls.policy_class.prompt_state
 
     @property
     def uses_queries(self) -> bool:

@@ -8,15 +8,16 @@ holds its stored rows, the remembered queries and its offset, and none of it dep
 such method it is. From there each variant decodes on its own copy:
 
 * **shared** (the full cache and every method whose prompt leaves only rows, offset and the remembered window
-  of queries in its caches: ``prompt_state()`` is ``rows`` or ``window``, a declaration of the cache class):
+  of queries in its caches: ``rows`` or ``window`` in :data:`PROMPT_STATE`):
   one prefill per prompt with a *source* method at a budget no prompt reaches; a variant gets a fresh cache list
   made as today (``veloxpatch.patch`` + ``make_prompt_cache``: the real builder, knobs and coordinator) with a
   copy of the source's rows, offset and (for ``window``) remembered queries moved in. The full cache decodes on
   the source itself: our cache never evicting is mlx_lm's ``KVCache`` (the probe below checks that too), and its
   KV bytes are counted as ``KVCache``'s (rows with spare capacity; no positions, no queries).
-* **own** (methods whose prompt leaves state of their own, ``prompt_state()`` ``own``: accumulated attention,
-  reports to a coordinator, folds): one prefill per (method, knobs) at a budget no prompt reaches, copied with
-  ``copy.deepcopy`` (coordinator included) per budget, whose ``budget`` is set before decoding.
+* **own** (methods whose prompt leaves state of their own, every method :data:`PROMPT_STATE` does not name:
+  accumulated attention, the newest query alone, reports to a coordinator, folds): one prefill per (method, knobs)
+  at a budget no prompt reaches, copied with ``copy.deepcopy`` (coordinator included) per budget, whose ``budget``
+  is set before decoding.
 * **plain**: mlx_lm's own variants (rotating, quantized: their prefill differs) and anything a check refuses
   run ``generate_step`` on the whole prompt as before.
 
@@ -48,11 +49,14 @@ import mlx.core as mx
 from veloxpatch.caches import CompressedKVCache
 from veloxpatch.config import Budget
 from veloxpatch.log import log
-from veloxpatch.registry import METHODS, cache_class
+from veloxpatch.registry import METHODS
 
 from .variants import PROTECTED, Variant
 
 HUGE = 1 << 30  # a budget no prompt reaches: the cache never evicts
+# What reading a prompt leaves in a method's caches besides state of its own: its rows and offset, and for a method
+# scoring by the prompt's last queries their remembered window. Any other method (a plugin's too) prefills alone.
+PROMPT_STATE = {"streamingllm": "rows", "snapkv": "window", "pyramidkv": "window", "chunkkv": "window"}
 SHARED, OWN, PLAIN = "shared", "own", "plain"
 # the check: a prompt of 1 + 2 chunks longer than any default headroom (64), budgets that evict (headroom 8 and
 # 9), enough decode steps for a compression after the prompt's
@@ -109,7 +113,7 @@ def ours(caches: list[Any]) -> list[CompressedKVCache]:
 def source_method() -> str:
     """The method whose prefill the shared variants start from: one whose prompt leaves its rows and the window
     of queries (so every shareable method can take over); snapkv when it qualifies."""
-    fit = [m for m in sorted(METHODS) if cache_class(m).prompt_state() == "window"]
+    fit = [m for m in sorted(METHODS) if PROMPT_STATE.get(m) == "window"]
     if not fit:
         raise RuntimeError("no registered method can be a shared prefill's source")
     return "snapkv" if "snapkv" in fit else fit[0]
@@ -121,7 +125,7 @@ def candidate(variant: Variant) -> str:
         return SHARED
     if variant.method not in METHODS:
         return PLAIN
-    return OWN if cache_class(variant.method).prompt_state() == "own" else SHARED
+    return SHARED if variant.method in PROMPT_STATE else OWN
 
 
 # ----------------------------------------------------------------------------- the two halves of generate_step
@@ -188,9 +192,9 @@ def transplant(source: list[Any], target: list[Any]) -> list[Any] | None:
     out = list(target)
     for i, (s, t) in enumerate(zip(source, target)):
         if isinstance(s, CompressedKVCache) and isinstance(t, CompressedKVCache):
-            window = type(t).prompt_state() == "window"
+            window = PROMPT_STATE.get(t.method) == "window"
             if (s.sink, s.window, s.schedule.mode) != (t.sink, t.window, t.schedule.mode) or (
-                    window and type(s).prompt_state() != "window"):
+                    window and PROMPT_STATE.get(s.method) != "window"):
                 return None
             if id(t) not in memo:
                 memo[id(t)] = t

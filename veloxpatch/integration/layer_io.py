@@ -12,9 +12,16 @@ block the nearest ancestor whose ``__call__`` takes one too. Python looks ``__ca
 so it is the classes (each class that defines the ``__call__`` they run, once) that are wrapped, and
 every wrap is recorded in ``STATE.swaps`` so ``unpatch`` restores the original exactly. A call whose
 cache is not one of ours asking for these calls goes straight to the original after one isinstance
-check; for one of ours the block hands its input to ``cache.see_block_input``, and the attention
-module its input and itself to ``cache.see_attention_input`` before it runs and, once it has run, its
-input and output to ``cache.see_attention``.
+check; for one of ours each hook the cache class defines is called (a batch of ours hands each sequence its
+own part, :meth:`SequenceBatch.tell`):
+
+- ``see_block_input(hidden)``: the decoder block's input (the residual stream, (B, n, hidden)), before the block
+  runs (SqueezeAttention's signal);
+- ``see_attention_input(normed, module)``: what the attention module is about to receive and the module itself,
+  before it runs, so before ``update_and_fetch`` (XQuant keeps it and recomputes K and V with the module's own
+  projections);
+- ``see_attention(normed, output)``: what the attention module received and returned, after it has run, so after
+  ``attend``.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import inspect
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import wrapt
@@ -169,7 +177,7 @@ def _block_wrapper(params: Parameters) -> Wrapper:
     def block(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         cache = _listener(params, args, kwargs)
         if cache is not None:
-            _tell(cache.see_block_input, params.input(args, kwargs))
+            _tell(cache, "see_block_input", params.input(args, kwargs))
         return wrapped(*args, **kwargs)
 
     return block
@@ -182,19 +190,24 @@ def _attention_wrapper(params: Parameters) -> Wrapper:
     def attention(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
         cache = _listener(params, args, kwargs)
         if cache is not None:
-            _tell(cache.see_attention_input, params.input(args, kwargs), instance)
+            _tell(cache, "see_attention_input", params.input(args, kwargs), instance)
         output = wrapped(*args, **kwargs)
         if cache is not None:
-            _tell(cache.see_attention, params.input(args, kwargs), output[0] if isinstance(output, tuple) else output)
+            out = output[0] if isinstance(output, tuple) else output
+            _tell(cache, "see_attention", params.input(args, kwargs), out)
         return output
 
     return attention
 
 
-def _tell(hook: Callable[..., None], *arrays: Any) -> None:
-    """Call a cache's hook; a failure there leaves the model's own computation untouched."""
+def _tell(cache: CompressedKVCache | SequenceBatch, hook: str, *args: Any) -> None:
+    """Call the cache's ``hook`` where its class defines it; a failure there leaves the model's own computation
+    untouched."""
+    call = partial(cache.tell, hook) if isinstance(cache, SequenceBatch) else getattr(cache, hook, None)
+    if call is None:
+        return
     try:
-        hook(*arrays)
+        call(*args)
     except Exception as error:  # the host app must keep running
-        fall_back(f"the layer input/output hook {hook.__qualname__}", error, in_force(),
+        fall_back(f"the layer input/output hook {hook}", error, in_force(),
                   instead="the model's step runs on without it")

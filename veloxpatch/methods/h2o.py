@@ -120,7 +120,6 @@ class H2O(Policy):
     (float32, shorter than the rows until the newest are accounted: they have none yet), which the store carries
     through compactions, trims, the tier and back, and the cache saves."""
 
-    prompt_state = "own"  # the prompt's accumulated attention
     remembers = 0  # no observation window: the scores come from every query (:meth:`observe`)
     logs_queries = True  # decode queries wait in the cache's log until they pass the largest headroom
     row_columns = ("mass",)

@@ -236,10 +236,6 @@ class SqueezeCache(EvictingCache):
         """The policy of the method named by ``VELOX_SQUEEZE_POLICY``, with that method's knobs."""
         return cache_class(self.policy_name).policy_class(**knobs)
 
-    @classmethod
-    def prompt_state(cls) -> str:
-        return "own"  # the prompt's reports to the coordinator
-
     def knob_values(self) -> dict[str, Any]:
         return {**super().knob_values(), "policy": self.policy_name, "strength": self.strength,
                 "signal": self.signal, "share": self.share}

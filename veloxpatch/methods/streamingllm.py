@@ -17,7 +17,6 @@ class Recency(Policy):
     """Keeps the sink rows and the most recent rows; recency is the only score."""
 
     uses_queries = False
-    prompt_state = "rows"
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         return positions.astype(mx.float32)

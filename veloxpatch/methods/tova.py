@@ -36,7 +36,6 @@ from ..registry import method
 class TOVA(Policy):
     """Ranks rows by the newest query's attention, the same ranking for every head of the layer."""
 
-    prompt_state = "own"  # the newest query alone, not the observation window
     remembers = 1  # the newest query; the memory's ``end`` says what it saw (a prompt compressed in ``end`` mode is
     # scored by it when the next step's rows are already stored)
 
