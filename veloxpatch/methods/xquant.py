@@ -16,13 +16,8 @@ delta's alone. The anchor runs first in every forward and publishes its rows of 
 coordinator (``publish``/``latest``); a layer that finds no publication of its forward (its anchor
 keeps exact rows, or runs elsewhere) leaves the group and keeps its own X from then on.
 
-Measured on SmolLM2-135M (float32; perplexity of 640 tokens of README text after 384 more, fed in
-128-token chunks with ``VELOX_COMPRESS=chunk`` and window 32; bytes per token and layer with bfloat16
-scales): mlx_lm's cache 17.53 (768 B), mlx_lm's ``kv_bits=4`` 20.60 (216 B); X alone at 4, 3 and 2 bits
-17.80 (324 B), 18.75 (252 B), 23.05 (180 B); XQuant-CL in groups of 2 with 2-bit deltas 17.95 (252 B),
-of 4 with 2-bit deltas 18.58 (216 B), of 4 with 3-bit deltas 17.70 (270 B). So XQuant-CL is on by
-default, in groups of 4 with 3-bit deltas: 4-bit X's perplexity in 17% fewer bytes. (One model, one
-text: a few tenths of perplexity are within its noise.) Where a list's members are not adjacent layers
+XQuant-CL is on by default, in groups of 4 with 3-bit deltas: on SmolLM2 it kept 4-bit X's perplexity in 17% fewer
+bytes (docs/results.md, "Perplexity"). Where a list's members are not adjacent layers
 (sliding-window or hybrid models, whose other layers keep mlx_lm's caches) the premise is weaker.
 On a model split by tensor parallelism (``mx.distributed``) every rank receives the whole X and
 recomputes only its own heads, so each rank keeps all of X: XQuant's bytes per rank do not shrink with
