@@ -245,7 +245,7 @@ class EvictingCache(CompressedKVCache):
     def _prompt_chunk(self, n: int, keep: int) -> bool:
         """Whether the step of ``n`` tokens ending at ``offset`` is a prompt chunk: longer than the decode headroom,
         or before the last token of the prompt a generation announced (:meth:`expect_prompt`), however short."""
-        return n > self.headroom(keep) or (self.prompt_end is not None and self.offset < self.prompt_end)
+        return n > self.headroom(keep) or self.before_prompt_end(0)
 
     def _take_back(self, keys: mx.array, values: mx.array) -> None:
         """The tier's rows back into the store, with their row columns (the policy catches its own up first), in time

@@ -256,7 +256,7 @@ class QuantCache(CrossLayerCache):
         :meth:`_whole_blocks`) where those fill the share already. Until the next choice, the rows an answer and
         the next turn bring wait exact on top (at most a window and a block): reserving room for them cost answers
         (Qwen2.5-0.5B's 2k-token server chats: 26 of 30 turns right at 0.09-0.12 of the bytes after three, against
-        29 at 0.11-0.14 without the reserve; docs/results.md)."""
+        28 at 0.12-0.14 without the reserve; docs/results.md)."""
         if not isinstance(self.keep, BytesShare):
             return self.keep
         batch, heads = self.store.row_positions().shape[:2]
