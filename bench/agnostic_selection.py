@@ -2,7 +2,8 @@
 keys per channel at low bits on top (the bytes ``quant`` would hold for the rows kept).
 
     python bench/agnostic_selection.py --model FOLDER [--context 4096] [--tasks niah_single_2,niah_multikey_3,vt]
-        [--samples 1] [--keep 0.5,0.35] [--bits 16,4] [--scorers window,repeat,expected,keynorm] [--out FOLDER]
+        [--samples 1] [--seed 0] [--keep 0.5,0.35] [--bits 16,4] [--scorers window,repeat,expected,keynorm]
+        [--pool 0,7] [--out FOLDER]
 
 For each RULER example the full cache reads the context (the question left out, the field's protocol). Each scorer
 then rates every row of every layer's key heads, without the question:
@@ -19,17 +20,18 @@ then rates every row of every layer's key heads, without the question:
 * ``keynorm``: a small key norm (Devoto et al., arXiv 2406.11430).
 
 Each layer keeps its first 4 and last 32 rows and, of the rest, the best ``--keep`` share of the context, either
-the same number per head or (``head-wise``) one top-k over the layer's heads (AdaKV). The question and reference
+the same number per head or (``head-wise``) one top-k over the layer's heads (AdaKV); with ``--pool W`` a row
+scores the best of its W neighbours (``pooled W``: a high row's neighbours kept with it). The question and reference
 answer are read on top, the dropped rows masked out per head (with ``--bits`` under 16 every row first quantized
 per channel in 64-token blocks and back, values per token, as ``quant`` holds them). Printed per variant: the
-mean KL of the next-token distributions from the full cache's over those tokens, and answers right (greedy, 32
-tokens), with the bytes held as a share of the 16-bit full cache's. Two more options follow ``VELOX_QUANT_KEEP``
-step by step: ``--score-bits 4`` (a list; keys/values as ``8/4``) reads the context again over rows already at
-those bits (scorers named "... from 4"), and ``--held-bits N``
-(a list: each a variant) holds every row at N bits first and then quantizes each head's kept keys to ``--bits``
-in blocks of the rows kept (``quant``'s fold rebuilt from them: ``--held-bits 4`` quantizes 4-bit rows a second
-time). With ``--out`` each example's rows are appended to ``rows.jsonl`` there as it finishes, and a rerun skips the
-examples it holds.
+mean KL of the next-token distributions from the full cache's over those tokens, and answers right (greedy, 64
+tokens or the eval's answer length if longer; runs before 2026-12-05 gave 32), with the bytes held as a share of
+the 16-bit full cache's. Two more options follow ``VELOX_QUANT_KEEP`` step by step: ``--score-bits 4`` (a list;
+keys/values as ``8/4``) reads the context again over rows already at those bits (scorers named "... from 4"), and
+``--held-bits N`` (a list: each a variant) holds every row at N bits first and then quantizes each head's kept
+keys to ``--bits`` in blocks of the rows kept (``quant``'s fold rebuilt from them: ``--held-bits 4`` quantizes
+4-bit rows a second time). With ``--out`` each example's rows are appended to ``rows.jsonl`` there as it finishes,
+and a rerun skips the examples it holds.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from kv_quant_schemes import kl_after, per_channel, ruler_arguments, with_scheme
 from veloxpatch.eval import ruler
 
 SINK, RECENT, WINDOW, STATS = 4, 32, 64, 128
+ANSWER = 64  # greedy tokens an answer may take at least: at 32 the full cache's own uuid answers scored wrong
 REPEAT = "\n\nRepeat the previous context exactly.\n"
 
 
@@ -183,10 +186,21 @@ def _expected(queries: mx.array, layer: Any) -> mx.array:
     return mx.softmax(logits, axis=-1).mean(axis=1) * mx.linalg.norm(values, axis=-1)
 
 
-def kept(score: mx.array, share: float, headwise: bool) -> mx.array:
-    """(heads, rows) bool: the first and last rows, and the best of the rest (``share`` of all rows)."""
+def pooled(score: mx.array, width: int) -> mx.array:
+    """Each row's score the most of its ``width`` neighbours' (itself in the middle): a high row's neighbours are
+    kept with it, so a needle's tokens stay together (SnapKV pools its scores so)."""
+    if width <= 1:
+        return score
+    half = width // 2
+    padded = mx.pad(score, [(0, 0), (half, half)], constant_values=-mx.inf)
+    return mx.max(mx.stack([padded[:, i: i + score.shape[1]] for i in range(width)]), axis=0)
+
+
+def kept(score: mx.array, share: float, headwise: bool, pool: int = 0) -> mx.array:
+    """(heads, rows) bool: the first and last rows, and the best of the rest (``share`` of all rows), each row
+    scored as the best of its ``pool`` neighbours."""
     heads, rows = score.shape
-    middle = score[:, SINK: rows - RECENT].astype(mx.float32)
+    middle = pooled(score[:, SINK: rows - RECENT].astype(mx.float32), pool)
     per_head = max(int(share * rows) - SINK - RECENT, 0)
     if headwise:
         flat = middle / mx.maximum(middle.sum(axis=1, keepdims=True), 1e-30) if middle.min() >= 0 else middle
@@ -204,7 +218,7 @@ def per_token(x: mx.array, bits: int) -> mx.array:
     return mx.dequantize(*mx.quantize(x, group_size=group, bits=bits), group_size=group, bits=bits).astype(x.dtype)
 
 
-def answer(model: Any, tokenizer: Any, cache: list, question: list[int], tokens: int = 32) -> str:
+def answer(model: Any, tokenizer: Any, cache: list, question: list[int], tokens: int) -> str:
     logits = model(mx.array(question)[None], cache=cache)
     out: list[int] = []
     for _ in range(tokens):
@@ -247,7 +261,8 @@ def variant(model: Any, tokenizer: Any, attention: Attention, cache: list, keep:
     _, kl = kl_after(model, copied, rest, reference)
     for c in copied:
         c.trim(len(rest))
-    right = ruler.score(answer(model, tokenizer, copied, question), example)
+    tokens = max(len(tokenizer.encode(example.answer)) + 8, example.tokens, ANSWER)
+    right = ruler.score(answer(model, tokenizer, copied, question, tokens), example)
     attention.keep = None
     return kl, right
 
@@ -258,6 +273,9 @@ def main() -> None:
     parser.add_argument("--scorers", default="window,repeat,expected,keynorm")
     parser.add_argument("--score-bits", default="16", help="comma-separated: 16, 4, or keys/values as 8/4")
     parser.add_argument("--held-bits", default="0", help="comma-separated; 0: quantized once")
+    parser.add_argument("--pool", default="0", help="comma-separated: rows scored as the best of this many "
+                        "neighbours (0: each row alone); each a variant")
+    parser.add_argument("--seed", type=int, default=0, help="the first example (seeds SEED .. SEED+SAMPLES-1)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model, tokenizer = load(args.model)
@@ -267,7 +285,7 @@ def main() -> None:
     journal = args.out / "rows.jsonl" if args.out else None
     rows = [json.loads(line) for line in journal.read_text().splitlines()] if journal and journal.exists() else []
     for task in args.tasks.split(","):
-        for seed in range(args.samples):
+        for seed in range(args.seed, args.seed + args.samples):
             if any(r["task"] == task and r["seed"] == seed for r in rows):
                 continue  # measured by an earlier run: the journal is resumable
             found = one_example(model, tokenizer, attention, task, seed, args)
@@ -289,16 +307,17 @@ def one_example(model: Any, tokenizer: Any, attention: Attention, task: str, see
                            args.score_bits.split(","))
     reference, _ = kl_after(model, copy.deepcopy(cache), rest, None)
     out = []
-    plans: list[tuple[str, float, bool]] = [("full", 1.0, False)]
-    plans += [(name, share, headwise) for name in found for share in map(float, args.keep.split(","))
-              for headwise in (False, True)]
+    plans: list[tuple[str, float, bool, int]] = [("full", 1.0, False, 0)]
+    plans += [(name, share, headwise, pool) for name in found for share in map(float, args.keep.split(","))
+              for headwise in (False, True) for pool in map(int, args.pool.split(","))]
     for bits in map(int, args.bits.split(",")):
-        for name, share, headwise in plans:
-            keep = None if name == "full" else [kept(s, share, headwise) for s in found[name]]
+        for name, share, headwise, pool in plans:
+            keep = None if name == "full" else [kept(s, share, headwise, pool) for s in found[name]]
             for held_bits in map(int, args.held_bits.split(",")) if keep is not None and bits < 16 else [0]:
                 kl, right = variant(model, tokenizer, attention, cache, keep, bits, example, question, rest,
                                     reference, held_bits)
-                label = name + (" head-wise" if headwise else "") + (f" held at {held_bits}" if held_bits else "")
+                label = name + (" head-wise" if headwise else "") + (f" pooled {pool}" if pool > 1 else "") + \
+                    (f" held at {held_bits}" if held_bits else "")
                 held = share * (16 if bits == 16 else bits + 0.5) / 16
                 out.append({"task": task, "seed": seed, "scorer": label, "keep": share, "bits": bits,
                             "bytes": held, "kl": kl, "right": right})

@@ -26,9 +26,9 @@ from veloxpatch.settings import Share
 PROMPT = 100  # one prompt chunk: 92 rows older than the window, of which 64 (two blocks of 32) fold
 
 
-def quant_caches(model, keep: str, bits: int = 4, window: int = 8) -> list[QuantCache]:
+def quant_caches(model, keep: str, bits: int = 4, window: int = 8, pool: int = 7) -> list[QuantCache]:
     veloxpatch.patch(kv="quant", window=window, sink=4, compress="chunk",
-                     knobs={"quant_group": 32, "quant_bits": bits, "quant_keep": keep})
+                     knobs={"quant_group": 32, "quant_bits": bits, "quant_keep": keep, "quant_pool": pool})
     return make_prompt_cache(model)
 
 
@@ -65,12 +65,21 @@ def head_positions(cache: QuantCache, fold) -> list[np.ndarray]:
     return [p[p >= 0] for p in np.array(cache.fold_positions(fold))[0]]
 
 
-def headwise(score: np.ndarray, protected: np.ndarray, keep: float, group: int) -> list[np.ndarray]:
-    """The rows (H, rows) of ``score`` head-wise selection keeps, per head, ascending: each head's scores over its
-    sum on the fresh rows (not ``protected``), one top-k of ``keep`` of every head's fresh rows, each head's count
-    (its protected rows and those chosen) rounded to whole blocks, at least one; its protected rows, then its best."""
+def pooled(score: np.ndarray, fresh: np.ndarray, width: int) -> np.ndarray:
+    """Each fresh row's score the most of the fresh rows' within ``width // 2`` of it (others 0)."""
+    half, rows = width // 2, score.shape[-1]
+    fresh_scores = np.where(fresh, score, 0)
+    out = np.stack([fresh_scores[..., max(0, i - half): i + half + 1].max(axis=-1) for i in range(rows)], axis=-1)
+    return np.where(fresh, out, 0)
+
+
+def headwise(score: np.ndarray, protected: np.ndarray, keep: float, group: int, pool: int = 7) -> list[np.ndarray]:
+    """The rows (H, rows) of ``score`` head-wise selection keeps, per head, ascending: each fresh row's (not
+    ``protected``) score pooled over ``pool`` neighbours, over its head's sum on the fresh rows, one top-k of
+    ``keep`` of every head's fresh rows, each head's count (its protected rows and those chosen) rounded to whole
+    blocks, at least one; its protected rows, then its best."""
     fresh = ~protected
-    normed = np.where(fresh, score, 0)
+    normed = pooled(score, fresh, pool)
     normed = normed / normed.sum(axis=-1, keepdims=True)
     top = np.argsort(-np.where(fresh, normed, -1).ravel(), kind="stable")[: round(keep * fresh.sum())]
     chosen = np.bincount(top // score.shape[1], minlength=score.shape[0])
@@ -160,8 +169,8 @@ def test_the_rows_kept_are_the_first_readings_at_their_positions() -> None:
 def test_a_trim_into_the_kept_rows_leaves_a_cache_of_the_prefix(tmp_path, heads: str) -> None:
     model = tiny("llama", layers=2)
     model = lopsided(model) if heads == "lopsided" else model
-    caches = quant_caches(model, "40%")
-    greedy(model, random_tokens(300, 7 if heads == "alike" else 8), caches, steps=3, chunk=150)
+    caches = quant_caches(model, "40%", pool=1 if heads == "alike" else 7)  # rows scored alone: alike heads, alike
+    greedy(model, random_tokens(300, 7 if heads == "alike" else 8), caches, steps=3, chunk=150)  # counts
     assert [_ragged(c.folds[0]) for c in caches] == [heads == "lopsided"] * 2, "one own per head where they differ"
     loaded = assert_round_trip(str(tmp_path / "kept.safetensors"), model, caches)
     assert [_ragged(c.folds[0]) for c in loaded] == [heads == "lopsided"] * 2, "loaded as saved"
@@ -270,7 +279,8 @@ def kept_by_scores(peaked: int, seed: int = 1) -> tuple[QuantCache, np.ndarray]:
     (1: the heads alike; 8: a few of the second's rows stand out, the rest far below the first head's); and the
     scores, (heads, rows)."""
     mx.random.seed(seed)
-    cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, mode="chunk"), bits=4, group=32, keep=Share(0.4))
+    cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, mode="chunk"), bits=4, group=32, keep=Share(0.4),
+                       pool=1)  # the scores as given
     rows = mx.random.normal((1, 2, 300, 64))
     cache.read_prompt_chunk(mx.zeros((1, 300), mx.int32))
     keys, values = cache.update_and_fetch(rows, rows)
@@ -291,7 +301,7 @@ def test_heads_keep_different_numbers_of_rows_their_best_normalized_and_the_laye
     counts = [p.size for p in got]
     assert counts == [160, 64] and cache.held_rows(fold) == 160 and cache.size() == 160 + cache.store.rows
     assert abs(sum(counts) - (2 * 4 + 0.4 * 2 * 284)) <= 32, "the layer's total: the sinks and 40% of its rows"
-    best = headwise(score, np.broadcast_to(np.arange(288) < 4, (2, 288)), 0.4, 32)
+    best = headwise(score, np.broadcast_to(np.arange(288) < 4, (2, 288)), 0.4, 32, pool=1)
     assert all(np.array_equal(a, b) for a, b in zip(got, best)), "each head's best normalized rows, sinks first"
     positions = np.array(cache.fold_positions(fold))[0]
     assert (positions[1, 64:] == -1).all(), "the shorter head padded with holes"
@@ -374,7 +384,7 @@ def test_a_prompt_is_held_at_eight_bits_until_its_rows_are_chosen_then_quantized
     model = tiny("llama", layers=2)
     prompt = random_tokens(301, 9)
     exact = first_reading(model, prompt[:300])
-    caches = quant_caches(model, "40%")
+    caches = quant_caches(model, "40%", pool=1)  # rows scored alone: the heads keep as many (one array to compare)
     model(prompt[None, :300], cache=caches)
     assert [key_bits(c) for c in caches] == [[HOLD_BITS]] * 2, "the prompt's keys wait at 8 bits for its scores"
     greedy(model, prompt[300:], caches, steps=1)
@@ -502,7 +512,8 @@ def test_a_short_prompt_chunk_over_held_keys_attends_over_them_rebuilt() -> None
     HOLD_BITS while the prompt awaits its second reading: attention over the rows rebuilt, not the quantized matmul
     at VELOX_QUANT_BITS (which cannot read them)."""
     mx.random.seed(1)
-    cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, mode="chunk"), bits=4, group=32, keep=Share(0.4))
+    cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, mode="chunk"), bits=4, group=32, keep=Share(0.4),
+                       pool=1)  # the scores as given
     for n in (300, 5):
         cache.read_prompt_chunk(mx.zeros((1, n), mx.int32))
         rows = mx.random.normal((1, 2, n, 64))

@@ -158,6 +158,14 @@ def int_range(lo: int, hi: int | None) -> Callable[[str], int]:
     return parse
 
 
+def odd_kernel(text: str) -> int:
+    """A pooling width over neighbouring rows: an odd integer in [1, 63] (the row in the middle)."""
+    value = int(text)
+    if value < 1 or value > 63 or value % 2 == 0:
+        raise ValueError(text)
+    return value
+
+
 def int_choice(options: tuple[int, ...]) -> Callable[[str], int]:
     """A parser taking exactly one of the integers ``options``."""
 

@@ -33,7 +33,9 @@ the prompt's keys fold at ``HOLD_BITS`` (8; values at ``VELOX_QUANT_BITS``) and 
 ``VELOX_QUANT_BITS`` once, from them: scores read over 4-bit keys chose rows that lost the needle, and kept keys
 quantized a second time lost it too. The price: while such a prompt is read the fold holds 0.41 of the 16-bit bytes
 (8.5 bits per key element, 4.5 per value element, scales counted) against 0.28. And heads keep different numbers of
-rows: the same number per head lost answers head-wise budgets kept.
+rows: the same number per head lost answers head-wise budgets kept. ``VELOX_QUANT_POOL`` scores each row as the best of
+its neighbours first (SnapKV's pooling), so a kept row keeps the tokens around it (a uuid is ~25 tokens); off by
+default (1) until measured beyond the four uuid examples where, over 7 rows, it answered one the unpooled choice lost.
 
 Heads holding different numbers of rows cannot share one array, and each head's keys quantize in blocks of its own
 rows, so such a *ragged* fold keeps one part per head (keys, values and positions, a head axis of one; no padding
@@ -54,12 +56,13 @@ from mlx.utils import tree_flatten
 
 from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
+from ..caches.selection import pool_rows
 from ..caches.spec import CacheSpec
 from ..caches.store import RowStore, take_rows
 from ..coordinators import members_of
 from ..log import once
 from ..registry import method
-from ..settings import Setting, int_choice, one_of_text, percent
+from ..settings import Setting, int_choice, odd_kernel, one_of_text, percent
 from ..stats import at_16_bits
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, in the model's dtype
@@ -107,6 +110,10 @@ KNOBS = (
             "VELOX_QUANT_BITS keeps them all and reads each prompt once. Experimental: measured on a few examples "
             "only (docs/results.md).",
             method="quant"),
+    Setting("VELOX_QUANT_POOL", odd_kernel, "1", "an odd integer in [1, 63]",
+            "Quant, with VELOX_QUANT_KEEP: each row of a prompt scored as the best of this many neighbouring rows "
+            "before the rows are chosen, so a kept row keeps the tokens around it (a number or a uuid spelled over "
+            "a dozen tokens stays whole); 1 scores each row alone.", method="quant"),
 )
 
 
@@ -124,9 +131,10 @@ class QuantCache(CrossLayerCache):
     memory_instead = (" (VELOX_QUANT_KEEP=0.125x keeps the rows that make it hold an eighth of the full cache's "
                       "16-bit bytes)")  # said where VELOX_KV_MEMORY is refused
 
-    def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float | str = 1.0) -> None:
+    def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float | str = 1.0,
+                 pool: int = 1) -> None:
         super().__init__(spec)
-        self.bits, self.group_size = bits, group
+        self.bits, self.group_size, self.pool = bits, group, pool
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
         self.rereading = False  # the model reads the prompt again: this cache scores its folded rows
         self.unscored: list[mx.array] = []  # the prompt chunks read since the last scoring (token ids)
@@ -135,7 +143,7 @@ class QuantCache(CrossLayerCache):
 
     def knob_values(self) -> dict[str, Any]:
         return {"bits": self.bits, "group": self.group_size,
-                "keep": str(self.keep) if isinstance(self.keep, BytesShare) else self.keep}
+                "keep": str(self.keep) if isinstance(self.keep, BytesShare) else self.keep, "pool": self.pool}
 
     def _meta(self) -> dict[str, Any]:
         return {**super()._meta(), "chosen_end": self.chosen_end}
@@ -214,16 +222,16 @@ class QuantCache(CrossLayerCache):
         held = positions.shape[-1]
         earlier = self.folded_rows() - held  # rows of earlier turns' folds, scored first
         least = 0 if earlier else self.group_size  # the first fold holds a block per head
-        score = scores[..., earlier: earlier + held].astype(mx.float32)
         real = positions >= 0  # not a hole (a ragged fold's shorter heads end in some)
         protected = real & ((positions < self.chosen_end) | (positions < self.sink))
         fresh = real & ~protected
+        score = mx.where(fresh, scores[..., earlier: earlier + held].astype(mx.float32), 0)
+        score = mx.where(fresh, pool_rows(score, self.pool, "max"), 0)
         self.chosen_end = fold.end
         keys, values = self.unfold(fold)
         share = self._fresh_share(int(fresh.sum()), int(protected.sum()), keys.shape[-1], values.shape[-1])
         if positions.shape[0] == 1:
-            normed = mx.where(fresh, score, 0)
-            normed = normed / mx.maximum(normed.sum(axis=-1, keepdims=True), 1e-30)
+            normed = score / mx.maximum(score.sum(axis=-1, keepdims=True), 1e-30)
             counts = self._head_counts(normed, fresh, protected, share, least)
         else:
             normed, count = score, int(fresh[0, 0].sum())

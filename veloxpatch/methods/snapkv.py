@@ -19,41 +19,17 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..caches.evicting import EvictingCache, Policy
+from ..caches.selection import pool_rows
 from ..registry import method
-from ..settings import Setting, choice
-
-
-def _odd_kernel(text: str) -> int:
-    value = int(text)
-    if value < 1 or value > 63 or value % 2 == 0:
-        raise ValueError(text)
-    return value
-
+from ..settings import Setting, choice, odd_kernel
 
 KNOBS = (
-    Setting("VELOX_SNAPKV_KERNEL", _odd_kernel, "31", "an odd integer in [1, 63]",
+    Setting("VELOX_SNAPKV_KERNEL", odd_kernel, "31", "an odd integer in [1, 63]",
             "SnapKV (and pyramidkv, squeeze with the snapkv policy): width of the pooling over neighbouring "
             "rows' scores.", method="snapkv"),
     Setting("VELOX_SNAPKV_POOL", choice(("avg", "max")), "avg", "one of avg, max",
             "SnapKV: how scores are pooled over the kernel (average or maximum).", method="snapkv"),
 )
-
-
-def pool_rows(scores: mx.array, kernel: int, kind: str) -> mx.array:
-    """Same-size 1-D pooling of (..., rows) scores along rows."""
-    if kernel == 1:
-        return scores
-    half = kernel // 2
-    rows = scores.shape[-1]
-    widths = [(0, 0)] * (scores.ndim - 1) + [(half, half)]
-    if kind == "max":
-        padded = mx.pad(scores, widths, constant_values=-mx.inf)
-        windows = mx.stack([padded[..., i : i + rows] for i in range(kernel)])
-        return windows.max(axis=0)
-    padded = mx.pad(scores, widths)
-    csum = mx.cumsum(padded, axis=-1)
-    csum = mx.pad(csum, [(0, 0)] * (scores.ndim - 1) + [(1, 0)])
-    return (csum[..., kernel : kernel + rows] - csum[..., :rows]) / kernel
 
 
 class SnapKV(Policy):
