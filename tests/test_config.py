@@ -25,6 +25,7 @@ def test_defaults_pass_through() -> None:
     ("VELOX_STRICT", "maybe", "a boolean"),
     ("VELOX_SNAPKV_KERNEL", "4", "an odd integer in [1, 63]"),
     ("VELOX_SNAPKV_POOL", "median", "one of avg, max"),
+    ("VELOX_QUANT_POOL", "8", "an odd integer in [1, 63]"),
 ])
 def test_bad_values_name_the_setting_the_value_and_what_is_allowed(name: str, value: str, allowed: str) -> None:
     with pytest.raises(ConfigError) as error:

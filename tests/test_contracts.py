@@ -27,9 +27,10 @@ from conftest import (
 )
 from veloxpatch.caches import CacheSpec
 from veloxpatch.caches.schedule import Schedule
+from veloxpatch.caches.selection import pool_rows
 from veloxpatch.config import Budget
 from veloxpatch.integration import compat, wrappers
-from veloxpatch.methods.snapkv import SnapKVCache, pool_rows
+from veloxpatch.methods.snapkv import SnapKVCache
 from veloxpatch.methods.streamingllm import StreamingLLMCache
 
 SCALE = 0.25
