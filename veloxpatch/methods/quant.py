@@ -35,7 +35,7 @@ quantized a second time lost it too. The price: while such a prompt is read the 
 (8.5 bits per key element, 4.5 per value element, scales counted) against 0.28. And heads keep different numbers of
 rows: the same number per head lost answers head-wise budgets kept. ``VELOX_QUANT_POOL`` scores each row as the best of
 its neighbours first (SnapKV's pooling), so a kept row keeps the tokens around it (a uuid is ~25 tokens); off by
-default (1) until measured beyond the four uuid examples where, over 7 rows, it answered one the unpooled choice lost.
+default (1): over 7 rows it answered a uuid example the unpooled choice lost and lost a number's it answered.
 
 Heads holding different numbers of rows cannot share one array, and each head's keys quantize in blocks of its own
 rows, so such a *ragged* fold keeps one part per head (keys, values and positions, a head axis of one; no padding
