@@ -50,6 +50,7 @@ from mlx_lm.models import base
 from mlx_lm.models.cache import make_prompt_cache
 
 from kv_quant_schemes import kl_after, per_channel, ruler_arguments, with_scheme
+from veloxpatch.caches.selection import pool_rows
 from veloxpatch.eval import ruler
 
 SINK, RECENT, WINDOW, STATS = 4, 32, 64, 128
@@ -186,21 +187,11 @@ def _expected(queries: mx.array, layer: Any) -> mx.array:
     return mx.softmax(logits, axis=-1).mean(axis=1) * mx.linalg.norm(values, axis=-1)
 
 
-def pooled(score: mx.array, width: int) -> mx.array:
-    """Each row's score the most of its ``width`` neighbours' (itself in the middle): a high row's neighbours are
-    kept with it, so a needle's tokens stay together (SnapKV pools its scores so)."""
-    if width <= 1:
-        return score
-    half = width // 2
-    padded = mx.pad(score, [(0, 0), (half, half)], constant_values=-mx.inf)
-    return mx.max(mx.stack([padded[:, i: i + score.shape[1]] for i in range(width)]), axis=0)
-
-
 def kept(score: mx.array, share: float, headwise: bool, pool: int = 0) -> mx.array:
     """(heads, rows) bool: the first and last rows, and the best of the rest (``share`` of all rows), each row
-    scored as the best of its ``pool`` neighbours."""
+    scored as the best of its ``pool`` neighbours (``quant``'s ``VELOX_QUANT_POOL``; 0 or 1: alone)."""
     heads, rows = score.shape
-    middle = pooled(score[:, SINK: rows - RECENT].astype(mx.float32), pool)
+    middle = pool_rows(score[:, SINK: rows - RECENT].astype(mx.float32), max(pool, 1), "max")
     per_head = max(int(share * rows) - SINK - RECENT, 0)
     if headwise:
         flat = middle / mx.maximum(middle.sum(axis=1, keepdims=True), 1e-30) if middle.min() >= 0 else middle

@@ -44,9 +44,9 @@ def switch(variant: Variant, context: int) -> None:
 def prefilled(model: Any, tokenizer: Any, variant: Variant, prompt: list[int]) -> tuple[list[Any], mx.array]:
     """The variant's cache list after reading ``prompt`` and the first token it generates."""
     caches = variant.caches(model, len(prompt))
-    bits = dict(variant.knobs).get("bits")
     if variant.method == "quantized":
-        caches = [mlx_cache.QuantizedKVCache(group_size=64, bits=int(bits or 4)) for _ in caches]
+        bits = int(dict(variant.knobs).get("bits") or 4)
+        caches = [mlx_cache.QuantizedKVCache(group_size=64, bits=bits) for _ in caches]
     for response in stream_generate(model, tokenizer, prompt, max_tokens=1, prompt_cache=caches):
         token = response.token
     return caches, mx.array([[token]])
