@@ -1,64 +1,44 @@
 """MiniCache (Liu et al., arXiv 2405.14366, NeurIPS 2024): adjacent layers share one direction per token.
 
-From the middle of the network on, the KV states of adjacent layers point in nearly the same
-direction. So each pair of adjacent layers keeps, per token and KV head, one merged direction (the
-pair holds it once) and each layer its own magnitude; a layer rebuilds its row as ``||x|| e`` (the
-paper's restoration, its Eq. 2). For a token's rows ``x_a`` (first layer of the pair) and ``x_b``
-(second), with unit vectors ``u_a``, ``u_b`` and ``Omega = arccos(u_a . u_b)``, the direction is
-their spherical interpolation (SLERP, the paper's Eq. 3)::
+From the middle of the network on, the KV states of adjacent layers point in nearly the same direction. So each
+pair of adjacent layers keeps, per token and KV head, one merged direction (held once by the pair) and each layer its
+own magnitude; a layer rebuilds its row as ``||x|| e`` (the paper's Eq. 2). For a token's rows ``x_a`` (first layer
+of the pair) and ``x_b`` (second), with unit vectors ``u_a``, ``u_b`` and ``Omega = arccos(u_a . u_b)``, the
+direction is their spherical interpolation (SLERP, the paper's Eq. 3)::
 
     e = sin((1 - t) Omega) / sin(Omega) u_a + sin(t Omega) / sin(Omega) u_b
 
-(linear interpolation where ``Omega`` is within 1e-4 of 0 or pi, where that quotient is 0/0; either
-way renormalised to unit length against rounding). ``t`` is ``VELOX_MINICACHE_T`` (the paper's 0.6,
-leaning to the deeper layer). Keys and values merge separately, each with its own directions,
-magnitudes and retained tokens.
+(linear interpolation where ``Omega`` is within 1e-4 of 0 or pi, where that quotient is 0/0; renormalised to unit
+length either way). ``t`` is ``VELOX_MINICACHE_T`` (the paper's 0.6). Keys and values merge separately.
 
-Token retention (the paper's unmergeable-token retention). A few token pairs are far apart, and
-merged they would lose what is particular to each layer, so both layers keep them exact. A pair's
-distance is the normalised angle ``d = Omega / pi`` (0: same direction, 1: opposite); the threshold
-sits between the smallest and the largest distance of the fold, set by ``gamma`` =
-``VELOX_MINICACHE_GAMMA`` (the paper's 0.05), and the tokens above it stay exact:
-``d > d_max - gamma (d_max - d_min)``, the top ``gamma`` share of the range, per KV head over the
-fold's tokens. So a larger ``gamma`` keeps more tokens exact (as in the paper's ablation of gamma:
-better accuracy, less compression); 0 merges every token and 1 keeps every token exact (nothing is
-merged: the rows come back bit for bit). The threshold is relative to the fold's own range, so with
-``gamma > 0`` each head keeps at least its most distant token.
+Token retention. Merged, a pair of far-apart tokens would lose what is particular to each layer, so both layers keep
+them exact. A pair's distance is ``d = Omega / pi``; per KV head over the fold's tokens, those with
+``d > d_max - gamma (d_max - d_min)`` stay exact, ``gamma`` = ``VELOX_MINICACHE_GAMMA`` (the paper's 0.05): 0 merges
+every token, 1 keeps every one exact (the rows come back bit for bit), and with ``gamma > 0`` each head keeps at
+least its most distant token.
 
-Pairs (the paper merges from half depth, ``S = L / 2``). ``VELOX_MINICACHE_START`` is the share of
-the list's layers below the first pair: layers ``floor(start x layers)`` and up pair as (S, S+1),
-(S+2, S+3), ...; a layer below S, and a last odd one, has no partner and never folds (its rows stay
-exact: merging a layer with itself would save nothing). ``VELOX_BUDGET`` plays no part.
+Pairs (the paper merges from half depth, ``S = L / 2``). Layers ``floor(VELOX_MINICACHE_START x layers)`` and up pair
+as (S, S+1), (S+2, S+3), ...; a layer below S, and a last odd one, never folds (merging a layer with itself would save
+nothing). ``VELOX_BUDGET`` plays no part.
 
-What a fold holds. The pair's shared part is the merged unit directions ``{"k", "v"}`` (B, heads,
-tokens, head_dim), in the cache's dtype. Each layer's own part is its magnitudes ``kn``/``vn`` (B,
-heads, tokens), the retained positions ``ki``/``vi`` (B, heads, r), ascending, and its exact rows
-for them ``kr``/``vr`` (B, heads, r, head_dim); ``r`` is the most any head keeps, and a head that
-keeps fewer pads with position ``tokens``, which lands in a spare slot that the rebuild drops (fixed
-shapes: every part is an array and saves in a prompt-cache file). The layers of a pair keep the same
-positions (one distance per token pair).
-
-The layers of a pair publish their rows through :meth:`Coordinator.contribute` (fan-in); the second
-to run merges, and both take the identical shared part: see :mod:`veloxpatch.caches.crosslayer` for
-when rows fold and what happens to a pair that does not complete (each layer then folds alone: its
-own directions and magnitudes, no saving).
+What a fold holds. The pair's shared part is the merged unit directions ``{"k", "v"}`` (B, heads, tokens, head_dim).
+Each layer's own part is its magnitudes ``kn``/``vn`` (B, heads, tokens), the retained positions ``ki``/``vi`` (B,
+heads, r), ascending, and their exact rows ``kr``/``vr``; ``r`` is the most any head keeps, a head keeping fewer pads
+with position ``tokens``, a spare slot the rebuild drops (fixed shapes, so every part saves in a prompt-cache file).
+The layers of a pair publish their rows through the coordinator's fan-in: see :mod:`veloxpatch.caches.crosslayer`
+for when rows fold and what a pair that does not complete does (each layer folds alone, saving nothing).
 
 Where the shim's position makes this differ from the paper, and why:
 
-* The keys merged are the rotated ones the attention route hands the cache. This does not change the
-  merge: both layers' keys at one position get the same rotation ``R`` (the same rotary embedding,
-  an orthogonal map), so ``R u_a . R u_b = u_a . u_b`` and ``||R x|| = ||x||``: the angles, the
-  distances, the retained tokens and the magnitudes are those of the unrotated keys, and since SLERP
-  combines ``u_a`` and ``u_b`` with coefficients that depend on the angle only, the merged rotated
-  direction is the rotation of the merged unrotated one. (It would not hold for a model whose paired
-  layers rotate differently, e.g. one with rotary embedding on some layers only.)
-* Pairs are taken among the full-attention layers the shim serves (a model's sliding-window layers
-  are not members), counted from the first of them; on a model split by pipeline over every rank's
-  layers, and a pair cut by a stage boundary stays unmerged.
-* The last ``VELOX_WINDOW`` tokens stay exact, and decode tokens stay exact until ``MIN_FOLD`` of them
-  have gathered beyond the window; then they merge as a segment of their own, with the threshold of
-  that segment (the paper merges each decoded token as it comes).
-* Attention runs on the rebuilt rows (the paper's restoration), not on a merged cache read once.
+* The keys merged are the rotated ones the attention route hands the cache. This does not change the merge: both
+  layers' keys at one position get the same orthogonal rotation, which keeps angles and norms, and SLERP's
+  coefficients depend on the angle only, so the merged rotated direction is the rotation of the merged unrotated one
+  (not so for a model whose paired layers rotate differently).
+* Pairs are taken among the full-attention layers the shim serves, counted over every rank's layers on a model split
+  by pipeline; a pair cut by a stage boundary stays unmerged.
+* The last ``VELOX_WINDOW`` tokens stay exact, and decode tokens merge in segments of ``MIN_FOLD``, each with its own
+  threshold (the paper merges each decoded token as it comes).
+* Attention runs on the rebuilt rows (the paper's restoration).
 """
 
 from __future__ import annotations
@@ -119,9 +99,8 @@ class MiniCacheCache(CrossLayerCache):
         return "merged across a pair of layers (their most dissimilar tokens exact)"
 
     def group(self) -> tuple[int, ...]:
-        """The pair (S + 2i, S + 2i + 1) this layer belongs to, as member indexes, or this layer alone
-        (no partner). Counted over the model's served layers: on a model split by pipeline, a pair
-        whose partner lives on another rank leaves both alone."""
+        """The pair (S + 2i, S + 2i + 1) this layer belongs to, as member indexes, or this layer alone (no partner,
+        or its partner on another pipeline rank)."""
         depth, layers = depth_of(self)
         first = math.floor(self.start * layers + 1e-9)
         if depth < first:
@@ -131,22 +110,15 @@ class MiniCacheCache(CrossLayerCache):
         return pair if lead >= 0 and lead + 1 < len(members_of(self)) else (self.layer,)
 
     def min_fold(self) -> int:
-        """``MIN_FOLD`` rows for a layer of a pair; more rows than it holds for one without a partner
-        (it never folds: alone it would merge with itself and save nothing).
-
-        Why 32: the retention threshold is relative to the fold's own range of distances, and with
-        ``gamma > 0`` every head keeps at least its most distant token exact, so a short fold keeps a
-        large share exact and sets its threshold from few distances; 32 rows hold that floor to about
-        3% and let decode tokens fold in segments (as many as the default window) rather than one fold
-        per step for attention to rebuild."""
+        """``MIN_FOLD`` rows for a layer of a pair (never for one without a partner). Why 32: every head keeps its
+        most distant token exact, so a short fold keeps a large share exact and sets its threshold from few
+        distances; 32 rows hold that floor to about 3%, and decode tokens fold in segments, not one fold a step."""
         return MIN_FOLD if len(self.group()) == 2 else self.offset + 1
 
     def joint(self, parts: list[tuple[mx.array, mx.array]]) -> tuple[list[dict], dict]:
-        """Keys and values of the pair merged: each layer's norms and retained rows, the shared directions.
-
-        A part alone (a pair that did not complete) or parts of different shapes (layers with other
-        head counts or widths) cannot merge: each keeps its own directions (the first layer's as the
-        shared part, the others' in their own part), so nothing is saved and nothing breaks."""
+        """Keys and values of the pair merged: each layer's norms and retained rows, the shared directions. A part
+        alone or parts of different shapes cannot merge: each keeps its own directions (the first layer's as the
+        shared part, the others' in their own)."""
         if len(parts) == 2 and all(parts[0][i].shape == parts[1][i].shape for i in (0, 1)):
             keys, values = (self._merge(parts[0][i], parts[1][i]) for i in (0, 1))
             owns = [{**_own("k", k), **_own("v", v)} for k, v in zip(keys[1], values[1])]

@@ -1,49 +1,42 @@
 """Quant: every token kept at low bits, keys quantized per channel and values per token (KIVI, Liu et al.,
 arXiv 2402.02750), the last ``VELOX_WINDOW`` tokens exact.
 
-Why per channel. mlx_lm's ``kv_bits`` quantizes keys as it does values, per token: each row of a head is split into
-groups along the head dimension, a scale and a bias per group. A few key channels are large in every token (Qwen2.5's
-key biases make them so), so one group's scale is set by the outliers and the other channels of the row round to a
-handful of levels, where the queries are large too. Each channel of a block of ``VELOX_QUANT_GROUP`` tokens gets its
-own scale and bias instead, so an outlier channel costs only its own precision. Values are summed by the attention
-weights row by row, and per-token groups suit them (the paper's finding). docs/results.md ("Keys per channel")
-measures the difference on Qwen2.5-0.5B, and why a Hadamard rotation did not help.
+Why per channel. mlx_lm's ``kv_bits`` quantizes keys as it does values, per token, in groups along the head
+dimension. A few key channels are large in every token (Qwen2.5's key biases make them so), so a group's scale is set
+by the outliers and the other channels round to a handful of levels. Each channel of a block of
+``VELOX_QUANT_GROUP`` tokens gets its own scale and bias instead, so an outlier costs only its own precision; values,
+summed by the attention weights row by row, keep per-token groups (the paper's finding). docs/results.md ("Keys per
+channel") measures the difference, and why a Hadamard rotation did not help.
 
-How it sits in the shim. A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): new rows
-go to the row store exact; after each prompt chunk and every ``VELOX_QUANT_GROUP`` decode tokens, the rows older
-than the window are quantized in whole blocks of that many tokens and join the layer's one fold; the rest wait
-in the store. A prompt chunk attends over the fold dequantized, then the exact rows; a decode step multiplies the
-fold as held, by mlx's quantized matmul: keys held per channel are the matrix the queries multiply, values per
-token the one the attention weights multiply, so nothing is dequantized whole. A trim back into the fold keeps its
-whole blocks before the new end and returns the cut block's prefix to the store, dequantized.
+How it sits in the shim. A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): new rows go
+to the row store exact; after each prompt chunk and every ``VELOX_QUANT_GROUP`` decode tokens, the rows older than
+the window are quantized in whole blocks and join the layer's one fold. A prompt chunk attends over the fold
+dequantized; a decode step multiplies the fold as held, by mlx's quantized matmul (keys per channel are the matrix
+the queries multiply, values per token the one the attention weights multiply). A trim into the fold keeps its whole
+blocks before the new end and returns the cut block's prefix to the store, dequantized.
 
 Fewer rows too (``VELOX_QUANT_KEEP`` below 100%, or a share of the bytes such as ``0.125x``). Quantization alone
-stops at about a fifth of the 16-bit bytes (3 bits); an eighth needs fewer rows as well, chosen before any question is
-asked (a document read once, asked many things). KVzip's score chooses them: once a prompt is read (its rows folded
-as usual, so memory stays bounded while it is read), the model reads it a second time
-(:mod:`veloxpatch.integration.rereading`) and each folded row scores the most attention any query of its head group
-pays it then; the layer keeps its best rows by one top-k over its heads (AdaKV's head-wise budgets: each head's scores
-over their sum first), so heads keep different numbers of rows, each in whole blocks (and the first ``VELOX_SINK``
-tokens), each with its two-byte position for trims. Every prompt is read twice, a chat's next turn too however
-short (the generation announces it), and its rows are chosen with those still exact when it began (the last window,
-the answer's tail): a chat holds its share turn after turn. Rows an answer folds as it is decoded are all kept.
+stops at about a fifth of the 16-bit bytes; an eighth needs fewer rows as well, chosen before any question is asked
+(a document read once, asked many things). KVzip's score chooses them: once a prompt is read (its rows folded as
+usual), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each folded row scores the
+most attention any query of its head group pays it; the layer keeps its best rows by one top-k over its heads
+(AdaKV's head-wise budgets: each head's scores over their sum first), each head in whole blocks, with the first
+``VELOX_SINK`` tokens and each row's two-byte position for trims. Every prompt is read twice, a chat's next turn too,
+and its rows are chosen with those still exact when it began: a chat holds its share turn after turn. Rows an answer
+folds as it is decoded are all kept.
 
-Two choices the measurements forced (docs/results.md, "Rows to drop before the question"). Until the second reading
-the prompt's keys fold at ``HOLD_BITS`` (8; values at ``VELOX_QUANT_BITS``) and the kept keys are quantized to
-``VELOX_QUANT_BITS`` once, from them: scores read over 4-bit keys chose rows that lost the needle, and kept keys
-quantized a second time lost it too. The price: while such a prompt is read the fold holds 0.41 of the 16-bit bytes
-(8.5 bits per key element, 4.5 per value element, scales counted) against 0.28. And heads keep different numbers of
-rows: the same number per head lost answers head-wise budgets kept. ``VELOX_QUANT_POOL`` scores each row as the best of
-its neighbours first (SnapKV's pooling), so a kept row keeps the tokens around it (a uuid is ~25 tokens); off by
-default (1): over 7 rows it answered a uuid example the unpooled choice lost and lost a number's it answered.
+Choices the measurements forced (docs/results.md, "Rows to drop before the question"): until the second reading the
+prompt's keys fold at ``HOLD_BITS`` and the kept keys are quantized to ``VELOX_QUANT_BITS`` once, from them (scores
+over 4-bit keys, and keys quantized twice, lost the needle), at the price of a higher peak while such a prompt is
+read; and heads keep different numbers of rows (the same number per head lost answers). ``VELOX_QUANT_POOL`` scores
+each row as the best of its neighbours first (SnapKV's pooling), so a kept row keeps the tokens around it; off by
+default (1).
 
 Heads holding different numbers of rows cannot share one array, and each head's keys quantize in blocks of its own
 rows, so such a *ragged* fold keeps one part per head (keys, values and positions, a head axis of one; no padding
-held). A prompt chunk attends over it rebuilt, the shorter heads padded with zero rows at position -1 (holes, which
-the mask by position hides); a decode step multiplies each head's own rows as held by the quantized matmul, one head
-at a time (two or three on the models measured), under one softmax with the exact rows; a later fold joins it head
-by head, and a trim keeps each head's own whole blocks before the new end. Only a cache holding several sequences at
-once (B > 1; the shim's batches keep a cache per sequence) keeps the same number per head.
+held). A prompt chunk attends over it rebuilt, the shorter heads padded with holes (position -1, hidden by the mask);
+a decode step multiplies each head's rows as held, one head at a time, under one softmax with the exact rows; folds
+and trims go head by head. A cache holding several sequences (B > 1) keeps the same number per head.
 """
 
 from __future__ import annotations
@@ -69,9 +62,8 @@ BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, i
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
 
 Parts = tuple[mx.array, ...]  # mlx's (packed, scales, biases), or the array itself (16 bits)
-HOLD_BITS = 8  # the keys of a prompt awaiting its second reading (below: why not at VELOX_QUANT_BITS)
-QUERY_BLOCK = 64  # queries of a second reading scored at once: (heads, group x block, rows) float32 logits, a few
-# times over while the chunk is read: 17 MB each for Qwen2.5-0.5B at 4k tokens
+HOLD_BITS = 8  # the keys of a prompt awaiting its second reading (module doc: why not at VELOX_QUANT_BITS)
+QUERY_BLOCK = 64  # queries of a second reading scored at once: bounds the (heads, group x block, rows) float32 logits
 
 
 class BytesShare(float):
@@ -154,28 +146,25 @@ class QuantCache(CrossLayerCache):
 
     @property
     def wants_rereading(self) -> bool:
-        """Whether a prompt should be read a second time to score its rows: a share of the rows below all, or of the
-        bytes below what every row holds at ``VELOX_QUANT_BITS`` (a value and a key element each: its bits and a
-        16-bit scale and bias per group, e.g. 4.5 of 16 bits at 4)."""
+        """Whether a prompt is read a second time: a share of the rows below all, or of the bytes below what every
+        row holds at ``VELOX_QUANT_BITS`` (its bits and a 16-bit scale and bias per group)."""
         if isinstance(self.keep, BytesShare):
             return self.keep < ((self.bits + 32 / self.group_size) / 16 if self.bits < 16 else 1)
         return self.keep < 1
 
     def read_prompt_chunk(self, tokens: mx.array) -> None:
-        """A prompt chunk of token ids is about to be read: it will be read again before the next decode step, and
-        its keys fold at ``HOLD_BITS`` until then."""
+        """A prompt chunk is about to be read; it is read again before the next decode step."""
         self.unscored.append(tokens)
 
     def start_rereading(self) -> None:
-        """The model is about to read the unscored prompt again: the rows due fold first (all the prompt's, under
-        ``VELOX_COMPRESS=end``, where they fold at the first decode step), so the reading scores them."""
+        """The model is about to read the unscored prompt again: the rows due fold first (under
+        ``VELOX_COMPRESS=end`` all the prompt's), so the reading scores them."""
         self._fold_if_due(1)
         self.rereading, self.unscored, self.scores = True, [], None
 
     def stop_rereading(self, read: bool) -> None:
-        """The second reading is over and trimmed away; ``read``: it did not fail midway (then nothing is
-        dropped). The layer keeps the share of the prompt's folded rows its heads scored best (:meth:`_keep_best`);
-        keys held at ``HOLD_BITS`` settle at ``VELOX_QUANT_BITS``."""
+        """The second reading is over and trimmed away; unless it failed midway (``read`` false), the layer keeps
+        its best-scored rows (:meth:`_keep_best`). Held keys then settle at ``VELOX_QUANT_BITS``."""
         self.rereading = False
         scores, self.scores = self.scores, None
         rows = self.store.rows
@@ -208,15 +197,11 @@ class QuantCache(CrossLayerCache):
         return [(self._keys_encoded(keys, bits), self._values_encoded(values))], None
 
     def _keep_best(self, scores: mx.array) -> None:
-        """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from the best-scored rows of its heads and
-        every row an earlier reading chose or among the first ``VELOX_SINK``: dequantized, chosen, the keys quantized
-        to ``VELOX_QUANT_BITS`` once. Rows still exact when the prompt began (the last window, the answer's last
-        tokens) are chosen now, with the new prompt's, by this reading's attention. How many rows each head keeps:
-        :meth:`_head_counts` (one sequence: heads differ, as AdaKV's), or the same number per head (several
-        sequences in one cache, B > 1: its fold stays dense, as one sequence's counts per head would not be
-        another's). A later turn's rows join the earlier fold at once, head by head, so a head may keep none of
-        them: a short turn costs its share of the bytes, not a block per head (``tests/test_quant_keep.py``: a chat
-        of short turns held 0.141, 0.157, 0.171 of the 16-bit bytes under 0.125x before)."""
+        """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from its heads' best-scored rows and every
+        row an earlier reading chose or among the sinks, the kept keys quantized to ``VELOX_QUANT_BITS`` once. Each
+        head keeps :meth:`_head_counts` rows (several sequences, B > 1: the same number per head, so the fold stays
+        dense). A later turn's rows join the earlier fold at once, head by head, so a head may keep none of them and
+        a short turn costs its share of the bytes, not a block per head."""
         fold = self.folds[-1]
         positions = self.fold_positions(fold)
         held = positions.shape[-1]
@@ -256,15 +241,11 @@ class QuantCache(CrossLayerCache):
         self.folds[-2:] = [_fold_of(first.start, fold.end, joined, fold.group)]
 
     def _fresh_share(self, fresh: int, protected: int, key_dim: int, value_dim: int) -> float:
-        """The share of the prompt's ``fresh`` rows (every head's) to keep: ``VELOX_QUANT_KEEP``'s share of the rows,
-        or, for a share of the bytes, as many as fit the layer's share of the full cache's 16-bit bytes for every
-        token seen beside everything else it holds (earlier folds, the ``protected`` rows, the exact rows and the
-        room the store grows by at the next row), counted as a 16-bit model holds them (:func:`.stats.at_16_bits`),
-        each kept row at ``VELOX_QUANT_BITS`` with its scales and its two-byte position; none (whole blocks:
-        :meth:`_whole_blocks`) where those fill the share already. Until the next choice, the rows an answer and
-        the next turn bring wait exact on top (at most a window and a block): reserving room for them cost answers
-        (Qwen2.5-0.5B's 2k-token server chats: 26 of 30 turns right at 0.09-0.12 of the bytes after three, against
-        28 at 0.12-0.14 without the reserve; docs/results.md)."""
+        """The share of the prompt's ``fresh`` rows to keep: ``VELOX_QUANT_KEEP``'s share of the rows, or, for a share
+        of the bytes, as many as fit beside everything else the layer holds (earlier folds, the ``protected`` rows,
+        the exact rows and the store's next growth, counted as at 16 bits), each kept row at ``VELOX_QUANT_BITS``
+        with its scales and position. No room is reserved for the rows the answer and the next turn bring: that
+        cost answers (docs/results.md, "Follow-up")."""
         if not isinstance(self.keep, BytesShare):
             return self.keep
         batch, heads = self.store.row_positions().shape[:2]
@@ -287,12 +268,9 @@ class QuantCache(CrossLayerCache):
 
     def _head_counts(self, normed: mx.array, fresh: mx.array, protected: mx.array, share: float,
                      least: int) -> list[int]:
-        """Rows each head of one sequence keeps (AdaKV): one top-k over every head's fresh rows (the prompt's, past
-        the sinks) of ``normed`` (each head's scores over its sum there, so a head that spreads its attention
-        competes with one that spikes), ``share`` of them in all; each head then keeps its protected
-        rows and those chosen, rounded to whole blocks (keys are quantized per channel in blocks of rows), at least
-        ``least`` rows. Measured (``bench/agnostic_selection.py``, head-wise; module doc): at 35% of the rows this
-        kept the answer the same number per head lost."""
+        """Rows each head of one sequence keeps (AdaKV): one top-k over every head's fresh rows of ``normed`` (each
+        head's scores over their sum, so a head that spreads its attention competes with one that spikes),
+        ``share`` of them in all; each head adds its protected rows, rounded to whole blocks, at least ``least``."""
         heads = normed.shape[1]
         flat = mx.where(fresh, normed, -1).reshape(-1)
         total = min(round(share * int(fresh.sum())), flat.size)
@@ -304,8 +282,7 @@ class QuantCache(CrossLayerCache):
         return [self._whole_blocks(n, rows, least) for n, rows in zip(per_head, real)]
 
     def _whole_blocks(self, wanted: float, held: int, least: int) -> int:
-        """``wanted`` rows of a head rounded to whole blocks (its keys quantize per channel in blocks of rows), at
-        least ``least``, at most the ``held`` rows it has."""
+        """``wanted`` rows of a head rounded to whole blocks, at least ``least``, at most the ``held`` rows."""
         g = self.group_size
         return min(held, max(least, round(wanted / g) * g))
 
@@ -321,17 +298,15 @@ class QuantCache(CrossLayerCache):
         self._join()
 
     def _apply(self, start: int, end: int, group: tuple[int, ...], result: tuple[list[Any], Any], at: int) -> None:
-        """The base's new fold, joined to the one held where their keys have the same bits. Rows folded outside a
-        prompt (an answer's, as it is decoded) are kept as they come: no reading chooses them later."""
+        """The base's new fold, joined to the one held. Rows folded outside a prompt (an answer's) are all kept."""
         super()._apply(start, end, group, result, at)
         if not self.unscored:
             self.chosen_end = end
         self._join()
 
     def _join(self) -> None:
-        """The last folds as one while their keys have the same bits: a layer keeps one fold of every quantized
-        block (with every row's position once either part has dropped rows), or two while a prompt's keys are held
-        at ``HOLD_BITS``. A ragged fold joins head by head: each head's rows, then the next fold's of that head."""
+        """The last folds as one while their keys have the same bits: one fold per layer, or two while a prompt's
+        keys are held at ``HOLD_BITS``. A ragged fold joins head by head."""
         while len(self.folds) > 1 and self._fold_bits(self.folds[-2]) == self._fold_bits(self.folds[-1]):
             first, last = self.folds[-2:]
             tokens = self._token_axis()
@@ -350,14 +325,13 @@ class QuantCache(CrossLayerCache):
         return 2 if self.bits == 16 else -1
 
     def _head_joined(self, first: tuple[Any, ...], last: tuple[Any, ...]) -> tuple[Any, ...]:
-        """One head's own (keys, values, positions) of two folds at the same bits as one: its rows, then the
-        next's."""
+        """One head's own (keys, values, positions) of two folds at the same bits as one."""
         return (_joined(first[0], last[0], self._token_axis()), _joined(first[1], last[1], 2),
                 _compact(mx.concatenate([first[2].astype(mx.int32), last[2].astype(mx.int32)], axis=-1)))
 
     def held_rows(self, fold: Fold) -> int:
-        """Rows the fold holds per head: its range, or fewer where rows were dropped (their positions kept); in a
-        ragged fold, its largest head's (the others padded with holes to as many, as attention sees them)."""
+        """Rows the fold holds per head: its range, or fewer where rows were dropped; a ragged fold's largest
+        head's (as attention sees them, the others padded with holes)."""
         if _ragged(fold):
             return max(head[2].shape[-1] for head in _heads(fold))
         return fold.own[2].shape[-1] if len(fold.own) == 3 else fold.end - fold.start
@@ -388,12 +362,11 @@ class QuantCache(CrossLayerCache):
         return super().has_holes() or any(_ragged(fold) for fold in self.folds)
 
     def _fold_bits(self, fold: Fold) -> int:
-        """The bits of the fold's keys (every head of a ragged fold holds them at the same)."""
+        """The bits of the fold's keys (the same in every head)."""
         return self._key_bits(_heads(fold)[0][0] if _ragged(fold) else fold.own[0])
 
     def _split(self, fold: Fold) -> list[tuple[Any, ...]]:
-        """The fold as one own per head (keys, values, positions, a head axis of one): a ragged fold's heads, or a
-        dense fold's sliced."""
+        """The fold as one own per head (keys, values, positions, a head axis of one)."""
         if _ragged(fold):
             return [tuple(head) for head in _heads(fold)]
         positions = self.fold_positions(fold)
@@ -402,12 +375,10 @@ class QuantCache(CrossLayerCache):
 
     # ----------------------------------------------------------------- attention
     def attend_held(self, queries: mx.array, scale: float) -> mx.array | None:
-        """Attention of ``queries`` (B, q_heads, n, dim) over the fold by mlx's quantized matmul (on this CPU half
-        the time of dequantizing the fold first at 4 and 8 bits: ``bench/quantized_matmul.py``), then over the exact
-        rows (the step's own last, causal among themselves), under one softmax. A ragged fold's heads each attend
-        over their own rows, one head at a time (two or three on the models measured). None at 16 bits, for values
-        held in groups across rows (no group size divides the head), which the matmul cannot take per row, and for
-        keys held at ``HOLD_BITS`` (a prompt chunk as short as a decode step, before the prompt's second reading)."""
+        """Attention of ``queries`` over the fold by mlx's quantized matmul (cheaper than dequantizing it first:
+        ``bench/quantized_matmul.py``), then over the exact rows, under one softmax; a ragged fold one head at a
+        time. None at 16 bits, for values grouped across rows (the matmul takes them per row only), and for keys
+        held at ``HOLD_BITS``."""
         fold = self.folds[0]
         if self.bits == 16 or len(self.folds) > 1 or self._fold_bits(fold) != self.bits:
             return None
@@ -429,8 +400,7 @@ class QuantCache(CrossLayerCache):
 
     def _held_attention(self, q: mx.array, keys: Parts, values: Parts, exact_keys: mx.array, exact_values: mx.array,
                         n: int) -> mx.array:
-        """Scaled queries ``q`` (B, h, group x n, dim) over folded rows held as ``keys``/``values`` (h heads with
-        the same rows), then over the exact rows, under one softmax."""
+        """Scaled queries ``q`` (B, h, group x n, dim) over held folded rows, then the exact rows, in one softmax."""
         rows = exact_keys.shape[2]
         folded = self._times(q, keys, self.group_size)
         exact = q @ exact_keys.swapaxes(-1, -2)
@@ -444,8 +414,8 @@ class QuantCache(CrossLayerCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """A chunk of the prompt's second reading attends as every step does and scores the folded rows
-        (:meth:`_scored_attention`); its rows are trimmed afterwards, so nothing folds."""
+        """A chunk of the prompt's second reading scores the folded rows (:meth:`_scored_attention`) and folds
+        nothing (its rows are trimmed afterwards)."""
         if not self.rereading or sinks is not None:
             if not self.unscored and self.schedule.decode_sized(queries.shape[2]):
                 self._settle()  # a prompt's held keys whose second reading did not come (a saved cache, say)
@@ -456,11 +426,10 @@ class QuantCache(CrossLayerCache):
         return out
 
     def _scored_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-        """Attention of the second reading's ``queries`` over every row (causal among its own), a block of queries
-        at a time; each folded row scores the most attention any query of any head of its group pays it, over
-        every chunk of the reading. The rows before the chunk, which every query sees, and the chunk's own, which
-        each sees up to itself, are multiplied apart under one softmax: no mask over the long part, and no block
-        multiplies the chunk's rows after its last query (the same output to float32 rounding)."""
+        """Attention of the second reading's ``queries`` over every row, a block of queries at a time; each folded
+        row scores the most attention any query of its head group pays it over the whole reading. The rows before
+        the chunk and the chunk's own (causal) are multiplied apart under one softmax (:func:`_two_part_attention`),
+        so the long part needs no mask."""
         b, heads_q, n, dim = queries.shape
         heads, rows = keys.shape[1], keys.shape[2]
         past, folded = rows - n, self.folded_rows()
@@ -499,7 +468,7 @@ class QuantCache(CrossLayerCache):
         return mx.swapaxes(out, 2, 3).astype(scales.dtype)
 
     def _key_bits(self, parts: Parts) -> int:
-        """The bits of keys held as ``parts``: ``VELOX_QUANT_BITS``, or ``HOLD_BITS`` while a prompt waits."""
+        """The bits of keys held as ``parts`` (``HOLD_BITS`` while a prompt waits)."""
         if len(parts) == 1:
             return 16
         packed, scales = parts[:2]
@@ -507,7 +476,7 @@ class QuantCache(CrossLayerCache):
 
     def _value_group(self, width: int) -> int | None:
         """Elements per value group: the knob's, else the largest of mlx's sizes dividing the head (None: none
-        does, and each group of 32 takes consecutive elements of a block's rows, e.g. two rows of 16)."""
+        does, and groups of 32 run over consecutive rows' elements)."""
         return next((g for g in (self.group_size, *sorted(GROUPS, reverse=True)) if width % g == 0), None)
 
     def _values_encoded(self, values: mx.array) -> Parts:
@@ -520,8 +489,7 @@ class QuantCache(CrossLayerCache):
         return tuple(mx.quantize(rows, group_size=group or 32, bits=self.bits))
 
     def _values_decoded(self, parts: Parts, tokens: int) -> mx.array:
-        """The values of ``tokens`` tokens back as (B, H, tokens, d): a row per token, or (no group dividing d)
-        groups of 32 over the rows' elements in order."""
+        """The values of ``tokens`` tokens back as (B, H, tokens, d)."""
         if len(parts) == 1:
             return parts[0]
         packed, scales, biases = parts
@@ -531,8 +499,7 @@ class QuantCache(CrossLayerCache):
 
     # ----------------------------------------------------------------- the cache protocol
     def _cut(self, own: Any, rows: int, held: int) -> tuple[Any, ...]:
-        """The encodings ``own`` of ``held`` rows (keys, values, and positions if it has them) for their first
-        ``rows`` (whole blocks)."""
+        """The encodings ``own`` of ``held`` rows (keys, values, positions if any) cut to their first ``rows``."""
         keys, values = own[:2]
         values = tuple(part[..., : part.shape[2] * rows // held, :] for part in values)
         extra = (own[2][..., :rows],) if len(own) == 3 else ()
@@ -544,13 +511,11 @@ class QuantCache(CrossLayerCache):
         return ((packed[..., :width], scales[..., :blocks], biases[..., :blocks]), values, *extra)
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens. A new end among the quantized rows keeps the fold's whole blocks before
-        it; the cut block's rows before the end become exact rows again (dequantized). Where rows were dropped,
-        the heads' blocks end at different positions: each head keeps its own blocks wholly before the new end (the
-        fold ragged where their numbers then differ; none in any head where some head would keep none: a fold holds
-        a block per head), or, in a batch of sequences, the blocks wholly before it in every head; kept rows after
-        them that lie before the end are dropped too (a rare path: a server request reusing a shorter prefix of a
-        compressed document; the result is a valid compressed cache of it)."""
+        """Forget the last ``n`` tokens. A new end among the quantized rows keeps the fold's whole blocks before it
+        and the cut block's prefix as exact rows. Where rows were dropped, each head keeps its own blocks wholly
+        before the new end (none anywhere if some head keeps none), or in a batch the blocks wholly before it in
+        every head; kept rows after them are dropped too (a rare path: a server request reusing a shorter prefix
+        of a compressed document)."""
         n = min(n, self.offset)
         if n <= 0:
             return 0
@@ -579,10 +544,9 @@ class QuantCache(CrossLayerCache):
 
 def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tuple[mx.array, mx.array],
                         real: mx.array | None) -> tuple[mx.array, mx.array]:
-    """A block of scaled queries ``q`` (B, h, group, m, d), the last ``m`` of a chunk, over the rows before the chunk
-    (``earlier``: keys already transposed and values; every one seen, but the holes ``real`` is false at) and the
-    chunk's own rows up to the block's last query (causal), under one softmax in float32: the output, and the
-    probabilities over the earlier rows."""
+    """A block of scaled queries ``q`` (B, h, group, m, d) over the rows before the chunk (``earlier``: keys
+    transposed, values; all seen but the holes) and the chunk's own up to the block's last query (causal), under
+    one float32 softmax: the output, and the probabilities over the earlier rows."""
     m, seen = q.shape[3], own[0].shape[-1]
     first = (q @ earlier[0]).astype(mx.float32)
     if real is not None:
@@ -599,8 +563,7 @@ def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tu
 
 
 def _ragged(fold: Fold) -> bool:
-    """Whether the fold's heads hold different numbers of rows: its own is ``{"heads": [...]}``, one dense own per
-    head (keys, values, positions; a head axis of one), as :func:`_fold_of` builds it."""
+    """Whether the fold's heads hold different numbers of rows (its own ``{"heads": [...]}``, :func:`_fold_of`)."""
     return isinstance(fold.own, dict)
 
 
@@ -610,10 +573,8 @@ def _heads(fold: Fold) -> list[Any]:
 
 
 def _fold_of(start: int, end: int, heads: list[tuple[Any, ...]], group: tuple[int, ...]) -> Fold:
-    """A fold of rows ``[start, end)`` from one own per head (keys, values, positions): dense (the heads'
-    arrays side by side) where every head holds as many rows, else ragged, each head's own kept apart. Apart,
-    not padded: a pad of quantized keys would cost its bytes, and each head's keys quantize in blocks of its
-    own rows."""
+    """A fold of rows ``[start, end)`` from one own per head (keys, values, positions): dense where every head
+    holds as many rows, else ragged (not padded: each head's keys quantize in blocks of its own rows)."""
     if len({head[2].shape[-1] for head in heads}) == 1:
         own = tuple(tuple(mx.concatenate(list(arrays), axis=1) for arrays in zip(*(head[i] for head in heads)))
                     for i in range(2))

@@ -1,62 +1,43 @@
 """SqueezeAttention (Wang et al., arXiv 2404.04793): the budget moved between layers by how much
 each layer's attention matters, with any method picking the rows inside a layer.
 
-The paper measures, while the prompt is read, how much each layer's self-attention changes the
-hidden state (the cosine similarity of the hidden state before and after attention), clusters the
-layers by it into three groups with k-means, and gives the group whose attention changes the hidden
-state least a fraction ``p`` of the budget; what that saves is shared evenly by the other layers, so
-the list holds as many rows as with a uniform budget. A sequence-wise method (the paper pairs it
-with H2O, a sliding window and StreamingLLM) picks the rows inside each layer with its own budget.
+The paper measures, while the prompt is read, how much each layer's self-attention changes the hidden state (the
+cosine similarity before and after attention), clusters the layers by it into three groups with k-means, and gives
+the group whose attention matters least a fraction ``p`` of the budget; what that saves is shared evenly by the
+other layers, so the list holds as many rows as with a uniform budget. A sequence-wise method picks the rows inside
+each layer with its own budget. Here ``p = 1 - VELOX_SQUEEZE_STRENGTH`` (0: uniform) and ``VELOX_SQUEEZE_POLICY``
+names that method. Where this deviates from the paper, and why:
 
-Here ``p = 1 - VELOX_SQUEEZE_STRENGTH`` (0: uniform) and ``VELOX_SQUEEZE_POLICY`` names the method
-inside the layers. Where this deviates from the paper, and why:
+* The signal (``VELOX_SQUEEZE_SIGNAL``). ``cosine``, the default, is the paper's: one minus the cosine similarity of
+  each token's hidden state before self-attention (the block input ``h``) and after it (``h + o``), averaged over
+  the chunk's tokens and the batch. The attention route sees only queries and keys, so ``h`` and ``o`` come from the
+  layer input/output hooks (:mod:`veloxpatch.integration.layer_io`); where they are missing a chunk reports the
+  ``entropy`` signal instead, said once. ``entropy`` is how widely the last ``VELOX_WINDOW`` queries of each prompt
+  chunk spread their attention over the stored rows (normalised entropy, 1: evenly, 0: on one row): attention
+  parked on a few rows changes the hidden state little, so the most concentrated layers are squeezed; a proxy that
+  needs no hook. In models that normalise the attention output before adding it (Gemma's sandwich norm), ``h + o``
+  is the paper's formula, not the block's next hidden state.
+* When. Every prompt chunk (a step longer than the budget's headroom) reports, accumulating over the whole prompt;
+  the first decode-sized step after a reported chunk ends reporting, so decode runs on a schedule fixed by the
+  prompt. The schedule is recomputed at most once per forward, at its first layer: in ``chunk`` mode the first chunk
+  compresses with uniform budgets and later chunks with the schedule so far.
+* The clustering is exact 1-D k-means (the best split of the sorted scores into three runs), so it is deterministic.
+* ``p`` applies to the part of the budget above ``VELOX_SINK + VELOX_WINDOW``, as in :mod:`.pyramidkv`. No layer gets
+  more rows than the tokens it has seen (the rest goes to the others); budgets are integers summing to exactly
+  layers x budget.
+* What is frozen is each layer's share, not a number of rows: a percentage budget keeps growing with the context,
+  and setting ``cache.budget`` on every member after an ``end``-mode prefill gives the schedule of that budget (the
+  evaluation harness shares one prefill across budgets this way).
+* A list where some layer never reports runs on uniform budgets, said once; a prompt too short to report keeps the
+  shares it had, or uniform budgets.
 
-* The signal (``VELOX_SQUEEZE_SIGNAL``). ``cosine``, the default, is the paper's: the cosine
-  similarity of each token's hidden state before self-attention (the decoder block's input ``h``)
-  and after it (``h + o``, ``o`` what the attention module returns), averaged over the chunk's
-  tokens and the batch, reported as the importance ``1 - similarity``, so a layer whose attention
-  changes the hidden state little is the least important and is squeezed. The attention route sees
-  only queries and keys, so these come from the layer input/output hooks
-  (:mod:`veloxpatch.integration.layer_io`). Where they are missing (no attention module found in
-  the model, a cache driven directly) a chunk reports the ``entropy`` signal instead, said once.
-  ``entropy`` reads the attention itself: how widely the real attention of the last
-  ``VELOX_WINDOW`` queries of each prompt chunk spreads over the stored rows, as a normalised
-  entropy (1: evenly over every row a query sees, 0: all on one row), averaged over batch, heads
-  and those queries. Attention parked on a few rows (most often the sink) changes the hidden state
-  little, so the most concentrated layers are squeezed; it needs no hook, at the price of a proxy.
-  In models whose block normalises the attention output before adding it (Gemma's sandwich norm),
-  ``h + o`` is the paper's formula, not the block's next hidden state.
-* When. Every prompt chunk (a step longer than the headroom of the configured budget) reports,
-  accumulating over the whole prompt rather than the first report winning (under ``cosine`` once
-  the attention module has returned, as the output is part of the signal); the first decode-sized
-  step after a reported chunk ends reporting, so decode (speculative verification steps and later
-  chunks included) runs on a schedule fixed by the prompt. The schedule is recomputed at most once
-  per forward, at its first layer, from the reports of the forwards before: in ``chunk`` mode the
-  first chunk compresses with uniform budgets and later chunks with the schedule so far.
-* The clustering is exact 1-D k-means (the best split of the sorted scores into three runs, not
-  Lloyd's iterations from a random start), so the schedule is deterministic.
-* ``p`` applies to the evictable part of the budget, above ``VELOX_SINK + VELOX_WINDOW``, as in
-  :mod:`.pyramidkv`: every layer keeps its sink and window. No layer gets more rows than the tokens
-  it has seen (what it cannot use goes to the others), so a budget at or above the context evicts
-  nothing; budgets are integers summing to exactly layers x budget.
-* What is frozen is each layer's share, not a number of rows: the rows are the share of the budget
-  of the moment (``budget.resolve(offset)``, the total being layers x budget), so a percentage
-  budget keeps growing with the context, and setting ``cache.budget`` on every member after an
-  ``end``-mode prefill and before decoding gives the schedule of that budget (the evaluation
-  harness shares one prefill across budgets this way).
-* A list where some layer never reports (it does not attend through us) runs on uniform budgets,
-  said once; a prompt too short to report at all keeps the shares it had, or uniform budgets.
+The shares are saved with each cache (``knob_values``). A new sequence (``coordinator.reset``) forgets the reports;
+members that hold no rows forget their shares, while a continued one (a chat's next turn, a restored cache) keeps
+them until its new prompt's reports replace them.
 
-The shares are saved with each cache (``knob_values``), so a restored list keeps its budgets. A new
-sequence (``coordinator.reset``) forgets the reports; members that hold no rows forget their
-shares, while a continued one (a chat's next turn, a restored cache) keeps the shares its rows were
-compressed with until its new prompt's reports replace them.
-
-The policy is the chosen method's policy object (:class:`~veloxpatch.caches.evicting.Policy`, found by
-its id in the registry: any method registered with ``policy=True``), composed into the squeeze cache as
-kvpress's wrapper presses take an inner press, so the policy's scores, hooks and per-row state (H2O's
-accumulated attention, a row column of the store, following compactions and trims) work unchanged. Its knobs
-reach it and are saved with the cache.
+The policy is the chosen method's (:class:`~veloxpatch.caches.evicting.Policy`, any method registered with
+``policy=True``), composed into the squeeze cache as kvpress's wrapper presses take an inner press, so its scores,
+hooks, per-row state and knobs work unchanged.
 """
 
 from __future__ import annotations
@@ -118,10 +99,8 @@ def kmeans_1d(values: Sequence[float], groups: int) -> list[int]:
 
 
 def attention_change(hidden: mx.array, output: mx.array) -> mx.array:
-    """The paper's signal as an importance: 1 - the cosine similarity of each token's hidden state
-    before self-attention (``hidden``, the block input h) and after it (h + ``output``), averaged
-    over the tokens and the batch (scalar). Larger for a layer whose attention matters more, as
-    :meth:`SqueezeCache.dispersion` is."""
+    """The paper's signal as an importance (scalar): 1 - the cosine similarity of each token's block input h
+    (``hidden``) and h + ``output``, averaged over the tokens and the batch."""
     before = hidden.astype(mx.float32)
     after = before + output.astype(mx.float32)
     norms = mx.linalg.norm(before, axis=-1) * mx.linalg.norm(after, axis=-1)
@@ -129,8 +108,8 @@ def attention_change(hidden: mx.array, output: mx.array) -> mx.array:
 
 
 def squeeze_shares(importance: Sequence[float], strength: float) -> tuple[float, ...]:
-    """Each layer's share of the budget (mean 1): the least important k-means group gets
-    ``1 - strength``, the others evenly what it gives up; uniform when nothing tells layers apart."""
+    """Each layer's share of the budget (mean 1): the least important k-means group gets ``1 - strength``, the
+    others evenly what it gives up; uniform when nothing tells layers apart."""
     layers = len(importance)
     uniform = (1.0,) * layers
     if strength == 0 or layers < 2 or max(importance) - min(importance) <= 0:
@@ -173,13 +152,11 @@ class SqueezeCoordinator(Coordinator):
         self.stale = True
 
     def close(self) -> None:
-        """A decode-sized step: once a prompt chunk has reported, the schedule stays as the prompt
-        set it (a short step before any chunk, e.g. a prompt's first few tokens, closes nothing)."""
+        """A decode-sized step: once a prompt chunk has reported, the schedule stays as the prompt set it."""
         self.closed = self.closed or bool(self.reports)
 
     def schedule(self) -> tuple[float, ...] | None:
-        """The members' shares (None while any is unset), looked at once per forward, at its first
-        layer: the shares are set from the reports first if new ones came in."""
+        """The members' shares (None while any is unset), set from new reports once per forward."""
         if self.considered != self.step:
             self.considered = self.step
             if self.stale:
@@ -188,9 +165,8 @@ class SqueezeCoordinator(Coordinator):
         return self.current
 
     def _allocate(self) -> None:
-        """Set every member's share from the reports of every layer of the model (on a model split
-        across ranks, pooled from every rank: the total budget moves over all its layers); none if
-        some layer has not reported."""
+        """Set every member's share from the reports of every layer of the model (pooled over the ranks of a split
+        model); none if some layer has not reported."""
         self.stale = False
         if not self.members:
             return
@@ -250,9 +226,8 @@ class SqueezeCache(EvictingCache):
         return layer_budgets(shares, budget, floor, self.offset)[index]
 
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
-        """The policy's hook; then a prompt chunk reports its importance (under ``cosine`` once the
-        attention output is in, :meth:`see_attention`; without the block input, by ``entropy``), and
-        a decode-sized step after the prompt's chunks ends reporting."""
+        """The policy's hook; then a prompt chunk reports its importance (under ``cosine`` once the attention
+        output is in, :meth:`see_attention`), and a decode-sized step ends reporting."""
         super().observe(queries, keys, scale)
         coordinator = self.coordinator
         if not isinstance(coordinator, SqueezeCoordinator):
@@ -271,8 +246,8 @@ class SqueezeCache(EvictingCache):
             self.block_input = hidden
 
     def see_attention(self, normed: mx.array, output: mx.array) -> None:
-        """A prompt chunk waiting for the attention output reports :func:`attention_change`. The block
-        input is let go at every step (kept, it would hold the step's activations alive)."""
+        """A prompt chunk waiting for the attention output reports :func:`attention_change`. The block input is let
+        go at every step (kept, it would hold the step's activations alive)."""
         hidden, self.block_input = self.block_input, None
         if self.awaiting:
             assert hidden is not None, "awaiting: see_block_input kept this step's block input"
@@ -280,8 +255,8 @@ class SqueezeCache(EvictingCache):
             self._report(attention_change(hidden, output))
 
     def dispersion(self, queries: mx.array, keys: mx.array, scale: float) -> mx.array:
-        """How widely the step's last ``window`` queries spread their attention over the stored rows:
-        entropy over the rows each sees, divided by its most (log of their count), averaged (scalar)."""
+        """How widely the step's last ``window`` queries spread their attention over the stored rows: entropy over
+        the rows each sees over its most (log of their count), averaged (scalar)."""
         b, hq, n, d = queries.shape
         w = min(self.window, n)
         hkv = keys.shape[1]
@@ -294,9 +269,8 @@ class SqueezeCache(EvictingCache):
         return mx.where(seen > 1, entropy / mx.log(mx.maximum(seen, 2)), 0.0).mean()
 
     def _report(self, importance: mx.array) -> None:
-        """Report a prompt chunk's importance, computed at once: left lazy until the schedule reads it at
-        the next forward, it would keep what it is computed from (each layer's h and o, or its queries
-        and stored keys) alive until then, above what mlx_lm's own caches hold."""
+        """Report a prompt chunk's importance, computed at once: left lazy, it would keep what it is computed from
+        (h and o, or the queries and keys) alive until the next forward."""
         mx.async_eval(importance)
         cast(SqueezeCoordinator, self.coordinator).report(self, importance)  # its coordinator_class
 
@@ -309,9 +283,8 @@ class SqueezeCache(EvictingCache):
                  "entropy signal")
 
     def _shares(self) -> tuple[tuple[float, ...] | None, int]:
-        """The shares (from the coordinator's schedule) and this layer's index in them: every served
-        layer's when the reports set them, the list's own when they came with the caches (a loaded
-        list); (None, 0) if this layer has none."""
+        """The shares and this layer's index in them: every served layer's when the reports set them, the list's
+        own when they came with the caches (a loaded list); (None, 0) if this layer has none."""
         coordinator = self.coordinator
         if isinstance(coordinator, SqueezeCoordinator):
             shares = coordinator.schedule()

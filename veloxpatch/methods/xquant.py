@@ -1,73 +1,49 @@
 """XQuant (Tomar et al., arXiv 2508.10395): cache the quantized layer input X and rematerialise K and V from it.
 
-A layer's keys and values are two projections of one input, the attention module's X (the block input
-after its norm): ``K = rope(k_norm(X W_k))`` and ``V = X W_v``. XQuant keeps X, quantized, instead of K
-and V, and computes K and V again with the layer's own projections whenever attention needs them:
-more arithmetic for fewer bytes. Where X is as wide as K (multi-head attention) it is one tensor in
-place of two. Here X is stored with mlx's affine quantization (``mx.quantize``) at
-``VELOX_XQUANT_BITS`` in groups of ``VELOX_XQUANT_GROUP`` along the hidden dimension; ``16`` keeps it
-unquantized in the model's dtype.
+A layer's keys and values are two projections of one input, the attention module's X (the block input after its
+norm): ``K = rope(k_norm(X W_k))`` and ``V = X W_v``. XQuant keeps X, quantized (mlx's ``mx.quantize`` at
+``VELOX_XQUANT_BITS`` in groups of ``VELOX_XQUANT_GROUP`` along the hidden dimension; ``16``: unquantized), instead
+of K and V, and recomputes K and V with the layer's own projections whenever attention needs them: more arithmetic
+for fewer bytes.
 
-XQuant-CL: successive layers' inputs differ by residual updates, so ``VELOX_XQUANT_CL`` consecutive
-layers form a group whose first layer (the anchor) keeps its X at ``VELOX_XQUANT_BITS``, held once for
-the group (``shared_parts``), and whose other layers keep only ``X_l - X̂_anchor`` at
-``VELOX_XQUANT_CL_BITS``, taken against the anchor's reconstruction so a layer's error is its own
-delta's alone. The anchor runs first in every forward and publishes its rows of the step through the
-coordinator (``publish``/``latest``); a layer that finds no publication of its forward (its anchor
-keeps exact rows, or runs elsewhere) leaves the group and keeps its own X from then on.
+XQuant-CL (on by default, docs/results.md "Perplexity"): ``VELOX_XQUANT_CL`` consecutive layers form a group whose
+first layer (the anchor) keeps its X at ``VELOX_XQUANT_BITS``, held once for the group (``shared_parts``), and whose
+other layers keep only ``X_l - X̂_anchor`` at ``VELOX_XQUANT_CL_BITS``, taken against the anchor's reconstruction so
+a layer's error is its own delta's alone. The anchor runs first in every forward and publishes its rows through the
+coordinator; a layer that finds no publication of its forward leaves the group and keeps its own X from then on.
+Where a list's members are not adjacent layers (sliding-window or hybrid models) the premise is weaker.
 
-XQuant-CL is on by default, in groups of 4 with 3-bit deltas: on SmolLM2 it kept 4-bit X's perplexity in 17% fewer
-bytes (docs/results.md, "Perplexity"). Where a list's members are not adjacent layers
-(sliding-window or hybrid models, whose other layers keep mlx_lm's caches) the premise is weaker.
-On a model split by tensor parallelism (``mx.distributed``) every rank receives the whole X and
-recomputes only its own heads, so each rank keeps all of X: XQuant's bytes per rank do not shrink with
-the number of ranks, while a KV cache's do. The GQA latent comes from the rank's shard of the
-projections, so it holds the rank's heads only and does shrink. XQuant-CL groups are formed in each rank's list.
+The GQA latent (``VELOX_XQUANT_LATENT``, the paper's variant for grouped-query attention). Where K and V together
+are narrower than X, the cache keeps X projected on the left singular vectors of ``W_k`` and of ``W_v`` instead: a
+latent as wide as K and V, quantized like X; K and V are rebuilt as ``latent S V^T``, then key norm and rotation.
+The latent ``X U`` equals the projection's output times ``V S^-1`` (:func:`whitening`), so it needs two kv-width
+square matrices per layer, not the hidden x kv-width ``U`` (a bias rides along). Each layer's latent is in bases of
+its own, so XQuant-CL's deltas do not apply to it. docs/results.md ("Perplexity") compares it with mlx_lm's
+``kv_bits`` at equal bytes (``bench/kv_quant_error.py`` measures the attention error): the gain is in the keys; it
+decodes several times slower.
 
-The GQA latent (``VELOX_XQUANT_LATENT``, the paper's variant for grouped-query attention). Where K and
-V together are narrower than X (SmolLM2-135M: 384 against 576), X at b bits takes more bytes than K
-and V at b bits, so the cache keeps X projected on the left singular vectors of ``W_k`` and of
-``W_v`` instead: a latent as wide as K and V, quantized like X; K and V are rebuilt as
-``latent S V^T``, then key norm and rotation. With ``W^T = U S V^T`` the latent ``X U`` equals the
-projection's output times ``V S^-1`` (:func:`whitening`), so it is computed from ``k_proj(X)`` and
-``v_proj(X)`` with two kv-width square matrices per layer, without the hidden x kv-width ``U`` (a bias
-rides along in the latent). Each layer's latent is in bases of its own, so XQuant-CL's deltas do not
-apply to it. Measured on SmolLM2 (``python bench/kv_quant_error.py --model FOLDER``: a held-out
-1024-token text, the relative error of every layer's attention output, mean over the 30 layers): the
-latent at 4 bits errs 0.13, keys and values quantized as mlx_lm's ``kv_bits`` does 0.24 at 4 bits
-and 0.11 at 5, in the same bytes per token as the latent at 4 and 5 bits. The gain is all in the
-keys: values quantized either way err alike. On SmolLM2's perplexity, with ``VELOX_WINDOW=1`` (the exact
-window is a constant cost in bytes), the latent beats ``kv_bits`` at the same bits and bytes on every
-text measured; it decodes several times slower (docs/results.md).
+On a model split by tensor parallelism every rank receives the whole X and recomputes only its own heads, so each
+rank keeps all of X (XQuant's bytes per rank do not shrink with the ranks); the latent comes from the rank's shard of
+the projections and does shrink. XQuant-CL groups are formed in each rank's list.
 
-How it sits in the shim. The cache class asks for the layer inputs (``wants_layer_io``); the attention
-module's hook hands the cache each step's X and the module itself before the module runs
-(:meth:`XQuantCache.see_attention_input`), so the step's X is encoded when its rows arrive. Every
-token's X is kept from then on, in one fold per layer; the token's exact K and V stay beside it in
-the row store until they are released (:mod:`veloxpatch.caches.crosslayer`'s schedule: the last
-``VELOX_WINDOW`` tokens always stay, the rows older than that go after each prefill chunk with
-``VELOX_COMPRESS=chunk``, and at the first decode step with ``end``, so the prompt's later chunks
-attend over its exact rows). Attention runs over K and V rebuilt from the X of the released rows,
-then the exact rows. The module is kept by weak reference and handed over again by the hook after a
-copy or a load. At the first step the cache rebuilds the step's own K and V from X and compares them
-with the ones the model handed over; a module without ``k_proj``, ``v_proj``, ``rope`` and
-``n_kv_heads`` (fused projections, latent attention, ...) or one that computes K and V otherwise
-leaves the layer with exact rows, as mlx_lm's cache keeps them, said once in the log.
+How it sits in the shim. The attention module's hook hands the cache each step's X and the module itself
+(:meth:`XQuantCache.see_attention_input`, kept by weak reference), so the step's X is encoded when its rows arrive
+and every token's X is kept from then on, in one fold per layer. The token's exact K and V stay beside it in the row
+store until released on :mod:`veloxpatch.caches.crosslayer`'s schedule; attention runs over K and V rebuilt from the
+released rows' X, then the exact rows. At the first step the cache compares K and V rebuilt from X with the model's
+own; a module without ``k_proj``, ``v_proj``, ``rope`` and ``n_kv_heads``, or one that computes K and V otherwise,
+leaves the layer with exact rows, said once in the log.
 
 Where the shim's position makes this deviate from the paper, and why:
 
-* The last ``VELOX_WINDOW`` tokens keep their exact K and V beside their X: the next tokens attend to
-  them most, and rows kept exact cost no recomputation. Rows are released in segments of at least a
-  window, so the store is not compacted at every decode step.
-* Nothing is evicted and ``VELOX_BUDGET`` does not apply: every token's X is kept.
-* K and V of every released row are recomputed at every step (dequantize, project, rotate at the
-  true positions ``0 .. T-1``) in plain mlx: there is no fused kernel.
-* XQuant-CL's X is the attention input, after each layer's norm (the only X the projections take), not
-  the residual stream between layers, whose updates are the small part: on SmolLM2 adjacent layers'
-  normed inputs differ by 0.3-0.4 of their norm, the residual stream by 0.04-0.3 past the first layers.
-  Each delta is taken against its group's anchor, not accumulated layer after layer from the first
-  layer as the paper describes, so errors never add up along the stack and a group needs no layer
-  outside it.
+* The last ``VELOX_WINDOW`` tokens keep their exact K and V beside their X: the next tokens attend to them most, and
+  exact rows cost no recomputation. Rows are released in segments of at least a window.
+* Nothing is evicted and ``VELOX_BUDGET`` does not apply.
+* K and V of every released row are recomputed at every step in plain mlx: there is no fused kernel.
+* XQuant-CL's X is the attention input, after each layer's norm (the only X the projections take), not the residual
+  stream, whose updates are the small part: on SmolLM2 adjacent layers' normed inputs differ by 0.3-0.4 of their
+  norm, the residual stream by 0.04-0.3 past the first layers. Each delta is taken against its group's anchor, not
+  accumulated from the first layer, so errors never add up along the stack.
 """
 
 from __future__ import annotations
@@ -171,7 +147,8 @@ class XQuantCache(CrossLayerCache):
             self.checked = True
             self.hidden = x.shape[-1]
             if not self.folds:  # a cache loaded with rows keeps the form they were saved in
-                self.latent_on = self._latent_fits(x, keys, values)
+                narrower = _width(keys) + _width(values) < x.shape[-1]  # as with grouped-query attention
+                self.latent_on = self.latent == "on" or (self.latent == "auto" and narrower)
                 self.grouped = self.grouped and not self.latent_on
             why = self._mismatch(x, keys, values)
             if why:
@@ -179,10 +156,10 @@ class XQuantCache(CrossLayerCache):
                 return
             self._say_form(x.shape[-1], _width(keys) + _width(values))
         group = self.group()
-        if self.latent_on:
-            self._add_latent(x)
+        if self.latent_on:  # always alone: each layer's latent is in its own bases
+            self._add_own("l", self._latent(x))
         elif len(group) == 1:
-            self._add_alone(x)
+            self._add_own("x", x)
         elif self.layer == group[0]:
             self._add_anchor(x)
         else:
@@ -192,13 +169,6 @@ class XQuantCache(CrossLayerCache):
             # hidden, wider than the rows it stands for) stays alive until the whole forward is evaluated
             fold = self.folds[0]
             mx.eval([a for _, a in tree_flatten((fold.own, fold.shared)) if isinstance(a, mx.array)])
-
-    def _latent_fits(self, x: mx.array, keys: mx.array, values: mx.array) -> bool:
-        """Whether this layer keeps the latent: as asked, or (``auto``) where K and V together are narrower
-        than X, as with grouped-query attention (SmolLM2-135M: 384 against 576)."""
-        if self.latent != "auto":
-            return self.latent == "on"
-        return _width(keys) + _width(values) < x.shape[-1]
 
     def _mismatch(self, x: mx.array, keys: mx.array, values: mx.array) -> str:
         """Why K and V rebuilt from ``x`` (the rows just stored) are not the model's own ('' when they are)."""
@@ -244,25 +214,13 @@ class XQuantCache(CrossLayerCache):
 
     # ----------------------------------------------------------------- encoding X
     def joint(self, parts: list[mx.array]) -> tuple[list[Any], Any]:
-        """One step's X of this layer encoded, as its fold holds it: alone (``[x]``), X at
-        ``VELOX_XQUANT_BITS``; in a group (``[the anchor's reconstructed rows, x]``), the delta at
-        ``VELOX_XQUANT_CL_BITS``. (The anchor's own rows are the group's shared part, published through
-        the coordinator within the forward: no layer waits for a fan-in.)"""
-        if len(parts) == 1:
-            return [{"x": self._encode(parts[0], self.bits)}], None
-        anchor, x = parts
-        return [None, {"d": self._encode(x - anchor, self.cl_bits)}], None
+        """One step's X of a layer alone encoded. (A group needs no fan-in: the anchor publishes its rows within
+        the forward, :meth:`_add_anchor`.)"""
+        return [{"x": self._encode(parts[0], self.bits)}], None
 
-    def _add_alone(self, x: mx.array) -> None:
-        """A layer alone: its X joins its own."""
-        (own,), _ = self.joint([x])
-        self._set_fold({"x": _joined(self._held("x"), own["x"])}, None)
-
-    def _add_latent(self, x: mx.array) -> None:
-        """A layer keeping the GQA latent: the step's latent joins its own (always alone: each layer's latent
-        is in its own bases, so XQuant-CL's deltas across layers do not apply)."""
-        step = self._encode(self._latent(x), self.bits)
-        self._set_fold({"l": _joined(self._held("l"), step)}, None)
+    def _add_own(self, key: str, rows: mx.array) -> None:
+        """A layer alone: the step's X (``x``) or latent (``l``) joins its own."""
+        self._set_fold({key: _joined(self._held(key), self._encode(rows, self.bits))}, None)
 
     def _add_anchor(self, x: mx.array) -> None:
         """The group's first layer: its X joins the shared part, and the step's rows are published."""
@@ -277,11 +235,10 @@ class XQuantCache(CrossLayerCache):
         found = self.coordinator.latest(("xquant", self.group()[0])) if self.coordinator is not None else None
         if found is None or found[2] != self.offset or found[1].shape != x.shape:
             self._leave_group()
-            self._add_alone(x)
+            self._add_own("x", x)
             return
         shared, anchor, _ = found
-        (_, own), _ = self.joint([anchor, x])
-        self._set_fold({"d": _joined(self._held("d"), own["d"])}, shared)
+        self._set_fold({"d": _joined(self._held("d"), self._encode(x - anchor, self.cl_bits))}, shared)
 
     def _leave_group(self) -> None:
         """Keep this layer's own X from now on (its rows so far rebuilt from the anchor's and the delta)."""
