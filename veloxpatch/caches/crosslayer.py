@@ -1,22 +1,19 @@
 """Caches that fold their older rows into a form built jointly with other layers (xKV, MiniCache) or alone (Quant).
 
-A cross-layer cache evicts nothing. It keeps its recent rows exact in the row store and *folds*
-older ones: rows ``[start, end)`` of every member of a layer group go through the coordinator's
-fan-in into one joint step (a shared basis, a merged direction), which returns what each layer keeps
-alone (``own``) and what the group keeps once (``shared``, the same object in every member, counted
-once over the list). Attention runs over the folded rows, rebuilt by the method, then the exact ones.
+A cross-layer cache evicts nothing. It keeps its recent rows exact in the row store and *folds* older ones: rows
+``[start, end)`` of every member of a layer group go through the coordinator's fan-in into one joint step (a shared
+basis, a merged direction), which returns what each layer keeps alone (``own``) and what the group keeps once
+(``shared``, counted once over the list). Attention runs over the folded rows, rebuilt by the method, then the exact
+ones.
 
-When rows fold. The last ``VELOX_WINDOW`` tokens always stay exact: the next tokens attend to them
-most. Older rows fold once at least :meth:`CrossLayerCache.min_fold` of them are exact: after any
-step in ``chunk`` mode (each prefill chunk, so the prompt's memory stays bounded), after decode-sized
-steps only in ``end`` mode (the whole prompt folds at the first decode step, as the papers compress
-a finished prefill). Decode tokens stay exact until that many have gathered, then fold as a new
-segment.
+When rows fold. The last ``VELOX_WINDOW`` tokens always stay exact: the next tokens attend to them most. Older rows
+fold once at least :meth:`CrossLayerCache.min_fold` of them are exact: after any step in ``chunk`` mode (so the
+prompt's memory stays bounded), after decode-sized steps only in ``end`` mode (the whole prompt folds at the first
+decode step). Decode tokens stay exact until that many have gathered, then fold as a new segment.
 
-Order within a forward. Layer i runs before layer i+1 has its rows, so the member that completes a
-group folds at once and earlier members pick the result up on their next call, attending over exact
-rows until then. A group that never completes (a member whose layer differs) leaves each member to
-fold on its own at that next call, said once in the log: no member ever waits.
+Order within a forward. The member that completes a group folds at once; earlier members pick the result up on their
+next call, attending over exact rows until then. A group that never completes leaves each member to fold on its own
+at that next call, said once in the log: no member ever waits.
 """
 
 from __future__ import annotations
@@ -91,8 +88,7 @@ class CrossLayerCache(CompressedKVCache):
 
     @property
     def nbytes(self) -> int:
-        """The base's bytes (exact rows, and the shared parts this layer is first to hold) and the
-        folds' own parts."""
+        """The base's bytes (exact rows, the shared parts this layer is first to hold) and the folds' own parts."""
         own = sum(a.nbytes for fold in self.folds for _, a in tree_flatten(fold.own) if isinstance(a, mx.array))
         return super().nbytes + own
 
@@ -139,8 +135,8 @@ class CrossLayerCache(CompressedKVCache):
         return {**super()._meta(), "folds": [[fold.start, fold.end, list(fold.group)] for fold in self.folds]}
 
     def _extra_state(self) -> tuple[Any, ...]:
-        """The folds' arrays (None when nothing is folded: an empty list would vanish from a prompt-cache
-        file). Every holder saves what it shares; loading links them again (:meth:`_relink`)."""
+        """The folds' arrays (None when nothing is folded: an empty list would vanish from a prompt-cache file);
+        every holder saves what it shares, linked again on load (:meth:`_relink`)."""
         return ([{"own": fold.own, "shared": fold.shared} for fold in self.folds] or None,)
 
     def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
@@ -160,8 +156,7 @@ class CrossLayerCache(CompressedKVCache):
         return fetched
 
     def rows(self) -> tuple[mx.array, mx.array]:
-        """Every row attention runs over: the folds' rebuilt rows, then the exact ones (what a copy into
-        mlx_lm's own cache takes, e.g. joining a batch)."""
+        """Every row attention runs over: the folds' rebuilt rows, then the exact ones."""
         return self._with_folds(*self.store.fetch())
 
     def _with_folds(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -174,9 +169,9 @@ class CrossLayerCache(CompressedKVCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """Attention over folded + exact rows (the folds all in the past), then fold what is due. A step that
-        may use the folds as held (:meth:`_held_usable`) asks the method's :meth:`attend_held` first; any
-        other step, or a method without such a path, attends over the rows ``update_and_fetch`` rebuilt."""
+        """Attention over folded + exact rows, then fold what is due: over the folds as held where the step and
+        the method allow (:meth:`_held_usable`, :meth:`attend_held`), else over the rows ``update_and_fetch``
+        rebuilt."""
         handed, self.handed = self.handed, None  # not kept past the step: they may be every row, rebuilt
         out = self.attend_held(queries, scale) if keys is handed and self._held_usable(queries, mask, sinks) else None
         if out is None:
@@ -188,14 +183,12 @@ class CrossLayerCache(CompressedKVCache):
 
     def attend_held(self, queries: mx.array, scale: float) -> mx.array | None:
         """Attention of a decode-sized step of ``queries`` (B, q_heads, n, dim) over the folds as held, then the
-        exact rows (the step's own last, causal among themselves), without rebuilding the folded rows; None
-        where the method has no such path (the base's: attention over the rebuilt rows)."""
+        exact rows (causal among the step's own), without rebuilding the folded rows; None: no such path."""
         return None
 
     def _held_usable(self, queries: mx.array, mask: Any, sinks: mx.array | None) -> bool:
-        """Whether this step may attend over the folds as held, given the model attends over the keys the store
-        handed out, unchanged: folds present, a decode-sized step, a mask that carries nothing of the model's, no
-        attention sinks and no holes among the exact rows."""
+        """Whether this step may attend over the folds as held (the model attending over the keys the store handed
+        out): a decode-sized step over folds, no mask of the model's own, no sinks, no holes among the exact rows."""
         if not self.folds or sinks is not None or self.store.holes:
             return False
         if isinstance(mask, mx.array) and not masks.issued(mask, members_of(self)):
@@ -275,8 +268,8 @@ class CrossLayerCache(CompressedKVCache):
         self.store.keep(index, 0)
 
     def _relink(self) -> None:
-        """After loading, use the shared part an earlier member of the same fold holds, so the group
-        holds it once again (the file kept a copy per layer)."""
+        """After loading, use the shared part an earlier member of the same fold holds, so the group holds it once
+        again (the file kept a copy per layer)."""
         self.linked = True
         if self.coordinator is None:
             return

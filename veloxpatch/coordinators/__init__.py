@@ -1,50 +1,29 @@
 """Cross-layer state for one cache list.
 
-The builder makes one coordinator per list returned by ``make_prompt_cache`` and hands it to
-every member cache, in layer order; a member knows its index (``cache.layer``) and the list's
-size (``len(coordinator.members)``). A method that shares state across layers names its
-coordinator class on its cache class (``coordinator_class``); the builder stays generic.
+The builder makes one coordinator per list returned by ``make_prompt_cache`` and hands it to every member cache, in
+layer order (``cache.layer``); a method that shares state across layers names its coordinator class on its cache
+class (``coordinator_class``). Layers run in order within a forward, so an earlier member always runs before a later
+one. The coordinator counts forwards (``step``), and every publication is stamped with its step, so a follower never
+applies a stale one (:meth:`Coordinator.publish`, :meth:`Coordinator.latest`).
 
-Layers run in order within a forward pass, so a member earlier in the list always runs before a
-later one in the same forward. The coordinator counts forwards (``step``: the first member's
-store starts one), and every publication is stamped with the step it was made in, so a
-follower never applies a stale one (:meth:`Coordinator.publish`, :meth:`Coordinator.latest`).
+Methods that act on several layers at once (a joint SVD, a merge of two layers) use a **fan-in**: each member
+contributes its part as it runs (:meth:`Coordinator.contribute`); the contribution that completes the group computes
+the joint result once, and every member, earlier ones on their next call, gets that same object. A group whose
+members never all contribute stays incomplete (:meth:`Coordinator.missing`): the method degrades to per-layer
+behaviour, nothing waits. Storage held for several layers (each member's ``shared_parts()``) counts once, in the
+``nbytes`` of its first live holder (:meth:`Coordinator.owned_nbytes`).
 
-Methods that act on several layers at once (a joint SVD over a group's keys, a merge of two
-layers' states) use a **fan-in**: each member of a group contributes its part as it runs
-(:meth:`Coordinator.contribute`); the contribution that completes the group computes the joint
-result once, and every member, earlier ones on their next call, gets that same object
-(:meth:`Coordinator.joint`). Layer i runs before layer i+1 has produced anything, so an earlier
-member holds its rows exactly until it picks the result up; a group whose members never all
-contribute (layers that differ) stays incomplete and :meth:`Coordinator.missing` says which are
-absent: the method degrades to per-layer behaviour, nothing waits.
+On a model split across ranks (``mlx.distributed``) each rank has its own list and coordinator, with a :class:`Span`
+saying where its members sit among the whole model's served layers: depth-set choices count with
+:meth:`Coordinator.position` and :meth:`Coordinator.layer_count`, a per-layer signal the whole model must agree on
+goes through :meth:`Coordinator.pooled`, and a whole-layer choice made from its heads through
+:meth:`Coordinator.head_mean`. Groups of layers are formed within a rank's list.
 
-Storage held for several layers (a shared basis, a merged direction) is referenced by each member
-that uses it (a member lists it in ``shared_parts()``) and counts once, in the ``nbytes`` of its
-first live holder (:meth:`Coordinator.owned_nbytes`), so a sum of ``nbytes`` over the list is what
-the process holds.
-
-On a model split across ranks (``mlx.distributed``: tensor or pipeline parallel), each rank has its
-own list and coordinator; the builder gives it the list's :class:`Span`, where its members sit
-among the served layers of the whole model. Methods whose choices depend on depth (PyramidKV's
-pyramid, MiniCache's starting layer) count with :meth:`Coordinator.position` and
-:meth:`Coordinator.layer_count`, and a per-layer signal the whole model must agree on
-(SqueezeAttention's) goes through :meth:`Coordinator.pooled`, one all-sum over every rank; a choice made
-for a whole layer from its heads (TOVA's) averages over the ranks holding the other heads
-(:meth:`Coordinator.head_mean`). Groups of
-layers (xKV, XQuant-CL, ChunkKV's index reuse) are formed within a rank's list: nothing a rank cannot
-see is waited for.
-
-When a new sequence starts, cross-layer state from the previous one must go. Two signals say so:
-
-* a generation starts on the list (the integration resets every coordinator of the list handed to
-  ``generate_step`` / ``speculative_generate_step``): this covers a reused list, e.g. a chat's
-  next turn, whose caches keep their history;
-* the first member receives rows while its offset is 0 (:meth:`Coordinator.on_update`): this
-  covers loops that call the model directly (mlx_lm's ``evaluate``, a user's own loop). Offset 0
-  means the layer has seen nothing, so no state held from before can belong to this sequence; the
-  first member is the first layer to run in a forward, so nothing of the new forward has been
-  published yet when it resets (a later member at offset 0 would wipe the leader's publication).
+A new sequence's cross-layer state is reset on two signals: a generation starts on the list (the integration resets
+every coordinator of the list handed to ``generate_step``), which covers a reused list such as a chat's next turn;
+and the first member receives rows at offset 0 (:meth:`Coordinator.on_update`), which covers loops that call the
+model directly. The first member runs first in a forward, so nothing of the new forward has been published yet when
+it resets (a later member at offset 0 would wipe the leader's publication).
 """
 
 from __future__ import annotations
@@ -60,10 +39,8 @@ from mlx.utils import tree_flatten
 
 @dataclass(frozen=True)
 class Span:
-    """Where a cache list's members sit among the served layers of the whole model: ``first`` is
-    the index of its first member, ``total`` their number over every rank. ``split``: the model is
-    split across ranks (tensor or pipeline parallel), so whole-model values need a collective; ``tensor``:
-    the group of ranks holding the other heads of these layers."""
+    """Where a cache list's members sit among the served layers of the whole model: ``first`` is the index of its
+    first member, ``total`` their number over every rank; ``split``: whole-model values need a collective."""
 
     first: int = 0
     total: int | None = None
@@ -106,12 +83,8 @@ class Coordinator:
         self.results.clear()
 
     def on_update(self, cache: Any) -> None:
-        """A member is about to store rows. On the first member a forward starts (``step``), and
-        at offset 0 a new sequence.
-
-        A reset just made by the generation start is not repeated (``fresh``), so one generation
-        counts once whichever signal sees it first.
-        """
+        """A member is about to store rows: on the first member a forward starts (``step``), and at offset 0 a new
+        sequence (unless the generation start has just reset, ``fresh``)."""
         if self.members and cache is self.members[0]:
             if cache.offset == 0 and not self.fresh:
                 self.reset()
@@ -127,7 +100,6 @@ class Coordinator:
         step, value = self.published.get(topic, (-1, None))
         return value if step == self.step else None
 
-
     # ----------------------------------------------------------------- depth over the whole model
     def position(self, cache: Any) -> int:
         """``cache``'s index among the served layers of the whole model (its list index on one process)."""
@@ -138,9 +110,9 @@ class Coordinator:
         return len(self.members) if self.span.total is None else self.span.total
 
     def pooled(self, values: Mapping[int, mx.array | float]) -> list[float | None]:
-        """Whole-model values per layer from this list's ``values`` (member index -> value). On a split
-        model every rank must call this at the same point: one all-sum, each layer averaged over the
-        ranks holding it (tensor-parallel peers hold the same layers). None where no rank had one."""
+        """Whole-model values per layer from this list's ``values`` (member index -> value), None where no rank had
+        one. On a split model every rank calls this at the same point: one all-sum, each layer averaged over the
+        ranks holding it."""
         sums = mx.zeros((2, self.layer_count()), dtype=mx.float32)
         if values:
             where = mx.array([self.span.first + layer for layer in values])
@@ -153,10 +125,9 @@ class Coordinator:
         return [total / count if count else None for total, count in zip(totals, counts)]
 
     def head_mean(self, value: mx.array) -> mx.array:
-        """``value``, a mean over this rank's heads, averaged over the ranks holding the layer's other heads
-        (tensor parallel; every rank holds as many), so a choice made for a whole layer is the same on every
-        rank. Called inside a forward, at the same layer and step on every rank: on the stream the model's own
-        collectives run on, after them."""
+        """``value``, a mean over this rank's heads, averaged over the ranks holding the layer's other heads (tensor
+        parallel), so a whole-layer choice is the same on every rank. Called inside a forward, at the same layer
+        and step on every rank."""
         group = self.span.tensor
         if group is None:
             return value
@@ -165,10 +136,9 @@ class Coordinator:
     # ----------------------------------------------------------------- fan-in and joint steps
     def contribute(self, group: Hashable, member: Any, part: Any, layers: Sequence[int],
                    compute: Callable[[list[Any]], Any]) -> Any:
-        """Add ``member``'s ``part`` to ``group`` (whose members are ``layers``); the contribution that
-        completes it runs ``compute`` on the parts in layer order, once per group per generation.
-        Returns the joint result, or None while the group is incomplete. A second contribution from
-        the same member before completion replaces its first (a later prompt chunk)."""
+        """Add ``member``'s ``part`` to ``group`` (whose members are ``layers``); the contribution that completes it
+        runs ``compute`` on the parts in layer order, once. Returns the joint result, or None while incomplete. A
+        second contribution from the same member before completion replaces its first."""
         if group not in self.results:
             parts = self.parts.setdefault(group, {})
             parts[member.layer] = part
@@ -189,9 +159,8 @@ class Coordinator:
 
     # ----------------------------------------------------------------- storage held for several layers
     def owned_nbytes(self, member: Any) -> int:
-        """Bytes of the storage shared across layers (each member's ``shared_parts()``) that ``member``
-        is the first live holder of: in a sum over the list each shared array counts once, and it still
-        counts when the layer that made it has let go (a trim, a new sequence)."""
+        """Bytes of the storage shared across layers that ``member`` is the first live holder of, so a sum over the
+        list counts each shared array once, even after the layer that made it let go."""
         mine = {id(part): part for part in member.shared_parts()}
         if not mine:
             return 0
@@ -204,9 +173,8 @@ class Coordinator:
 
 
 def drain_streams() -> None:
-    """Wait for the work in flight before a collective of ours: mlx_lm generates on a stream of its own,
-    one step ahead, and a step still running there holds the model's collectives; ours, started on
-    another stream meanwhile, would pair with them on the ring and swap data between ranks."""
+    """Wait for the work in flight before a collective of ours: a step still running on mlx_lm's generation stream
+    holds the model's collectives, which ours would pair with on the ring, swapping data between ranks."""
     mx.synchronize()
     stream = getattr(sys.modules.get("mlx_lm.generate"), "generation_stream", None)
     if stream is not None:
@@ -219,16 +187,15 @@ def members_of(cache: Any) -> list[Any]:
 
 
 def depth_of(cache: Any) -> tuple[int, int]:
-    """``cache``'s index among the served layers of the model and their number: over every rank's layers on a model
-    split by pipeline (the coordinator's span), so depth-set choices match one process."""
+    """``cache``'s index among the served layers of the model and their number (over every rank's layers)."""
     if cache.coordinator is None:
         return 0, 1
     return cache.coordinator.position(cache), cache.coordinator.layer_count()
 
 
 def coordinators_of(caches: Any) -> list[Coordinator]:
-    """Every distinct coordinator in a cache list, in list order (a server list holds main and
-    draft caches, each part with its own); empty for any other list or object."""
+    """Every distinct coordinator in a cache list, in list order (a server list holds main and draft caches);
+    empty for any other object."""
     found: dict[int, Coordinator] = {}
     for cache in caches if isinstance(caches, (list, tuple)) else ():
         coordinator = getattr(cache, "coordinator", None)

@@ -1,33 +1,24 @@
 """ChunkKV (Liu et al., arXiv 2502.00299): keep whole chunks of consecutive tokens, not single tokens.
 
-A token's meaning lives in its neighbours, so a row kept without the rows around it is worth little.
-ChunkKV scores rows as SnapKV does (the attention the last ``VELOX_WINDOW`` real queries pay them,
-summed over the query heads of each KV head) and then ranks *chunks* of ``VELOX_CHUNKKV_CHUNK``
-consecutive tokens by their summed score, keeping the best chunks whole. The paper's default chunk
-size, 10, is the default here. Because whole chunks survive, neighbouring layers keep very similar
-positions, so the paper's *layer-wise index reuse* lets one layer choose for the next few: with
-``VELOX_CHUNKKV_REUSE=N`` the first layer of each block of N (a leader: ``layer % N == 0``) selects
-and publishes the positions it keeps, and the other layers of the block keep exactly those rows
-without scoring (``ChunkKVIndexReuseCoordinator``).
+A token's meaning lives in its neighbours, so a row kept without the rows around it is worth little. ChunkKV scores
+rows as SnapKV does (the attention the last ``VELOX_WINDOW`` queries pay them, summed over the query heads of each KV
+head) and keeps the *chunks* of ``VELOX_CHUNKKV_CHUNK`` consecutive tokens (the paper's 10) with the most summed score
+whole. Neighbouring layers then keep very similar positions, so the paper's *layer-wise index reuse* lets one layer
+choose for the next few: with ``VELOX_CHUNKKV_REUSE=N`` the first layer of each block of N (``layer % N == 0``)
+publishes the positions it keeps, and the others keep exactly those rows without scoring.
 
 Where this deviates from the paper, and why:
 
-* Chunks are fixed by token position (``position // chunk``), not by row index: after earlier
-  evictions the stored rows are no longer contiguous, and positions keep a chunk the same chunk
-  across compressions, trims and layers.
-* The sink and the recent window are kept anyway (the paper keeps the observation window; the sink
-  is this package's contract); their rows add nothing to a chunk's score, so the window's
-  attention to itself does not promote the chunk it starts in.
-* The budget counts rows, not chunks (the paper keeps ``budget // chunk`` chunks): chunks are
-  taken best first until the budget is full, and the one chunk the budget cuts keeps its earliest
-  rows (a contiguous span). So every head keeps exactly the budget, as every cache here does.
-* Selection is per KV head, as SnapKV and the PyramidKV-style implementations of ChunkKV do
-  (NVIDIA kvpress's port sums the scores over heads and shares one choice per layer). Per head,
-  chunk size 1 is exactly SnapKV without pooling, and GQA heads keep what their own queries need.
-* Reuse applies during decode too (the paper compresses once, after the prompt): the leader
-  publishes every time it compresses, and a follower that finds no usable publication for this
-  forward (its leader did not compress, or chose positions the follower does not hold) selects on
-  its own, said once in the log.
+* Chunks are fixed by token position (``position // chunk``), not by row index: after evictions the stored rows are
+  no longer contiguous, and positions keep a chunk the same across compressions, trims and layers.
+* The sink and the recent window are kept anyway and add nothing to a chunk's score, so the window's attention to
+  itself does not promote the chunk it starts in.
+* The budget counts rows, not chunks: chunks are taken best first until the budget is full, and the chunk the budget
+  cuts keeps its earliest rows, so every head keeps exactly the budget, as every cache here does.
+* Selection is per KV head, as SnapKV does (kvpress's port shares one choice per layer): chunk size 1 is exactly
+  SnapKV without pooling, and GQA heads keep what their own queries need.
+* Reuse applies during decode too (the paper compresses once): the leader publishes every time it compresses, and a
+  follower with no usable publication in its forward selects on its own, said once in the log.
 """
 
 from __future__ import annotations
@@ -54,12 +45,8 @@ HOLE_LAST = 2**30
 
 
 def keep_order(scores: mx.array, positions: mx.array, protected: mx.array, chunk: int, seen: int) -> mx.array:
-    """(B, H, rows) int32 sort key: rows are kept lowest key first.
-
-    Protected rows first, then the rows of the chunk with the most score, then the next chunk,
-    and so on; within a chunk the earlier positions first, so the one chunk the budget cuts keeps
-    a contiguous span. Holes last. ``seen`` (the tokens seen) bounds the chunk ids.
-    """
+    """(B, H, rows) int32 sort key, rows kept lowest first: protected rows, then the chunks by score, each
+    chunk's earlier positions first, holes last. ``seen`` (the tokens seen) bounds the chunk ids."""
     b, h, rows = scores.shape
     valid = positions >= 0
     ids = mx.where(valid, positions // chunk, 0)
@@ -77,11 +64,7 @@ KEPT, TIER = "kept", "tier"  # what a leader's published choice is: its store's 
 
 
 class ChunkKVIndexReuseCoordinator(Coordinator):
-    """Carries the positions a block's leader layer keeps to the other layers of its block.
-
-    One per cache list, so two generations never see each other's choices; a publication counts
-    only in the forward it was made in (:meth:`Coordinator.latest`).
-    """
+    """Carries the positions a block's leader layer keeps to the other layers of its block, within a forward."""
 
     @staticmethod
     def topic(layer: int, block: int, what: str) -> tuple[str, int, int]:
@@ -110,22 +93,18 @@ class ChunkKV(Policy):
         return {"chunk": self.chunk, "reuse": self.reuse}
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        """Window attention per row; protected rows score nothing (they are kept anyway, and the
-        window's attention to itself would otherwise promote the chunk it starts in)."""
+        """Window attention per row; protected rows score nothing (module doc)."""
         scores = cache.memory.attention(keys, positions, scale)
         return mx.where(cache.protected(positions), 0.0, scores)
 
     def select(self, cache: EvictingCache, keep: int, scale: float, kept: mx.array | None = None) -> mx.array:
         """A follower applies its leader's choice when it can; a leader publishes its own. The tier's choice
-        (``kept`` given) is the rows kept and the best whole chunks after them (the same order the store's choice
-        cut at its budget), chosen for the block as that one is: the block's layers then tier the same positions,
-        and a follower can follow its leader when a later prompt takes them back."""
-        return self._block_choice(cache, keep, scale, KEPT if kept is None else TIER)
-
-    def _block_choice(self, cache: EvictingCache, keep: int, scale: float, what: str) -> mx.array:
-        if self._follower(cache):
-            kept = self._leaders_rows(cache, keep, what)
-            return kept if kept is not None else self.choose(cache, keep, scale)
+        (``kept`` given: the rows kept and the best whole chunks after them) is shared the same way, so the block's
+        layers tier the same positions and a follower can follow its leader when a prompt takes them back."""
+        what = KEPT if kept is None else TIER
+        if self.reuse > 1 and cache.layer % self.reuse != 0:  # a follower
+            rows = self._leaders_rows(cache, keep, what)
+            return rows if rows is not None else self.choose(cache, keep, scale)
         index = self.choose(cache, keep, scale)
         if self.reuse > 1 and isinstance(cache.coordinator, ChunkKVIndexReuseCoordinator):
             positions = mx.take_along_axis(cache.store.row_positions(), index, axis=-1)
@@ -139,9 +118,6 @@ class ChunkKV(Policy):
         scores = self.score(cache, keys, positions, scale).astype(mx.float32)
         order = keep_order(scores, positions, cache.protected(positions), self.chunk, cache.offset)
         return mx.sort(mx.argpartition(order, kth=keep - 1, axis=-1)[..., :keep], axis=-1)
-
-    def _follower(self, cache: EvictingCache) -> bool:
-        return self.reuse > 1 and cache.layer % self.reuse != 0
 
     def _leaders_rows(self, cache: EvictingCache, keep: int, what: str) -> mx.array | None:
         """The rows holding the positions this block's leader chose (``what``) in this forward, or None
@@ -165,13 +141,9 @@ class ChunkKV(Policy):
 
 
 def rows_of(positions: mx.array, wanted: mx.array, seen: int) -> mx.array:
-    """Rows holding the positions ``wanted`` (B, H, k), ascending; -1 where ``positions`` (B, H, rows) has
-    none (``seen``: the tokens the layer has seen, which bounds the positions).
-
-    A lookup table by position (one entry per token seen) avoids comparing every pair. Where
-    a trim left fewer rows than the budget the leader kept holes (-1); the follower keeps its
-    own, the j-th hole wanted taking its j-th hole row, so the two layers stay alike.
-    """
+    """Rows holding the positions ``wanted`` (B, H, k), ascending, by a lookup table by position (``seen``: the
+    tokens seen); -1 where ``positions`` (B, H, rows) has none. Holes the leader kept (a trim left fewer rows than
+    the budget) take the follower's own, the j-th wanted the j-th hole row, so the two layers stay alike."""
     b, h, rows = positions.shape
     index = mx.broadcast_to(mx.arange(rows, dtype=mx.int32), (b, h, rows))
     table = mx.full((b, h, seen + 1), -1, mx.int32)

@@ -1,44 +1,32 @@
 """H2O, the Heavy-Hitter Oracle (Zhang et al., arXiv 2306.14048): keep the rows that have received
 the most attention so far.
 
-A few tokens collect most of the attention over a whole generation (the heavy hitters); their
-accumulated attention is a cheap, greedy oracle of what later tokens will need. Every query adds
-the attention probabilities it pays the rows it sees (softmax over them, summed over the query
-heads that share a KV head) to a per-row accumulator, from prefill on: a row starts at the mass its
-own step gives it, a compression gathers the mass with the rows kept, a trim drops it with the rows
-trimmed, and it is saved with the cache; with a tier (``VELOX_TIER``) a dropped row keeps its mass there
-and brings it back when a prompt takes it back. Rows are ranked per KV head by this sum; the sinks and
-the recent window are kept. In ``end`` mode the prompt's accumulated mass decides the first compression.
+A few tokens collect most of the attention over a whole generation (the heavy hitters); their accumulated attention is
+a cheap, greedy oracle of what later tokens will need. Every query adds the attention probabilities it pays the rows
+it sees (summed over the query heads that share a KV head) to a per-row accumulator, from prefill on; the mass follows
+its row through compactions, trims, the tier (``VELOX_TIER``) and saving. Rows are ranked per KV head by this sum; the
+sinks and the recent window are kept. In ``end`` mode the prompt's accumulated mass decides the first compression.
 
-A prompt step (more tokens than the decode headroom) takes its output and its mass from one softmax
-(:func:`attention_with_mass`: the operations of mlx's attention on the CPU, so the same output), which
-keeps H2O's cost per request near the other methods' (docs/results.md: 1.03-1.06x a generation with no
-method, from 1.47-1.62x when the mass was a second softmax). Decode steps do no work for this on the hot
-path: their queries are queued and accounted in one vectorised pass when scores are needed (a
-compression), when the queue outgrows the decode headroom and before saving; so a speculative rewind
-takes a rejected step's queries back. Until a compression nothing a query saw changes (every row at or
-before its position, holes never), so the sums are those of accounting every step at once.
+A prompt step takes its output and its mass from one softmax (:func:`attention_with_mass`, the operations of mlx's
+attention on the CPU, so the same output), which keeps H2O's cost near the other methods' (docs/results.md,
+"Server"). Decode steps' queries are queued and accounted in one vectorised pass when scores are needed, when the
+queue outgrows the decode headroom and before saving, so a speculative rewind takes a rejected step's queries back.
+Until a compression nothing a query saw changes, so the sums are those of accounting every step at once.
 
 Where this deviates from the paper, and why:
 
-* The paper evicts one row per decode step; like every method here, a cache grows ``headroom`` rows
-  above the budget and then evicts the lowest-scored together, so a compaction's copy is amortised.
-* The paper splits the budget between heavy hitters and recent tokens (half each in its runs);
-  here the recent part is ``VELOX_WINDOW`` (with ``VELOX_SINK`` first tokens) and the rest of the
-  budget goes to heavy hitters. A larger ``VELOX_WINDOW`` gives the paper's split.
-* The paper's models have one KV head per query head; with grouped-query attention a KV head's
-  rows are ranked by the attention of all the query heads that read them.
-* Attention sinks passed to attention (``sinks``, an extra logit per head in some models) are
-  left out of the probabilities: they hold no row, and without them every query head hands out a
-  mass of one, as in the paper's models, which have none.
-* A trim (speculative decoding's rewind) drops the rewound rows with their mass and the rewound
-  tokens' queued queries, so a rewind before the next compression leaves no trace; mass already
-  accounted by a compression in between stays (taking it back would need a per-step log).
-* The step that compresses an ``end`` mode prompt is accounted after the compaction, over the rows
-  kept: those it saw, unless it has more tokens than ``VELOX_WINDOW`` and some of its own rows
-  went, when its probabilities are normalised without them.
-* A mask of the model's own (e.g. a sliding window inside a full-attention slot) is not reflected
-  in the probabilities: they use causal visibility by position, holes masked.
+* The paper evicts one row per decode step; like every method here, a cache grows ``headroom`` rows above the budget
+  and then evicts the lowest-scored together, so a compaction's copy is amortised.
+* The paper splits the budget between heavy hitters and recent tokens (half each); here the recent part is
+  ``VELOX_WINDOW`` (with ``VELOX_SINK``) and the rest goes to heavy hitters. A larger window gives the paper's split.
+* With grouped-query attention a KV head's rows are ranked by the attention of all the query heads that read them.
+* Attention sinks passed to attention (``sinks``) are left out of the probabilities: they hold no row.
+* A trim drops the rewound rows with their mass and the rewound tokens' queued queries; mass already accounted by a
+  compression in between stays (taking it back would need a per-step log).
+* The step that compresses an ``end`` mode prompt is accounted after the compaction, over the rows kept (its
+  probabilities normalised without its own rows that went, when it is longer than ``VELOX_WINDOW``).
+* A mask of the model's own (e.g. a sliding window inside a full-attention slot) is not reflected in the
+  probabilities: they use causal visibility by position, holes masked.
 """
 
 from __future__ import annotations
@@ -56,14 +44,10 @@ BLOCK_ELEMENTS = 1 << 24  # float32 probabilities per block of queries: 64 MB
 
 
 def received_mass(queries: mx.array, keys: mx.array, scale: float, positions: mx.array, first: int) -> mx.array:
-    """Attention probability mass each row receives from ``queries``, (B, kv_heads, rows).
-
-    ``queries`` (B, q_heads, n, d) are those of the consecutive tokens ``first .. first + n - 1``;
-    each sees the rows of ``positions`` (B, kv_heads, rows) at or before its own position, holes
-    never (a query that sees none adds nothing). Summed over the queries and the query heads of
-    each KV head. Queries go in blocks, each evaluated before the next, so the (B, q_heads, block,
-    rows) probabilities stay within :data:`BLOCK_ELEMENTS`; heads are vectorised.
-    """
+    """Attention probability mass each row receives from ``queries`` (B, q_heads, n, d), (B, kv_heads, rows),
+    summed over the queries and the query heads of each KV head. The queries are those of tokens ``first ..
+    first + n - 1``; each sees the rows of ``positions`` at or before its own, holes never. Queries go in blocks,
+    each evaluated before the next, so the probabilities stay within :data:`BLOCK_ELEMENTS`."""
     b, hq, n, d = queries.shape
     hkv, rows = keys.shape[1], keys.shape[2]
     q = (queries.astype(mx.float32) * scale).reshape(b, hkv, hq // hkv, n, d)
@@ -85,15 +69,10 @@ def received_mass(queries: mx.array, keys: mx.array, scale: float, positions: mx
 
 def attention_with_mass(queries: mx.array, keys: mx.array, values: mx.array, scale: float, positions: mx.array,
                         first: int) -> tuple[mx.array, mx.array]:
-    """The attention output of ``queries`` over ``keys``/``values`` and the mass each row receives from them (as
-    :func:`received_mass`), from one softmax: H2O's prompt steps would otherwise compute the probabilities twice,
-    once inside mlx's attention and once for the score (most of H2O's cost per request, docs/results.md).
-
-    The same operations as mlx's attention on the CPU (queries scaled, one matmul per KV head group, a precise
-    softmax with hidden rows at -inf), so the output is the one mlx gives (``tests/test_h2o.py``). Every query
-    sees its own row (a prompt step's rows are stored before it attends). Blocks of queries as in
-    :func:`received_mass`.
-    """
+    """The attention output of ``queries`` over ``keys``/``values`` and the mass each row receives (as
+    :func:`received_mass`) from one softmax, not two. The same operations as mlx's attention on the CPU (scaled
+    queries, one matmul per KV head group, a precise softmax with hidden rows at -inf), so the same output; every
+    query sees its own row (a prompt step's rows are stored before it attends)."""
     b, hq, n, d = queries.shape
     hkv, rows = keys.shape[1], keys.shape[2]
     q = (queries * scale).reshape(b, hkv, hq // hkv, n, d)
@@ -116,9 +95,8 @@ def attention_with_mass(queries: mx.array, keys: mx.array, values: mx.array, sca
 
 
 class H2O(Policy):
-    """Ranks rows by the attention they have accumulated since they were stored: the store's row column ``mass``
-    (float32, shorter than the rows until the newest are accounted: they have none yet), which the store carries
-    through compactions, trims, the tier and back, and the cache saves."""
+    """Ranks rows by the attention they have accumulated: the store's row column ``mass`` (float32; shorter than
+    the rows until the newest are accounted)."""
 
     remembers = 0  # no observation window: the scores come from every query (:meth:`observe`)
     logs_queries = True  # decode queries wait in the cache's log until they pass the largest headroom
@@ -132,9 +110,8 @@ class H2O(Policy):
         return cache.store.column("mass", keys.shape[2])
 
     def observe(self, cache: EvictingCache, queries: mx.array, keys: mx.array, scale: float) -> None:
-        """Queue this step's queries; account them once they outgrow the decode headroom. A step whose
-        attention gave its mass already (:meth:`credit`) is not queued. The step that compresses an ``end`` mode
-        prompt is accounted after the compaction (the module doc)."""
+        """Queue this step's queries (unless its attention gave its mass already, :meth:`credit`); account them
+        once they outgrow the decode headroom."""
         if self.credited:
             self.credited = False
             cache.log.end = cache.offset
@@ -169,10 +146,9 @@ class H2OCache(EvictingCache):
 
     def _attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
                    sinks: mx.array | None, kept: mx.array | None = None) -> mx.array:
-        """A prompt step over the stored rows gets its output and its mass from one softmax; anything else (a step
-        within the decode headroom, whose queued queries a speculative rewind takes back; sinks; a model's own mask;
-        a step restricted to the rows a pending compression keeps) is attended as every cache attends, and its
-        queries scored later."""
+        """A prompt step over the stored rows gets its output and its mass from one softmax; any other step (within
+        the decode headroom, with sinks, a model's own mask or the rows a pending compression keeps) is attended as
+        every cache attends, and its queries scored later."""
         own_mask = mask is None or isinstance(mask, str) or masks.issued(mask, members_of(self))
         if queries.shape[2] <= self.headroom(self.target()) or kept is not None or sinks is not None \
                 or not own_mask or keys.shape[2] != self.store.rows:

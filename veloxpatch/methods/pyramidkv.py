@@ -1,24 +1,16 @@
 """PyramidKV (Cai et al., arXiv 2406.02069): SnapKV's selection with budgets that shrink with depth.
 
-Attention funnels through a model: lower layers spread it over the whole context, upper layers
-concentrate it on a few tokens (pyramidal information funneling). So lower layers get more rows and
-upper layers fewer: the budgets form an arithmetic sequence whose last (top) term is ``1/beta`` of the
-mean (``VELOX_PYRAMIDKV_BETA``, the paper's beta, 20 in its runs) and whose first (bottom) term is what
-keeps the mean at the configured budget, so the list holds as many rows as uniform SnapKV at the same
-``VELOX_BUDGET`` (tokens or a percentage: the mean is ``budget.resolve(offset)``). Inside a layer the
-rows are chosen exactly as SnapKV chooses them: this is SnapKV's policy (found by its id in the registry)
-with another :meth:`target`.
+Attention funnels through a model: lower layers spread it over the whole context, upper layers concentrate it on a
+few tokens. So the budgets form an arithmetic sequence from the bottom layer up whose top term is ``1/beta`` of the
+mean (``VELOX_PYRAMIDKV_BETA``, 20 in the paper's runs) and whose mean is ``VELOX_BUDGET``, so the list holds as many
+rows as uniform SnapKV. Inside a layer this is SnapKV's policy, with another :meth:`target`.
 
 Where this deviates from the paper, and why:
 
-* The sequence shapes the evictable part of the budget, above ``VELOX_SINK + VELOX_WINDOW``: every
-  layer keeps its sink and recent window, as every layer of the paper keeps its last alpha tokens
-  (the authors' code also builds the sequence on the budget without the window). So no layer's
-  budget is below sink + window.
-* No layer is given more rows than the tokens it has seen: the rows a lower layer cannot use on a
-  short context go to the layers above, in proportion to their terms (the authors' code clamps the
-  bottom term to the prompt length for the same reason). A budget at or above the context evicts
-  nothing anywhere, as with a uniform budget.
+* The sequence shapes the part of the budget above ``VELOX_SINK + VELOX_WINDOW``: every layer keeps its sink and
+  recent window, as every layer of the paper keeps its last alpha tokens (the authors' code too).
+* No layer is given more rows than the tokens it has seen: what a lower layer cannot use on a short context goes to
+  the layers above, in proportion to their terms (the authors' code clamps the bottom term likewise).
 * Budgets are integers: rounded by largest remainder, so they sum to exactly layers x budget.
 * A list without a coordinator, or with one member, uses the plain budget.
 """

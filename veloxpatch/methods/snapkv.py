@@ -9,9 +9,8 @@ steps (``headroom``), so memory stays bounded over the whole generation.
 
 Deviation: the pooling kernel defaults to 31 rows, not the paper's 7. Tokenizers that spell a number one
 digit per token (SmolLM2's, Qwen's) split a fact over a dozen rows; a narrow kernel keeps its best digits
-and drops the rest. Measured on SmolLM2-135M, single-needle retrieval at 12.5% of 2048 tokens: kernel 7
-answers 0 of 8, kernel 31 8 of 8, like the full cache (docs/results.md, ``docs/results/smollm2-niah-2k-methods``).
-``VELOX_SNAPKV_KERNEL=7`` gives the paper's setting back.
+and drops the rest (docs/results.md, "Methods compared: SmolLM2-135M"). ``VELOX_SNAPKV_KERNEL=7`` gives the
+paper's setting back.
 """
 
 from __future__ import annotations
@@ -43,12 +42,8 @@ class SnapKV(Policy):
         return {"kernel": self.kernel, "pool": self.pool}
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        """Pooled attention of the window over the prefix only, as the paper pools it.
-
-        Protected rows (the window itself and the sinks) are kept anyway; zeroing their scores
-        before pooling stops the window's attention to itself spilling into the rows just
-        before it, where it would outrank rows the window really attends to.
-        """
+        """Pooled attention of the window over the prefix. Protected rows (kept anyway) score zero before pooling,
+        so the window's attention to itself does not spill into the rows just before it."""
         scores = cache.memory.attention(keys, positions, scale)
         scores = mx.where(cache.protected(positions), 0.0, scores)
         return pool_rows(scores, self.kernel, self.pool)

@@ -1,20 +1,16 @@
 """TOVA, Token Omission Via Attention (Oren et al., arXiv 2401.06104): keep the rows the newest
 query attends to most.
 
-The paper reads a decoder as a multi-state RNN whose states are the KV rows; bounding the states
-turns it into a finite one, and the policy that works best is the plainest: when the cache is over
-its size, drop the rows the current query pays the least attention, averaged over the layer's
-heads. One score per token, so a layer keeps the same tokens in every head (the authors' code
-averages over heads and gathers every KV head with the same indexes). Here the score is the
-newest remembered query's attention: softmax over the rows it saw, averaged over all query heads
-(grouped-query attention included), and every KV head keeps the same rows, so a row index names
-the same token in every head (appends, compactions and trims keep them aligned).
+The paper reads a decoder as a multi-state RNN whose states are the KV rows; bounding the states turns it into a
+finite one, and the policy that works best is the plainest: when the cache is over its size, drop the rows the
+current query pays the least attention, averaged over the layer's heads. Here the score is the newest remembered
+query's attention over the rows it saw, averaged over all query heads, and every KV head keeps the same rows (as the
+authors' code does), so a row index names the same token in every head.
 
 Where this deviates from the paper, and why:
 
 * The paper evicts one row per decode step; like every method here, a cache grows ``headroom`` rows
-  above the budget and then evicts them together by the newest query's attention, so a
-  compaction's copy is amortised.
+  above the budget and then evicts them together, so a compaction's copy is amortised.
 * The paper protects nothing (the newest token's high self-attention keeps it). The base keeps the
   first ``VELOX_SINK`` tokens and the last ``VELOX_WINDOW`` tokens whatever their scores;
   ``VELOX_SINK=0`` and ``VELOX_WINDOW=1`` give the paper's policy, the newest token aside.
@@ -40,9 +36,8 @@ class TOVA(Policy):
     # scored by it when the next step's rows are already stored)
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        """Mean over all query heads of the newest query's attention over the rows it saw (the window
-        attention of a window of one, :meth:`QueryMemory.attention`); with no query to go by (a trim took
-        it back, or the cache was rebuilt without one), recency."""
+        """Mean over all query heads of the newest query's attention over the rows it saw; recency with no
+        query to go by (a trim took it back, or the cache was rebuilt without one)."""
         memory = cache.memory
         if memory.queries is None:
             return positions.astype(mx.float32)

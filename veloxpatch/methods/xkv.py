@@ -1,40 +1,28 @@
 """xKV (Chang et al., arXiv 2503.18893): one low-rank token basis for the keys and values of a group of layers.
 
-The dominant singular vectors of the KV caches of neighbouring layers are well aligned, even where
-the layers' per-token vectors are not alike. So the rows of ``VELOX_XKV_GROUP`` consecutive layers,
-placed side by side (tokens x group·heads·head_dim), are factorized once: a token factor ``A`` (tokens
-x rank) that the group holds once, and per layer a projection ``B_l`` (rank x heads·head_dim); layer l's
-rows are ``A B_l``. Keys and values are factorized separately, each with its own ``A``. The rank is
-``VELOX_XKV_RANK``: by default (``auto``) the one whose factors take the bytes ``VELOX_BUDGET`` allows
-(its share of the tokens seen, so xKV compares with eviction at equal bytes; a budget of every token
-folds nothing), else a number or a percentage of the group's width; ``VELOX_XKV_ENERGY`` below 1
-lowers it to keep just that share of the squared singular values.
-
-The layers of a group publish their rows through :meth:`Coordinator.contribute` (fan-in); the last one
-to run computes the factorization, and every member takes the identical ``A`` (fan-out): see
-:mod:`veloxpatch.caches.crosslayer` for when rows fold and what happens to a group that does not
-complete.
+The dominant singular vectors of the KV caches of neighbouring layers are well aligned, even where the layers'
+per-token vectors are not alike. So the rows of ``VELOX_XKV_GROUP`` consecutive layers, side by side (tokens x
+group·heads·head_dim), are factorized once: a token factor ``A`` (tokens x rank) that the group holds once, and per
+layer a projection ``B_l`` (rank x heads·head_dim); layer l's rows are ``A B_l``. Keys and values are factorized
+separately. The rank is ``VELOX_XKV_RANK``: by default (``auto``) the one whose factors take the bytes
+``VELOX_BUDGET`` allows (so xKV compares with eviction at equal bytes; a budget of every token folds nothing), else a
+number or a percentage of the group's width; ``VELOX_XKV_ENERGY`` below 1 lowers it to keep just that share of the
+squared singular values. The group's rows go through the coordinator's fan-in (:mod:`veloxpatch.caches.crosslayer`:
+when rows fold, and what a group that does not complete does).
 
 Where the shim's position makes this deviate from the paper, and why:
 
-* The keys factorized are the rotated ones the attention route hands the cache: the shim never sees
-  keys before the rotary embedding. A rotation spreads a key over position-dependent directions, so
-  the same rank keeps less of their squared norm than it would of unrotated keys. Undoing the
-  rotation before the fold (``bench/xkv_prerope.py``) did not pay on SmolLM2: retrieval within noise,
-  perplexity better at 12.5% and worse at 25% (docs/results.md), and decode steps would have to rebuild the keys.
-* The factors come from the eigendecomposition of the group's Gram matrix (width x width) rather than
-  an SVD of the tokens x width matrix: the same ``A = U S`` and ``B = V^T``, without a tokens x tokens
-  matrix, and mlx has ``eigh`` but no thin SVD.
-* The last ``VELOX_WINDOW`` tokens stay exact, and so do decode tokens until ``rank`` of them have
-  gathered beyond the window (a shorter fold would take more bytes than its exact rows): then they
-  fold as a segment of their own. Decode steps attend in the rank space (``(q B_l^T) A^T``, then
-  ``(p A) B_l``) without rebuilding the rows; prompt chunks attend over the rebuilt rows. (The paper's
-  Selective Reconstruction, rebuilding only the rows a step needs, is a GPU kernel.)
-* A fold longer than ``VELOX_XKV_MAX_CTX`` tokens is refused with an error naming the setting
-  (the Gram matrix is small, but ``A`` and the group's side-by-side rows are tokens long).
-* On a model split across ranks (``mx.distributed``), groups are formed in each rank's list, and under
-  tensor parallelism each rank factors the heads it holds: a joint basis over heads split between
-  ranks would need every head's rows on one rank. It is xKV applied to each rank's heads.
+* The keys factorized are the rotated ones the attention route hands the cache, which the same rank keeps less of.
+  Undoing the rotation before the fold (``bench/xkv_prerope.py``) did not pay (docs/results.md), and decode steps
+  would have to rebuild the keys.
+* The factors come from the eigendecomposition of the group's Gram matrix (width x width), not an SVD of the tokens x
+  width matrix: the same ``A = U S`` and ``B = V^T``, and mlx has ``eigh`` but no thin SVD.
+* The last ``VELOX_WINDOW`` tokens stay exact, and so do decode tokens until ``rank`` of them have gathered (a shorter
+  fold would take more bytes than its exact rows). Decode steps attend in the rank space without rebuilding the rows;
+  prompt chunks attend over the rebuilt rows. (The paper's Selective Reconstruction is a GPU kernel.)
+* A fold longer than ``VELOX_XKV_MAX_CTX`` tokens is an error naming the setting (``A`` is tokens long).
+* On a model split across ranks, groups are formed in each rank's list, and under tensor parallelism each rank
+  factors the heads it holds: xKV applied to each rank's heads.
 """
 
 from __future__ import annotations
@@ -104,8 +92,8 @@ class XKVCache(CrossLayerCache):
         return super().update_and_fetch(keys, values)
 
     def min_fold(self) -> int:
-        """A fold shorter than the rank would take more bytes than its exact rows; with ``auto`` and a
-        budget of every token seen, nothing folds (the cache is then mlx_lm's)."""
+        """The rank (a shorter fold takes more bytes than its exact rows); nothing folds under ``auto`` with a
+        budget of every token seen."""
         if self.rank == "auto" and self._share() >= 1:
             return self.offset + 1
         return self._rank_for(self.width * len(self.group()), None)
@@ -122,9 +110,8 @@ class XKVCache(CrossLayerCache):
         return tuple(mx.expand_dims(fold.shared[x], 1) @ fold.own[x] for x in ("k", "v"))
 
     def attend_held(self, queries: mx.array, scale: float) -> mx.array | None:
-        """A decode-sized step attends over the folds in their rank space: logits ``(q B_l^T) A^T`` and output
-        ``(p A) B_l``, a few rank x tokens products per head instead of rebuilding ``A B_l`` (tokens x rank x
-        width; mlx is lazy, so the rebuilt rows handed out are never computed), then over the exact rows."""
+        """A decode-sized step attends over the folds in their rank space, logits ``(q B_l^T) A^T`` and output
+        ``(p A) B_l``, then over the exact rows (mlx is lazy: the rebuilt rows handed out are never computed)."""
         exact_keys, exact_values = self.store.fetch()
         b, heads_q, n, dim = queries.shape
         heads = exact_keys.shape[1]
@@ -176,10 +163,8 @@ class XKVCache(CrossLayerCache):
         return max(rank, 1)
 
     def _rank_for(self, width: int, tokens: int | None) -> int:
-        """The rank for a fold of ``tokens`` rows (None: as long as can be) over ``width`` dimensions.
-
-        ``auto``: the group's factors take the budget's share of the rows' exact bytes, ``tokens x
-        rank`` shared plus ``rank x width`` over the layers against ``tokens x width``."""
+        """The rank for a fold of ``tokens`` rows (None: as long as can be) over ``width`` dimensions; ``auto``: the
+        factors (``tokens x rank + rank x width``) take the budget's share of the exact ``tokens x width``."""
         if self.rank != "auto":
             return min(Budget.parse(self.rank).resolve(width), width)
         share = min(self._share(), 1.0)
