@@ -84,7 +84,7 @@ class CrossLayerCache(CompressedKVCache):
         return 1
 
     def shared_parts(self) -> list[Any]:
-        return [fold.shared for fold in self.folds]
+        return [fold.shared for fold in self.folds if fold.shared is not None]
 
     @property
     def nbytes(self) -> int:
@@ -161,7 +161,7 @@ class CrossLayerCache(CompressedKVCache):
 
     def _with_folds(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The folds' rebuilt rows followed by the exact rows ``keys``/``values``."""
-        if not self.folds:
+        if not self.folded_rows():
             return keys, values
         rebuilt = [self.unfold(fold) for fold in self.folds]
         return (mx.concatenate([k for k, _ in rebuilt] + [keys], axis=2).astype(keys.dtype),

@@ -21,10 +21,6 @@ Pairs (the paper merges from half depth, ``S = L / 2``). Layers ``floor(VELOX_MI
 as (S, S+1), (S+2, S+3), ...; a layer below S, and a last odd one, never folds (merging a layer with itself would save
 nothing). ``VELOX_BUDGET`` plays no part.
 
-What a fold holds. The pair's shared part is the merged unit directions ``{"k", "v"}`` (B, heads, tokens, head_dim).
-Each layer's own part is its magnitudes ``kn``/``vn`` (B, heads, tokens), the retained positions ``ki``/``vi`` (B,
-heads, r), ascending, and their exact rows ``kr``/``vr``; ``r`` is the most any head keeps, a head keeping fewer pads
-with position ``tokens``, a spare slot the rebuild drops (fixed shapes, so every part saves in a prompt-cache file).
 The layers of a pair publish their rows through the coordinator's fan-in: see :mod:`veloxpatch.caches.crosslayer`
 for when rows fold and what a pair that does not complete does (each layer folds alone, saving nothing).
 
@@ -116,7 +112,9 @@ class MiniCacheCache(CrossLayerCache):
         return MIN_FOLD if len(self.group()) == 2 else self.offset + 1
 
     def joint(self, parts: list[tuple[mx.array, mx.array]]) -> tuple[list[dict], dict]:
-        """Keys and values of the pair merged: each layer's norms and retained rows, the shared directions. A part
+        """Keys and values of the pair merged: shared, the unit directions ``{"k", "v"}``; each layer's own, its norms
+        ``kn``/``vn``, its retained positions ``ki``/``vi`` (each head's padded with the token count, a spare slot
+        the rebuild drops: fixed shapes save in a prompt-cache file) and their exact rows ``kr``/``vr``. A part
         alone or parts of different shapes cannot merge: each keeps its own directions (the first layer's as the
         shared part, the others' in their own)."""
         if len(parts) == 2 and all(parts[0][i].shape == parts[1][i].shape for i in (0, 1)):

@@ -8,12 +8,10 @@ by the outliers and the other channels round to a handful of levels. Each channe
 summed by the attention weights row by row, keep per-token groups (the paper's finding). docs/results.md ("Keys per
 channel") measures the difference, and why a Hadamard rotation did not help.
 
-How it sits in the shim. A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): new rows go
-to the row store exact; after each prompt chunk and every ``VELOX_QUANT_GROUP`` decode tokens, the rows older than
-the window are quantized in whole blocks and join the layer's one fold. A prompt chunk attends over the fold
-dequantized; a decode step multiplies the fold as held, by mlx's quantized matmul (keys per channel are the matrix
-the queries multiply, values per token the one the attention weights multiply). A trim into the fold keeps its whole
-blocks before the new end and returns the cut block's prefix to the store, dequantized.
+How it sits in the shim. A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): after each
+prompt chunk and every ``VELOX_QUANT_GROUP`` decode tokens, the exact rows older than the window are quantized in
+whole blocks and join the layer's one fold. A prompt chunk attends over the fold dequantized; a decode step
+multiplies it as held, by mlx's quantized matmul.
 
 Fewer rows too (``VELOX_QUANT_KEEP`` below 100%, or a share of the bytes such as ``0.125x``). Quantization alone
 stops at about a fifth of the 16-bit bytes; an eighth needs fewer rows as well, chosen before any question is asked
@@ -32,16 +30,14 @@ read; and heads keep different numbers of rows (the same number per head lost an
 each row as the best of its neighbours first (SnapKV's pooling), so a kept row keeps the tokens around it; off by
 default (1).
 
-Heads holding different numbers of rows cannot share one array, and each head's keys quantize in blocks of its own
-rows, so such a *ragged* fold keeps one part per head (keys, values and positions, a head axis of one; no padding
-held). A prompt chunk attends over it rebuilt, the shorter heads padded with holes (position -1, hidden by the mask);
-a decode step multiplies each head's rows as held, one head at a time, under one softmax with the exact rows; folds
-and trims go head by head. A cache holding several sequences (B > 1) keeps the same number per head.
+Heads holding different numbers of rows make a *ragged* fold, one part per head with no padding held
+(:func:`_fold_of`); a cache holding several sequences (B > 1) keeps the same number per head.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -95,12 +91,10 @@ KNOBS = (
             "a percentage in (0, 100] of the rows, or a multiple in (0, 1] of the full cache's 16-bit bytes (`0.125x`)",
             "Quant: share of a prompt's quantized rows each layer keeps once the prompt is read: those the model "
             "attends to most while it reads the prompt a second time (KVzip's score), by one top-k over the layer's "
-            "heads, so heads keep different numbers (the first VELOX_SINK tokens always stay). Below 100% every "
-            "prompt is read twice. Or a share of memory: `0.125x` keeps as many as make each layer hold an eighth "
-            "of what the full cache would hold at 16 bits for the tokens it has seen (every byte counted: scales, "
-            "positions, the exact window, earlier turns) each time a prompt is read; a share every row fits at "
-            "VELOX_QUANT_BITS keeps them all and reads each prompt once. Experimental: measured on a few examples "
-            "only (docs/results.md).",
+            "heads (the first VELOX_SINK tokens always stay); below 100% every prompt is read twice. Or a share of "
+            "memory: `0.125x` keeps as many as make each layer hold an eighth of what the full cache would hold at "
+            "16 bits for the tokens it has seen (every byte counted); a share every row fits at VELOX_QUANT_BITS "
+            "keeps them all. Experimental: measured on a few examples only (docs/results.md).",
             method="quant"),
     Setting("VELOX_QUANT_POOL", odd_kernel, "1", "an odd integer in [1, 63]",
             "Quant, with VELOX_QUANT_KEEP: each row of a prompt scored as the best of this many neighbouring rows "
@@ -180,9 +174,6 @@ class QuantCache(CrossLayerCache):
     # ----------------------------------------------------------------- folding
     def group(self) -> tuple[int, ...]:
         return (self.layer,)
-
-    def shared_parts(self) -> list[Any]:
-        return []
 
     def min_fold(self) -> int:
         return self.group_size
@@ -294,7 +285,8 @@ class QuantCache(CrossLayerCache):
 
         for i, fold in enumerate(self.folds):
             if self._fold_bits(fold) != self.bits:
-                self.folds[i] = _per_head(fold, settled)
+                own = {"heads": tuple(settled(head) for head in _heads(fold))} if _ragged(fold) else settled(fold.own)
+                self.folds[i] = replace(fold, own=own)
         self._join()
 
     def _apply(self, start: int, end: int, group: tuple[int, ...], result: tuple[list[Any], Any], at: int) -> None:
@@ -581,13 +573,6 @@ def _fold_of(start: int, end: int, heads: list[tuple[Any, ...]], group: tuple[in
         positions = mx.concatenate([head[2].astype(mx.int32) for head in heads], axis=1)
         return Fold(start, end, (*own, _compact(positions)), None, group)
     return Fold(start, end, {"heads": tuple(tuple(head) for head in heads)}, None, group)
-
-
-def _per_head(fold: Fold, change: Any) -> Fold:
-    """The fold with ``change`` applied to its own (a dense fold's, every head at once) or to each head's."""
-    if _ragged(fold):
-        return Fold(fold.start, fold.end, {"heads": tuple(change(head) for head in _heads(fold))}, None, fold.group)
-    return Fold(fold.start, fold.end, change(fold.own), None, fold.group)
 
 
 def _ints(x: mx.array) -> list[int]:

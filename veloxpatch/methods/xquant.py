@@ -26,13 +26,11 @@ On a model split by tensor parallelism every rank receives the whole X and recom
 rank keeps all of X (XQuant's bytes per rank do not shrink with the ranks); the latent comes from the rank's shard of
 the projections and does shrink. XQuant-CL groups are formed in each rank's list.
 
-How it sits in the shim. The attention module's hook hands the cache each step's X and the module itself
-(:meth:`XQuantCache.see_attention_input`, kept by weak reference), so the step's X is encoded when its rows arrive
-and every token's X is kept from then on, in one fold per layer. The token's exact K and V stay beside it in the row
-store until released on :mod:`veloxpatch.caches.crosslayer`'s schedule; attention runs over K and V rebuilt from the
-released rows' X, then the exact rows. At the first step the cache compares K and V rebuilt from X with the model's
-own; a module without ``k_proj``, ``v_proj``, ``rope`` and ``n_kv_heads``, or one that computes K and V otherwise,
-leaves the layer with exact rows, said once in the log.
+How it sits in the shim. The attention module's hook hands the cache each step's X and the module
+(:meth:`XQuantCache.see_attention_input`); every token's X is kept from then on, its exact K and V beside it in the
+row store until released on :mod:`veloxpatch.caches.crosslayer`'s schedule. At the first step K and V rebuilt from X
+are compared with the model's own: a module that computes them otherwise (or lacks ``k_proj``, ``v_proj``, ``rope``
+or ``n_kv_heads``) leaves the layer with exact rows, said once in the log.
 
 Where the shim's position makes this deviate from the paper, and why:
 
@@ -318,12 +316,6 @@ class XQuantCache(CrossLayerCache):
             return self._from_latent(self._decode(own["l"], self.bits, fold.end), 0)
         return self._remat(self._x_hat(fold, fold.end), 0)
 
-    def _with_folds(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The released rows, then the exact ones ``keys``/``values``."""
-        if not self.folded_rows():
-            return keys, values
-        return super()._with_folds(keys, values)
-
     # ----------------------------------------------------------------- releasing exact rows
     def group(self) -> tuple[int, ...]:
         """XQuant-CL's block of consecutive members (this layer alone when off, left or exact)."""
@@ -346,10 +338,6 @@ class XQuantCache(CrossLayerCache):
             deltas = "unquantized" if self.cl_bits == 16 else f"{self.cl_bits}-bit"
             return f"as {deltas} deltas from their group's {held} X (XQuant-CL; K and V rebuilt from it)"
         return f"as {held} X (K and V rebuilt from it)"
-
-    def shared_parts(self) -> list[Any]:
-        """The group's X, held with the anchor (nothing for a layer alone)."""
-        return [fold.shared for fold in self.folds if fold.shared is not None]
 
     def min_fold(self) -> int:
         """Release in segments of at least a window: the store is not compacted at every decode step."""
