@@ -169,9 +169,8 @@ class CrossLayerCache(CompressedKVCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """Attention over folded + exact rows, then fold what is due: over the folds as held where the step and
-        the method allow (:meth:`_held_usable`, :meth:`attend_held`), else over the rows ``update_and_fetch``
-        rebuilt."""
+        """Attention over folded + exact rows (the folds as held where :meth:`_held_usable` and the method's
+        :meth:`attend_held` allow), then fold what is due."""
         handed, self.handed = self.handed, None  # not kept past the step: they may be every row, rebuilt
         out = self.attend_held(queries, scale) if keys is handed and self._held_usable(queries, mask, sinks) else None
         if out is None:

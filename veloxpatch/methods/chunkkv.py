@@ -82,8 +82,7 @@ class ChunkKVIndexReuseCoordinator(Coordinator):
 
 
 class ChunkKV(Policy):
-    """Keeps the chunks of consecutive tokens the recent queries attend to most; with index reuse, the
-    leader layer of each block chooses for the block."""
+    """Keeps the chunks of consecutive tokens the recent queries attend to most (leaders choosing for their block)."""
 
     def __init__(self, chunk: int = 10, reuse: int = 1) -> None:
         self.chunk = chunk
@@ -120,8 +119,7 @@ class ChunkKV(Policy):
         return mx.sort(mx.argpartition(order, kth=keep - 1, axis=-1)[..., :keep], axis=-1)
 
     def _leaders_rows(self, cache: EvictingCache, keep: int, what: str) -> mx.array | None:
-        """The rows holding the positions this block's leader chose (``what``) in this forward, or None
-        (said once) when there is no such choice or it does not fit this layer."""
+        """The rows holding the positions this block's leader chose in this forward, or None (said once)."""
         coordinator = cache.coordinator
         chosen = None
         if isinstance(coordinator, ChunkKVIndexReuseCoordinator):

@@ -121,8 +121,7 @@ class H2O(Policy):
             self.catch_up(cache)
 
     def credit(self, cache: EvictingCache, mass: mx.array) -> None:
-        """A prompt step's mass, from its own attention (:func:`attention_with_mass`): the queries queued before it
-        were accounted first, over the rows they saw."""
+        """A prompt step's mass, from its own attention; the queries queued before it were accounted first."""
         cache.store.set_column("mass", cache.store.column("mass", mass.shape[-1]) + mass)
         self.credited = True
 

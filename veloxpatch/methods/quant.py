@@ -63,8 +63,7 @@ QUERY_BLOCK = 64  # queries of a second reading scored at once: bounds the (head
 
 
 class BytesShare(float):
-    """A share of the bytes the full cache would hold at 16 bits (``"0.125x"``): ``VELOX_QUANT_KEEP``'s second form,
-    read back as it was written."""
+    """A share of the full cache's 16-bit bytes (``"0.125x"``), read back as it was written."""
 
     def __str__(self) -> str:
         return f"{float(self):g}x"
@@ -151,8 +150,7 @@ class QuantCache(CrossLayerCache):
         self.unscored.append(tokens)
 
     def start_rereading(self) -> None:
-        """The model is about to read the unscored prompt again: the rows due fold first (under
-        ``VELOX_COMPRESS=end`` all the prompt's), so the reading scores them."""
+        """The model is about to read the prompt again: the rows due fold first, so the reading scores them."""
         self._fold_if_due(1)
         self.rereading, self.unscored, self.scores = True, [], None
 

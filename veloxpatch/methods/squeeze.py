@@ -1,43 +1,34 @@
 """SqueezeAttention (Wang et al., arXiv 2404.04793): the budget moved between layers by how much
 each layer's attention matters, with any method picking the rows inside a layer.
 
-The paper measures, while the prompt is read, how much each layer's self-attention changes the hidden state (the
-cosine similarity before and after attention), clusters the layers by it into three groups with k-means, and gives
-the group whose attention matters least a fraction ``p`` of the budget; what that saves is shared evenly by the
-other layers, so the list holds as many rows as with a uniform budget. A sequence-wise method picks the rows inside
-each layer with its own budget. Here ``p = 1 - VELOX_SQUEEZE_STRENGTH`` (0: uniform) and ``VELOX_SQUEEZE_POLICY``
-names that method. Where this deviates from the paper, and why:
+The paper measures, while the prompt is read, how much each layer's self-attention changes the hidden state, clusters
+the layers by it into three groups with k-means, and gives the group whose attention matters least a fraction ``p``
+of the budget, shared evenly by the other layers, so the list holds as many rows as with a uniform budget. Here
+``p = 1 - VELOX_SQUEEZE_STRENGTH`` (0: uniform), and ``VELOX_SQUEEZE_POLICY`` names the method picking the rows
+inside each layer (any registered with ``policy=True``; its scores, per-row state and knobs work unchanged, as
+kvpress's wrapper presses take an inner press). Where this deviates from the paper, and why:
 
-* The signal (``VELOX_SQUEEZE_SIGNAL``). ``cosine``, the default, is the paper's: one minus the cosine similarity of
-  each token's hidden state before self-attention (the block input ``h``) and after it (``h + o``), averaged over
-  the chunk's tokens and the batch. The attention route sees only queries and keys, so ``h`` and ``o`` come from the
-  layer input/output hooks (:mod:`veloxpatch.integration.layer_io`); where they are missing a chunk reports the
-  ``entropy`` signal instead, said once. ``entropy`` is how widely the last ``VELOX_WINDOW`` queries of each prompt
-  chunk spread their attention over the stored rows (normalised entropy, 1: evenly, 0: on one row): attention
-  parked on a few rows changes the hidden state little, so the most concentrated layers are squeezed; a proxy that
-  needs no hook. In models that normalise the attention output before adding it (Gemma's sandwich norm), ``h + o``
-  is the paper's formula, not the block's next hidden state.
-* When. Every prompt chunk (a step longer than the budget's headroom) reports, accumulating over the whole prompt;
-  the first decode-sized step after a reported chunk ends reporting, so decode runs on a schedule fixed by the
-  prompt. The schedule is recomputed at most once per forward, at its first layer: in ``chunk`` mode the first chunk
-  compresses with uniform budgets and later chunks with the schedule so far.
-* The clustering is exact 1-D k-means (the best split of the sorted scores into three runs), so it is deterministic.
-* ``p`` applies to the part of the budget above ``VELOX_SINK + VELOX_WINDOW``, as in :mod:`.pyramidkv`. No layer gets
-  more rows than the tokens it has seen (the rest goes to the others); budgets are integers summing to exactly
-  layers x budget.
-* What is frozen is each layer's share, not a number of rows: a percentage budget keeps growing with the context,
-  and setting ``cache.budget`` on every member after an ``end``-mode prefill gives the schedule of that budget (the
-  evaluation harness shares one prefill across budgets this way).
+* The signal (``VELOX_SQUEEZE_SIGNAL``). ``cosine``, the paper's: one minus the cosine similarity of each token's
+  block input ``h`` and ``h + o`` (``o`` the attention output), averaged over the chunk's tokens and the batch; ``h``
+  and ``o`` come from the layer hooks (:mod:`veloxpatch.integration.layer_io`), and where they are missing a chunk
+  reports ``entropy`` instead, said once. ``entropy``: how widely the last ``VELOX_WINDOW`` queries of each prompt
+  chunk spread their attention over the stored rows (normalised entropy): attention parked on a few rows changes the
+  hidden state little; a proxy that needs no hook. With Gemma's sandwich norm ``h + o`` is the paper's formula, not
+  the block's next hidden state.
+* When. Every prompt chunk reports, accumulating over the whole prompt; the first decode-sized step after a reported
+  chunk ends reporting, so decode runs on a schedule fixed by the prompt. The schedule is recomputed at most once per
+  forward: in ``chunk`` mode the first chunk compresses with uniform budgets, later chunks with the schedule so far.
+* The clustering is exact 1-D k-means (the best split of the sorted scores into three runs): deterministic.
+* ``p`` applies to the part of the budget above ``VELOX_SINK + VELOX_WINDOW``, as in :mod:`.pyramidkv`; no layer gets
+  more rows than the tokens it has seen (the rest goes to the others); budgets sum to exactly layers x budget.
+* What is frozen is each layer's share, not a number of rows: a percentage budget keeps growing with the context, and
+  setting ``cache.budget`` on every member after an ``end``-mode prefill gives the schedule of that budget.
 * A list where some layer never reports runs on uniform budgets, said once; a prompt too short to report keeps the
   shares it had, or uniform budgets.
 
-The shares are saved with each cache (``knob_values``). A new sequence (``coordinator.reset``) forgets the reports;
-members that hold no rows forget their shares, while a continued one (a chat's next turn, a restored cache) keeps
-them until its new prompt's reports replace them.
-
-The policy is the chosen method's (:class:`~veloxpatch.caches.evicting.Policy`, any method registered with
-``policy=True``), composed into the squeeze cache as kvpress's wrapper presses take an inner press, so its scores,
-hooks, per-row state and knobs work unchanged.
+The shares are saved with each cache. A new sequence forgets the reports; members that hold no rows forget their
+shares, while a continued one (a chat's next turn, a restored cache) keeps them until its new prompt's reports
+replace them.
 """
 
 from __future__ import annotations
@@ -111,9 +102,8 @@ def squeeze_shares(importance: Sequence[float], strength: float) -> tuple[float,
     """Each layer's share of the budget (mean 1): the least important k-means group gets ``1 - strength``, the
     others evenly what it gives up; uniform when nothing tells layers apart."""
     layers = len(importance)
-    uniform = (1.0,) * layers
     if strength == 0 or layers < 2 or max(importance) - min(importance) <= 0:
-        return uniform
+        return (1.0,) * layers
     squeezed = [label == 0 for label in kmeans_1d(importance, min(GROUPS, layers))]
     count = sum(squeezed)
     raised = 1 + strength * count / (layers - count)
@@ -165,8 +155,7 @@ class SqueezeCoordinator(Coordinator):
         return self.current
 
     def _allocate(self) -> None:
-        """Set every member's share from the reports of every layer of the model (pooled over the ranks of a split
-        model); none if some layer has not reported."""
+        """Set every member's share from every layer's reports (pooled over ranks); none if some layer has not."""
         self.stale = False
         if not self.members:
             return
@@ -269,8 +258,7 @@ class SqueezeCache(EvictingCache):
         return mx.where(seen > 1, entropy / mx.log(mx.maximum(seen, 2)), 0.0).mean()
 
     def _report(self, importance: mx.array) -> None:
-        """Report a prompt chunk's importance, computed at once: left lazy, it would keep what it is computed from
-        (h and o, or the queries and keys) alive until the next forward."""
+        """Report a prompt chunk's importance, computed now (lazy, it would hold h and o, or queries and keys)."""
         mx.async_eval(importance)
         cast(SqueezeCoordinator, self.coordinator).report(self, importance)  # its coordinator_class
 

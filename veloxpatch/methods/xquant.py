@@ -128,8 +128,7 @@ class XQuantCache(CrossLayerCache):
         self.incoming = normed
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store and fetch (the step's rows are exact), then encode the step's X, or go exact if it did not
-        come with the rows. After storing: the coordinator counts the forward there, and publishes in it."""
+        """Store the step's exact rows, then encode its X (after storing: the coordinator counts the forward there)."""
         x, self.incoming = self.incoming, None
         fetched = super().update_and_fetch(keys, values)
         if not self.exact:
@@ -183,8 +182,7 @@ class XQuantCache(CrossLayerCache):
         return ""
 
     def _go_exact(self, why: str) -> None:
-        """From now on released rows stay exact: the layer holds what mlx_lm's cache holds. Rows already
-        released are rebuilt once from their X."""
+        """From now on released rows stay exact, as mlx_lm's cache holds them (those released so far rebuilt once)."""
         if self.folds and self.folded_rows():
             keys, values = self.unfold(self.folds[0])
             self.folds = [Fold(0, self.folded_rows(), {"k": keys, "v": values}, None, (self.layer,))]
@@ -196,8 +194,7 @@ class XQuantCache(CrossLayerCache):
              f"xquant: {name} keeps exact K and V, as mlx_lm's cache does: {why}")
 
     def _say_form(self, hidden: int, kv: int) -> None:
-        """Which form this model's layers keep, said once at INFO: ``auto`` decides it per model, and a user
-        comparing bytes needs to know which."""
+        """Which form this model's layers keep, said once (``auto`` decides it per model)."""
         name = self._model_name()
         if self.latent_on:
             text = f"the GQA latent ({kv} numbers per token and layer; X would be {hidden})"
@@ -277,14 +274,12 @@ class XQuantCache(CrossLayerCache):
 
     # ----------------------------------------------------------------- rebuilding K and V
     def _remat(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        """K and V of rows whose input is ``x`` (B, n, hidden), the first at position ``offset``, with the
-        module's own projections, key norm and rotary embedding."""
+        """K and V of rows whose input is ``x`` (B, n, hidden), the first at position ``offset``."""
         module = self._module()
         return shaped(module, module.k_proj(x), module.v_proj(x), offset)
 
     def _latent(self, x: mx.array) -> mx.array:
-        """The GQA latent of rows whose input is ``x``: each projection's output on its whitening (the
-        paper's ``X U``, see :func:`whitening`), keys' then values' side by side, in X's dtype."""
+        """The GQA latent of rows whose input is ``x`` (the paper's ``X U``, :func:`whitening`), keys' then values'."""
         module = self._module()
         parts = [(proj(x).astype(mx.float32) @ inverse) for proj, (_, inverse) in
                  zip((module.k_proj, module.v_proj), _whitenings(module, self.hidden))]
@@ -326,8 +321,7 @@ class XQuantCache(CrossLayerCache):
         return tuple(range(first, min(first + self.cl, size)))
 
     def folded_as(self) -> str | None:
-        """What a released row is kept as, in words for the stats line (None: exact, on a layer that cannot
-        rebuild)."""
+        """What a released row is kept as, in words for the stats line (None: exact)."""
         if self.exact:
             return None
         held = "unquantized" if self.bits == 16 else f"{self.bits}-bit"
