@@ -227,9 +227,8 @@ class CrossLayerCache(CompressedKVCache):
         start = self.folds[-1].end if self.folds else 0
         unit = self.fold_unit()
         end = start + (self.offset - self.window - start) // unit * unit
-        if not self.schedule.folds(n) or end - start < self.min_fold() or self.store.holes:
-            return
-        if any(p_start == start for _, _, p_start, _ in self.pending):
+        contributed = any(p_start == start for _, _, p_start, _ in self.pending)
+        if contributed or not self.schedule.folds(n) or end - start < self.min_fold() or self.store.holes:
             return
         group = self.group()
         key = ("fold", group, start, end)
@@ -238,8 +237,7 @@ class CrossLayerCache(CompressedKVCache):
             self._apply(start, end, (self.layer,), self.joint([part]), 0)
             return
         self.pending.append((key, group, start, end))
-        result = self.coordinator.contribute(key, self, part, group, self.joint)
-        if result is not None:
+        if self.coordinator.contribute(key, self, part, group, self.joint) is not None:  # this layer completed it
             self._pick_up()
 
     def _pick_up(self) -> None:

@@ -1,23 +1,12 @@
 """Cross-layer state for one cache list.
 
 The builder makes one coordinator per list returned by ``make_prompt_cache`` and hands it to every member cache, in
-layer order (``cache.layer``); a method that shares state across layers names its coordinator class on its cache
-class (``coordinator_class``). Layers run in order within a forward, so an earlier member always runs before a later
-one. The coordinator counts forwards (``step``), and every publication is stamped with its step, so a follower never
-applies a stale one (:meth:`Coordinator.publish`, :meth:`Coordinator.latest`).
-
-Methods that act on several layers at once (a joint SVD, a merge of two layers) use a **fan-in**: each member
-contributes its part as it runs (:meth:`Coordinator.contribute`); the contribution that completes the group computes
-the joint result once, and every member, earlier ones on their next call, gets that same object. A group whose
-members never all contribute stays incomplete (:meth:`Coordinator.missing`): the method degrades to per-layer
-behaviour, nothing waits. Storage held for several layers (each member's ``shared_parts()``) counts once, in the
-``nbytes`` of its first live holder (:meth:`Coordinator.owned_nbytes`).
-
-On a model split across ranks (``mlx.distributed``) each rank has its own list and coordinator, with a :class:`Span`
-saying where its members sit among the whole model's served layers: depth-set choices count with
-:meth:`Coordinator.position` and :meth:`Coordinator.layer_count`, a per-layer signal the whole model must agree on
-goes through :meth:`Coordinator.pooled`, and a whole-layer choice made from its heads through
-:meth:`Coordinator.head_mean`. Groups of layers are formed within a rank's list.
+layer order (``cache.layer``); a method that shares state across layers names its class (``coordinator_class``).
+Layers run in order within a forward, so an earlier member always runs before a later one: a leader publishes within
+the forward and its followers read it (stamped with the forward's ``step``, so never a stale value), and a group's
+joint step is a fan-in (:meth:`Coordinator.contribute`) that the last member to run completes, earlier members
+picking the result up on their next call; nothing ever waits. On a model split across ranks each rank has its own
+list and coordinator, whose :class:`Span` places it in the whole model.
 
 A new sequence's cross-layer state is reset on two signals: a generation starts on the list (the integration resets
 every coordinator of the list handed to ``generate_step``), which covers a reused list such as a chat's next turn;

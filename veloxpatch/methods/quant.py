@@ -299,25 +299,22 @@ class QuantCache(CrossLayerCache):
         keys are held at ``HOLD_BITS``. A ragged fold joins head by head."""
         while len(self.folds) > 1 and self._fold_bits(self.folds[-2]) == self._fold_bits(self.folds[-1]):
             first, last = self.folds[-2:]
-            tokens = self._token_axis()
             if _ragged(first) or _ragged(last):
                 heads = [self._head_joined(a, b) for a, b in zip(self._split(first), self._split(last))]
                 self.folds[-2:] = [_fold_of(first.start, last.end, heads, last.group)]
                 continue
-            own: tuple[Any, ...] = (_joined(first.own[0], last.own[0], tokens),
-                                    _joined(first.own[1], last.own[1], 2))
-            if len(first.own) == 3 or len(last.own) == 3:
-                own += (_compact(mx.concatenate([self.fold_positions(first), self.fold_positions(last)], axis=-1)),)
-            self.folds[-2:] = [Fold(first.start, last.end, own, None, last.group)]
-
-    def _token_axis(self) -> int:
-        """The axis of held keys along the tokens: per-channel blocks put it last."""
-        return 2 if self.bits == 16 else -1
+            pair = [first.own, last.own]
+            if len(first.own) == 3 or len(last.own) == 3:  # rows dropped: every row's position kept
+                pair = [(*fold.own[:2], self.fold_positions(fold)) for fold in (first, last)]
+            self.folds[-2:] = [Fold(first.start, last.end, self._head_joined(*pair), None, last.group)]
 
     def _head_joined(self, first: tuple[Any, ...], last: tuple[Any, ...]) -> tuple[Any, ...]:
-        """One head's own (keys, values, positions) of two folds at the same bits as one."""
-        return (_joined(first[0], last[0], self._token_axis()), _joined(first[1], last[1], 2),
-                _compact(mx.concatenate([first[2].astype(mx.int32), last[2].astype(mx.int32)], axis=-1)))
+        """Two owns (keys, values, and positions if given) of consecutive rows at the same bits as one: held keys
+        join along the tokens (the last axis of per-channel blocks), values along the rows."""
+        own = (_joined(first[0], last[0], 2 if self.bits == 16 else -1), _joined(first[1], last[1], 2))
+        if len(first) == 2:
+            return own
+        return (*own, _compact(mx.concatenate([first[2].astype(mx.int32), last[2].astype(mx.int32)], axis=-1)))
 
     def held_rows(self, fold: Fold) -> int:
         """Rows the fold holds per head: its range, or fewer where rows were dropped; a ragged fold's largest
@@ -372,16 +369,15 @@ class QuantCache(CrossLayerCache):
         fold = self.folds[0]
         if self.bits == 16 or len(self.folds) > 1 or self._fold_bits(fold) != self.bits:
             return None
-        parts = [(head, head[2].shape[-1]) for head in _heads(fold)] if _ragged(fold) else [(fold.own,
-                                                                                            self.held_rows(fold))]
-        if any(own[1][0].shape[2] != rows for own, rows in parts):
-            return None
+        owns = _heads(fold) if _ragged(fold) else [fold.own]
+        if any(own[1][0].shape[2] != own[0][0].shape[-1] * 32 // self.bits for own in owns):
+            return None  # values in groups across rows (fewer packed rows than keys' tokens)
         exact_keys, exact_values = self.store.fetch()
         b, heads_q, n, dim = queries.shape
         heads = exact_keys.shape[1]
         q = (queries * scale).reshape(b, heads, heads_q // heads * n, dim)
         outs, at = [], 0
-        for own, _ in parts:
+        for own in owns:
             h = slice(at, at + own[1][0].shape[1])
             outs.append(self._held_attention(q[:, h], own[0], own[1], exact_keys[:, h], exact_values[:, h], n))
             at = h.stop
