@@ -161,13 +161,11 @@ class SqueezeCoordinator(Coordinator):
             return
         means = self.pooled({layer: total / chunks for layer, (total, chunks) in self.reports.items()})
         missing = means.count(None)
+        self.pooled_shares = None if missing else squeeze_shares(cast(list[float], means), self.members[0].strength)
         if missing:
             once("squeeze partial", logging.INFO,
                  f"squeeze: {missing} of {len(means)} layers report no prompt attention "
                  "(they do not attend through veloxpatch); their list runs on uniform budgets")
-            self.pooled_shares = None
-        else:
-            self.pooled_shares = squeeze_shares(cast(list[float], means), self.members[0].strength)  # no None
         for member in self.members:
             member.share = None if self.pooled_shares is None else self.pooled_shares[self.position(member)]
 
