@@ -11,9 +11,8 @@ fold once at least :meth:`CrossLayerCache.min_fold` of them are exact: after any
 prompt's memory stays bounded), after decode-sized steps only in ``end`` mode (the whole prompt folds at the first
 decode step). Decode tokens stay exact until that many have gathered, then fold as a new segment.
 
-Order within a forward. The member that completes a group folds at once; earlier members pick the result up on their
-next call, attending over exact rows until then. A group that never completes leaves each member to fold on its own
-at that next call, said once in the log: no member ever waits.
+Order within a forward (:mod:`veloxpatch.coordinators`): earlier members attend over exact rows until they pick the
+fold up at their next call; a group that never completes leaves each member to fold alone then, said once.
 """
 
 from __future__ import annotations

@@ -12,14 +12,11 @@ direction is their spherical interpolation (SLERP, the paper's Eq. 3)::
 length either way). ``t`` is ``VELOX_MINICACHE_T`` (the paper's 0.6). Keys and values merge separately.
 
 Token retention. Merged, a pair of far-apart tokens would lose what is particular to each layer, so both layers keep
-them exact. A pair's distance is ``d = Omega / pi``; per KV head over the fold's tokens, those with
-``d > d_max - gamma (d_max - d_min)`` stay exact, ``gamma`` = ``VELOX_MINICACHE_GAMMA`` (the paper's 0.05): 0 merges
-every token, 1 keeps every one exact (the rows come back bit for bit), and with ``gamma > 0`` each head keeps at
-least its most distant token.
+them exact: per KV head over the fold's tokens, those whose distance ``d = Omega / pi`` exceeds
+``d_max - gamma (d_max - d_min)`` (``gamma``: ``VELOX_MINICACHE_GAMMA``; 1 gives the rows back bit for bit).
 
-Pairs (the paper merges from half depth, ``S = L / 2``). Layers ``floor(VELOX_MINICACHE_START x layers)`` and up pair
-as (S, S+1), (S+2, S+3), ...; a layer below S, and a last odd one, never folds (merging a layer with itself would save
-nothing). ``VELOX_BUDGET`` plays no part.
+Pairs (the paper merges from half depth). Layers ``S = floor(VELOX_MINICACHE_START x layers)`` and up pair as
+(S, S+1), (S+2, S+3), ...; a layer below S, and a last odd one, never folds (alone it would save nothing).
 
 The layers of a pair publish their rows through the coordinator's fan-in: see :mod:`veloxpatch.caches.crosslayer`
 for when rows fold and what a pair that does not complete does (each layer folds alone, saving nothing).

@@ -26,9 +26,8 @@ folds as it is decoded are all kept.
 Choices the measurements forced (docs/results.md, "Rows to drop before the question"): until the second reading the
 prompt's keys fold at ``HOLD_BITS`` and the kept keys are quantized to ``VELOX_QUANT_BITS`` once, from them (scores
 over 4-bit keys, and keys quantized twice, lost the needle), at the price of a higher peak while such a prompt is
-read; and heads keep different numbers of rows (the same number per head lost answers). ``VELOX_QUANT_POOL`` scores
-each row as the best of its neighbours first (SnapKV's pooling), so a kept row keeps the tokens around it; off by
-default (1).
+read; and heads keep different numbers of rows (the same number per head lost answers). ``VELOX_QUANT_POOL``
+(SnapKV's pooling) is off by default.
 
 Heads holding different numbers of rows make a *ragged* fold, one part per head with no padding held
 (:func:`_fold_of`); a cache holding several sequences (B > 1) keeps the same number per head.
