@@ -1,9 +1,7 @@
 """The ``VELOX_*`` settings: the core ones, every method's knobs, and the config they make.
 
-Every way of switching veloxpatch on (launcher options, environment, ``import veloxpatch.auto``,
-``veloxpatch.patch(config)``) goes through the settings declared here and the methods' knobs
-(:mod:`veloxpatch.registry`), so a value means the same thing and fails with the same message wherever it
-comes from.
+Every way of switching veloxpatch on (launcher, environment, ``import veloxpatch.auto``, ``patch(config)``) goes
+through these settings, so a value means the same and fails with the same message wherever it comes from.
 """
 
 from __future__ import annotations
@@ -111,8 +109,7 @@ PROCESS_WIDE: dict[str, str] = {
     "strict": "whether a fallback is an error is decided for the whole process",
     "stats": "the summary is the process's, printed when it exits",
 }
-"""The settings a server request cannot change (by key), and why: every other setting, method knobs included, may
-differ per request (:func:`request_settings`)."""
+"""The settings a server request cannot change (by key), and why; every other may (:func:`request_settings`)."""
 
 
 def all_settings() -> tuple[Setting, ...]:
@@ -126,15 +123,11 @@ def all_settings() -> tuple[Setting, ...]:
 
 def setting(name: str) -> Setting:
     """Look a setting up by its variable name (``VELOX_BUDGET``)."""
-    for s in all_settings():
-        if s.name == name:
-            return s
-    raise KeyError(name)
+    return {s.name: s for s in all_settings()}[name]
 
 
 def request_settings() -> dict[str, Setting]:
-    """The settings a server request may carry, by key (``budget``, ``snapkv_kernel``): what its cache list is
-    built from. The rest are the process's (:data:`PROCESS_WIDE`)."""
+    """The settings a server request may carry, by key (``budget``, ``snapkv_kernel``)."""
     return {s.key: s for s in all_settings() if s.key not in PROCESS_WIDE}
 
 
@@ -143,11 +136,8 @@ _CORE_KEYS = {s.key for s in CORE_SETTINGS}
 
 @dataclass(frozen=True)
 class VeloxConfig:
-    """The Python form of the ``VELOX_*`` settings, for ``veloxpatch.patch(config)``.
-
-    Fields accept the same strings as the environment (``budget="25%"``) or Python values;
-    method knobs go in ``knobs`` by key (``{"snapkv_kernel": 7}``). Construction validates.
-    """
+    """The Python form of the ``VELOX_*`` settings, for ``veloxpatch.patch(config)``: fields take the environment's
+    strings (``budget="25%"``) or Python values, knobs go in ``knobs`` by key (``{"snapkv_kernel": 7}``)."""
 
     kv: str = "none"
     budget: Budget | int | str = "1024"
@@ -201,8 +191,7 @@ class VeloxConfig:
         return self.kv != "none"
 
     def cache_settings(self) -> tuple[Any, ...]:
-        """What a cache list is built from, as one hashable value: equal for two configs whose lists are made alike
-        (the settings of :func:`request_settings` that reach the method's caches; with no method, mlx_lm's own)."""
+        """What a cache list is built from, as one hashable value: equal for two configs whose lists are made alike."""
         if not self.enabled:
             return ("none",)
         knobs = sorted((s.key, self.knobs[s.key]) for s in knob_settings(self.kv, self.knobs).values())
@@ -210,8 +199,7 @@ class VeloxConfig:
                 self.kv_memory, tuple(knobs))
 
     def described(self) -> str:
-        """The settings that reach this method's caches, spelled as in the environment: what a user reads in the
-        INFO line of the caches built (the budget only where the method uses it, the tier where it evicts)."""
+        """The settings that reach this method's caches, spelled as in the environment (the INFO line of a build)."""
         cls = METHODS[self.kv].cls
         core = ["VELOX_BUDGET"] if cls.uses_budget and not self.kv_memory else []
         core += ["VELOX_KV_MEMORY"] if self.kv_memory else []
@@ -227,11 +215,7 @@ class VeloxConfig:
 
     def to_env(self) -> dict[str, str]:
         """The same configuration as ``VELOX_*`` variables (for a child process)."""
-        env = {s.name: to_text(getattr(self, s.key)) for s in CORE_SETTINGS}
-        for s in all_settings():
-            if s.method:
-                env[s.name] = to_text(self.knobs[s.key])
-        return env
+        return {s.name: to_text(self.knobs[s.key] if s.method else getattr(self, s.key)) for s in all_settings()}
 
     def replace(self, **changes: Any) -> VeloxConfig:
         """A copy with some fields changed (validated again)."""
@@ -263,8 +247,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> LoadedConfig:
 
 
 def idle_settings(config: VeloxConfig, sources: Mapping[str, str]) -> list[str]:
-    """Warnings for settings given that the chosen method does not use: ``VELOX_TIER`` keeps the rows a method
-    drops, and only the methods that evict drop any."""
+    """Warnings for settings given that the chosen method does not use (``VELOX_TIER`` with one that drops no row)."""
     if not (config.enabled and config.tier and sources.get("VELOX_TIER", "default") != "default"):
         return []
     if config.kv in evicting_methods():

@@ -1,8 +1,7 @@
 """What a ``VELOX_*`` setting is: its parser, default, allowed values and doc, and the parsers they share.
 
-The bottom of the package: it imports nothing else of veloxpatch, so the method registry, the config and
-the light bootstrap can all use it. Every value, wherever it comes from (launcher option, environment,
-``VeloxConfig`` field), is parsed by its :class:`Setting` and fails with the same message.
+The bottom of the package (it imports nothing else of veloxpatch), so the registry, the config and the light
+bootstrap can all use it.
 """
 
 from __future__ import annotations
@@ -11,8 +10,9 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+N = TypeVar("N", int, float)
 PREFIX = "VELOX_"
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off", "")
@@ -80,10 +80,7 @@ class Memory:
         if text in ("off", "0", "none", ""):
             return cls()
         if text.endswith("%"):
-            pct = float(text[:-1])
-            if not 0 < pct <= 100:
-                raise ValueError(text)
-            return cls(fraction=pct / 100, text=given)
+            return cls(fraction=float(percent(text)), text=given)
         number = text.rstrip("kmgtib")
         unit = text[len(number):]
         if unit not in UNITS:
@@ -146,36 +143,31 @@ def size_text(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def int_range(lo: int, hi: int | None) -> Callable[[str], int]:
-    """A parser taking an integer in ``[lo, hi]`` (no upper bound when ``hi`` is None)."""
+def _checked(convert: Callable[[str], N], allowed: Callable[[N], bool]) -> Callable[[str], N]:
+    """A parser: ``convert`` the text, and refuse (ValueError) a value not ``allowed``."""
 
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < lo or (hi is not None and value > hi):
-            raise ValueError
+    def parse(text: str) -> N:
+        value = convert(text)
+        if not allowed(value):
+            raise ValueError(text)
         return value
 
     return parse
+
+
+def int_range(lo: int, hi: int | None) -> Callable[[str], int]:
+    """A parser taking an integer in ``[lo, hi]`` (no upper bound when ``hi`` is None)."""
+    return _checked(int, lambda value: lo <= value and (hi is None or value <= hi))
 
 
 def odd_kernel(text: str) -> int:
     """A pooling width over neighbouring rows: an odd integer in [1, 63] (the row in the middle)."""
-    value = int(text)
-    if value < 1 or value > 63 or value % 2 == 0:
-        raise ValueError(text)
-    return value
+    return _checked(int, lambda value: 1 <= value <= 63 and value % 2 == 1)(text)
 
 
 def int_choice(options: tuple[int, ...]) -> Callable[[str], int]:
     """A parser taking exactly one of the integers ``options``."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value not in options:
-            raise ValueError
-        return value
-
-    return parse
+    return _checked(int, lambda value: value in options)
 
 
 def one_of_text(options: tuple[int, ...]) -> str:
@@ -185,14 +177,8 @@ def one_of_text(options: tuple[int, ...]) -> str:
 
 def number_range(lo: float, hi: float | None = None, above: bool = False) -> Callable[[str], float]:
     """A parser taking a finite number at least ``lo`` (more than ``lo`` when ``above``) and at most ``hi``."""
-
-    def parse(text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value) or value < lo or (above and value == lo) or (hi is not None and value > hi):
-            raise ValueError
-        return value
-
-    return parse
+    return _checked(float, lambda value: math.isfinite(value) and (value > lo if above else value >= lo)
+                    and (hi is None or value <= hi))
 
 
 class Share(float):

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from . import blocks
+from . import blocks, masks
 
 _COPIES: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
 """Per coordinator, its members' copies from the latest :meth:`SequenceBatch.extract`: mlx_lm extracts layer by
@@ -113,11 +113,7 @@ class SequenceBatch:
             return None
         if not return_array and window_size is None:
             return "causal"
-        rows = mx.arange(n)
-        allowed = rows[:, None] >= rows[None, :]
-        if window_size is not None:
-            allowed = allowed & (rows[:, None] - rows[None, :] < window_size)
-        return allowed
+        return masks.causal(n, n, window_size)
 
     def step_lengths(self, steps: int) -> list[int]:
         """The real tokens each sequence brings to a step of ``steps`` (fewer where mlx_lm right-pads it)."""

