@@ -43,8 +43,7 @@ class AppCommand(click.Command):
 
 
 def app_arguments_apart(args: list[str], valued: set[str]) -> list[str]:
-    """``args`` with ``--`` after the first ``-m MODULE`` among the launcher's own options (``-mMODULE`` too);
-    unchanged where a script or ``--`` comes first, or ``-m`` has no module."""
+    """``args`` with ``--`` after the first ``-m MODULE`` (or ``-mMODULE``) among the launcher's own options."""
     i = 0
     while i < len(args):
         arg = args[i]
@@ -68,11 +67,8 @@ def _setting_options(command: Any) -> Any:
     """One ``--option`` per registry setting; given ones become ``VELOX_*`` for the child."""
     for s in reversed(all_settings()):
         doc = f"{s.doc} [{s.name}; default {s.default}]"
-        if s.is_flag:
-            names = f"{s.option}/--no-{s.option[2:]}"
-            command = click.option(names, s.key, default=None, help=doc)(command)
-        else:
-            command = click.option(s.option, s.key, default=None, metavar="VALUE", help=doc)(command)
+        names = f"{s.option}/--no-{s.option[2:]}" if s.is_flag else s.option
+        command = click.option(names, s.key, default=None, metavar=None if s.is_flag else "VALUE", help=doc)(command)
     return command
 
 

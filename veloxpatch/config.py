@@ -136,8 +136,7 @@ _CORE_KEYS = {s.key for s in CORE_SETTINGS}
 
 @dataclass(frozen=True)
 class VeloxConfig:
-    """The Python form of the ``VELOX_*`` settings, for ``veloxpatch.patch(config)``: fields take the environment's
-    strings (``budget="25%"``) or Python values, knobs go in ``knobs`` by key (``{"snapkv_kernel": 7}``)."""
+    """The ``VELOX_*`` settings for ``patch(config)``: strings (``budget="25%"``) or values; knobs by key."""
 
     kv: str = "none"
     budget: Budget | int | str = "1024"

@@ -162,8 +162,7 @@ def policies() -> tuple[str, ...]:
 
 
 def knob_settings(kv: str, knobs: Mapping[str, Any]) -> dict[str, Setting]:
-    """Every knob that reaches ``kv``'s caches (its own and those of methods it is built on), by the name its
-    constructor takes (``kernel``)."""
+    """Every knob reaching ``kv``'s caches (those of methods it builds on too), by its constructor's name for it."""
     found: dict[str, Setting] = {}
     for name in _composed(kv, knobs):
         for knob in METHODS[name].knobs:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-N = TypeVar("N", int, float)
+T = TypeVar("T")
 PREFIX = "VELOX_"
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off", "")
@@ -23,8 +23,7 @@ class ConfigError(ValueError):
 
 
 class StrictError(RuntimeError):
-    """Raised under ``VELOX_STRICT`` where veloxpatch would otherwise fall back to mlx_lm's own behaviour
-    (:mod:`veloxpatch.fallback`)."""
+    """Raised under ``VELOX_STRICT`` where veloxpatch would fall back to mlx_lm's own behaviour (:mod:`.fallback`)."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +64,7 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 @dataclass(frozen=True)
 class Memory:
-    """An amount of memory: bytes (``2GB``, ``512MiB``, ``1000000``), a share of the device's (``25%``), or
-    none (``off``; false)."""
+    """An amount of memory: bytes (``2GB``, ``512MiB``), a share of the device's (``25%``), or none (``off``)."""
 
     bytes: int | None = None
     fraction: float | None = None
@@ -110,8 +108,7 @@ class Memory:
 
 @dataclass(frozen=True)
 class TierSize:
-    """The most rows a tier holds per layer: ``budgets`` times the layer's budget (``3x``), or every row its
-    cache drops (``all``: None)."""
+    """The most rows a tier holds per layer: ``budgets`` times the layer's budget (``3x``), or all (None)."""
 
     budgets: float | None = 3.0
 
@@ -143,10 +140,10 @@ def size_text(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _checked(convert: Callable[[str], N], allowed: Callable[[N], bool]) -> Callable[[str], N]:
+def _checked(convert: Callable[[str], T], allowed: Callable[[T], bool]) -> Callable[[str], T]:
     """A parser: ``convert`` the text, and refuse (ValueError) a value not ``allowed``."""
 
-    def parse(text: str) -> N:
+    def parse(text: str) -> T:
         value = convert(text)
         if not allowed(value):
             raise ValueError(text)
@@ -199,16 +196,9 @@ def percent(text: str) -> Share:
 
 
 def choice(options: tuple[str, ...] | Callable[[], tuple[str, ...]], upper: bool = False) -> Callable[[str], str]:
-    """A parser taking one of ``options`` in any case; the Setting turns its ValueError into the message.
-    ``options`` may be a function, for choices that grow as methods register (read when a value is parsed)."""
-
-    def parse(text: str) -> str:
-        value = text.strip().upper() if upper else text.strip().lower()
-        if value not in (options() if callable(options) else options):
-            raise ValueError
-        return value
-
-    return parse
+    """A parser taking one of ``options`` in any case (a function, for choices that grow as methods register)."""
+    return _checked(lambda text: text.strip().upper() if upper else text.strip().lower(),
+                    lambda value: value in (options() if callable(options) else options))
 
 
 def boolean(text: str) -> bool:
@@ -222,8 +212,7 @@ def boolean(text: str) -> bool:
 
 
 def strict_requested() -> bool:
-    """``VELOX_STRICT`` read from the environment alone, for code that runs before (or without) a config:
-    the bootstrap and the method registry's plugin loading."""
+    """``VELOX_STRICT`` from the environment alone, for code that runs before a config (bootstrap, plugins)."""
     return os.environ.get("VELOX_STRICT", "").strip().lower() in TRUE
 
 

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 
 
 def spread(total: float, weights: Sequence[float], cap: float) -> list[float]:
-    """``total`` split in proportion to ``weights``, no part above ``cap`` (water filling; evenly among parts of
-    weight 0 when only those are left)."""
+    """``total`` split in proportion to ``weights``, no part above ``cap`` (water filling)."""
     parts = [0.0] * len(weights)
     open_ = list(range(len(weights)))
     left = total
@@ -33,8 +32,7 @@ def spread(total: float, weights: Sequence[float], cap: float) -> list[float]:
 
 
 def largest_remainder(parts: Sequence[float], total: int) -> list[int]:
-    """Integers within 1 of ``parts`` that sum to exactly ``total``: the floors, plus one for the largest fractions
-    (compared to 9 decimals, so rounding noise does not decide; the lower index first on a tie)."""
+    """Integers within 1 of ``parts`` summing to ``total`` (fractions compared to 9 decimals: noise does not decide)."""
     base = [math.floor(p + 1e-9) for p in parts]
     order = sorted(range(len(parts)), key=lambda i: round(base[i] - parts[i], 9))
     for i in order[: max(total - sum(base), 0)]:

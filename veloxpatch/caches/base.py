@@ -43,10 +43,8 @@ class _WhileBatching:
 
 
 class CompressedKVCache(ABC):
-    """A per-layer KV cache of veloxpatch: rows with their positions, mlx_lm's protocol, our attention.
-
-    Deliberately has no ``bits``: mlx_lm would otherwise send it to its own quantized attention.
-    """
+    """A per-layer KV cache of veloxpatch. Deliberately has no ``bits``: mlx_lm would send it to its own quantized
+    attention."""
 
     merge = _WhileBatching()
 
@@ -78,8 +76,7 @@ class CompressedKVCache(ABC):
     @abstractmethod
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """Attention of this step over the rows :meth:`update_and_fetch` returned, and whatever the cache does with
-        its rows after a step."""
+        """Attention of this step over the rows :meth:`update_and_fetch` returned, then the cache's own work."""
 
     @property
     def uses_queries(self) -> bool:
@@ -130,8 +127,7 @@ class CompressedKVCache(ABC):
         return None if self.empty() else self.rows()[1]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        """Causal over our own rows, as KVCache's; an array handed out is remembered, so the attention route can
-        tell it from a mask with the model's own information."""
+        """Causal over our own rows; an array handed out is remembered, to tell it from a mask of the model's own."""
         if window_size is None and n == 1:
             return None
         if window_size is None and not return_array:
@@ -186,8 +182,8 @@ class CompressedKVCache(ABC):
         return self.schedule.headroom(keep)
 
     def to_quantized(self: _Cache, group_size: int = 64, bits: int = 4) -> _Cache:
-        """This cache with its rows stored in mlx's quantized format. mlx_lm calls it at every step, so a cache
-        already in that format returns itself; a format mlx cannot store leaves the cache as it is, said once."""
+        """This cache with its rows quantized; mlx_lm calls it at every step, so one already in that format returns
+        itself, and a format mlx cannot store leaves the cache as it is (said once)."""
         if (self.store.bits, self.store.group_size) == (bits, group_size):
             return self
         try:
@@ -226,8 +222,7 @@ class CompressedKVCache(ABC):
     # ----------------------------------------------------------------- saving (save_prompt_cache)
     @property
     def meta_state(self) -> str:
-        """Scalars and settings as JSON; where mlx_lm saves it apart from :attr:`state` (:attr:`Runtime.meta_apart`),
-        the layout of the whole state, its arrays by number."""
+        """Scalars and settings as JSON, or where saved apart (:attr:`Runtime.meta_apart`) the whole state's layout."""
         if self.runtime.meta_apart():
             return json.dumps({"apart": _layout(self._whole_state(), [])})
         return json.dumps(self._meta())
@@ -293,8 +288,7 @@ class CompressedKVCache(ABC):
         return out
 
     def _mask(self, queries: mx.array, given: Any, rows: int) -> Any:
-        """Our mask over ``rows`` key rows, combined with the model's own. Every row held is in the past, so causal is
-        right unless a hole (position -1) is among them."""
+        """Our mask, combined with the model's own: causal (every row is in the past) unless holes are among them."""
         n = queries.shape[2]
         own: mx.array | str | None = None if n == 1 else "causal"
         if self.has_holes():  # (B, query heads, n, rows) by the positions of the rows this step attends over

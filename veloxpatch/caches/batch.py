@@ -84,8 +84,7 @@ class SequenceBatch:
         return mx.array([m.offset for m in self.members], dtype=mx.int32)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Each sequence stores its own slice of the step; what the model gets back is only handed on to
-        :meth:`attend`, which attends over each sequence's own rows."""
+        """Each sequence stores its own slice of the step (:meth:`attend` attends over each one's own rows)."""
         self._fetched = [
             m.update_and_fetch(keys[i:i + 1, :, :n], values[i:i + 1, :, :n]) if n else None
             for i, (m, n) in enumerate(zip(self.members, self.step_lengths(keys.shape[2])))
@@ -125,8 +124,7 @@ class SequenceBatch:
         return any(getattr(m, "wants_layer_io", False) for m in self.members)
 
     def tell(self, hook: str, *args: Any) -> None:
-        """Hand a layer hook's arguments to each member that defines ``hook``: its own row of each array, its real
-        tokens."""
+        """Hand each member that defines ``hook`` its own row of each argument, its real tokens."""
         steps = next(a.shape[1] for a in args if isinstance(a, mx.array))
         for i, (member, n) in enumerate(zip(self.members, self.step_lengths(steps))):
             own = getattr(member, hook, None)

@@ -20,8 +20,7 @@ MIN_BLOCK = 32  # fewer queries at a time would cost more in calls than it saves
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
               sinks: mx.array | None) -> mx.array:
-    """mlx's ``scaled_dot_product_attention`` over ``keys``/``values`` whose last ``n`` rows are the step's own;
-    ``mask`` None, ``"causal"`` or an array ending in (n, rows)."""
+    """mlx's attention over rows whose last ``n`` are the step's own; ``mask``: None, ``"causal"`` or (..., n, rows)."""
     b, heads, n, _ = queries.shape
     rows = keys.shape[2]
     block = max(MIN_BLOCK, SCORE_BYTES // max(1, 4 * b * heads * rows))

@@ -17,11 +17,11 @@ import mlx.core as mx
 from .. import stats
 from ..config import TierSize
 from .base import CompressedKVCache
+from .masks import marked
 from .queries import QueryLog
 from .schedule import Schedule
 from .selection import best_rows, protected
 from .spec import CacheSpec
-from .store import RowStore
 from .tier import Tier
 
 
@@ -46,8 +46,8 @@ class Policy(ABC):
         """Importance of each stored row, (B, kv_heads, rows); higher is kept. ``positions``: -1 is a hole."""
 
     def select(self, cache: EvictingCache, keep: int, scale: float, kept: mx.array | None = None) -> mx.array:
-        """Row indexes to keep, (B, kv_heads, keep), ascending: the best by :meth:`score`, holes never, and always
-        the protected rows, or those ``kept`` marks (a capped tier takes the best of the rows the store drops)."""
+        """Row indexes to keep, ascending: the best by :meth:`score`, always the protected rows or those ``kept`` marks
+        (a capped tier takes the best of the rows the store drops)."""
         keys, _ = cache.store.fetch()
         positions = cache.store.row_positions()
         anyway = cache.protected(positions) if kept is None else kept
@@ -77,11 +77,6 @@ def row_bytes_per_head(policy: Policy) -> int:
     return 4 * len(policy.row_columns)
 
 
-def _mask(positions: mx.array, index: mx.array) -> mx.array:
-    """True at the rows ``index`` (B, kv_heads, k) names, over rows shaped like ``positions``."""
-    return mx.put_along_axis(mx.zeros(positions.shape, mx.bool_), index, mx.array(True), axis=-1)
-
-
 class Snapshot:
     """An evicting cache as its last prompt left it (after the first decode-sized step that follows it). It shares
     the cache's arrays (a store writes in place only past its rows, a compaction makes new ones), so it costs
@@ -106,8 +101,7 @@ class Snapshot:
         end that the snapshot's store does not hold (rows of the store now are tiered again)."""
         assert cache.tier is not None, "restored with a tier only"
         kept = self.store.row_positions()
-        seen = mx.zeros((*kept.shape[:2], self.offset + 1), mx.bool_)
-        seen = mx.put_along_axis(seen, mx.where(kept < 0, self.offset, kept), mx.array(True), axis=-1)
+        seen = marked((*kept.shape[:2], self.offset + 1), mx.where(kept < 0, self.offset, kept))
 
         def then(positions: mx.array) -> mx.array:  # the positions of rows the prompt's tier held; -1 elsewhere
             inside = (positions >= 0) & (positions < self.offset)
@@ -117,8 +111,7 @@ class Snapshot:
         tier = Tier(cache.tier.bits)
         if cache.tier.rows:
             keys, values, positions = cache.tier.store.state
-            tier.store = RowStore(cache.tier.store.bits, cache.tier.store.group_size, step=1)
-            tier.store.load((keys, values, then(positions)))
+            tier.load((keys, values, then(positions)), cache.tier.store.group_size)
             tier.store.columns = cache.tier.store.columns
         if cache.store.rows:
             tier.take(*cache.store.fetch(), then(cache.store.row_positions()), cache.store.full_columns())
@@ -133,8 +126,7 @@ class Snapshot:
 
 
 class EvictingCache(CompressedKVCache):
-    """A per-layer cache holding at most its budget (plus decode headroom) of rows, chosen by ``policy_class``,
-    which takes the method's knobs."""
+    """A per-layer cache of at most its budget (plus headroom) of rows, chosen by ``policy_class`` (the knobs')."""
 
     policy_class: ClassVar[type[Policy]]
     bounds_memory = True
@@ -191,9 +183,9 @@ class EvictingCache(CompressedKVCache):
 
     # ----------------------------------------------------------------- the tier
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store and fetch the step's rows. A prompt chunk, or a step over a pending prompt, first takes the tier's
-        rows back: it attends over the whole context, and the compression after it chooses among every row."""
-        self.took_back = self.tier is not None and bool(self.tier.rows) and self._takes_back(keys.shape[2])
+        """Store and fetch the step's rows, after the tier's where it takes them back (:meth:`_takes_back`): it
+        attends over the whole context, and the compression after it chooses among every row."""
+        self.took_back = self._takes_back(keys.shape[2])
         if self.took_back:
             self._take_back(keys, values)
         return super().update_and_fetch(keys, values)
@@ -201,12 +193,13 @@ class EvictingCache(CompressedKVCache):
     def rows_before(self, n: int) -> int:
         """The stored rows, and the tier's where the step takes them back (a model applying the mask it asked for
         itself, as multi-head latent attention does, needs it as wide as the keys)."""
-        if self.tier is None or not self.tier.rows or not self._takes_back(n):
-            return self.size()
-        return self.size() + self.tier.rows
+        return self.size() + (self.tier.rows if self.tier is not None and self._takes_back(n) else 0)
 
     def _takes_back(self, n: int) -> bool:
-        """Whether a step of ``n`` tokens, not stored yet, is a prompt chunk or arrives over a pending prompt."""
+        """Whether a step of ``n`` tokens, not stored yet, takes the tier's rows back: it has some, and the step is a
+        prompt chunk or arrives over a pending prompt."""
+        if self.tier is None or not self.tier.rows:
+            return False
         self.offset += n
         try:
             keep = self.target()
@@ -215,8 +208,7 @@ class EvictingCache(CompressedKVCache):
             self.offset -= n
 
     def _prompt_chunk(self, n: int, keep: int) -> bool:
-        """Whether the step of ``n`` tokens is a prompt chunk: longer than the headroom, or before the end of the
-        prompt :meth:`expect_prompt` announced."""
+        """Whether the step is longer than the headroom, or before the end of an announced prompt."""
         return n > self.headroom(keep) or self.before_prompt_end(0)
 
     def _take_back(self, keys: mx.array, values: mx.array) -> None:
@@ -293,16 +285,15 @@ class EvictingCache(CompressedKVCache):
         stats.compressed(self)
 
     def _to_tier(self, index: mx.array) -> None:
-        """Hand the rows not in ``index`` to the tier, the policy's best where they do not all fit (the rest are
-        lost)."""
+        """Hand the rows not in ``index`` to the tier, the policy's best where they do not all fit."""
         assert self.tier is not None, "called with a tier only"
         positions = self.store.row_positions()
         keys, values = self.store.fetch()
-        kept = _mask(positions, index)
+        kept = marked(positions.shape, index)
         dropped = self.store.rows - index.shape[-1]
         room = min(dropped, self.tier_rows(index.shape[-1], keys) - self.tier.rows)
         if 0 < room < dropped:
-            kept = kept | ~_mask(positions, self.policy.select(self, index.shape[-1] + room, self.scale, kept))
+            kept = kept | ~marked(positions.shape, self.policy.select(self, index.shape[-1] + room, self.scale, kept))
         gone = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : max(room, 0)]
         if gone.shape[-1]:
             self.tier.take(keys, values, mx.take_along_axis(positions, gone, axis=-1),
@@ -366,8 +357,8 @@ class EvictingCache(CompressedKVCache):
         return columns if self.tier is None else (*columns, self.tier.state)
 
     def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
-        """The row columns and the tier's rows; a cache rebuilt from the base layout alone (a batch's) keeps its tier
-        setting with an empty tier, and its columns start at zero."""
+        """The row columns and the tier's rows; a cache rebuilt from the base layout alone (a batch's) starts both
+        empty."""
         names = self.policy.row_columns
         if "tier_bits" in info:
             self.tier, self.tier_size = Tier(info["tier_bits"]), TierSize.parse(info.get("tier_size", "all"))

@@ -25,8 +25,7 @@ def forget_issued(cache: Any, members: list[Any]) -> None:
 
 
 def causal(rows: int, n: int, window_size: int | None = None) -> mx.array:
-    """(n, rows) boolean: the last ``n`` rows are the queries, each seeing the rows up to its own (the
-    ``window_size`` newest of them)."""
+    """(n, rows): the last ``n`` rows are the queries, each seeing the rows up to its own (within ``window_size``)."""
     columns = mx.arange(rows)[None]
     queries = mx.arange(rows - n, rows)[:, None]
     mask = queries >= columns
@@ -47,10 +46,14 @@ def by_position(positions: mx.array, n: int, end: int, query_heads: int) -> mx.a
     return mx.repeat(visible(positions, n, end), query_heads // positions.shape[1], axis=1)
 
 
+def marked(shape: tuple[int, ...], index: mx.array) -> mx.array:
+    """Boolean of ``shape``, true at the indexes ``index`` along the last axis."""
+    return mx.put_along_axis(mx.zeros(shape, mx.bool_), index, mx.array(True), axis=-1)
+
+
 def restricted(kept: mx.array, rows: int, n: int, query_heads: int, given: Any) -> mx.array:
     """``given`` limited to the rows ``kept`` and the step's own ``n``: rows about to go are masked for the step."""
-    keep = mx.zeros(kept.shape[:2] + (rows,), mx.bool_)
-    keep = mx.put_along_axis(keep, kept, mx.array(True), axis=-1) | (mx.arange(rows) >= rows - n)
+    keep = marked((*kept.shape[:2], rows), kept) | (mx.arange(rows) >= rows - n)
     keep = mx.repeat(keep, query_heads // keep.shape[1], axis=1)[:, :, None, :]
     return combined(keep, given, rows, n)
 

@@ -143,8 +143,7 @@ class MemoryPlan:
         return max(0, self.total - self.fixed) // max(1, growing)
 
     def shared_with(self, other: MemoryPlan) -> MemoryPlan:
-        """One plan for this list and ``other`` (a speculative draft's), the total for both: a ConfigError where both
-        cannot fit."""
+        """One plan for this list and ``other`` (a speculative draft's), the total for both."""
         return replace(self, ours=self.ours + other.ours, others=self.others + other.others)
 
     def describe(self) -> str:

@@ -13,8 +13,7 @@ from .masks import visible
 
 
 class QueryMemory:
-    """The last remembered queries (B, query_heads, w, head_dim) and ``end``, the tokens seen when the newest
-    of them attended: they are the queries of tokens ``end - w .. end - 1``."""
+    """The last remembered queries (B, query_heads, w, head_dim), those of tokens ``end - w .. end - 1``."""
 
     def __init__(self, queries: mx.array | None = None, end: int = 0) -> None:
         self.queries = queries
@@ -61,8 +60,7 @@ class QueryMemory:
 
 
 class QueryLog:
-    """Queries a policy has not accounted yet (H2O's), of the tokens ending at ``end``: the cache trims and counts
-    them, the policy adds and takes them."""
+    """Queries a policy has not accounted yet (H2O's), of the tokens ending at ``end``."""
 
     def __init__(self) -> None:
         self.queued: list[mx.array] = []  # replaced, never changed in place: a copy of the cache shares the old one

@@ -22,8 +22,7 @@ def _no() -> bool:
 
 @dataclass(frozen=True)
 class Runtime:
-    """What only the integration knows and a cache asks, each when it matters (so it follows a later ``unpatch``). A
-    cache nobody gave one (the probe's, a test's) answers no to both."""
+    """What only the integration knows, asked when it matters (so it follows ``unpatch``); by default no to both."""
 
     batching: Callable[[], bool] = _no
     """Whether mlx_lm's batches may hold our caches now: ``merge`` is there only then (integration.batched)."""

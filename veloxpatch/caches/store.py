@@ -157,8 +157,7 @@ class RowStore:
         return self._merge(rows, positions.astype(mx.int32), 0, columns)
 
     def take_in(self, other: RowStore, spare: int = 0) -> mx.array:
-        """Every row of ``other`` (a tier's, in another format) merged in as :meth:`merge` does, with ``spare`` free
-        rows after them; each half is decoded only once the other is done (the whole context at full precision)."""
+        """Every row of ``other`` (a tier's) merged in as :meth:`merge` does, with ``spare`` free rows after them."""
         keys, values, positions = other.state
         return self._merge(lambda i: self.encode(other.decode((keys, values)[i])), positions.astype(mx.int32), spare,
                            other.full_columns())
@@ -230,8 +229,7 @@ class RowStore:
             self.holes = bool((self.row_positions() < 0).any().item())
 
     def trim_to(self, prefix: int) -> None:
-        """Forget every row whose position is ``prefix`` or later: a suffix of each head (time order), the shorter
-        heads keeping holes up to the longest one."""
+        """Forget every row at ``prefix`` or later: a suffix of each head, the shorter ones keeping holes."""
         if self.rows == 0:
             return
         positions = self.row_positions()

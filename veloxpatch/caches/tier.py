@@ -25,8 +25,7 @@ from .store import RowStore
 
 
 class Tier:
-    """Rows at ``bits`` per element (16: unquantized), time-ordered per head, with their positions and row
-    columns."""
+    """Rows at ``bits`` per element (16: unquantized), time-ordered per head, with positions and row columns."""
 
     def __init__(self, bits: int) -> None:
         self.bits = bits
@@ -75,8 +74,7 @@ class Tier:
         return (*self.store.state, *(c for c in self.store.columns.values() if c is not None))
 
     def load(self, state: tuple[Any, ...] | None, group_size: int, columns: tuple[str, ...] = ()) -> None:
-        """Restore what :attr:`state` saved (quantized where its keys are a triple), its row columns named
-        ``columns``."""
+        """Restore what :attr:`state` saved, its row columns named ``columns``."""
         if state is not None:
             self.store = RowStore(None if len(state[0]) == 1 else self.bits, group_size, step=1)
             self.store.load(tuple(state[:3]))

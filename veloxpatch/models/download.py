@@ -42,8 +42,7 @@ class WheelSource:
 
 
 def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/veloxpatch``, else ``~/.cache/veloxpatch`` (an empty or relative one is ignored, as the
-    XDG spec says)."""
+    """``$XDG_CACHE_HOME/veloxpatch`` (unless empty or relative, as the XDG spec says), else ``~/.cache``'s."""
     base = os.environ.get("XDG_CACHE_HOME", "")
     root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".cache"
     return root / "veloxpatch"

@@ -29,8 +29,7 @@ def model_folder(spec: ModelSpec, quantized: bool, root: Path) -> Path:
 
 
 def fetch_model(spec: ModelSpec, quantized: bool = False, root: Path | None = None) -> Path:
-    """The mlx_lm folder of ``spec``: reused when complete, else downloaded (once) and converted (``quantized``:
-    keeping the GGUF's 4-bit matrices, for Metal)."""
+    """The mlx_lm folder of ``spec``, downloaded (once) and converted unless complete (``quantized``: for Metal)."""
     root = cache_root() if root is None else root
     target = model_folder(spec, quantized, root)
     if is_complete(target):

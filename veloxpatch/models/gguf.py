@@ -87,8 +87,7 @@ def _unshift_norm(gguf_name: str, parts: dict[str, mx.array], arch: Architecture
 
 def convert_tensor(parts: dict[str, mx.array], heads: int | None, quantized: bool,
                    dtype: mx.Dtype) -> dict[str, mx.array]:
-    """One tensor's arrays in mlx_lm form: rows reordered for RoPE, then dense ``dtype`` or kept quantized; its
-    additive bias, if it has one, dense beside it."""
+    """One tensor's arrays in mlx_lm form: rows reordered for RoPE, dense ``dtype`` or kept quantized, bias dense."""
     if heads is not None:
         parts = {suffix: unpermute_rotary(a, heads) for suffix, a in parts.items()}
     bias = {BIAS: parts[BIAS].astype(dtype)} if BIAS in parts else {}

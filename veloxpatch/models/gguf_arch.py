@@ -63,8 +63,7 @@ GEMMA3_PATTERN, GEMMA3_LOCAL_BASE = 6, 10_000.0
 
 
 def gemma3_config(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """mlx_lm's ``gemma3_text`` config.json. Queries are scaled by the head dimension, as in every
-    Gemma 3 size but 27B (62 layers), which scales by hidden / heads and is refused."""
+    """mlx_lm's ``gemma3_text`` config.json; 27B (62 layers), which scales queries by hidden / heads, is refused."""
     config = {"model_type": "gemma3_text", **_common(metadata, "gemma3", tied)}
     if config["num_hidden_layers"] == 62:
         raise GGUFError("Gemma 3 27B scales its queries by hidden_size / heads, which its GGUF does not record; "

@@ -90,8 +90,7 @@ def _byte_level(metadata: dict[str, Any]) -> Any:
 
 
 def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """Every split of a normal piece into two normal pieces, the highest-scoring joined piece first
-    (ties: the lower ids, so the order is fixed)."""
+    """Every split of a normal piece into two normal pieces, the highest-scoring joined piece first (ties: ids)."""
     ids = {t: i for i, t in enumerate(tokens) if types[i] == NORMAL}
     ranked = []
     for i, piece in enumerate(tokens):
