@@ -131,9 +131,6 @@ def request_settings() -> dict[str, Setting]:
     return {s.key: s for s in all_settings() if s.key not in PROCESS_WIDE}
 
 
-_CORE_KEYS = {s.key for s in CORE_SETTINGS}
-
-
 @dataclass(frozen=True)
 class VeloxConfig:
     """The ``VELOX_*`` settings for ``patch(config)``: strings (``budget="25%"``) or values; knobs by key."""
@@ -186,7 +183,6 @@ class VeloxConfig:
 
     @property
     def enabled(self) -> bool:
-        """True when a compression method is selected."""
         return self.kv != "none"
 
     def cache_settings(self) -> tuple[Any, ...]:
@@ -209,7 +205,6 @@ class VeloxConfig:
         return ", ".join(given)
 
     def knob(self, key: str) -> Any:
-        """A method knob's value by key (``snapkv_kernel``)."""
         return self.knobs[key]
 
     def to_env(self) -> dict[str, str]:
@@ -240,7 +235,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> LoadedConfig:
         raw = environ.get(s.name)
         sources[s.name] = "default" if raw is None else f"environment ({s.name})"
         value = s.convert(s.default if raw is None else raw)
-        (core if s.key in _CORE_KEYS else knobs)[s.key] = value
+        (knobs if s.method else core)[s.key] = value
     config = VeloxConfig(**core, knobs=knobs)
     return LoadedConfig(config, sources, unknown_names(environ) + idle_settings(config, sources))
 

@@ -62,8 +62,8 @@ class MethodTable(Mapping[str, MethodInfo]):
 
     def __getitem__(self, name: str) -> MethodInfo:
         self.load()
-        if name not in self._infos and self._loading:
-            self._load_builtin(name)
+        if name not in self._infos and self._loading and importlib.util.find_spec(f"{BUILTIN}.{name}") is not None:
+            importlib.import_module(f"{BUILTIN}.{name}")  # a method built on a built-in one, asked for by id
         return self._infos[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -109,11 +109,6 @@ class MethodTable(Mapping[str, MethodInfo]):
         if self.failures and strict_requested():
             raise StrictError("; ".join(self.failures) + ", but VELOX_STRICT is set")
 
-    def _load_builtin(self, name: str) -> None:
-        """Import the built-in method ``name`` now, if there is one (its module is named by its id)."""
-        if importlib.util.find_spec(f"{BUILTIN}.{name}") is not None:
-            importlib.import_module(f"{BUILTIN}.{name}")
-
     def _load_plugin(self, entry: importlib.metadata.EntryPoint) -> None:
         """Load one plugin's entry point; one that registers no method under its own name is rolled back."""
         before = set(self._infos)
@@ -152,7 +147,6 @@ def method(name: str, description: str, knobs: tuple[Setting, ...] = (), *,
 
 
 def cache_class(name: str) -> type[Any]:
-    """The cache class of method ``name``."""
     return METHODS[name].cls
 
 

@@ -133,11 +133,11 @@ class TierSize:
 
 def size_text(n: float) -> str:
     """Bytes as a user reads them (``512 MiB``)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.1f} GiB"
 
 
 def _checked(convert: Callable[[str], T], allowed: Callable[[T], bool]) -> Callable[[str], T]:

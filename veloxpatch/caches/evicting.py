@@ -272,7 +272,6 @@ class EvictingCache(CompressedKVCache):
         return self.policy.select(self, keep, scale)
 
     def compress(self, keep: int, scale: float) -> None:
-        """Keep the rows :meth:`select` picks."""
         self.keep_rows(self.select(keep, scale))
 
     def keep_rows(self, index: mx.array) -> None:
@@ -328,7 +327,7 @@ class EvictingCache(CompressedKVCache):
         n = super().trim(n)
         self.log.trim(self.offset)
         if self.tier is not None:
-            self.tier.trim_to(self.offset)
+            self.tier.store.trim_to(self.offset)
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> EvictingCache:
@@ -363,7 +362,6 @@ class EvictingCache(CompressedKVCache):
         if "tier_bits" in info:
             self.tier, self.tier_size = Tier(info["tier_bits"]), TierSize.parse(info.get("tier_size", "all"))
             if extra:
-                assert self.tier is not None, "tier_bits is saved with a tier only"
                 *columns, held = extra
                 extra = tuple(columns)
                 self.tier.load(held, info["tier_group"], names)

@@ -81,11 +81,9 @@ class RowStore:
 
     # ----------------------------------------------------------------- encoding
     def encode(self, x: mx.array) -> Parts:
-        """Rows as stored: the array itself, or its quantized triple."""
         return encode(x, self.bits, self.group_size)
 
     def decode(self, parts: Parts) -> mx.array:
-        """Rows as attention uses them (dequantized in the cache's dtype)."""
         return decode(parts, self.bits, self.group_size)
 
     # ----------------------------------------------------------------- reading

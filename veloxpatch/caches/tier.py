@@ -62,10 +62,6 @@ class Tier:
         self.store = RowStore(self.store.bits, self.store.group_size, step=1)
         return rows
 
-    def trim_to(self, prefix: int) -> None:
-        """Forget every row whose position is ``prefix`` or later."""
-        self.store.trim_to(prefix)
-
     @property
     def state(self) -> tuple[Any, ...] | None:
         """The rows as stored, their positions and row columns (the cache's order); None while empty."""

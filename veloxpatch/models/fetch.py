@@ -24,7 +24,6 @@ class ModelSpec:
 
 
 def model_folder(spec: ModelSpec, quantized: bool, root: Path) -> Path:
-    """Where the converted folder of ``spec`` lives under the cache ``root``."""
     return root / "models" / (spec.folder + ("-q4" if quantized else ""))
 
 

