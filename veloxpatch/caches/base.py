@@ -292,7 +292,8 @@ class CompressedKVCache(ABC):
         n = queries.shape[2]
         own: mx.array | str | None = None if n == 1 else "causal"
         if self.has_holes():  # (B, query heads, n, rows) by the positions of the rows this step attends over
-            own = masks.by_position(self._key_positions(), n, self.offset, queries.shape[1])
+            positions = self._key_positions()
+            own = mx.repeat(masks.visible(positions, n, self.offset), queries.shape[1] // positions.shape[1], axis=1)
         if not isinstance(given, mx.array) or masks.issued(given, members_of(self)):
             return own
         if own is None:

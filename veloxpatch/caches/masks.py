@@ -41,11 +41,6 @@ def visible(positions: mx.array, n: int, end: int) -> mx.array:
     return (rows >= 0) & (rows <= query_positions[:, None])
 
 
-def by_position(positions: mx.array, n: int, end: int, query_heads: int) -> mx.array:
-    """(B, query_heads, n, rows): :func:`visible`, repeated over the query heads of each KV head."""
-    return mx.repeat(visible(positions, n, end), query_heads // positions.shape[1], axis=1)
-
-
 def marked(shape: tuple[int, ...], index: mx.array) -> mx.array:
     """Boolean of ``shape``, true at the indexes ``index`` along the last axis."""
     return mx.put_along_axis(mx.zeros(shape, mx.bool_), index, mx.array(True), axis=-1)
