@@ -48,11 +48,9 @@ class MethodInfo:
 
 
 class MethodTable(Mapping[str, MethodInfo]):
-    """Every method by id, loaded on first read under a lock; while loading, a method asking for a built-in one by
-    id (one built on another) gets it loaded first. A built-in method that fails to import is a bug: every read
-    raises it. A plugin that fails is rolled back, named in one WARNING and kept in :attr:`failures` (an app that
-    never uses it keeps running); under ``VELOX_STRICT`` (read from the environment: no config exists yet) loading
-    ends in a :class:`StrictError` naming every one."""
+    """Every method by id, loaded on first read under a lock. A built-in method that fails to import is a bug: every
+    read raises it. A plugin that fails is rolled back, named in one WARNING and kept in :attr:`failures` (an app
+    not using it keeps running); under ``VELOX_STRICT`` (the environment's) loading ends in a :class:`StrictError`."""
 
     def __init__(self) -> None:
         self._infos: dict[str, MethodInfo] = {}

@@ -26,11 +26,9 @@ from .tier import Tier
 
 
 class Policy(ABC):
-    """Which rows an evicting cache keeps: what a method decides, and nothing else (the tier, memory plan, batching
-    and saving are the cache's). One policy object serves one cache; a copy of the cache takes a shallow copy of
-    it, so a policy replaces its state rather than changing it in place. Per-row state (H2O's accumulated attention)
-    is a row column of the store (:attr:`row_columns`), which follows the rows everywhere. A method offered as a
-    policy (``policy=True``) takes all its knobs in its policy's constructor: SqueezeAttention builds it so."""
+    """Which rows an evicting cache keeps, and nothing else. One policy serves one cache, and a copy of the cache takes
+    a shallow copy, so a policy replaces its state rather than changing it in place; per-row state is a row column of
+    the store (:attr:`row_columns`). A method offered as a policy takes all its knobs in its policy's constructor."""
 
     uses_queries: ClassVar[bool] = True  # the scores read the model's real queries
     remembers: ClassVar[int | None] = None  # recent queries its cache remembers (:mod:`.queries`); None: the window
@@ -212,10 +210,9 @@ class EvictingCache(CompressedKVCache):
         return n > self.headroom(keep) or self.before_prompt_end(0)
 
     def _take_back(self, keys: mx.array, values: mx.array) -> None:
-        """The tier's rows back into the store in time order (SnapKV pools over neighbouring rows), with room for the
-        step's rows. Those are evaluated first: they hang on the lazy forward so far, which would otherwise be
-        computed on top of the whole context at full precision. Not on a model split across ranks: there receiving
-        the previous rank's send here, before a coordinator's collectives, would deadlock the ranks."""
+        """The tier's rows back into the store in time order, with room for the step's rows, evaluated first (lazy, the
+        forward so far would be computed on top of the whole context); not across ranks, where receiving the previous
+        rank's send before a coordinator's collectives would deadlock them."""
         assert self.tier is not None, "taken back from a tier with rows"
         if self.coordinator is None or not self.coordinator.span.split:
             mx.eval(keys, values)
@@ -299,10 +296,9 @@ class EvictingCache(CompressedKVCache):
                            self.store.full_columns(gone), index=gone)
 
     def tier_rows(self, keep: int, keys: mx.array) -> int:
-        """The most rows like ``keys`` the tier may hold beside a store of ``keep`` rows: ``VELOX_KV_MEMORY``'s share,
-        else the bytes of ``VELOX_TIER_SIZE`` budgets, or every row. The memory plan's share is that of a layer at
-        the mean budget (:meth:`budget_rows`): sized by each layer's own budget (PyramidKV, SqueezeAttention), the
-        tiers would take the bytes a smaller budget frees in every layer at once."""
+        """The most rows like ``keys`` the tier may hold: ``VELOX_KV_MEMORY``'s share at the mean budget (by each
+        layer's own, the tiers would take the bytes a smaller budget frees in every layer at once), else the bytes of
+        ``VELOX_TIER_SIZE`` budgets of ``keep``, or every row."""
         if self.memory_plan is not None:
             return self.memory_plan.tier_rows(self.budget_rows(), self.batch)
         rows = self.tier_size.rows(keep)

@@ -24,10 +24,9 @@ class QueryMemory:
         return 0 if self.queries is None else self.queries.nbytes
 
     def remember(self, queries: mx.array, seen: int, length: int) -> None:
-        """Keep a copy of the most recent ``length`` queries (none when 0), the newest having attended after ``seen``
-        tokens. A copy, not a slice (which would keep the chunk's queries alive), scheduled at once after a prompt
-        chunk: left lazy, every layer's whole query tensor would stay alive until the forward's results are
-        computed. Queries of a different width (attention in another space when decoding) start afresh."""
+        """Keep a copy of the last ``length`` queries, the newest having attended after ``seen`` tokens: a copy (a slice
+        keeps the chunk's alive), scheduled at once after a chunk (lazy, every layer's whole queries would stay alive
+        until the forward's end). Queries of a different width (another space when decoding) start afresh."""
         if length == 0:
             return
         old = self.queries

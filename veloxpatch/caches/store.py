@@ -145,9 +145,8 @@ class RowStore:
 
     def merge(self, keys: mx.array, values: mx.array, positions: mx.array, index: mx.array | None = None,
               columns: dict[str, mx.array] | None = None) -> mx.array:
-        """Add rows (B, H, n, d) at ``positions`` (B, H, n; -1: a hole), keeping time order per head (holes last;
-        rows that are holes in every head go), with their ``columns`` (zeros where a side has none). With ``index``
-        the new rows are those rows of ``keys``/``values``, gathered a half at a time. No spare capacity is left.
+        """Add rows at ``positions`` (-1: a hole) with their ``columns``, in time order per head (holes last; rows that
+        are holes in every head go), no spare capacity left; with ``index``, those rows of ``keys``/``values``.
         Returns where each row now held came from: indexes into the rows held before, then the new ones."""
         def rows(i: int) -> Parts:
             half = (keys, values)[i]
@@ -192,9 +191,8 @@ class RowStore:
         return {name: mx.take_along_axis(joined(name), order, axis=-1) for name in {**self.columns, **new}}
 
     def _merged(self, half: int, new: Callable[[int], Parts], index: mx.array, spare: int) -> Parts:
-        """One half of :meth:`_merge` (0: keys, 1: values): the rows held, ``new(half)`` and ``spare`` zero rows, in
-        the order ``index``. mlx keeps every array of one evaluation alive until it ends, so the steps are evaluated
-        one after another, each dropped once the next is made: two copies of the half alive, not four."""
+        """One half of :meth:`_merge` (0: keys, 1: values) in the order ``index``. mlx keeps every array of one
+        evaluation alive until it ends, so each step is evaluated and dropped in turn: two copies alive, not four."""
         held = (self.keys, self.values)[half] if self.rows else None
         parts = new(half)
         mx.eval(parts)
