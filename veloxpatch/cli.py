@@ -176,9 +176,7 @@ def info(model_path: str | None) -> None:
     _features(found)
     errors = invalid_settings(dict(os.environ))
     if errors:
-        click.echo("invalid configuration:")
-        for error in errors:
-            click.echo(f"  {error}")
+        click.echo("\n  ".join(["invalid configuration:", *errors]))
         raise SystemExit(2)
     loaded = from_env()
     config = loaded.config

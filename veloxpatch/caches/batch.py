@@ -1,14 +1,10 @@
 """One layer of mlx_lm's batched generation over caches that each stay their own sequence's.
 
-mlx_lm batches sequences by merging their caches into one batch cache with a shared layout (left padding, one
-mask). A compressed cache has no such layout: each sequence keeps its own rows, positions and budget. So a batch of
-ours keeps the sequences' caches side by side (:class:`SequenceBatch`, one per layer) and runs per sequence only
-the part of a forward that touches a cache: ``update_and_fetch`` hands each its slice of the step (up to its own
-length where mlx_lm right-pads), and :meth:`SequenceBatch.attend` has each attend with its own queries and pads the
-outputs back. Every sequence computes exactly what it would alone; ``offset`` is each one's token count.
-
-A member may also be mlx_lm's plain ``KVCache`` (a sequence that asked for no method): it gets mlx's attention
-over its rows, in blocks of queries as ours do (:mod:`.blocks`).
+mlx_lm merges a batch's caches into one with a shared layout (left padding, one mask); ours keep each sequence's own
+rows, positions and budget. So a :class:`SequenceBatch` (one per layer) keeps the sequences' caches side by side and
+runs per sequence only the part of a forward that touches a cache: each stores its slice of the step (up to its own
+length where mlx_lm right-pads) and attends with its own queries, exactly as alone. A member may also be mlx_lm's
+plain ``KVCache`` (a sequence that asked for no method), attended in blocks of queries as ours (:mod:`.blocks`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """``VELOX_KV_MEMORY``: the bytes a cache list may hold, turned into rows per layer (and tier rows).
 
-A plan is made once per cache list (shared with a speculative draft's: :meth:`MemoryPlan.shared_with`) from what
-the probe saw each slot hold per token with mlx_lm's caches (:class:`SlotLayout`). The slots that stay mlx_lm's are
-paid for first (a plain cache of theirs grows with the context and cannot be bounded); our caches share the rest
-equally per layer: ``keep + headroom(keep)`` rows with positions, a window of queries, and a tier's rows in what the
-store leaves. Everything scales with the batch. Not counted: a prefill chunk's own rows until the compression
-after it, and the forward pass's activations.
+A plan is made per cache list from what the probe saw each slot hold per token (:class:`SlotLayout`). The slots
+that stay mlx_lm's are paid for first (a plain cache of theirs cannot be bounded); ours share the rest equally per
+layer: ``keep + headroom(keep)`` rows, a window of queries, and tier rows in what the store leaves, all scaled by the
+batch. Not counted: a prefill chunk's own rows until the compression after it, and the forward's activations.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Rows of one layer's KV cache, per head, each with the position of the token it came from.
 
-The store knows nothing of scoring: it appends rows, keeps a chosen subset, trims back to a prefix and reports
-its bytes. Each row's original position makes a trim exact at any time (speculative decoding's rewind, the
-server's prompt-cache reuse), whatever was evicted before. Heads keep different rows, so a trim can leave the
-shorter heads ending in *holes*: rows with position -1 that attention masks out and compression drops first.
-Storage is dense or mlx's affine-quantized (packed, scales, biases) triple, rows on axis 2 either way.
+Each row's original position makes a trim exact at any time (speculative decoding's rewind, the server's
+prompt-cache reuse), whatever was evicted before. Heads keep different rows, so a trim can leave the shorter heads
+ending in *holes*: rows with position -1 that attention masks out and compression drops first. Storage is dense or
+mlx's affine-quantized (packed, scales, biases) triple, rows on axis 2 either way.
 
 *Row columns* are named per-row arrays (B, H, rows) of a policy's state (H2O's accumulated attention) that follow
 every compaction, trim and merge. A column may be shorter than the rows (zeros past its end) or None (zeros

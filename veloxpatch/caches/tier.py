@@ -1,16 +1,13 @@
 """A second storage tier: the rows an evicting cache drops, kept at low bits instead of lost (``VELOX_TIER``).
 
-Decoding attends over the exact budget alone (as fast as eviction); a compression hands the rows it drops to the
-tier, quantized with their positions. A prompt chunk attends over the tier's rows too, and the selection at the end
-of a prompt takes them back and chooses among all rows with that prompt's queries: rows dropped for an earlier
-question can come back for the next (a chat's follow-up, the server's prompt-cache reuse). They come back
-dequantized (exact at 16 bits).
+Decoding attends over the exact budget alone (as fast as eviction). A prompt chunk attends over the tier's rows
+too, and the selection at the end of a prompt takes them back (dequantized) to choose among all rows with that
+prompt's queries: rows dropped for an earlier question can come back for the next (a chat's follow-up).
 
-A tier holds at most ``VELOX_TIER_SIZE`` budgets of rows (or what ``VELOX_KV_MEMORY`` leaves it), the policy's best
-where more are dropped. The default, three budgets at 8 bits, takes about as many bytes as the budget's own rows in
-float32 (1.6-1.7x them where the model's rows are 16-bit: scales and biases are kept in the rows' dtype; 4 bits
-cost Gemma 3 270M retrieval: docs/results.md). Rows are kept in time order per head, as the store's, so a trim stays
-exact, and a row's columns (H2O's accumulated attention) go and come back with it.
+A tier holds at most ``VELOX_TIER_SIZE`` budgets of rows (or what ``VELOX_KV_MEMORY`` leaves it), the policy's best.
+The default, three budgets at 8 bits, takes about as many bytes as the budget's own rows in float32 (1.6-1.7x them
+where the model's rows are 16-bit: scales and biases are kept in the rows' dtype; 4 bits cost Gemma 3 270M
+retrieval: docs/results.md). Rows are kept in time order per head with their columns, so a trim stays exact.
 """
 
 from __future__ import annotations
