@@ -169,10 +169,8 @@ class VeloxConfig:
         assert isinstance(self.budget, Budget), "converted by __post_init__"
         tokens = self.budget.tokens
         if self.enabled and tokens is not None and tokens < self.sink + self.window:
-            raise ConfigError(
-                f"VELOX_BUDGET={tokens} is not allowed: it must be at least "
-                f"VELOX_SINK + VELOX_WINDOW = {self.sink} + {self.window} = {self.sink + self.window}"
-            )
+            raise ConfigError(f"VELOX_BUDGET={tokens} is not allowed: it must be at least VELOX_SINK + VELOX_WINDOW = "
+                              f"{self.sink} + {self.window} = {self.sink + self.window}")
 
     def _check_kv_memory(self) -> None:
         if self.enabled and self.kv_memory and not getattr(METHODS[self.kv].cls, "bounds_memory", False):

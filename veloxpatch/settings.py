@@ -249,9 +249,7 @@ class Setting:
         try:
             return self.parse(text)
         except (ValueError, TypeError):
-            raise ConfigError(
-                f"{self.name}={text!r} is not allowed: expected {self.allowed_text}"
-            ) from None
+            raise ConfigError(f"{self.name}={text!r} is not allowed: expected {self.allowed_text}") from None
 
 
 def to_text(value: Any) -> str:

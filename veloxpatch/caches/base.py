@@ -229,11 +229,9 @@ class CompressedKVCache(ABC):
 
     def _meta(self) -> dict[str, Any]:
         """What :attr:`meta_state` holds; a kind of cache adds its own scalars."""
-        return {
-            "offset": self.offset, "evicted": self.evicted, "budget": str(self.budget),
-            "sink": self.sink, "window": self.window, "mode": self.schedule.mode, "bits": self.store.bits,
-            "group_size": self.store.group_size, "knobs": self.knob_values(), "queries_end": self.memory.end,
-        }
+        return {"offset": self.offset, "evicted": self.evicted, "budget": str(self.budget), "sink": self.sink,
+                "window": self.window, "mode": self.schedule.mode, "bits": self.store.bits,
+                "group_size": self.store.group_size, "knobs": self.knob_values(), "queries_end": self.memory.end}
 
     @property
     def state(self) -> tuple[Any, ...] | list[mx.array]:

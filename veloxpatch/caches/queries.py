@@ -1,8 +1,7 @@
 """Query memory: the most recent real queries of a layer, and the attention they pay its rows.
 
-Query-aware methods score rows by what the latest queries attend to (SnapKV's observation window, TOVA's newest
-query). The cache keeps a copy of the last few with the tokens seen when the newest attended, so a row stored
-after them is never counted as seen.
+Query-aware methods score rows by what the latest queries attend to (SnapKV's window, TOVA's newest query); the
+tokens seen when the newest attended are kept too, so a row stored after them is never counted as seen.
 """
 
 from __future__ import annotations

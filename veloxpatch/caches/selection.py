@@ -1,7 +1,5 @@
-"""Which rows a compression keeps: the protected ones, then the best by score, per KV head.
-
-Every evicting cache keeps the first ``VELOX_SINK`` tokens (attention sinks) and the last
-``VELOX_WINDOW`` ones whatever their scores, and drops holes (rows a trim left with position -1) first.
+"""Which rows a compression keeps, per KV head: the first ``VELOX_SINK`` tokens (attention sinks) and the last
+``VELOX_WINDOW`` whatever their scores, then the best by score; holes (position -1) go first.
 """
 
 from __future__ import annotations

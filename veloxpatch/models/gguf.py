@@ -69,13 +69,8 @@ def _grouped(weights: dict[str, mx.array]) -> dict[str, dict[str, mx.array]]:
 
 def _rotary_heads(gguf_name: str, config: dict[str, Any], arch: Architecture) -> int | None:
     """Heads to unpermute by for q/k projections llama.cpp reordered; None for every other tensor."""
-    if not arch.interleaved_rotary:
-        return None
-    if gguf_name.endswith(".attn_q"):
-        return config["num_attention_heads"]
-    if gguf_name.endswith(".attn_k"):
-        return config["num_key_value_heads"]
-    return None
+    heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(gguf_name.rsplit(".", 1)[-1])
+    return config[heads] if arch.interleaved_rotary and heads is not None else None
 
 
 def _unshift_norm(gguf_name: str, parts: dict[str, mx.array], arch: Architecture) -> dict[str, mx.array]:
