@@ -240,9 +240,8 @@ def from_env(environ: Mapping[str, str] | None = None) -> LoadedConfig:
 
 def idle_settings(config: VeloxConfig, sources: Mapping[str, str]) -> list[str]:
     """Warnings for settings given that the chosen method does not use (``VELOX_TIER`` with one that drops no row)."""
-    if not (config.enabled and config.tier and sources.get("VELOX_TIER", "default") != "default"):
-        return []
-    if config.kv in evicting_methods():
+    given = config.enabled and config.tier and sources.get("VELOX_TIER", "default") != "default"
+    if not given or config.kv in evicting_methods():
         return []
     return [f"VELOX_TIER={config.tier} does nothing with VELOX_KV={config.kv}: it keeps the rows a method drops, and "
             f"{config.kv} drops none (it keeps every token in a form of its own); it is for "

@@ -39,10 +39,7 @@ class Budget:
         text = text.strip()
         if text.endswith("%"):
             return cls(fraction=float(percent(text)))
-        value = int(text)
-        if value < 1:
-            raise ValueError(text)
-        return cls(tokens=value)
+        return cls(tokens=int_range(1, None)(text))
 
     def resolve(self, seen: int) -> int:
         """Rows to keep after ``seen`` tokens (a fraction rounds up, so 100% never evicts)."""

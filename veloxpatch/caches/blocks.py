@@ -1,9 +1,8 @@
 """Attention of a long prompt chunk in blocks of queries, so its scores never take more than a bound.
 
-On the CPU (wherever mlx's fused attention falls back to plain operations) a step holds a (query heads x chunk x
-rows) float32 score matrix: for a 512-token chunk over 8k tokens on SmolLM2-135M, 151 MB per layer. Queries are
-independent, so a block at a time, each evaluated before the next, gives the same output with at most
-``SCORE_BYTES`` of scores alive.
+On the CPU a step holds a (query heads x chunk x rows) float32 score matrix: for a 512-token chunk over 8k tokens
+on SmolLM2-135M, 151 MB per layer. Queries are independent, so a block at a time, each evaluated before the next,
+gives the same output with at most ``SCORE_BYTES`` of scores alive.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Caches that keep at most a budget of rows per layer, chosen by a policy.
 
-An :class:`EvictingCache` adds to the common cache (:mod:`.base`) a budget per layer (:meth:`EvictingCache.target`),
-the compression schedule (:mod:`.schedule`: when) and a :class:`Policy` (which rows). A method of this kind is a
-policy and, where needed, a subclass that sets the layer's budget (PyramidKV, SqueezeAttention); SqueezeAttention
-takes any method's policy for the rows inside a layer, as kvpress's wrapper presses take an inner press.
+An :class:`EvictingCache` adds to the common cache (:mod:`.base`) a budget per layer, the compression schedule
+(:mod:`.schedule`: when) and a :class:`Policy` (which rows). A method of this kind is a policy and, where needed, a
+subclass that sets the layer's budget; SqueezeAttention takes any method's policy, as kvpress's wrapper presses do.
 """
 
 from __future__ import annotations

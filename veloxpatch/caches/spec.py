@@ -1,8 +1,7 @@
 """What a cache is built from, whole: a :class:`CacheSpec` and its method's knobs, nothing set after.
 
-Two things reach a cache later, because nobody knows them when it is made: a list loaded from a file gets its
-:class:`Runtime` from ``load_prompt_cache``'s wrapper, and a model and its speculative draft share one memory plan
-once a generation brings them together (``integration.wrappers``).
+Two things reach a cache later, unknown when it is made: a loaded list's :class:`Runtime` (``load_prompt_cache``'s
+wrapper), and the memory plan a model shares with its speculative draft (``integration.wrappers``).
 """
 
 from __future__ import annotations
