@@ -1,8 +1,7 @@
 """Attention masks for the rows a cache holds, as plain functions.
 
-A cache supplies the mask for its own rows (contract 3 of docs/DESIGN.md): every row held is in the past, so the
-lower-right causal mask is right, or where a trim left holes, one from each row's position. A mask the model built
-with information of its own is combined with ours (:func:`combined`).
+A cache supplies the mask for its own rows (contract 3 of docs/DESIGN.md): every row held is in the past, so
+causal is right except around holes; a mask with the model's own information is combined with ours.
 """
 
 from __future__ import annotations

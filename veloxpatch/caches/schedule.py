@@ -1,8 +1,7 @@
 """When a cache compresses (``VELOX_COMPRESS``), and how many decode rows it lets gather first.
 
-A step of more than ``headroom`` tokens is a prompt chunk; any other is decode-sized. ``chunk`` compresses after
-every prompt chunk (at most budget + chunk rows while reading); ``end`` leaves the chunks alone and the first
-decode-sized step compresses the pending prompt before it attends (SnapKV's one-shot mode). In decode a cache
+A step of more than ``headroom`` tokens is a prompt chunk. ``chunk`` compresses after each; ``end`` has the first
+decode-sized step compress the pending prompt before it attends (SnapKV's one-shot mode). In decode a cache
 compresses at budget + headroom rows, so the copy a compression costs is amortised.
 """
 
