@@ -3,8 +3,7 @@
     import veloxpatch
     veloxpatch.patch(kv="snapkv", budget=1024)   # or VeloxConfig(...), or the VELOX_* environment
 
-The heavy parts (mlx, mlx_lm hooks) load on first use of these names, so the launcher's
-bootstrap can import the package cheaply in every process.
+The heavy parts load on first use of these names, so the bootstrap imports the package cheaply in every process.
 """
 
 from __future__ import annotations

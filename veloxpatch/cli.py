@@ -1,9 +1,8 @@
 """The ``veloxpatch`` command: ``run`` an unmodified app with the shim, list ``methods``, show ``info``.
 
-``run`` validates the settings here (a bad value exits with status 2 and names the setting), then
-replaces itself with the real interpreter running the app, with the bootstrap first on
-PYTHONPATH: argv, ``sys.path[0]``, ``__main__``, exit codes and signals are the app's own, and
-subprocesses inherit the shim through the environment.
+``run`` validates the settings (a bad value exits with status 2), then replaces itself with the interpreter running
+the app, the bootstrap first on PYTHONPATH: argv, exit codes and signals are the app's own, and subprocesses inherit
+the shim through the environment.
 """
 
 from __future__ import annotations
@@ -30,12 +29,11 @@ RUN_CONTEXT = {"ignore_unknown_options": True, "allow_interspersed_args": False}
 
 
 class AppCommand(click.Command):
-    """``run``: as with ``python -m MODULE``, every argument after ``-m MODULE`` is the app's. Click would read an
-    app's own ``-m`` (``llm -m MODEL``, ``mlx_lm.server``-style tools) as a second ``-m MODULE`` of ours and run
-    that instead, so the arguments are cut after the module before click parses them."""
+    """``run``: as with ``python -m MODULE``, every argument after ``-m MODULE`` is the app's (click would read an
+    app's own ``-m``, as in ``llm -m MODEL``, as ours), so the arguments are cut there before click parses them."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        """Click's parsing, with a ``--`` put after ``-m MODULE`` (and none where a script comes first)."""
+        """Click's parsing, with a ``--`` put after ``-m MODULE``."""
         return super().parse_args(ctx, app_arguments_apart(args, self._valued_options()))
 
     def _valued_options(self) -> set[str]:
@@ -45,9 +43,7 @@ class AppCommand(click.Command):
 
 
 def app_arguments_apart(args: list[str], valued: set[str]) -> list[str]:
-    """``args`` with ``--`` after the first ``-m MODULE`` among the launcher's own options (``-mMODULE`` too), so
-    that what follows is passed on whole; unchanged where the script (the first positional argument) or ``--``
-    comes first, or ``-m`` has no module."""
+    """``args`` with ``--`` after the first ``-m MODULE`` (or ``-mMODULE``) among the launcher's own options."""
     i = 0
     while i < len(args):
         arg = args[i]
@@ -71,11 +67,8 @@ def _setting_options(command: Any) -> Any:
     """One ``--option`` per registry setting; given ones become ``VELOX_*`` for the child."""
     for s in reversed(all_settings()):
         doc = f"{s.doc} [{s.name}; default {s.default}]"
-        if s.is_flag:
-            names = f"{s.option}/--no-{s.option[2:]}"
-            command = click.option(names, s.key, default=None, help=doc)(command)
-        else:
-            command = click.option(s.option, s.key, default=None, metavar="VALUE", help=doc)(command)
+        names = f"{s.option}/--no-{s.option[2:]}" if s.is_flag else s.option
+        command = click.option(names, s.key, default=None, metavar=None if s.is_flag else "VALUE", help=doc)(command)
     return command
 
 
@@ -183,9 +176,7 @@ def info(model_path: str | None) -> None:
     _features(found)
     errors = invalid_settings(dict(os.environ))
     if errors:
-        click.echo("invalid configuration:")
-        for error in errors:
-            click.echo(f"  {error}")
+        click.echo("\n  ".join(["invalid configuration:", *errors]))
         raise SystemExit(2)
     loaded = from_env()
     config = loaded.config
@@ -215,8 +206,7 @@ def _features(found: str | None) -> None:
 
 
 def _rank() -> None:
-    """Under ``mlx.launch`` (which sets ``MLX_RANK``) say which rank of how many this is: every rank
-    prints its own info, and each must show the same settings."""
+    """Under ``mlx.launch`` (``MLX_RANK``), which rank of how many this is: each must show the same settings."""
     if "MLX_RANK" not in os.environ:
         return
     import mlx.core as mx

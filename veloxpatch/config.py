@@ -1,9 +1,7 @@
 """The ``VELOX_*`` settings: the core ones, every method's knobs, and the config they make.
 
-Every way of switching veloxpatch on (launcher options, environment, ``import veloxpatch.auto``,
-``veloxpatch.patch(config)``) goes through the settings declared here and the methods' knobs
-(:mod:`veloxpatch.registry`), so a value means the same thing and fails with the same message wherever it
-comes from.
+Every way of switching veloxpatch on (launcher, environment, ``import veloxpatch.auto``, ``patch(config)``) goes
+through these settings, so a value means the same and fails with the same message wherever it comes from.
 """
 
 from __future__ import annotations
@@ -111,8 +109,7 @@ PROCESS_WIDE: dict[str, str] = {
     "strict": "whether a fallback is an error is decided for the whole process",
     "stats": "the summary is the process's, printed when it exits",
 }
-"""The settings a server request cannot change (by key), and why: every other setting, method knobs included, may
-differ per request (:func:`request_settings`)."""
+"""The settings a server request cannot change (by key), and why; every other may (:func:`request_settings`)."""
 
 
 def all_settings() -> tuple[Setting, ...]:
@@ -126,28 +123,17 @@ def all_settings() -> tuple[Setting, ...]:
 
 def setting(name: str) -> Setting:
     """Look a setting up by its variable name (``VELOX_BUDGET``)."""
-    for s in all_settings():
-        if s.name == name:
-            return s
-    raise KeyError(name)
+    return {s.name: s for s in all_settings()}[name]
 
 
 def request_settings() -> dict[str, Setting]:
-    """The settings a server request may carry, by key (``budget``, ``snapkv_kernel``): what its cache list is
-    built from. The rest are the process's (:data:`PROCESS_WIDE`)."""
+    """The settings a server request may carry, by key (``budget``, ``snapkv_kernel``)."""
     return {s.key: s for s in all_settings() if s.key not in PROCESS_WIDE}
-
-
-_CORE_KEYS = {s.key for s in CORE_SETTINGS}
 
 
 @dataclass(frozen=True)
 class VeloxConfig:
-    """The Python form of the ``VELOX_*`` settings, for ``veloxpatch.patch(config)``.
-
-    Fields accept the same strings as the environment (``budget="25%"``) or Python values;
-    method knobs go in ``knobs`` by key (``{"snapkv_kernel": 7}``). Construction validates.
-    """
+    """The ``VELOX_*`` settings for ``patch(config)``: strings (``budget="25%"``) or values; knobs by key."""
 
     kv: str = "none"
     budget: Budget | int | str = "1024"
@@ -183,10 +169,8 @@ class VeloxConfig:
         assert isinstance(self.budget, Budget), "converted by __post_init__"
         tokens = self.budget.tokens
         if self.enabled and tokens is not None and tokens < self.sink + self.window:
-            raise ConfigError(
-                f"VELOX_BUDGET={tokens} is not allowed: it must be at least "
-                f"VELOX_SINK + VELOX_WINDOW = {self.sink} + {self.window} = {self.sink + self.window}"
-            )
+            raise ConfigError(f"VELOX_BUDGET={tokens} is not allowed: it must be at least VELOX_SINK + VELOX_WINDOW = "
+                              f"{self.sink} + {self.window} = {self.sink + self.window}")
 
     def _check_kv_memory(self) -> None:
         if self.enabled and self.kv_memory and not getattr(METHODS[self.kv].cls, "bounds_memory", False):
@@ -197,12 +181,10 @@ class VeloxConfig:
 
     @property
     def enabled(self) -> bool:
-        """True when a compression method is selected."""
         return self.kv != "none"
 
     def cache_settings(self) -> tuple[Any, ...]:
-        """What a cache list is built from, as one hashable value: equal for two configs whose lists are made alike
-        (the settings of :func:`request_settings` that reach the method's caches; with no method, mlx_lm's own)."""
+        """What a cache list is built from, as one hashable value: equal for two configs whose lists are made alike."""
         if not self.enabled:
             return ("none",)
         knobs = sorted((s.key, self.knobs[s.key]) for s in knob_settings(self.kv, self.knobs).values())
@@ -210,8 +192,7 @@ class VeloxConfig:
                 self.kv_memory, tuple(knobs))
 
     def described(self) -> str:
-        """The settings that reach this method's caches, spelled as in the environment: what a user reads in the
-        INFO line of the caches built (the budget only where the method uses it, the tier where it evicts)."""
+        """The settings that reach this method's caches, spelled as in the environment (the INFO line of a build)."""
         cls = METHODS[self.kv].cls
         core = ["VELOX_BUDGET"] if cls.uses_budget and not self.kv_memory else []
         core += ["VELOX_KV_MEMORY"] if self.kv_memory else []
@@ -222,16 +203,11 @@ class VeloxConfig:
         return ", ".join(given)
 
     def knob(self, key: str) -> Any:
-        """A method knob's value by key (``snapkv_kernel``)."""
         return self.knobs[key]
 
     def to_env(self) -> dict[str, str]:
         """The same configuration as ``VELOX_*`` variables (for a child process)."""
-        env = {s.name: to_text(getattr(self, s.key)) for s in CORE_SETTINGS}
-        for s in all_settings():
-            if s.method:
-                env[s.name] = to_text(self.knobs[s.key])
-        return env
+        return {s.name: to_text(self.knobs[s.key] if s.method else getattr(self, s.key)) for s in all_settings()}
 
     def replace(self, **changes: Any) -> VeloxConfig:
         """A copy with some fields changed (validated again)."""
@@ -257,17 +233,15 @@ def from_env(environ: Mapping[str, str] | None = None) -> LoadedConfig:
         raw = environ.get(s.name)
         sources[s.name] = "default" if raw is None else f"environment ({s.name})"
         value = s.convert(s.default if raw is None else raw)
-        (core if s.key in _CORE_KEYS else knobs)[s.key] = value
+        (knobs if s.method else core)[s.key] = value
     config = VeloxConfig(**core, knobs=knobs)
     return LoadedConfig(config, sources, unknown_names(environ) + idle_settings(config, sources))
 
 
 def idle_settings(config: VeloxConfig, sources: Mapping[str, str]) -> list[str]:
-    """Warnings for settings given that the chosen method does not use: ``VELOX_TIER`` keeps the rows a method
-    drops, and only the methods that evict drop any."""
-    if not (config.enabled and config.tier and sources.get("VELOX_TIER", "default") != "default"):
-        return []
-    if config.kv in evicting_methods():
+    """Warnings for settings given that the chosen method does not use (``VELOX_TIER`` with one that drops no row)."""
+    given = config.enabled and config.tier and sources.get("VELOX_TIER", "default") != "default"
+    if not given or config.kv in evicting_methods():
         return []
     return [f"VELOX_TIER={config.tier} does nothing with VELOX_KV={config.kv}: it keeps the rows a method drops, and "
             f"{config.kv} drops none (it keeps every token in a form of its own); it is for "

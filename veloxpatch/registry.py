@@ -1,17 +1,13 @@
 """The compression methods: one file each, found by id, with their knobs.
 
-A method is a cache class decorated with :func:`method` in a module of its own. The registry finds the
-modules itself the first time :data:`METHODS` is read: every module of the package ``veloxpatch.methods``
-(the built-in ones), then every entry point of the group ``veloxpatch.methods`` of the installed
-distributions, so a method can ship as a package of its own::
+A method is a cache class decorated with :func:`method` in a module of its own. The first read of :data:`METHODS`
+imports every module of ``veloxpatch.methods``, then every entry point of that group, so a method can ship as a
+package of its own::
 
     [project.entry-points."veloxpatch.methods"]
     mymethod = "mypackage.mymethod"
 
-Loading a method module is plugin discovery by name (``importlib``), not an import of a higher layer: the
-registry knows no method, and nothing else changes when one is added. A plugin that fails to load is
-skipped with one WARNING naming it and the error (an app that never uses it keeps running), and is an
-error under ``VELOX_STRICT``; a built-in one that fails is a bug of veloxpatch and every read raises it.
+This is plugin discovery by name, not an import of a higher layer: the registry knows no method.
 """
 
 from __future__ import annotations
@@ -36,10 +32,8 @@ C = TypeVar("C", bound=type)
 
 @dataclass(frozen=True)
 class MethodInfo:
-    """A registered method: its id, one line for ``veloxpatch methods``, its own knobs, its cache class,
-    the methods whose knobs also reach its caches (a method built on another: a tuple of ids, or a
-    function of the full knobs, e.g. SqueezeAttention's chosen policy), and whether its row policy can
-    pick the rows inside another method (``VELOX_SQUEEZE_POLICY``)."""
+    """A registered method. ``composes``: the methods whose knobs also reach its caches (ids, or a function of the
+    knobs: SqueezeAttention's chosen policy); ``policy``: its row policy can pick the rows inside another method."""
 
     name: str
     description: str
@@ -54,14 +48,9 @@ class MethodInfo:
 
 
 class MethodTable(Mapping[str, MethodInfo]):
-    """Every method by id. The first read loads the built-in methods, then the plugins, under a lock (a second
-    thread waits for the table to be whole). While they load, the loading thread sees the methods registered so
-    far, and a method asking for a built-in one by id (one built on another) gets it loaded first.
-
-    A built-in method that fails to import is a bug of veloxpatch: every read raises it. A plugin that fails is
-    rolled back (what it registered is forgotten), named in one WARNING and kept in :attr:`failures`; under
-    ``VELOX_STRICT`` (the environment: this runs before any config exists) the loading ends in a
-    :class:`StrictError` naming every one, and ``patch(strict=True)`` raises it too (:mod:`..integration`)."""
+    """Every method by id, loaded on first read under a lock. A built-in method that fails to import is a bug: every
+    read raises it. A plugin that fails is rolled back, named in one WARNING and kept in :attr:`failures` (an app
+    not using it keeps running); under ``VELOX_STRICT`` (the environment's) loading ends in a :class:`StrictError`."""
 
     def __init__(self) -> None:
         self._infos: dict[str, MethodInfo] = {}
@@ -71,8 +60,8 @@ class MethodTable(Mapping[str, MethodInfo]):
 
     def __getitem__(self, name: str) -> MethodInfo:
         self.load()
-        if name not in self._infos and self._loading:
-            self._load_builtin(name)
+        if name not in self._infos and self._loading and importlib.util.find_spec(f"{BUILTIN}.{name}") is not None:
+            importlib.import_module(f"{BUILTIN}.{name}")  # a method built on a built-in one, asked for by id
         return self._infos[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -118,14 +107,8 @@ class MethodTable(Mapping[str, MethodInfo]):
         if self.failures and strict_requested():
             raise StrictError("; ".join(self.failures) + ", but VELOX_STRICT is set")
 
-    def _load_builtin(self, name: str) -> None:
-        """Import the built-in method ``name`` now, if there is one (its module is named by its id)."""
-        if importlib.util.find_spec(f"{BUILTIN}.{name}") is not None:
-            importlib.import_module(f"{BUILTIN}.{name}")
-
     def _load_plugin(self, entry: importlib.metadata.EntryPoint) -> None:
-        """Load one plugin's entry point; it must register a method under its own name, else what it registered
-        is forgotten and the failure is said (and kept)."""
+        """Load one plugin's entry point; one that registers no method under its own name is rolled back."""
         before = set(self._infos)
         try:
             entry.load()
@@ -146,8 +129,7 @@ METHODS = MethodTable()
 def method(name: str, description: str, knobs: tuple[Setting, ...] = (), *,
            composes: tuple[str, ...] | Callable[[Mapping[str, Any]], tuple[str, ...]] = (),
            policy: bool = False) -> Callable[[C], C]:
-    """Class decorator: register a cache class as method ``name`` with its knobs (named
-    ``VELOX_<NAME>_*``, with ``method=name``)."""
+    """Class decorator: register a cache class as method ``name`` with its knobs (``VELOX_<NAME>_*``)."""
 
     def register(cls: C) -> C:
         for knob in knobs:
@@ -163,7 +145,6 @@ def method(name: str, description: str, knobs: tuple[Setting, ...] = (), *,
 
 
 def cache_class(name: str) -> type[Any]:
-    """The cache class of method ``name``."""
     return METHODS[name].cls
 
 
@@ -173,8 +154,7 @@ def policies() -> tuple[str, ...]:
 
 
 def knob_settings(kv: str, knobs: Mapping[str, Any]) -> dict[str, Setting]:
-    """Every knob that reaches ``kv``'s caches under ``knobs``, by the name its constructor takes
-    (``kernel``): its own, and those of the methods it is built on (``pyramidkv`` takes SnapKV's)."""
+    """Every knob reaching ``kv``'s caches (those of methods it builds on too), by its constructor's name for it."""
     found: dict[str, Setting] = {}
     for name in _composed(kv, knobs):
         for knob in METHODS[name].knobs:

@@ -1,8 +1,7 @@
 """What a ``VELOX_*`` setting is: its parser, default, allowed values and doc, and the parsers they share.
 
-The bottom of the package: it imports nothing else of veloxpatch, so the method registry, the config and
-the light bootstrap can all use it. Every value, wherever it comes from (launcher option, environment,
-``VeloxConfig`` field), is parsed by its :class:`Setting` and fails with the same message.
+The bottom of the package (it imports nothing else of veloxpatch), so the registry, the config and the light
+bootstrap can all use it.
 """
 
 from __future__ import annotations
@@ -11,8 +10,9 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 PREFIX = "VELOX_"
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off", "")
@@ -23,8 +23,7 @@ class ConfigError(ValueError):
 
 
 class StrictError(RuntimeError):
-    """Raised under ``VELOX_STRICT`` where veloxpatch would otherwise fall back to mlx_lm's own behaviour
-    (:mod:`veloxpatch.fallback`)."""
+    """Raised under ``VELOX_STRICT`` where veloxpatch would fall back to mlx_lm's own behaviour (:mod:`.fallback`)."""
 
 
 @dataclass(frozen=True)
@@ -40,10 +39,7 @@ class Budget:
         text = text.strip()
         if text.endswith("%"):
             return cls(fraction=float(percent(text)))
-        value = int(text)
-        if value < 1:
-            raise ValueError(text)
-        return cls(tokens=value)
+        return cls(tokens=int_range(1, None)(text))
 
     def resolve(self, seen: int) -> int:
         """Rows to keep after ``seen`` tokens (a fraction rounds up, so 100% never evicts)."""
@@ -65,8 +61,7 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 @dataclass(frozen=True)
 class Memory:
-    """An amount of memory: bytes (``2GB``, ``512MiB``, ``1000000``), a share of the device's (``25%``), or
-    none (``off``; false)."""
+    """An amount of memory: bytes (``2GB``, ``512MiB``), a share of the device's (``25%``), or none (``off``)."""
 
     bytes: int | None = None
     fraction: float | None = None
@@ -80,10 +75,7 @@ class Memory:
         if text in ("off", "0", "none", ""):
             return cls()
         if text.endswith("%"):
-            pct = float(text[:-1])
-            if not 0 < pct <= 100:
-                raise ValueError(text)
-            return cls(fraction=pct / 100, text=given)
+            return cls(fraction=float(percent(text)), text=given)
         number = text.rstrip("kmgtib")
         unit = text[len(number):]
         if unit not in UNITS:
@@ -113,8 +105,7 @@ class Memory:
 
 @dataclass(frozen=True)
 class TierSize:
-    """The most rows a tier holds per layer: ``budgets`` times the layer's budget (``3x``), or every row its
-    cache drops (``all``: None)."""
+    """The most rows a tier holds per layer: ``budgets`` times the layer's budget (``3x``), or all (None)."""
 
     budgets: float | None = 3.0
 
@@ -139,43 +130,38 @@ class TierSize:
 
 def size_text(n: float) -> str:
     """Bytes as a user reads them (``512 MiB``)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    raise AssertionError("unreachable")
+    return f"{n:.1f} GiB"
+
+
+def _checked(convert: Callable[[str], T], allowed: Callable[[T], bool]) -> Callable[[str], T]:
+    """A parser: ``convert`` the text, and refuse (ValueError) a value not ``allowed``."""
+
+    def parse(text: str) -> T:
+        value = convert(text)
+        if not allowed(value):
+            raise ValueError(text)
+        return value
+
+    return parse
 
 
 def int_range(lo: int, hi: int | None) -> Callable[[str], int]:
     """A parser taking an integer in ``[lo, hi]`` (no upper bound when ``hi`` is None)."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < lo or (hi is not None and value > hi):
-            raise ValueError
-        return value
-
-    return parse
+    return _checked(int, lambda value: lo <= value and (hi is None or value <= hi))
 
 
 def odd_kernel(text: str) -> int:
     """A pooling width over neighbouring rows: an odd integer in [1, 63] (the row in the middle)."""
-    value = int(text)
-    if value < 1 or value > 63 or value % 2 == 0:
-        raise ValueError(text)
-    return value
+    return _checked(int, lambda value: 1 <= value <= 63 and value % 2 == 1)(text)
 
 
 def int_choice(options: tuple[int, ...]) -> Callable[[str], int]:
     """A parser taking exactly one of the integers ``options``."""
-
-    def parse(text: str) -> int:
-        value = int(text)
-        if value not in options:
-            raise ValueError
-        return value
-
-    return parse
+    return _checked(int, lambda value: value in options)
 
 
 def one_of_text(options: tuple[int, ...]) -> str:
@@ -185,14 +171,8 @@ def one_of_text(options: tuple[int, ...]) -> str:
 
 def number_range(lo: float, hi: float | None = None, above: bool = False) -> Callable[[str], float]:
     """A parser taking a finite number at least ``lo`` (more than ``lo`` when ``above``) and at most ``hi``."""
-
-    def parse(text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value) or value < lo or (above and value == lo) or (hi is not None and value > hi):
-            raise ValueError
-        return value
-
-    return parse
+    return _checked(float, lambda value: math.isfinite(value) and (value > lo if above else value >= lo)
+                    and (hi is None or value <= hi))
 
 
 class Share(float):
@@ -213,16 +193,9 @@ def percent(text: str) -> Share:
 
 
 def choice(options: tuple[str, ...] | Callable[[], tuple[str, ...]], upper: bool = False) -> Callable[[str], str]:
-    """A parser taking one of ``options`` in any case; the Setting turns its ValueError into the message.
-    ``options`` may be a function, for choices that grow as methods register (read when a value is parsed)."""
-
-    def parse(text: str) -> str:
-        value = text.strip().upper() if upper else text.strip().lower()
-        if value not in (options() if callable(options) else options):
-            raise ValueError
-        return value
-
-    return parse
+    """A parser taking one of ``options`` in any case (a function, for choices that grow as methods register)."""
+    return _checked(lambda text: text.strip().upper() if upper else text.strip().lower(),
+                    lambda value: value in (options() if callable(options) else options))
 
 
 def boolean(text: str) -> bool:
@@ -236,8 +209,7 @@ def boolean(text: str) -> bool:
 
 
 def strict_requested() -> bool:
-    """``VELOX_STRICT`` read from the environment alone, for code that runs before (or without) a config:
-    the bootstrap and the method registry's plugin loading."""
+    """``VELOX_STRICT`` from the environment alone, for code that runs before a config (bootstrap, plugins)."""
     return os.environ.get("VELOX_STRICT", "").strip().lower() in TRUE
 
 
@@ -274,9 +246,7 @@ class Setting:
         try:
             return self.parse(text)
         except (ValueError, TypeError):
-            raise ConfigError(
-                f"{self.name}={text!r} is not allowed: expected {self.allowed_text}"
-            ) from None
+            raise ConfigError(f"{self.name}={text!r} is not allowed: expected {self.allowed_text}") from None
 
 
 def to_text(value: Any) -> str:

@@ -1,7 +1,5 @@
-"""What every compression method is built from: the row store, the cache base and its parts.
-
-The methods themselves live in :mod:`veloxpatch.methods` (one module each, found by
-:mod:`veloxpatch.registry`); nothing here knows any of them (``make_cache`` asks the registry by id).
+"""What every compression method is built from: the row store, the cache base and its parts. The methods live in
+:mod:`veloxpatch.methods`; nothing here knows any of them (``make_cache`` asks the registry by id).
 """
 
 from .base import CompressedKVCache

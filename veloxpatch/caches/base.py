@@ -1,20 +1,10 @@
 """The part every veloxpatch cache shares: mlx_lm's cache protocol and saving, over the row store.
 
-A cache of ours stands in a slot of mlx_lm's cache list and keeps the contracts of docs/DESIGN.md:
-
-* ``offset`` counts the tokens the layer has seen (mlx_lm rotates queries and keys with it); the rows
-  stored are separate and live in a :class:`RowStore` with the position each came from, so ``trim``
-  can always go back to any prefix exactly (speculative decoding, the server's reuse).
-* Attention for our caches is routed to :meth:`CompressedKVCache.attend` with the real queries, and the
-  cache supplies the mask for its own rows (:mod:`.masks`); a mask the model built with information of its
-  own is honoured.
-* Storage is preallocated and grown in steps like mlx_lm's ``KVCache``; until a cache drops or folds a
-  row, its attention calls see exactly the rows of ``KVCache``, so outputs are identical.
-
-Its parts each do one job: the row store (rows, positions, bytes), the query memory (:mod:`.queries`),
-the compression schedule (:mod:`.schedule`) and the masks. What a cache does with its rows is its kind's:
-evicting caches (:mod:`.evicting`) keep the rows a policy chooses; cross-layer caches
-(:mod:`.crosslayer`) fold older rows with other layers. Both are siblings over this class.
+A cache keeps the contracts of docs/DESIGN.md: ``offset`` counts the tokens seen, while the rows live in a
+:class:`RowStore` with their positions, so ``trim`` goes back to any prefix exactly; attention is routed to
+:meth:`CompressedKVCache.attend` with the real queries and the cache's own mask (:mod:`.masks`); until a row is
+dropped or folded, attention sees exactly ``KVCache``'s rows. Evicting caches (:mod:`.evicting`) and cross-layer
+ones (:mod:`.crosslayer`) are siblings over this class.
 """
 
 from __future__ import annotations
@@ -43,10 +33,8 @@ _Cache = TypeVar("_Cache", bound="CompressedKVCache")
 
 
 class _WhileBatching:
-    """``merge``, which mlx_lm's batched generation looks for (``hasattr``: its server batches only caches that
-    have it), present on a cache only while its :class:`Runtime` says batches may hold our caches: while the
-    integration has patched batched generation for the installed mlx_lm. Otherwise mlx_lm would merge our
-    caches into its own batch caches, which know nothing of evicted rows or their positions."""
+    """``merge`` (mlx_lm's server batches only caches that have it), present only while the :class:`Runtime` says
+    batched generation is patched: else mlx_lm would merge our caches into its own, which know no positions."""
 
     def __get__(self, instance: CompressedKVCache | None, owner: type[CompressedKVCache]) -> Any:
         if instance is None or not instance.runtime.batching():
@@ -55,12 +43,8 @@ class _WhileBatching:
 
 
 class CompressedKVCache(ABC):
-    """A per-layer KV cache of veloxpatch: rows with their positions, mlx_lm's protocol, our attention.
-
-    Deliberately has no ``bits``: mlx_lm would otherwise send it to its own quantized attention.
-    ``to_quantized`` returns a cache of the same method whose rows are stored quantized. Its ``merge``
-    batches sequences side by side (:mod:`.batch`) while batched generation is patched.
-    """
+    """A per-layer KV cache of veloxpatch. Deliberately has no ``bits``: mlx_lm would send it to its own quantized
+    attention."""
 
     merge = _WhileBatching()
 
@@ -92,8 +76,7 @@ class CompressedKVCache(ABC):
     @abstractmethod
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """Attention of this step over the rows :meth:`update_and_fetch` returned (the attention route calls
-        this with the model's real queries), and whatever the cache does with its rows after a step."""
+        """Attention of this step over the rows :meth:`update_and_fetch` returned, then the cache's own work."""
 
     @property
     def uses_queries(self) -> bool:
@@ -105,8 +88,7 @@ class CompressedKVCache(ABC):
         return {}
 
     def shared_parts(self) -> list[Any]:
-        """Arrays (or trees of them) this layer uses together with other layers of its list; they
-        count once over the list, in the first holder's ``nbytes``. Cross-layer methods list theirs."""
+        """Arrays (or trees of them) shared with other layers of the list: counted once, by the first holder."""
         return []
 
     # ----------------------------------------------------------------- mlx_lm cache protocol
@@ -129,11 +111,9 @@ class CompressedKVCache(ABC):
 
     @keys.setter
     def keys(self, value: mx.array) -> None:
-        """Assigning ``cache.keys``: mlx_lm's pipelined models write
-        ``cache[-1].keys = mx.depends(cache[-1].keys, h)`` so that evaluating the caches after a prompt
-        chunk also runs the send of ``h`` to the next rank. Our rows live in the store, so the value's
-        graph is hung on them; any other assignment (rows of another shape) is refused, since rows
-        written from outside would bypass positions and eviction."""
+        """mlx_lm's pipelined models write ``cache[-1].keys = mx.depends(cache[-1].keys, h)`` so that evaluating
+        the caches runs the send of ``h`` too: the value's graph is hung on our rows. Any other assignment is
+        refused: rows written from outside would bypass positions and eviction."""
         current = self.keys
         if current is None or tuple(value.shape) != tuple(current.shape):
             shape = None if current is None else tuple(current.shape)
@@ -147,11 +127,7 @@ class CompressedKVCache(ABC):
         return None if self.empty() else self.rows()[1]
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        """The mask a model asks for before this step: causal over our own rows, as KVCache does.
-
-        An array handed out is remembered, so the attention route can tell it from a mask that
-        carries the model's own information.
-        """
+        """Causal over our own rows; an array handed out is remembered, to tell it from a mask of the model's own."""
         if window_size is None and n == 1:
             return None
         if window_size is None and not return_array:
@@ -183,9 +159,8 @@ class CompressedKVCache(ABC):
         return True
 
     def expect_prompt(self, tokens: int) -> None:
-        """The next ``tokens`` tokens are a generation's prompt (the wrappers see it whole), however few tokens its
-        steps bring: a chat's next turn read on the cache of the last comes in steps no longer than a decode step's.
-        An evicting cache leaves a snapshot where it ends; quant reads it a second time."""
+        """The next ``tokens`` tokens are a generation's prompt, however short its steps (a chat's next turn comes in
+        decode-sized steps). An evicting cache leaves a snapshot where it ends; quant reads it a second time."""
         self.prompt_end = self.offset + tokens
 
     def before_prompt_end(self, n: int) -> bool:
@@ -207,12 +182,8 @@ class CompressedKVCache(ABC):
         return self.schedule.headroom(keep)
 
     def to_quantized(self: _Cache, group_size: int = 64, bits: int = 4) -> _Cache:
-        """This cache with its rows stored in mlx's quantized format (same method and rows).
-
-        mlx_lm calls this at every step once ``kv_bits`` applies, so an already quantized cache
-        with the same format returns itself. A format mlx cannot store (head_dim not a multiple
-        of the group size, an unsupported width) leaves the cache as it is, said once.
-        """
+        """This cache with its rows quantized; mlx_lm calls it at every step, so one already in that format returns
+        itself, and a format mlx cannot store leaves the cache as it is (said once)."""
         if (self.store.bits, self.store.group_size) == (bits, group_size):
             return self
         try:
@@ -230,14 +201,12 @@ class CompressedKVCache(ABC):
 
     @property
     def nbytes(self) -> int:
-        """Physical bytes held: stored rows (with unused capacity), positions, remembered queries, and
-        storage shared across layers that this layer is the first holder of (counted once per list)."""
+        """Physical bytes held, spare capacity and the shared parts this layer first holds included."""
         shared = 0 if self.coordinator is None else self.coordinator.owned_nbytes(self)
         return self.store.nbytes + self.memory.nbytes + shared
 
     def kept_forms(self) -> dict[str, int]:
-        """The rows of :meth:`size` held in a form other than exact keys and values, by that form in words (the
-        ``VELOX_STATS`` line): here the rows mlx_lm's ``kv_bits`` quantized."""
+        """Rows held in a form other than exact keys and values, by that form in words (``VELOX_STATS``)."""
         if self.store.bits is None or self.store.bits == 16 or not self.store.rows:
             return {}
         return {f"at {self.store.bits} bits (kv_bits)": self.store.rows}
@@ -253,24 +222,20 @@ class CompressedKVCache(ABC):
     # ----------------------------------------------------------------- saving (save_prompt_cache)
     @property
     def meta_state(self) -> str:
-        """Scalars and settings as one JSON string (mlx_lm saves strings in prompt-cache files). Where mlx_lm saves it
-        apart from :attr:`state` (:attr:`Runtime.meta_apart`), the layout of the whole state, its arrays by number."""
+        """Scalars and settings as JSON, or where saved apart (:attr:`Runtime.meta_apart`) the whole state's layout."""
         if self.runtime.meta_apart():
             return json.dumps({"apart": _layout(self._whole_state(), [])})
         return json.dumps(self._meta())
 
     def _meta(self) -> dict[str, Any]:
         """What :attr:`meta_state` holds; a kind of cache adds its own scalars."""
-        return {
-            "offset": self.offset, "evicted": self.evicted, "budget": str(self.budget),
-            "sink": self.sink, "window": self.window, "mode": self.schedule.mode, "bits": self.store.bits,
-            "group_size": self.store.group_size, "knobs": self.knob_values(), "queries_end": self.memory.end,
-        }
+        return {"offset": self.offset, "evicted": self.evicted, "budget": str(self.budget), "sink": self.sink,
+                "window": self.window, "mode": self.schedule.mode, "bits": self.store.bits,
+                "group_size": self.store.group_size, "knobs": self.knob_values(), "queries_end": self.memory.end}
 
     @property
     def state(self) -> tuple[Any, ...] | list[mx.array]:
-        """Stored rows (without spare capacity), their positions, remembered queries, what the kind of cache
-        keeps besides (:meth:`_extra_state`), meta; where mlx_lm saves :attr:`meta_state` apart, its arrays alone."""
+        """Rows, positions, queries, :meth:`_extra_state`, meta; its arrays alone where meta is saved apart."""
         whole = self._whole_state()
         if self.runtime.meta_apart():
             arrays: list[mx.array] = []
@@ -300,8 +265,7 @@ class CompressedKVCache(ABC):
 
     @classmethod
     def from_state(cls, state: Sequence[Any], meta_state: str | None = None) -> CompressedKVCache:
-        """Rebuild a cache saved with ``save_prompt_cache`` (mlx_lm looks the class up by name); an mlx_lm that
-        saves ``meta_state`` apart hands it back too, with the arrays of ``state`` alone."""
+        """Rebuild a cache saved with ``save_prompt_cache`` (mlx_lm looks the class up by name)."""
         if meta_state is not None:
             state = _rebuilt(json.loads(meta_state)["apart"], state)
         info = json.loads(state[-1])
@@ -313,8 +277,7 @@ class CompressedKVCache(ABC):
     # ----------------------------------------------------------------- attention over our rows
     def _attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
                    sinks: mx.array | None, kept: mx.array | None = None) -> mx.array:
-        """mlx's attention of this step with our mask (combined with the model's when it has information
-        of its own); with ``kept``, the stored rows not in it are masked for this step."""
+        """mlx's attention of this step with our mask; with ``kept``, the stored rows not in it are masked."""
         own = self._mask(queries, mask, keys.shape[2])
         if kept is not None:
             own = masks.restricted(kept, self.store.rows, queries.shape[2], queries.shape[1], own)
@@ -323,12 +286,12 @@ class CompressedKVCache(ABC):
         return out
 
     def _mask(self, queries: mx.array, given: Any, rows: int) -> Any:
-        """Our mask for this step over its ``rows`` key rows, combined with the model's when it carries its own
-        information. Every row held is in the past, so causal is right unless a hole (position -1) is among them."""
+        """Our mask, combined with the model's own: causal (every row is in the past) unless holes are among them."""
         n = queries.shape[2]
         own: mx.array | str | None = None if n == 1 else "causal"
         if self.has_holes():  # (B, query heads, n, rows) by the positions of the rows this step attends over
-            own = masks.by_position(self._key_positions(), n, self.offset, queries.shape[1])
+            positions = self._key_positions()
+            own = mx.repeat(masks.visible(positions, n, self.offset), queries.shape[1] // positions.shape[1], axis=1)
         if not isinstance(given, mx.array) or masks.issued(given, members_of(self)):
             return own
         if own is None:
@@ -336,8 +299,7 @@ class CompressedKVCache(ABC):
         return masks.combined(own, given, rows, n)
 
     def has_holes(self) -> bool:
-        """Whether a row attention runs over is a hole (position -1), so masks must go by position: the store's
-        holes here (a trim left heads with different numbers of rows); a kind holding rows elsewhere adds its own."""
+        """Whether a row attention runs over is a hole (position -1), so masks must go by position."""
         return self.store.holes
 
     def _key_positions(self) -> mx.array:
@@ -346,8 +308,7 @@ class CompressedKVCache(ABC):
 
 
 def _layout(tree: Any, arrays: list[mx.array]) -> Any:
-    """``tree`` (tuples, lists and dicts of arrays, strings, numbers, None) as JSON, each array appended to
-    ``arrays`` and written as its number there."""
+    """``tree`` as JSON, each array appended to ``arrays`` and written as its number there."""
     if isinstance(tree, mx.array):
         arrays.append(tree)
         return {"array": len(arrays) - 1}
@@ -359,7 +320,7 @@ def _layout(tree: Any, arrays: list[mx.array]) -> Any:
 
 
 def _rebuilt(layout: Any, arrays: Sequence[mx.array]) -> Any:
-    """The tree :func:`_layout` wrote as ``layout``, with ``arrays`` back in their places (lists for tuples)."""
+    """The tree :func:`_layout` wrote, with ``arrays`` back in their places (lists for tuples)."""
     if isinstance(layout, dict):
         if "array" in layout:
             return arrays[layout["array"]]

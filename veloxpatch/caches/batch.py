@@ -1,28 +1,10 @@
 """One layer of mlx_lm's batched generation over caches that each stay their own sequence's.
 
-mlx_lm batches sequences by merging their per-layer caches into one batch cache (``merge``), whose
-rows every sequence shares a layout of: left padding, one mask for all heads and layers. A compressed
-cache has no such layout: each sequence keeps its own rows, at its own positions, chosen by its own
-scores, and a budget of its own. So a batch of ours does not merge rows; it keeps the sequences'
-caches side by side (:class:`SequenceBatch`, one per layer) and runs the part of a forward that
-touches a cache per sequence, while everything else in the model (projections, MLP, logits, sampling)
-stays batched:
-
-* ``update_and_fetch`` hands each sequence its slice of the step's keys and values (up to its own
-  length, when mlx_lm right-pads a prompt step: ``prepare``), and the attention route calls
-  :meth:`SequenceBatch.attend`, which has each sequence's cache attend with that sequence's queries
-  and pads the outputs back to the step. Every sequence therefore computes exactly what it would on its
-  own: the same rows kept, the same compression, the same positions.
-* ``offset`` is each sequence's token count (mlx_lm's batch caches hold one per sequence too, and
-  models rotate with it), so a right-padded step rotates each sequence at its own positions.
-* ``filter``, ``extend`` and ``extract`` move sequences in and out; ``extract`` gives back a copy of the
-  sequence's caches made once per sequence for all layers (a cross-layer method's caches share a
-  coordinator), as mlx_lm gives back copies of its own rows.
-
-A member may also be a plain cache of mlx_lm's (``KVCache``: a sequence that asked for no method, in
-a batch with compressed ones): it has no ``attend`` and gets mlx's attention over its rows, in blocks of queries as
-ours get it (:mod:`.blocks`). The
-integration (:mod:`veloxpatch.integration.batched`) decides which caches take this path.
+mlx_lm merges a batch's caches into one with a shared layout (left padding, one mask); ours keep each sequence's own
+rows, positions and budget. So a :class:`SequenceBatch` (one per layer) keeps the sequences' caches side by side and
+runs per sequence only the part of a forward that touches a cache: each stores its slice of the step (up to its own
+length where mlx_lm right-pads) and attends with its own queries, exactly as alone. A member may also be mlx_lm's
+plain ``KVCache`` (a sequence that asked for no method), attended in blocks of queries as ours (:mod:`.blocks`).
 """
 
 from __future__ import annotations
@@ -33,12 +15,11 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from . import blocks
+from . import blocks, masks
 
 _COPIES: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
-"""Per coordinator (one per sequence's list), its members' copies from the list's latest :meth:`SequenceBatch.extract`:
-mlx_lm extracts a sequence layer by layer, first layer first, and every layer's copy must come from one copy of the
-whole list (a cross-layer method's layers share their coordinator and what it holds)."""
+"""Per coordinator, its members' copies from the latest :meth:`SequenceBatch.extract`: mlx_lm extracts layer by
+layer, and every layer's copy must come from one copy of the whole list (its layers share the coordinator)."""
 
 
 class SequenceBatch:
@@ -99,8 +80,7 @@ class SequenceBatch:
         return mx.array([m.offset for m in self.members], dtype=mx.int32)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Each sequence stores its own slice of the step; what the model gets back is only handed on to
-        :meth:`attend`, which attends over each sequence's own rows."""
+        """Each sequence stores its own slice of the step (:meth:`attend` attends over each one's own rows)."""
         self._fetched = [
             m.update_and_fetch(keys[i:i + 1, :, :n], values[i:i + 1, :, :n]) if n else None
             for i, (m, n) in enumerate(zip(self.members, self.step_lengths(keys.shape[2])))
@@ -123,17 +103,12 @@ class SequenceBatch:
         return mx.concatenate(outputs, axis=0)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        """Nothing the batch uses: each sequence's attention makes its own mask (:meth:`attend`). A model
-        that insists on an array gets a causal one over the step."""
+        """Unused: each sequence's attention makes its own mask. A model insisting on an array gets a causal one."""
         if n == 1:
             return None
         if not return_array and window_size is None:
             return "causal"
-        rows = mx.arange(n)
-        allowed = rows[:, None] >= rows[None, :]
-        if window_size is not None:
-            allowed = allowed & (rows[:, None] - rows[None, :] < window_size)
-        return allowed
+        return masks.causal(n, n, window_size)
 
     def step_lengths(self, steps: int) -> list[int]:
         """The real tokens each sequence brings to a step of ``steps`` (fewer where mlx_lm right-pads it)."""
@@ -145,17 +120,12 @@ class SequenceBatch:
         return any(getattr(m, "wants_layer_io", False) for m in self.members)
 
     def tell(self, hook: str, *args: Any) -> None:
-        """Hand a layer hook's arguments (arrays (B, n, ...), and the module) to each member that defines ``hook``
-        (:mod:`..integration.layer_io`): its own row of each array, its real tokens."""
+        """Hand each member that defines ``hook`` its own row of each argument, its real tokens."""
         steps = next(a.shape[1] for a in args if isinstance(a, mx.array))
-        for i, member, n in self._listeners(steps):
+        for i, (member, n) in enumerate(zip(self.members, self.step_lengths(steps))):
             own = getattr(member, hook, None)
-            if own is not None:
+            if n and own is not None and getattr(member, "wants_layer_io", False):
                 own(*(a[i:i + 1, :n] if isinstance(a, mx.array) else a for a in args))
-
-    def _listeners(self, steps: int) -> list[tuple[int, Any, int]]:
-        return [(i, m, n) for i, (m, n) in enumerate(zip(self.members, self.step_lengths(steps)))
-                if n and getattr(m, "wants_layer_io", False)]
 
     # ----------------------------------------------------------------- what mlx_lm reads
     @property
@@ -187,8 +157,7 @@ class SequenceBatch:
 
 
 def _check_member(cache: Any) -> None:
-    """A compressed cache of ours, or a plain cache of mlx_lm's that the integration marked ``batch_plain`` (its
-    ``KVCache``: rows with ``update_and_fetch``, no quantization, no window): what :func:`_attend_one` attends over."""
+    """A compressed cache of ours, or a plain ``KVCache`` the integration marked ``batch_plain``."""
     if not (hasattr(cache, "attend") or getattr(cache, "batch_plain", False)):
         raise ValueError(f"a batch of compressed caches cannot hold mlx_lm's {type(cache).__name__} in the same layer "
                          "(a layer batches compressed caches with plain KVCache only)")

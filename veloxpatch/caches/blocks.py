@@ -1,10 +1,8 @@
 """Attention of a long prompt chunk in blocks of queries, so its scores never take more than a bound.
 
-On the CPU (and wherever mlx's fused attention falls back to plain operations) a step's attention holds a
-(query heads x chunk x rows) score matrix in float32: for a 512-token chunk over an 8k-token context on
-SmolLM2-135M, 151 MB per layer, more than the whole compressed cache. Queries are independent, so computing them
-a block at a time, each evaluated before the next, gives the same output with at most ``SCORE_BYTES`` of scores
-alive. A decode step, or a chunk whose scores fit, runs as one call.
+On the CPU a step holds a (query heads x chunk x rows) float32 score matrix: for a 512-token chunk over 8k tokens
+on SmolLM2-135M, 151 MB per layer. Queries are independent, so a block at a time, each evaluated before the next,
+gives the same output with at most ``SCORE_BYTES`` of scores alive.
 """
 
 from __future__ import annotations
@@ -13,17 +11,15 @@ from typing import Any
 
 import mlx.core as mx
 
-# the most scores (float32) one block of queries may hold: mlx's CPU attention keeps about three arrays of that size
-# alive (scores, masked, softmax); at 8 MiB a 512-token step of Gemma 3 270M's layers peaked 12 MiB higher
+# the most scores one block of queries may hold: mlx's CPU attention keeps about three arrays of that size alive
+# (docs/results.md, "While a prompt is read")
 SCORE_BYTES = 2 * 2**20
 MIN_BLOCK = 32  # fewer queries at a time would cost more in calls than it saves
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
               sinks: mx.array | None) -> mx.array:
-    """mlx's ``scaled_dot_product_attention`` of ``queries`` (B, heads, n, d) over ``keys``/``values``, whose
-    last ``n`` rows are the step's own (every other row is in the past), with ``mask`` None (every row), ``"causal"``
-    or an array ending in (n, rows)."""
+    """mlx's attention over rows whose last ``n`` are the step's own; ``mask``: None, ``"causal"`` or (..., n, rows)."""
     b, heads, n, _ = queries.shape
     rows = keys.shape[2]
     block = max(MIN_BLOCK, SCORE_BYTES // max(1, 4 * b * heads * rows))

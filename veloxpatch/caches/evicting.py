@@ -1,11 +1,8 @@
 """Caches that keep at most a budget of rows per layer, chosen by a policy.
 
-An :class:`EvictingCache` is the common cache (:mod:`.base`) with three more parts: a budget per layer
-(:meth:`EvictingCache.target`: the budget, never fewer than the protected sink + window; a method may set
-it per layer), the compression schedule (:mod:`.schedule`: when), and a :class:`Policy` (which rows).
-A method of this kind is a policy and, where it needs one, a subclass that sets the layer's budget
-(PyramidKV by depth, SqueezeAttention from its coordinator); SqueezeAttention takes any method's policy
-for the rows inside a layer, as kvpress's wrapper presses take an inner press.
+An :class:`EvictingCache` adds to the common cache (:mod:`.base`) a budget per layer, the compression schedule
+(:mod:`.schedule`: when) and a :class:`Policy` (which rows). A method of this kind is a policy and, where needed, a
+subclass that sets the layer's budget; SqueezeAttention takes any method's policy, as kvpress's wrapper presses do.
 """
 
 from __future__ import annotations
@@ -19,24 +16,18 @@ import mlx.core as mx
 from .. import stats
 from ..config import TierSize
 from .base import CompressedKVCache
+from .masks import marked
 from .queries import QueryLog
 from .schedule import Schedule
 from .selection import best_rows, protected
 from .spec import CacheSpec
-from .store import RowStore
 from .tier import Tier
 
 
 class Policy(ABC):
-    """Which rows an evicting cache keeps: what a method decides, and nothing else. A policy gives a score per row
-    (:meth:`score`) or a choice of its own (:meth:`select`), may watch every step's queries (:meth:`observe`) and
-    declares what it needs of its cache in class variables; the tier, the memory plan, batching and saving are the
-    cache's. Every hook receives the cache, so one policy object serves one cache; a copy of the cache
-    (``to_quantized``, a snapshot) takes a shallow copy of it, so a policy replaces its state rather than changing
-    it in place. Per-row state (H2O's accumulated attention) is a row column of the cache's store
-    (:mod:`.store`), declared in :attr:`row_columns`: the store carries it through compactions, trims, the tier
-    and back, counts it and the cache saves it. A method offered as a policy (``policy=True``) takes all its knobs
-    in its policy's constructor: SqueezeAttention builds it from them."""
+    """Which rows an evicting cache keeps, and nothing else. One policy serves one cache, and a copy of the cache takes
+    a shallow copy, so a policy replaces its state rather than changing it in place; per-row state is a row column of
+    the store (:attr:`row_columns`). A method offered as a policy takes all its knobs in its policy's constructor."""
 
     uses_queries: ClassVar[bool] = True  # the scores read the model's real queries
     remembers: ClassVar[int | None] = None  # recent queries its cache remembers (:mod:`.queries`); None: the window
@@ -49,41 +40,32 @@ class Policy(ABC):
 
     @abstractmethod
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        """Importance of each stored row, shape (B, kv_heads, rows); higher is kept.
-
-        ``positions`` (B, kv_heads, rows) holds each row's original token position (-1: hole).
-        """
+        """Importance of each stored row, (B, kv_heads, rows); higher is kept. ``positions``: -1 is a hole."""
 
     def select(self, cache: EvictingCache, keep: int, scale: float, kept: mx.array | None = None) -> mx.array:
-        """Row indexes to keep, (B, kv_heads, keep), ascending per head: the ``keep`` best by :meth:`score`, holes
-        never, and always the sink and recent window, or (``kept``, a mask over the rows) the rows ``kept`` marks:
-        so a compression that drops more rows than its tier has room for chooses those the tier takes (the rows
-        the store keeps, then the best of the others)."""
+        """Row indexes to keep, ascending: the best by :meth:`score`, always the protected rows or those ``kept`` marks
+        (a capped tier takes the best of the rows the store drops)."""
         keys, _ = cache.store.fetch()
         positions = cache.store.row_positions()
         anyway = cache.protected(positions) if kept is None else kept
         return best_rows(self.score(cache, keys, positions, scale), positions, anyway, keep)
 
     def observe(self, cache: EvictingCache, queries: mx.array, keys: mx.array, scale: float) -> None:
-        """Every step's real queries and the keys they attended, one per stored row in storage order, before
-        the step compresses (H2O accumulates attention)."""
+        """Every step's real queries and the keys they attended, before the step compresses."""
 
     def catch_up(self, cache: EvictingCache) -> None:
-        """Bring the row columns up to date with every query observed, before the cache saves them or takes the
-        tier's rows back (H2O accounts the queries it queued)."""
+        """Bring the row columns up to date with every query observed, before they are saved or merged."""
 
 
 def remembered(policy: Policy, window: int) -> int:
-    """How many recent queries a cache with ``policy`` remembers: its own number, the observation window
-    (``window``), or none where it reads no queries."""
+    """How many recent queries a cache with ``policy`` remembers (its own number, else the window)."""
     if not policy.uses_queries:
         return 0
     return window if policy.remembers is None else policy.remembers
 
 
 def queries_held(policy: Policy, window: int) -> int:
-    """The most queries a cache with ``policy`` holds between steps (``VELOX_KV_MEMORY`` counts them): those
-    remembered, or those its log queues until they pass the largest decode headroom."""
+    """The most queries a cache with ``policy`` holds between steps (``VELOX_KV_MEMORY`` counts them)."""
     return Schedule.max_headroom + 1 if policy.logs_queries else remembered(policy, window)
 
 
@@ -92,17 +74,10 @@ def row_bytes_per_head(policy: Policy) -> int:
     return 4 * len(policy.row_columns)
 
 
-def _mask(positions: mx.array, index: mx.array) -> mx.array:
-    """True at the rows ``index`` (B, kv_heads, k) names, over rows shaped like ``positions``."""
-    return mx.put_along_axis(mx.zeros(positions.shape, mx.bool_), index, mx.array(True), axis=-1)
-
-
 class Snapshot:
-    """An evicting cache as its last prompt left it: after the first decode-sized step that follows a prompt chunk
-    (in ``end`` mode, the step whose selection compressed the prompt). It shares the cache's arrays: a store writes
-    new rows in place only past the rows it holds, and a compaction makes new arrays, so the snapshot costs
-    nothing until decoding compacts (then the rows it keeps alive, counted in ``nbytes``). The server deep-copies
-    a cached prompt before it trims it, so the snapshot of the cache it keeps stays whole for the next request."""
+    """An evicting cache as its last prompt left it (after the first decode-sized step that follows it). It shares
+    the cache's arrays (a store writes in place only past its rows, a compaction makes new ones), so it costs
+    nothing until decoding compacts. The server deep-copies a cached prompt before trimming it, so it stays whole."""
 
     def __init__(self, cache: EvictingCache) -> None:
         self.offset, self.evicted = cache.offset, cache.evicted
@@ -110,8 +85,7 @@ class Snapshot:
         self.log = copy.copy(cache.log)
 
     def restore(self, cache: EvictingCache) -> None:
-        """Put the cache back as the prompt left it. The snapshot is used up: the cache writes its next rows in
-        place into the arrays they now share."""
+        """Put the cache back as the prompt left it; the snapshot is used up (they share arrays again)."""
         if cache.tier is not None:
             cache.tier = self._tier_then(cache)
         cache.offset, cache.evicted = self.offset, self.evicted
@@ -119,15 +93,12 @@ class Snapshot:
         cache.read = None
 
     def _tier_then(self, cache: EvictingCache) -> Tier:
-        """The tier as the prompt left it, rebuilt from what the cache holds now instead of kept as a copy (the
-        tier is most of what a cache holds): without a memory target (which keeps no snapshot) nothing the prompt
-        saw is lost since, only moved between store and tier, so its tier is every row held now from before the
-        prompt's end that its store does not hold. The tier's rows stay as they are stored; rows of the store now
-        are tiered again (exact ones for the first time; one a later prompt took back, requantized)."""
+        """The tier as the prompt left it, rebuilt rather than copied (it is most of what a cache holds): without a
+        memory target nothing seen since is lost, only moved, so it is every row held now from before the prompt's
+        end that the snapshot's store does not hold (rows of the store now are tiered again)."""
         assert cache.tier is not None, "restored with a tier only"
         kept = self.store.row_positions()
-        seen = mx.zeros((*kept.shape[:2], self.offset + 1), mx.bool_)
-        seen = mx.put_along_axis(seen, mx.where(kept < 0, self.offset, kept), mx.array(True), axis=-1)
+        seen = marked((*kept.shape[:2], self.offset + 1), mx.where(kept < 0, self.offset, kept))
 
         def then(positions: mx.array) -> mx.array:  # the positions of rows the prompt's tier held; -1 elsewhere
             inside = (positions >= 0) & (positions < self.offset)
@@ -137,17 +108,14 @@ class Snapshot:
         tier = Tier(cache.tier.bits)
         if cache.tier.rows:
             keys, values, positions = cache.tier.store.state
-            tier.store = RowStore(cache.tier.store.bits, cache.tier.store.group_size, step=1)
-            tier.store.load((keys, values, then(positions)))
+            tier.load((keys, values, then(positions)), cache.tier.store.group_size)
             tier.store.columns = cache.tier.store.columns
         if cache.store.rows:
             tier.take(*cache.store.fetch(), then(cache.store.row_positions()), cache.store.full_columns())
         return tier
 
     def nbytes(self, cache: EvictingCache) -> int:
-        """Bytes it holds that the cache does not: its remembered queries once the cache remembers newer ones, and
-        its rows (with their columns) and logged queries once the cache has compacted past them (no tier:
-        :meth:`_tier_then`)."""
+        """Bytes it holds that the cache does not (its queries, rows and log once the cache has moved past them)."""
         held = 0 if self.memory.queries is cache.memory.queries else self.memory.nbytes
         if self.store.keys is not cache.store.keys:
             held += self.store.nbytes + self.log.nbytes
@@ -155,9 +123,7 @@ class Snapshot:
 
 
 class EvictingCache(CompressedKVCache):
-    """A per-layer cache holding at most its budget (plus decode headroom) of rows, chosen by its policy.
-
-    ``policy_class`` is the method's policy; the method's knobs (constructor keywords) go to it."""
+    """A per-layer cache of at most its budget (plus headroom) of rows, chosen by ``policy_class`` (the knobs')."""
 
     policy_class: ClassVar[type[Policy]]
     bounds_memory = True
@@ -202,39 +168,35 @@ class EvictingCache(CompressedKVCache):
         return 1 if self.store.keys is None else self.store.keys[0].shape[0]
 
     def _over_limit(self, chunk: bool, keep: int) -> int | None:
-        """After a prompt chunk left uncompressed (``end`` mode): the rows to compress to when the store holds more
-        than ``VELOX_KV_MEMORY`` allows (its cap, or ``keep`` if more), else None."""
+        """After a prompt chunk left uncompressed: the rows to compress to where ``VELOX_KV_MEMORY`` is passed."""
         if self.memory_plan is None or not chunk:
             return None
         rows = max(self.memory_plan.keep_cap(self.batch), keep)
         return rows if self.store.rows > rows else None
 
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
-        """Every step's real queries and the keys they attended, before the step compresses: the policy's
-        (a method reporting to its coordinator adds its own)."""
+        """Every step's real queries and the keys they attended, before the step compresses."""
         self.policy.observe(self, queries, keys, scale)
 
     # ----------------------------------------------------------------- the tier
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store and fetch the step's rows. With a tier, a prompt chunk and a step over a pending prompt first take
-        the tier's rows back: the chunk then attends over the whole context, and the compression after it (or the
-        selection at the end of the prompt) chooses among every row, with that prompt's own queries."""
-        self.took_back = self.tier is not None and bool(self.tier.rows) and self._takes_back(keys.shape[2])
+        """Store and fetch the step's rows, after the tier's where it takes them back (:meth:`_takes_back`): it
+        attends over the whole context, and the compression after it chooses among every row."""
+        self.took_back = self._takes_back(keys.shape[2])
         if self.took_back:
             self._take_back(keys, values)
         return super().update_and_fetch(keys, values)
 
     def rows_before(self, n: int) -> int:
-        """The stored rows, and the tier's where the step will take them back: a model that applies the mask it
-        asked for itself (multi-head latent attention scores its rotary part so) needs it as wide as the keys."""
-        if self.tier is None or not self.tier.rows or not self._takes_back(n):
-            return self.size()
-        return self.size() + self.tier.rows
+        """The stored rows, and the tier's where the step takes them back (a model applying the mask it asked for
+        itself, as multi-head latent attention does, needs it as wide as the keys)."""
+        return self.size() + (self.tier.rows if self.tier is not None and self._takes_back(n) else 0)
 
     def _takes_back(self, n: int) -> bool:
-        """Whether a step of ``n`` tokens is a prompt chunk, or a decode-sized step that ``attend`` will find over
-        a pending prompt: asked before the step is stored, of the budget ``target()`` will give with its tokens
-        seen."""
+        """Whether a step of ``n`` tokens, not stored yet, takes the tier's rows back: it has some, and the step is a
+        prompt chunk or arrives over a pending prompt."""
+        if self.tier is None or not self.tier.rows:
+            return False
         self.offset += n
         try:
             keep = self.target()
@@ -243,20 +205,13 @@ class EvictingCache(CompressedKVCache):
             self.offset -= n
 
     def _prompt_chunk(self, n: int, keep: int) -> bool:
-        """Whether the step of ``n`` tokens ending at ``offset`` is a prompt chunk: longer than the decode headroom,
-        or before the last token of the prompt a generation announced (:meth:`expect_prompt`), however short."""
+        """Whether the step is longer than the headroom, or before the end of an announced prompt."""
         return n > self.headroom(keep) or self.before_prompt_end(0)
 
     def _take_back(self, keys: mx.array, values: mx.array) -> None:
-        """The tier's rows back into the store, with their row columns (the policy catches its own up first), in time
-        order (time order matters to a policy that looks at neighbouring rows, SnapKV's pooling), with room for the
-        step's rows ``keys``/``values``. The step's rows are evaluated first: they hang on the forward so far (the
-        last layer's MLP activations, left lazy), which would otherwise be computed on top of the whole context at
-        full precision. Not on a model split across ranks: there they hang on the previous rank's send too, and
-        receiving it here, before the collectives a coordinator runs later in this step (SqueezeAttention's pooled
-        scores), orders this rank's communication unlike the others' (they deadlock). The rest is done a half at a
-        time (:meth:`RowStore.take_in`): the store now holds the whole context at full precision, and the copies
-        that made it go before the step's attention."""
+        """The tier's rows back into the store in time order, with room for the step's rows, evaluated first (lazy, the
+        forward so far would be computed on top of the whole context); not across ranks, where receiving the previous
+        rank's send before a coordinator's collectives would deadlock them."""
         assert self.tier is not None, "taken back from a tier with rows"
         if self.coordinator is None or not self.coordinator.span.split:
             mx.eval(keys, values)
@@ -267,10 +222,8 @@ class EvictingCache(CompressedKVCache):
     # ----------------------------------------------------------------- the attention route
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """Attention of this step over our rows with our mask (and the model's, if it has one of its own),
-        then compress if due (:class:`~veloxpatch.caches.schedule.Schedule`). A decode-sized step over a
-        pending prompt compresses it first: the step's keys were fetched before, so the rows about to go
-        are masked for it."""
+        """Attention of this step, then compress if due (:class:`.schedule.Schedule`). A decode-sized step over a
+        pending prompt compresses it first: its keys were fetched before, so the rows about to go are masked."""
         n = queries.shape[2]
         self.scale = scale
         keep = self.target()
@@ -302,9 +255,8 @@ class EvictingCache(CompressedKVCache):
         return read
 
     def _evaluate_kept(self, out: mx.array) -> None:
-        """After a step that took the tier back: evaluate what this layer keeps, so its rows at full precision
-        (the whole context) are freed before the next layer takes its own back. Left lazy, one graph holds every
-        layer's at once, and reading with a tier peaks as high as the full cache."""
+        """After a step that took the tier back: evaluate what this layer keeps, so the whole context at full
+        precision is freed before the next layer takes its own back (else every layer's would be alive at once)."""
         self.took_back = False
         assert self.tier is not None, "after a step that took the tier back"
         held = [(s.keys, s.values, s.positions) for s in (self.store, self.tier.store) if s.positions is not None]
@@ -316,12 +268,10 @@ class EvictingCache(CompressedKVCache):
         return self.policy.select(self, keep, scale)
 
     def compress(self, keep: int, scale: float) -> None:
-        """Keep the rows :meth:`select` picks."""
         self.keep_rows(self.select(keep, scale))
 
     def keep_rows(self, index: mx.array) -> None:
-        """Compact storage to the rows ``index`` (B, kv_heads, keep), ascending per head; with a tier, the rows
-        that go are handed to it."""
+        """Compact storage to the rows ``index`` (B, kv_heads, keep), ascending; the rows that go go to the tier."""
         if self.tier is not None:
             self._to_tier(index)
         keep = index.shape[-1]
@@ -330,28 +280,24 @@ class EvictingCache(CompressedKVCache):
         stats.compressed(self)
 
     def _to_tier(self, index: mx.array) -> None:
-        """Hand the rows not in ``index`` to the tier, as many as it has room for (:meth:`tier_rows`): the best
-        of them by the policy's choice where they do not all fit (the rest are lost)."""
+        """Hand the rows not in ``index`` to the tier, the policy's best where they do not all fit."""
         assert self.tier is not None, "called with a tier only"
         positions = self.store.row_positions()
         keys, values = self.store.fetch()
-        kept = _mask(positions, index)
+        kept = marked(positions.shape, index)
         dropped = self.store.rows - index.shape[-1]
         room = min(dropped, self.tier_rows(index.shape[-1], keys) - self.tier.rows)
         if 0 < room < dropped:
-            kept = kept | ~_mask(positions, self.policy.select(self, index.shape[-1] + room, self.scale, kept))
+            kept = kept | ~marked(positions.shape, self.policy.select(self, index.shape[-1] + room, self.scale, kept))
         gone = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : max(room, 0)]
         if gone.shape[-1]:
             self.tier.take(keys, values, mx.take_along_axis(positions, gone, axis=-1),
                            self.store.full_columns(gone), index=gone)
 
     def tier_rows(self, keep: int, keys: mx.array) -> int:
-        """The most rows like ``keys`` the tier may hold beside a store of ``keep`` rows: ``VELOX_KV_MEMORY``'s
-        share, else the bytes of ``VELOX_TIER_SIZE`` budgets at the tier's bits (so the tier is bounded by the
-        budget, as the store is), or every row. The memory plan's share is that of a layer at the list's mean
-        budget (:meth:`budget_rows`), whatever this layer keeps: PyramidKV and SqueezeAttention move rows
-        between layers around that mean, and a tier sized by each layer's own budget would take the bytes a
-        deeper budget frees in every layer at once."""
+        """The most rows like ``keys`` the tier may hold: ``VELOX_KV_MEMORY``'s share at the mean budget (by each
+        layer's own, the tiers would take the bytes a smaller budget frees in every layer at once), else the bytes of
+        ``VELOX_TIER_SIZE`` budgets of ``keep``, or every row."""
         if self.memory_plan is not None:
             return self.memory_plan.tier_rows(self.budget_rows(), self.batch)
         rows = self.tier_size.rows(keep)
@@ -366,9 +312,8 @@ class EvictingCache(CompressedKVCache):
 
     # ----------------------------------------------------------------- the protocol, with the policy's part
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens. A trim back into the last prompt starts from the cache as that prompt left
-        it (:class:`Snapshot`), not from what decoding compressed since: the server's prompt-cache reuse then
-        answers a repeated request as it answered the first time."""
+        """Forget the last ``n`` tokens. A trim back into the last prompt starts from its :class:`Snapshot`, so the
+        server's prompt-cache reuse answers a repeated request as it answered the first time."""
         n = min(n, self.offset)
         if self.read is not None and self.offset - n < self.read.offset:
             end, done = self.offset - n, self.offset - self.read.offset
@@ -377,12 +322,11 @@ class EvictingCache(CompressedKVCache):
         n = super().trim(n)
         self.log.trim(self.offset)
         if self.tier is not None:
-            self.tier.trim_to(self.offset)
+            self.tier.store.trim_to(self.offset)
         return n
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> EvictingCache:
-        """The base's quantized copy (``kv_bits`` applies to the rows held; the tier keeps its own format), with
-        a policy, log and tier of its own."""
+        """The base's quantized copy (the tier keeps its own format), with a policy, log and tier of its own."""
         out = super().to_quantized(group_size, bits)
         if out is not self:
             out.policy, out.tier, out.read = copy.copy(self.policy), copy.deepcopy(self.tier), None
@@ -401,20 +345,18 @@ class EvictingCache(CompressedKVCache):
                 "tier_size": str(self.tier_size)}
 
     def _extra_state(self) -> tuple[Any, ...]:
-        """The row columns (the policy catches them up first; None for an empty cache), then (with a tier) the tier's
-        rows (None while it is empty)."""
+        """The row columns (None for an empty cache), then the tier's rows (None while it is empty)."""
         self.policy.catch_up(self)
         columns = tuple(None if self.empty() else self.store.column(name) for name in self.policy.row_columns)
         return columns if self.tier is None else (*columns, self.tier.state)
 
     def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
-        """The row columns and the tier's rows; a cache rebuilt from the base layout alone (a batch gives back the
-        rows it kept, and nothing else) keeps its tier setting with an empty tier, and its columns start at zero."""
+        """The row columns and the tier's rows; a cache rebuilt from the base layout alone (a batch's) starts both
+        empty."""
         names = self.policy.row_columns
         if "tier_bits" in info:
             self.tier, self.tier_size = Tier(info["tier_bits"]), TierSize.parse(info.get("tier_size", "all"))
             if extra:
-                assert self.tier is not None, "tier_bits is saved with a tier only"
                 *columns, held = extra
                 extra = tuple(columns)
                 self.tier.load(held, info["tier_group"], names)

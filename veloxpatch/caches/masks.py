@@ -1,9 +1,7 @@
 """Attention masks for the rows a cache holds, as plain functions.
 
-A cache supplies the mask for its own rows (contract 3 of docs/DESIGN.md): every row it holds is in
-the past of every new token, so the lower-right aligned causal mask is right for held + new rows; where
-a trim left holes (position -1), a boolean mask from each row's position. A mask the model built with
-information of its own is combined with ours (:func:`combined`).
+A cache supplies the mask for its own rows (contract 3 of docs/DESIGN.md): every row held is in the past, so
+causal is right except around holes; a mask with the model's own information is combined with ours.
 """
 
 from __future__ import annotations
@@ -19,16 +17,14 @@ def issued(mask: mx.array, members: list[Any]) -> bool:
 
 
 def forget_issued(cache: Any, members: list[Any]) -> None:
-    """After the last layer of a forward (``cache``, the last of ``members``) has attended, drop the masks handed to
-    the model for it: kept, a prefill chunk's mask (chunk x rows) would stay alive until the next forward."""
+    """Once the last layer (``cache``) has attended, drop the masks issued: a chunk's would live to the next forward."""
     if cache is members[-1]:
         for member in members:
             member.issued_mask = None
 
 
 def causal(rows: int, n: int, window_size: int | None = None) -> mx.array:
-    """(n, rows) boolean: the last ``n`` of ``rows`` rows are the queries, each seeing every row up to its own
-    (and, with ``window_size``, only the ``window_size`` newest of them)."""
+    """(n, rows): the last ``n`` rows are the queries, each seeing the rows up to its own (within ``window_size``)."""
     columns = mx.arange(rows)[None]
     queries = mx.arange(rows - n, rows)[:, None]
     mask = queries >= columns
@@ -38,31 +34,26 @@ def causal(rows: int, n: int, window_size: int | None = None) -> mx.array:
 
 
 def visible(positions: mx.array, n: int, end: int) -> mx.array:
-    """(B, kv_heads, n, rows): which rows of ``positions`` (B, kv_heads, rows) the ``n`` tokens before ``end``
-    see: no hole, nothing in their future."""
+    """(B, kv_heads, n, rows): the rows the ``n`` tokens before ``end`` see: no hole, nothing in their future."""
     query_positions = end - n + mx.arange(n)
     rows = positions[:, :, None, :]
     return (rows >= 0) & (rows <= query_positions[:, None])
 
 
-def by_position(positions: mx.array, n: int, end: int, query_heads: int) -> mx.array:
-    """(B, query_heads, n, rows): :func:`visible` for the last ``n`` tokens before ``end``, repeated over the
-    query heads of each KV head."""
-    return mx.repeat(visible(positions, n, end), query_heads // positions.shape[1], axis=1)
+def marked(shape: tuple[int, ...], index: mx.array) -> mx.array:
+    """Boolean of ``shape``, true at the indexes ``index`` along the last axis."""
+    return mx.put_along_axis(mx.zeros(shape, mx.bool_), index, mx.array(True), axis=-1)
 
 
 def restricted(kept: mx.array, rows: int, n: int, query_heads: int, given: Any) -> mx.array:
-    """``given`` (our mask for this step) limited to the rows ``kept`` (B, kv_heads, keep) and the step's own
-    ``n`` rows (the last ones): rows about to be evicted are masked for the step that evicts them."""
-    keep = mx.zeros(kept.shape[:2] + (rows,), mx.bool_)
-    keep = mx.put_along_axis(keep, kept, mx.array(True), axis=-1) | (mx.arange(rows) >= rows - n)
+    """``given`` limited to the rows ``kept`` and the step's own ``n``: rows about to go are masked for the step."""
+    keep = marked((*kept.shape[:2], rows), kept) | (mx.arange(rows) >= rows - n)
     keep = mx.repeat(keep, query_heads // keep.shape[1], axis=1)[:, :, None, :]
     return combined(keep, given, rows, n)
 
 
 def combined(visible: mx.array | str, given: Any, rows: int, n: int) -> Any:
-    """Boolean ``visible`` (or ``"causal"``) combined with a mask ``given`` for ``n`` queries over
-    ``rows`` rows: None, ``"causal"``, a boolean array, or an additive one (-inf where hidden)."""
+    """Boolean ``visible`` (or ``"causal"``) combined with ``given``: None, ``"causal"``, boolean or additive."""
     if isinstance(visible, str):
         visible = causal(rows, n)
     if given is None:

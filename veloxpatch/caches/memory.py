@@ -1,16 +1,9 @@
 """``VELOX_KV_MEMORY``: the bytes a cache list may hold, turned into rows per layer (and tier rows).
 
-A plan is made once per cache list, when it is built (a model's and its speculative draft's lists then share one:
-:meth:`MemoryPlan.shared_with`), from what the probe saw each slot hold per token with
-mlx_lm's own caches (:class:`SlotLayout`). The slots that stay mlx_lm's are paid for first: a rotating window
-at its full size, a state of fixed size as it is; a plain cache that stays mlx_lm's grows with the context and
-cannot be bounded (the builder says so). Our caches share the rest equally per layer: each holds at most
-``keep + headroom(keep)`` rows (its store's capacity after a compression, :mod:`.schedule`), each with its
-position, and a window of remembered queries. With a tier (``VELOX_TIER``), the tier takes the bytes the
-store leaves, at its own bits per row. Everything scales with the batch: a cache asks for its batch size.
-
-What a plan does not count: a step's own rows while it is read (a prefill chunk of ``prefill_step_size``
-tokens, held until the compression after it) and the activations of the forward pass.
+A plan is made per cache list from what the probe saw each slot hold per token (:class:`SlotLayout`). The slots
+that stay mlx_lm's are paid for first (a plain cache of theirs cannot be bounded); ours share the rest equally per
+layer: ``keep + headroom(keep)`` rows, a window of queries, and tier rows in what the store leaves, all scaled by the
+batch. Not counted: a prefill chunk's own rows until the compression after it, and the forward's activations.
 """
 
 from __future__ import annotations
@@ -31,9 +24,8 @@ SLACK = 8  # rows per layer kept free: methods whose layers keep different budge
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """What one slot holds per token in mlx_lm's cache, batch 1: ``heads`` KV heads of keys and values
-    ``key_dim`` and ``value_dim`` wide; ``rows`` is the most rows it keeps (a rotating window) or None
-    (one per token); ``fixed`` the bytes of a slot that holds no rows (a recurrent state)."""
+    """What one slot holds per token in mlx_lm's cache, batch 1; ``rows``: the most it keeps (a rotating window) or
+    None (one per token); ``fixed``: the bytes of a slot that holds no rows (a recurrent state)."""
 
     heads: int = 0
     key_dim: int = 0
@@ -54,8 +46,7 @@ class SlotLayout:
         return self.row_bytes + self.heads * POSITION_BYTES
 
     def tier_row_bytes(self, bits: int) -> int:
-        """One row of a tier at ``bits``: packed keys and values, a scale and a bias per group, positions
-        (unquantized at 16 bits, or where no group of 64 or 32 divides the key width: :class:`~.tier.Tier`)."""
+        """One row of a tier at ``bits`` (unquantized where :class:`~.tier.Tier` keeps it so)."""
         group = next((g for g in (64, 32) if self.key_dim % g == 0), None)
         if bits == 16 or group is None:
             return self.stored_row_bytes
@@ -71,8 +62,7 @@ class SlotLayout:
 
 
 def layout_of(cache: Any) -> SlotLayout:
-    """The layout of one of mlx_lm's caches after a forward: a cache of keys and values (rotating or not), or
-    one of fixed size (its bytes; a quantized cache counts as growing, with its rows as they are stored)."""
+    """The layout of one of mlx_lm's caches after a forward (a quantized one grows with its rows as stored)."""
     keys: Any = getattr(cache, "keys", None)  # mlx_lm's: an array, a quantized triple, or none
     values: Any = getattr(cache, "values", None)
     if isinstance(keys, mx.array) and isinstance(values, mx.array):
@@ -85,8 +75,7 @@ def layout_of(cache: Any) -> SlotLayout:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Rows per layer for our caches (``ours``, one layout per distinct cache) under ``total`` bytes, after the
-    slots left to mlx_lm (``others``)."""
+    """Rows per layer for our caches (``ours``) under ``total`` bytes, after the slots left to mlx_lm (``others``)."""
 
     total: int
     setting: str  # VELOX_KV_MEMORY as given, for messages
@@ -147,14 +136,12 @@ class MemoryPlan:
         return self.total - self._available(1) + rows * self._row_bytes()
 
     def vanilla_tokens(self) -> int:
-        """Tokens of context mlx_lm's own caches would hold in the same bytes (every unbounded slot grows by one
-        row per token)."""
+        """Tokens of context mlx_lm's own caches would hold in the same bytes."""
         growing = sum(s.row_bytes for s in (*self.ours, *self.others) if s.bounded_bytes() is None)
         return max(0, self.total - self.fixed) // max(1, growing)
 
     def shared_with(self, other: MemoryPlan) -> MemoryPlan:
-        """One plan for this list and ``other``, which read the same tokens (a model and its speculative draft):
-        the total for both together, the same rows per layer in both (a ConfigError where both cannot fit)."""
+        """One plan for this list and ``other`` (a speculative draft's), the total for both."""
         return replace(self, ours=self.ours + other.ours, others=self.others + other.others)
 
     def describe(self) -> str:
@@ -169,8 +156,7 @@ class MemoryPlan:
 
 
 def device_bytes() -> int:
-    """The memory mlx reports for the default device (``memory_size``), or this machine's physical memory where
-    it reports none (the CPU backend)."""
+    """The memory mlx reports for the default device, or the physical memory where it reports none (the CPU)."""
     reported = mx.device_info().get("memory_size")
     if reported:
         return int(reported)

@@ -1,9 +1,7 @@
 """Query memory: the most recent real queries of a layer, and the attention they pay its rows.
 
-Query-aware methods score rows by what the latest queries attend to (SnapKV's observation window,
-ChunkKV, TOVA's newest query). The attention route hands every step's queries to the cache, which keeps
-a copy of the last few here (how many is the method's choice) with the number of tokens seen when the
-last of them attended, so a row stored after them is never counted as seen.
+Query-aware methods score rows by what the latest queries attend to (SnapKV's window, TOVA's newest query); the
+tokens seen when the newest attended are kept too, so a row stored after them is never counted as seen.
 """
 
 from __future__ import annotations
@@ -14,8 +12,7 @@ from .masks import visible
 
 
 class QueryMemory:
-    """The last remembered queries (B, query_heads, w, head_dim) and ``end``, the tokens seen when the newest
-    of them attended: they are the queries of tokens ``end - w .. end - 1``."""
+    """The last remembered queries (B, query_heads, w, head_dim), those of tokens ``end - w .. end - 1``."""
 
     def __init__(self, queries: mx.array | None = None, end: int = 0) -> None:
         self.queries = queries
@@ -26,15 +23,9 @@ class QueryMemory:
         return 0 if self.queries is None else self.queries.nbytes
 
     def remember(self, queries: mx.array, seen: int, length: int) -> None:
-        """Keep a copy of the most recent ``length`` queries (none when 0), the newest being this step's, which
-        attended after ``seen`` tokens.
-
-        A copy, not a slice: a slice would keep the whole chunk's query tensor alive. After a prompt chunk
-        the copy is scheduled at once (``async_eval``): left lazy, it would be computed only when the
-        forward's results are, keeping every layer's whole query tensor alive until then and raising the
-        prompt's peak memory above mlx_lm's. Queries of a different width (models that attend in another
-        space when decoding) start afresh.
-        """
+        """Keep a copy of the last ``length`` queries, the newest having attended after ``seen`` tokens: a copy (a slice
+        keeps the chunk's alive), scheduled at once after a chunk (lazy, every layer's whole queries would stay alive
+        until the forward's end). Queries of a different width (another space when decoding) start afresh."""
         if length == 0:
             return
         old = self.queries
@@ -53,13 +44,9 @@ class QueryMemory:
         self.end = min(self.end, offset)
 
     def attention(self, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        """Attention mass each row gets from the remembered queries, (B, kv_heads, rows), summed over the
-        queries and over the query heads of each KV head (GQA).
-
-        A row is visible to a query when its position is not later (holes never), so rows stored since
-        (the step that compresses an ``end``-mode prompt) get nothing. With no query remembered (a trim
-        took them, or a cache rebuilt without them) the newest rows score highest.
-        """
+        """Attention mass each row gets from the remembered queries, (B, kv_heads, rows), summed over queries and
+        the query heads of each KV head. Rows stored since get nothing; with no query remembered (after a trim,
+        or a cache rebuilt without them) the newest rows score highest."""
         if self.queries is None:
             return positions.astype(mx.float32)
         b, hq, w, d = self.queries.shape
@@ -71,8 +58,7 @@ class QueryMemory:
 
 
 class QueryLog:
-    """Queries a policy has not accounted yet (H2O's), of the consecutive tokens ending at ``end``: kept by its cache,
-    which trims them with its rows and counts their bytes; the policy adds and takes them."""
+    """Queries a policy has not accounted yet (H2O's), of the tokens ending at ``end``."""
 
     def __init__(self) -> None:
         self.queued: list[mx.array] = []  # replaced, never changed in place: a copy of the cache shares the old one

@@ -1,11 +1,8 @@
 """When a cache compresses (``VELOX_COMPRESS``), and how many decode rows it lets gather first.
 
-A step of more than ``headroom`` tokens is a prompt chunk; any other (decode steps, speculative
-verification steps) is decode-sized. ``chunk`` compresses after every prompt chunk, so a layer holds at
-most budget + chunk rows while the prompt is read. ``end`` leaves the prompt's chunks alone: the first
-decode-sized step finds the prompt pending and compresses it before it attends, scored by the prompt's
-last window (SnapKV's one-shot mode). In decode a cache compresses once it holds budget + headroom rows
-(headroom: an eighth of the budget, 8 to 64), so the copy a compression costs is amortised.
+A step of more than ``headroom`` tokens is a prompt chunk. ``chunk`` compresses after each; ``end`` has the first
+decode-sized step compress the pending prompt before it attends (SnapKV's one-shot mode). In decode a cache
+compresses at budget + headroom rows, so the copy a compression costs is amortised.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ class Schedule:
         return n <= self.max_headroom
 
     def due(self, rows: int, keep: int, chunk: bool) -> bool:
-        """Whether a cache holding ``rows`` rows compresses to ``keep`` after a step, a prompt chunk or not (the cache
-        says: a step longer than the headroom, or of an announced prompt before its last token, however short)."""
+        """Whether a cache holding ``rows`` rows compresses to ``keep`` after a step (``chunk``: a prompt chunk)."""
         if rows <= keep:
             return False
         if chunk:
@@ -39,11 +35,9 @@ class Schedule:
         return rows >= keep + self.headroom(keep)
 
     def pending(self, rows: int, n: int, keep: int) -> bool:
-        """Whether a decode-sized step of ``n`` tokens arrives over a prompt left uncompressed (``end`` mode):
-        then the prompt is compressed before the step attends, scored by the prompt's window."""
+        """Whether a decode-sized step of ``n`` tokens arrives over a prompt left uncompressed (``end`` mode)."""
         return n <= self.headroom(keep) and rows - n >= keep + self.headroom(keep)
 
     def folds(self, n: int) -> bool:
-        """Whether a cross-layer cache may fold rows after a step of ``n`` tokens: after any step in ``chunk``
-        mode, after decode-sized ones in ``end`` mode (the whole prompt folds at the first decode step)."""
+        """Whether a cross-layer cache may fold rows after a step of ``n`` tokens (``end``: decode-sized ones)."""
         return self.mode == "chunk" or self.decode_sized(n)

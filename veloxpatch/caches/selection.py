@@ -1,7 +1,5 @@
-"""Which rows a compression keeps: the protected ones, then the best by score, per KV head.
-
-Every evicting cache keeps the first ``VELOX_SINK`` tokens (attention sinks) and the last
-``VELOX_WINDOW`` ones whatever their scores, and drops holes (rows a trim left with position -1) first.
+"""Which rows a compression keeps, per KV head: the first ``VELOX_SINK`` tokens (attention sinks) and the last
+``VELOX_WINDOW`` whatever their scores, then the best by score; holes (position -1) go first.
 """
 
 from __future__ import annotations
@@ -10,14 +8,12 @@ import mlx.core as mx
 
 
 def protected(positions: mx.array, sink: int, window: int, seen: int) -> mx.array:
-    """Rows never evicted, (B, kv_heads, rows): the first ``sink`` tokens and the last ``window`` of the
-    ``seen`` tokens (holes never)."""
+    """Rows never evicted: the first ``sink`` and last ``window`` of the ``seen`` tokens (holes never)."""
     return (positions >= 0) & ((positions < sink) | (positions >= seen - window))
 
 
 def best_rows(scores: mx.array, positions: mx.array, kept_anyway: mx.array, keep: int) -> mx.array:
-    """Row indexes to keep, (B, kv_heads, keep), ascending per head: the ``keep`` best by ``scores`` (higher is
-    kept), the ``kept_anyway`` rows always, holes never."""
+    """Row indexes to keep, ascending per head: the best by ``scores``, ``kept_anyway`` always, holes never."""
     scores = mx.where(kept_anyway, mx.inf, scores.astype(mx.float32))
     scores = mx.where(positions < 0, -mx.inf, scores)
     order = mx.argpartition(-scores, kth=keep - 1, axis=-1)[..., :keep]

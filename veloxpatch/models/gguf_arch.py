@@ -1,10 +1,8 @@
 """The architectures the GGUF converter knows: llama.cpp's metadata and tensor names as mlx_lm's.
 
-Each :class:`Architecture` says how its ``<arch>.*`` metadata becomes mlx_lm's config.json, how
-llama.cpp's per-block tensor names map to mlx_lm module paths, and what llama.cpp changed in the
-weights on the way in, which the converter undoes: the interleaved rotary row order of llama's q/k
-projections, and the ``1 + w`` that Gemma's norms are stored as (llama.cpp's RMS norm multiplies by
-the stored weight; mlx_lm's Gemma norm adds the one itself).
+Each :class:`Architecture` says how its metadata becomes mlx_lm's config.json, its block tensors' mlx_lm names,
+and what llama.cpp changed in the weights (llama's interleaved q/k rotary rows; Gemma's norms stored as ``1 + w``,
+where mlx_lm's Gemma norm adds the one itself).
 """
 
 from __future__ import annotations
@@ -65,8 +63,7 @@ GEMMA3_PATTERN, GEMMA3_LOCAL_BASE = 6, 10_000.0
 
 
 def gemma3_config(metadata: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """mlx_lm's ``gemma3_text`` config.json. Queries are scaled by the head dimension, as in every
-    Gemma 3 size but 27B (62 layers), which scales by hidden / heads and is refused."""
+    """mlx_lm's ``gemma3_text`` config.json; 27B (62 layers), which scales queries by hidden / heads, is refused."""
     config = {"model_type": "gemma3_text", **_common(metadata, "gemma3", tied)}
     if config["num_hidden_layers"] == 62:
         raise GGUFError("Gemma 3 27B scales its queries by hidden_size / heads, which its GGUF does not record; "
@@ -95,8 +92,7 @@ ATTENTION_NAMES = {
 
 @dataclass(frozen=True)
 class Architecture:
-    """One ``general.architecture``: its config, its block tensors' mlx_lm names (the tensors outside the
-    blocks are named alike in every architecture: ``GLOBAL_NAMES``), what to undo."""
+    """One ``general.architecture`` (the tensors outside the blocks are named alike in all: ``GLOBAL_NAMES``)."""
 
     name: str
     config: Callable[[dict[str, Any], bool], dict[str, Any]]

