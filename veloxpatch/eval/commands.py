@@ -121,8 +121,10 @@ def with_fast_blas() -> None:
     os.execve(sys.executable, [sys.executable, "-m", "veloxpatch", *sys.argv[1:]], env)
 
 
-def finish(rows: list[dict[str, Any]], columns: tuple[str, ...], out: Path, stem: str, meta: dict[str, Any]) -> None:
-    click.echo(report.table(rows, columns))
+def finish(rows: list[dict[str, Any]], columns: tuple[str, ...], out: Path, stem: str, meta: dict[str, Any],
+           shown: list[dict[str, Any]] | None = None) -> None:
+    """``shown`` (else ``rows``) as a table on stdout, ``rows`` to OUT/stem.json and OUT/stem.csv."""
+    click.echo(report.table(rows if shown is None else shown, columns))
     for path in report.write_files(rows, out, stem, meta):
         click.echo(f"wrote {path}", err=True)
 
@@ -177,9 +179,7 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
     rows = report.with_byte_shares(rows) if equal_bytes else rows
     meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
     columns = EVAL_COLUMNS + (("kv16_share",) if equal_bytes else ())
-    click.echo(report.table([{**r, "result": report.result_text(r)} for r in rows], columns))
-    for written in report.write_files(rows, out, "eval", meta):
-        click.echo(f"wrote {written}", err=True)
+    finish(rows, columns, out, "eval", meta, [{**r, "result": report.result_text(r)} for r in rows])
     if plots:
         pngs = report.plot_eval(rows, out)
         for png in pngs:
