@@ -68,25 +68,17 @@ def split_of(rel_path: str) -> str:
     return "heldout" if h % HELDOUT_MOD == 0 else "train"
 
 
-def stdlib_files(split: str) -> list[Path]:
-    """All stdlib ``.py`` files of one split, sorted so the corpus order is deterministic."""
-    assert split in SPLITS, split
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for p in sorted(root.rglob("*.py")):
-        rel = p.relative_to(root).as_posix()
-        if rel.startswith("site-packages/") or "/site-packages/" in rel:
-            continue
-        if split_of(rel) == split:
-            out.append(p)
-    return out
-
-
 @lru_cache(maxsize=2)
 def corpus(split: str) -> str:
-    """One string holding every file of the split (files that are not clean UTF-8 are skipped)."""
+    """Every stdlib ``.py`` file of one split (site-packages aside) as one string, in path order so the corpus is
+    deterministic; files that are not clean UTF-8 are skipped."""
+    assert split in SPLITS, split
+    root = Path(sysconfig.get_paths()["stdlib"])
     parts = []
-    for p in stdlib_files(split):
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root).as_posix()
+        if rel.startswith("site-packages/") or "/site-packages/" in rel or split_of(rel) != split:
+            continue
         try:
             text = p.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):

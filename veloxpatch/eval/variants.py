@@ -222,14 +222,14 @@ class Variant:
         ``compress`` overrides ``VELOX_COMPRESS`` and ``budget`` the rows (our methods', the rotating cache's)."""
         import mlx_lm.models.cache as mlx_cache  # looked up after (un)patching, as an app's call would be
 
+        rows = self.budget(context) if budget is None else budget
         if self.method in METHODS:
-            veloxpatch.patch(**self.settings(self.budget(context) if budget is None else budget, compress))
+            veloxpatch.patch(**self.settings(rows, compress))
             return mlx_cache.make_prompt_cache(model)
         veloxpatch.unpatch()
         caches = mlx_cache.make_prompt_cache(model)
         if self.method == "rotating":
-            size = self.budget(context) if budget is None else budget
-            return [mlx_cache.RotatingKVCache(max_size=size, keep=4) if type(c) is mlx_cache.KVCache else c
+            return [mlx_cache.RotatingKVCache(max_size=rows, keep=4) if type(c) is mlx_cache.KVCache else c
                     for c in caches]
         return caches
 
