@@ -329,12 +329,9 @@ def _right(tokenizer: Any, out: list[int], item: Item) -> float:
 
 def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: EvalSpec,
                quant: dict[str, Any]) -> tuple[float, int]:
-    """exp(mean NLL) of the second half of ``text`` under the variant's cache, and KV bytes.
-
-    The text streams through the cache in steps of PPL_STEP tokens, each scored as it arrives, so
-    our caches compress between steps (``VELOX_COMPRESS=chunk``): with ``end`` nothing would be
-    compressed before the last token and every method would score as the full cache.
-    """
+    """exp(mean NLL) of the second half of ``text`` under the variant's cache, and KV bytes. The text streams
+    through the cache in steps of PPL_STEP tokens, each scored as it arrives, so our caches compress between steps
+    (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full cache."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
     tokens = mx.array(tokenizer.encode(text))

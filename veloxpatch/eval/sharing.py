@@ -210,8 +210,7 @@ def at_budget(caches: list[Any], budget: int, copied: bool) -> list[Any]:
 def untouched(caches: list[Any], base: list[Any], chunks: list[int]) -> bool:
     """Whether every prompt chunk was a prefill chunk both for the prefill into ``base`` and for a plain run
     with ``caches``: longer than any decode headroom their caches can have (the headroom for a budget no prompt
-    reaches; asked without calling ``target()``, which a method may keep state in). A decode-sized step
-    compresses, and methods may tell prompt chunks from decode steps by it."""
+    reaches; asked without calling ``target()``, which a method may keep state in)."""
     return not chunks or all(min(chunks) > c.headroom(HUGE) for c in ours(caches) + ours(base))
 
 
@@ -292,9 +291,8 @@ _modes: dict[tuple[Any, ...], str] = {}
 
 
 def modes(model: Any, chosen: list[Variant]) -> dict[Variant, str]:
-    """How each variant runs on ``model``: the static rule's mode (:func:`candidate`) if a short random prompt
-    gives the same tokens, log-probabilities, KV bytes and final cache state both ways, else the next safer
-    one (own prefill, then plain), said in the log. Checked once per (model, method, knobs), all variants
+    """How each variant runs on ``model``: :func:`candidate`'s mode where the check (the module docstring) finds
+    it exact, else the next safer one, said in the log. Checked once per (model, method, knobs), all variants
     together, so the shared candidates are checked from one source prefill."""
     todo = {}
     for v in chosen:

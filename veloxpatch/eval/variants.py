@@ -185,16 +185,14 @@ class Variant:
         return f"{self.method}[{','.join(f'{k}={v}' for k, v in self.knobs)}]"
 
     def budget(self, context: int) -> int:
-        """Rows this variant may keep for a context of ``context`` tokens (all for the full cache,
-        else the share, but at least sink + window)."""
+        """Rows this variant may keep of ``context`` tokens: at least sink + window."""
         if self.method == "full":
             return context
         return max(round(self.share * context), PROTECTED)
 
     def knob_values(self) -> dict[str, Any]:
-        """Every knob that reaches this variant's caches, defaults included: what
-        a journal matches besides the label, so a changed default is measured again (mlx_lm's own caches have
-        none, but for the width ``quantized[bits=N]`` asks for)."""
+        """Every knob that reaches this variant's caches, defaults included: what a journal matches besides the
+        label, so a changed default is measured again (mlx_lm's own caches have none but ``quantized[bits=N]``)."""
         if self.method not in METHODS:
             return dict(self.knobs)
         settings = _settings(self.method, {k: str(v) for k, v in self.knobs})

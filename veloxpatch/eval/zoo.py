@@ -211,18 +211,14 @@ def support_table(types: list[str] | None = None) -> str:
     methods = sorted(METHODS)
     lines = ["| model type | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
     for model_type in types or model_types():
-        cells = _support(model_type, methods)
+        reason = unbuildable(model_type)
+        if reason:
+            cells = [f"not built: {reason}"] * len(methods)
+        else:  # probed under a temporary patch
+            model = build(small_config(model_type))
+            cells = [explain_patched(model, VeloxConfig(kv=method)) for method in methods]
         lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _support(model_type: str, methods: list[str]) -> list[str]:
-    """One cell per method for ``model_type``, probing it under a temporary patch."""
-    reason = unbuildable(model_type)
-    if reason:
-        return [f"not built: {reason}"] * len(methods)
-    model = build(small_config(model_type))
-    return [explain_patched(model, VeloxConfig(kv=method)) for method in methods]
 
 
 def load_as_patched(path: Any, config: VeloxConfig) -> Any:
