@@ -102,10 +102,7 @@ def methods_markdown() -> str:
         budget = getattr(info.cls, "budget_use", "")
         lines += [f"## {name}", "", info.description, "", " ".join(filter(None, (budget, _memory_settings(info.cls)))),
                   ""]
-        if info.knobs:
-            lines += [*_table(info.knobs, option=True), ""]
-        else:
-            lines += ["No knobs of its own.", ""]
+        lines += [*_table(info.knobs, option=True), ""] if info.knobs else ["No knobs of its own.", ""]
         doc = _method_doc(name)
         if doc:
             lines += ["From its code:", "", doc, ""]

@@ -5,30 +5,21 @@ Everything is measured in one process, on one model, one run after another, thro
 vanilla at each context it runs vanilla at a context equal to the budget: the decode speed a
 compressed cache holding that many rows should approach.
 
-Shared prefills (``--share-prefill``, the default, with ``--compress end``). A long prefill dominates a
-bench on a CPU, and in ``end`` mode it is the same work for many methods (``eval/sharing.py`` says why and
-checks it), so each context times a prompt's prefill (``prompt[:-1]``) once per *prefill group* and each
-case then decodes, from the last prompt token on, on a fresh copy of that group's caches:
-
-* vanilla: mlx_lm's own ``KVCache`` list, prefilled once (an honest vanilla prefill), copied per decode;
-* *shared*: the methods keeping no prefill state of their own (``sharing.SHARED``), prefilled once by the
-  source method at a budget no prompt reaches, each decode on a fresh list of the case's method with the
-  prefill moved in (``sharing.transplant``);
-* *own*: a method that keeps prefill state of its own (H2O, SqueezeAttention, TOVA) and mlx_lm's rotating
-  cache: one prefill of that case at its budget (exactly a plain run's), copied (``copy.deepcopy``) per decode.
-
-Only the decode is repeated (a warm-up, then ``repeats`` timed runs, each on a fresh copy: the median); the
-prefill is timed once. A case's ``prefill_s`` is its group's prefill time plus its own first decode step
-(the last prompt token, where ``end`` mode compresses the prompt): the time to the first token a plain run
-has. A shared method the check refuses (``sharing.modes``: tokens, log-probabilities, bytes and cache state
-against plain runs on a short prompt, once per method) gets its own prefill, or runs plain; a shared case whose
-prompt has a chunk short enough to be a decode step (``sharing.untouched``) runs plain.
+Shared prefills (``--share-prefill``, the default, with ``--compress end``). A long prefill dominates a bench on a
+CPU, and in ``end`` mode it is the same work for many methods (``sharing`` says why and checks it), so each context
+times a prompt's prefill (``prompt[:-1]``) once per group, and each case then decodes from the last prompt token on
+a fresh copy of its group's caches: mlx_lm's own ``KVCache`` list for vanilla; the source method's prefill moved
+into a fresh list of the case's method for the shared methods (``sharing.transplant``); a deep copy of the case's
+own prefill for a method with prefill state of its own and mlx_lm's rotating cache. Only the decode is repeated
+(a warm-up, then ``repeats`` timed runs on fresh copies: the median); a case's ``prefill_s`` is its group's
+prefill time plus its own first decode step (where ``end`` mode compresses the prompt): the time to the first
+token a plain run has. A shared method the check refuses (``sharing.modes``) gets its own prefill, or runs plain;
+a shared case whose prompt has a chunk short enough to be a decode step (``sharing.untouched``) runs plain.
 
 Plain (``--no-share-prefill``, ``--compress chunk``, vanilla at the budget's context, mlx_lm's quantized cache,
-which ``generate_step`` quantizes as it goes (``kv_bits``), fallbacks): each run is a whole ``generate_step``
-run, one warm-up then ``repeats`` timed runs, medians.
-
-The rows' ``prefill`` field says how a case was timed: ``plain``, ``own`` or ``shared:<source method>``.
+which ``generate_step`` quantizes as it goes, fallbacks): each run is a whole ``generate_step`` run, one warm-up
+then ``repeats`` timed runs, medians. The rows' ``prefill`` field says how a case was timed: ``plain``, ``own`` or
+``shared:<source method>``.
 """
 
 from __future__ import annotations
@@ -51,8 +42,6 @@ from .variants import KVLayout, Variant
 
 LARGE_RANDOM = dict(hidden_size=1024, num_hidden_layers=8, intermediate_size=2816, num_attention_heads=16,
                     num_key_value_heads=4, head_dim=64, vocab_size=4096)
-
-PLAIN, OWN, SHARED = "plain", "own", "shared"
 
 PEAK_NOTE = ("peak_bytes: the most memory mlx held during the case's run (model weights included): with a shared "
              "or own prefill, the larger of its prefill group's peak (prompt[:-1]) and its own decode's peak (from "
@@ -108,23 +97,25 @@ class Measured:
                 **vars(self.timing), "prefill": self.prefill}
 
 
-def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: BenchSpec,
-                    held: int = 0, extra: dict[str, Any] | None = None) -> tuple[Timing, list[int]]:
-    """A whole run: time to the first token (prefill) and the decode rate of the remaining new tokens;
-    peaks less ``held`` (memory kept by others meanwhile); ``extra``: more ``generate_step`` arguments
-    (``kv_bits`` for mlx_lm's quantized cache)."""
+def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: BenchSpec, held: int = 0,
+                    extra: dict[str, Any] | None = None, raw: bool = False) -> tuple[Timing, list[int]]:
+    """A run: time to the first token (prefill) and the decode rate of the remaining new tokens; peaks less
+    ``held`` (memory kept by others meanwhile); ``extra``: more ``generate_step`` arguments (``kv_bits`` for
+    mlx_lm's quantized cache); ``raw``: ``generate_step`` unwrapped, decoding a prefill's copy from the last
+    prompt token (no generation starts there, see ``sharing``)."""
     from mlx_lm.generate import generate_step
 
+    if raw:
+        mx.eval([c.state for c in caches])  # the copy is made before the clock starts
+    run = getattr(generate_step, "__wrapped__", generate_step) if raw else generate_step
     gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    reading = sharing.Reading()
+    reading = sharing.fresh_reading()
     tokens: list[int] = []
     start = time.perf_counter()
     first, prefill_peak = start, 0
-    for n, (token, _) in enumerate(generate_step(prompt, model, max_tokens=spec.new_tokens, prompt_cache=caches,
-                                                 prefill_step_size=spec.prefill_step,
-                                                 prompt_progress_callback=reading.progress, **(extra or {}))):
+    for n, (token, _) in enumerate(run(prompt, model, max_tokens=spec.new_tokens, prompt_cache=caches,
+                                       prefill_step_size=spec.prefill_step, prompt_progress_callback=reading.progress,
+                                       **(extra or {}))):
         if n == 0:
             first = time.perf_counter()
             prefill_peak = mx.get_peak_memory()
@@ -136,15 +127,11 @@ def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: Bench
                   max(prefill_peak, decode_peak), prefill_peak, decode_peak, reading.peak), tokens
 
 
-def median(timings: list[Timing]) -> Timing:
-    return Timing(*(statistics.median(getattr(t, f) for t in timings) for f in vars(timings[0])))
-
-
 def median_timing(run: Callable[[], tuple[Timing, list[int]]], repeats: int) -> tuple[Timing, list[int]]:
     """Median of each figure over ``repeats`` runs, after one warm-up run; the last run's tokens."""
     run()
     runs = [run() for _ in range(max(repeats, 1))]
-    return median([t for t, _ in runs]), runs[-1][1]
+    return Timing(*(statistics.median(getattr(t, f) for t, _ in runs) for f in vars(runs[0][0]))), runs[-1][1]
 
 
 def cases(spec: BenchSpec) -> list[tuple[int, str, Variant]]:
@@ -175,27 +162,26 @@ def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
 
     def how(variant: Variant) -> str:
         if variant.generate_kwargs(layout):
-            return PLAIN  # mlx_lm quantizes inside generate_step: its prefill is its own
-        found = modes.get(variant, sharing.OWN)
-        return {sharing.SHARED: SHARED, sharing.OWN: OWN}.get(found, PLAIN)
+            return sharing.PLAIN  # mlx_lm quantizes inside generate_step: its prefill is its own
+        return modes.get(variant, sharing.OWN)
 
     yield _plain(model, *all_cases[0], spec)  # vanilla at the budget's context: cheap
     for context in spec.contexts:
         here = [case for case in all_cases[1:] if case[1] == context]
         prompt = prompt_for(model, context)
-        shared = [case for case in here if how(case[3]) == SHARED]
-        own = [case for case in here if how(case[3]) == OWN]  # vanilla first
+        shared = [case for case in here if how(case[3]) == sharing.SHARED]
+        own = [case for case in here if how(case[3]) == sharing.OWN]  # vanilla first
         for case in own[:1]:
-            yield from _group(model, prompt, case[3].caches(model, context, spec.compress), [case], OWN, spec)
+            yield from _group(model, prompt, case[3].caches(model, context, spec.compress), [case], sharing.OWN, spec)
         if shared:
             source = Variant(sharing.source_method())
             base = source.caches(model, context, spec.compress, budget=sharing.HUGE)
-            yield from _group(model, prompt, base, shared, f"{SHARED}:{source.method}", spec)
+            yield from _group(model, prompt, base, shared, f"{sharing.SHARED}:{source.method}", spec)
             del base
         for case in own[1:]:
-            yield from _group(model, prompt, case[3].caches(model, context, spec.compress), [case], OWN, spec)
+            yield from _group(model, prompt, case[3].caches(model, context, spec.compress), [case], sharing.OWN, spec)
         for case in here:
-            if how(case[3]) == PLAIN:
+            if how(case[3]) == sharing.PLAIN:
                 yield _plain(model, *case, spec)
 
 
@@ -206,7 +192,7 @@ def _plain(model: Any, index: int, context: int, label: str, variant: Variant, s
     timing, tokens = median_timing(
         lambda: time_generation(model, prompt, variant.caches(model, context, spec.compress), spec, held, extra),
         spec.repeats)
-    return Measured(index, context, label, variant, timing, tokens, PLAIN)
+    return Measured(index, context, label, variant, timing, tokens, sharing.PLAIN)
 
 
 def _group(model: Any, prompt: mx.array, base: list[Any], members: list[tuple[int, int, str, Variant]],
@@ -214,9 +200,7 @@ def _group(model: Any, prompt: mx.array, base: list[Any], members: list[tuple[in
     """One timed prefill of ``prompt[:-1]`` into ``base``, then each member's decodes, each on its own copy:
     a fresh list of the member's method with the prefill moved in (shared), or a deep copy of ``base``."""
     gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    reading = sharing.Reading()
+    reading = sharing.fresh_reading()
     start = time.perf_counter()
     chunks = sharing.prefill(model, prompt, base, spec.prefill_step)
     prefill_s = time.perf_counter() - start
@@ -226,55 +210,31 @@ def _group(model: Any, prompt: mx.array, base: list[Any], members: list[tuple[in
     last = prompt[-1:]
     for index, context, label, variant in members:
         def fresh() -> list[Any] | None:
-            if how == OWN:
+            if how == sharing.OWN:
                 return copy.deepcopy(base)  # coordinators included (one deepcopy of the whole list)
             return sharing.transplant(base, variant.caches(model, context, spec.compress))
 
         caches = fresh()
-        if caches is None or (how != OWN and not sharing.untouched(caches, base, chunks)):
+        if caches is None or (how != sharing.OWN and not sharing.untouched(caches, base, chunks)):
             del caches  # a prompt chunk short enough to be a decode step, or lists that do not line up
             yield _plain(model, index, context, label, variant, spec, held)
             continue
-        _decode(model, last, caches, spec, held)  # warm-up
+        time_generation(model, last, caches, spec, held, raw=True)  # warm-up
         del caches
         runs = []
         for _ in range(max(spec.repeats, 1)):
             caches = fresh()
             assert caches is not None  # made as the first one was, which was not None
-            runs.append(_decode(model, last, caches, spec, held))
+            timed, tokens = time_generation(model, last, caches, spec, held, raw=True)
+            runs.append(timed)
             del caches
-        first_s = statistics.median(r[0] for r in runs)
-        tok_s = statistics.median(r[1] for r in runs)
-        kv = statistics.median_low(r[2] for r in runs)  # byte counts: a run's own (median of an odd count)
-        decode_peak = statistics.median_low(r[3] for r in runs)
+        first_s = statistics.median(t.prefill_s for t in runs)
+        tok_s = statistics.median(t.decode_tok_s for t in runs)
+        kv = statistics.median_low(t.kv_bytes for t in runs)  # byte counts: a run's own (median of an odd count)
+        decode_peak = statistics.median_low(t.peak_bytes for t in runs)  # the whole decode's
         timing = Timing(prefill_s + first_s, tok_s, kv, max(prefill_peak, decode_peak), prefill_peak, decode_peak,
                         reading.peak)
-        yield Measured(index, context, label, variant, timing, runs[-1][4], how)
-
-
-def _decode(model: Any, last: mx.array, caches: list[Any], spec: BenchSpec,
-            held: int) -> tuple[float, float, int, int, list[int]]:
-    """Greedy decoding from the last prompt token by mlx_lm's ``generate_step`` (unwrapped: no generation
-    starts here, see ``sharing``): (seconds to the first token, decode tok/s of the rest, KV bytes after,
-    peak bytes less ``held``, tokens)."""
-    from mlx_lm.generate import generate_step
-
-    raw = getattr(generate_step, "__wrapped__", generate_step)
-    mx.eval([c.state for c in caches])  # the copy is made before the clock starts
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    tokens: list[int] = []
-    start = time.perf_counter()
-    first = start
-    for n, (token, _) in enumerate(raw(last, model, max_tokens=spec.new_tokens, prompt_cache=caches,
-                                       prefill_step_size=spec.prefill_step)):
-        if n == 0:
-            first = time.perf_counter()
-        tokens.append(int(token))
-    end = time.perf_counter()
-    return (first - start, (spec.new_tokens - 1) / (end - first), sharing.kv_bytes(caches),
-            max(mx.get_peak_memory() - held, 0), tokens)
+        yield Measured(index, context, label, variant, timing, tokens, how)
 
 
 def run_bench(model: Any, spec: BenchSpec,
@@ -297,7 +257,6 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     vanilla = {r["context"]: r for r in rows if r["variant"] == "vanilla"}
     for r in rows:
         base = vanilla.get(r["context"])
-        r["decode_vs_vanilla"] = r["decode_tok_s"] / base["decode_tok_s"] if base else None
-        r["kv_vs_vanilla"] = r["kv_bytes"] / base["kv_bytes"] if base else None
-        r["read_vs_vanilla"] = r["read_peak_bytes"] / base["read_peak_bytes"] if base else None
+        for ratio, figure in (("decode", "decode_tok_s"), ("kv", "kv_bytes"), ("read", "read_peak_bytes")):
+            r[f"{ratio}_vs_vanilla"] = r[figure] / base[figure] if base else None
     return rows

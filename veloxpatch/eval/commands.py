@@ -121,10 +121,14 @@ def with_fast_blas() -> None:
     os.execve(sys.executable, [sys.executable, "-m", "veloxpatch", *sys.argv[1:]], env)
 
 
-def finish(rows: list[dict[str, Any]], columns: tuple[str, ...], out: Path, stem: str, meta: dict[str, Any]) -> None:
-    click.echo(report.table(rows, columns))
-    for path in report.write_files(rows, out, stem, meta):
-        click.echo(f"wrote {path}", err=True)
+def finish(rows: list[dict[str, Any]], columns: tuple[str, ...], out: Path, stem: str, path: str, spec: Any,
+           started: float, shown: list[dict[str, Any]] | None = None) -> None:
+    """``shown`` (else ``rows``) as a table on stdout, ``rows`` to OUT/stem.json and OUT/stem.csv with how they
+    were made: the model at ``path``, the spec, this machine, and the seconds since ``started``."""
+    meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
+    click.echo(report.table(rows if shown is None else shown, columns))
+    for written in report.write_files(rows, out, stem, meta):
+        click.echo(f"wrote {written}", err=True)
 
 
 @click.command("eval")
@@ -175,11 +179,8 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
     cells = run_eval(loaded, tokenizer, spec, _progress("eval"), journal)
     rows = [c.row() for c in [*cells, *_others(journal, cells)]]
     rows = report.with_byte_shares(rows) if equal_bytes else rows
-    meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
     columns = EVAL_COLUMNS + (("kv16_share",) if equal_bytes else ())
-    click.echo(report.table([{**r, "result": report.result_text(r)} for r in rows], columns))
-    for written in report.write_files(rows, out, "eval", meta):
-        click.echo(f"wrote {written}", err=True)
+    finish(rows, columns, out, "eval", path, spec, started, [{**r, "result": report.result_text(r)} for r in rows])
     if plots:
         pngs = report.plot_eval(rows, out)
         for png in pngs:
@@ -232,8 +233,7 @@ def bench_command(model, random_model, contexts, budget, methods, new_tokens, re
         loaded, _, path = load_model(model)
     started = time.time()
     rows = run_bench(loaded, spec, _progress("bench"))
-    meta = {"model": path, "spec": vars(spec), "machine": machine(), "seconds": round(time.time() - started, 1)}
-    finish(rows, BENCH_COLUMNS, out, "bench", meta)
+    finish(rows, BENCH_COLUMNS, out, "bench", path, spec, started)
     click.echo(PEAK_NOTE)
 
 

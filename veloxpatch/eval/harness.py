@@ -1,13 +1,10 @@
 """``veloxpatch eval``: retrieval accuracy and perplexity per method, context length and budget.
 
-Retrieval runs through mlx_lm's own ``generate_step`` with the variant's cache list (the path
-a user's app takes). A prompt is prefilled once for the full cache and every method at every budget
-where that is exact (``sharing``: our caches in ``VELOX_COMPRESS=end`` mode hold the same prompt state
-whatever the budget until the last prompt token; each variant then decodes on its own copy through
-``generate_step``); mlx_lm's rotating and quantized caches run on their own. Perplexity feeds held-out
-text in steps of ``PPL_STEP`` tokens through the same caches, so compression happens between steps as
-it would in a long chat, and scores the second half of the text, where the context the cache holds has
-been compressed.
+Retrieval runs through mlx_lm's own ``generate_step`` with the variant's cache list (the path a user's app takes).
+A prompt is prefilled once for the full cache and every method at every budget where that is exact (``sharing``);
+mlx_lm's rotating and quantized caches run on their own. Perplexity feeds held-out text in steps of ``PPL_STEP``
+tokens through the same caches, so compression happens between steps as it would in a long chat, and scores the
+second half of the text, where the context the cache holds has been compressed.
 
 The RULER-style tasks of ``ruler`` (for a real model) run the same way and are scored by their own rules.
 ``followup`` is a chat of two turns on one cache list, each through ``generate_step``; the second turn is the whole
@@ -21,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +57,8 @@ class EvalSpec:
 @dataclass(frozen=True)
 class Sample:
     """One variant on one example: the task's metric, KV bytes at the end, peak memory of the run, and the most
-    memory held while a prompt was read, over the loaded model (``sharing.Reading``; None in journals written
-    before it was measured)."""
+    memory held while a prompt was read, over the loaded model (``sharing.Reading``); the last two are None in
+    journals written before they were measured."""
 
     value: float
     kv_bytes: float
@@ -69,54 +66,52 @@ class Sample:
     read_peak_bytes: float | None = None
     kv16_bytes: float | None = None  # the KV bytes as a 16-bit model holds them (``equal_bytes``), where measured
 
+    @classmethod
+    def of_row(cls, row: dict[str, Any]) -> Sample:
+        return cls(row["value"], row["kv_bytes"], row["peak_bytes"], row.get("read_peak_bytes"), row.get("kv16_bytes"))
+
+    @classmethod
+    def mean(cls, samples: list[Sample]) -> Sample:
+        """Each figure's mean, or None where any sample lacks it."""
+        def mean(values: list[Any]) -> Any:
+            known = [v for v in values if v is not None]
+            return sum(known) / len(values) if len(known) == len(values) else None
+
+        return cls(*(mean([getattr(s, f.name) for s in samples]) for f in fields(cls)))
+
 
 @dataclass
 class Cell:
-    """One measured (task, context, variant) cell."""
+    """One measured (task, context, variant) cell: the mean of its samples."""
 
     task: str
     context: int
     variant: Variant
-    metric: float
-    kv_bytes: float
-    peak_bytes: float
+    mean: Sample
     samples: int
-    read_peak_bytes: float | None = None
-    kv16_bytes: float | None = None
 
     @classmethod
     def of(cls, task: str, context: int, variant: Variant, samples: list[Sample]) -> Cell:
-        """The mean of a variant's samples (the reading peak only when every sample has one)."""
-        n = len(samples)
-        read, kv16 = _mean([s.read_peak_bytes for s in samples]), _mean([s.kv16_bytes for s in samples])
-        return cls(task, context, variant, sum(s.value for s in samples) / n, sum(s.kv_bytes for s in samples) / n,
-                   sum(s.peak_bytes for s in samples) / n, n, read, kv16)
+        return cls(task, context, variant, Sample.mean(samples), len(samples))
 
     def row(self) -> dict[str, Any]:
         """The cell as JSON; an accuracy carries its 95% Wilson interval over the cell's samples."""
-        accuracy = self.task != "perplexity"
-        low, high = wilson(self.metric * self.samples, self.samples) if accuracy else (None, None)
+        accuracy, mean = self.task != "perplexity", self.mean
+        low, high = wilson(mean.value * self.samples, self.samples) if accuracy else (None, None)
         return {
             "task": self.task, "context": self.context, "method": self.variant.name,
             "share": self.variant.share, "label": self.variant.label(), "knobs": self.variant.knob_values(),
             "metric": "accuracy" if accuracy else "perplexity",
-            "value": self.metric, "ci95_low": low, "ci95_high": high,
-            "kv_bytes": self.kv_bytes, "peak_bytes": self.peak_bytes, "read_peak_bytes": self.read_peak_bytes,
-            "kv16_bytes": self.kv16_bytes, "samples": self.samples,
+            "value": mean.value, "ci95_low": low, "ci95_high": high,
+            "kv_bytes": mean.kv_bytes, "peak_bytes": mean.peak_bytes, "read_peak_bytes": mean.read_peak_bytes,
+            "kv16_bytes": mean.kv16_bytes, "samples": self.samples,
         }
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Cell:
         """The cell a journal line describes (``method`` carries a variant's knobs: ``snapkv[kernel=15]``)."""
-        return cls(row["task"], row["context"], Variant.of(row["method"], row["share"]), row["value"],
-                   row["kv_bytes"], row["peak_bytes"], row["samples"], row.get("read_peak_bytes"),
-                   row.get("kv16_bytes"))
-
-
-def _mean(values: list[float | None]) -> float | None:
-    """The mean, or None where any sample lacks the figure (journals written before it was measured)."""
-    known = [v for v in values if v is not None]
-    return sum(known) / len(values) if len(known) == len(values) else None
+        return cls(row["task"], row["context"], Variant.of(row["method"], row["share"]), Sample.of_row(row),
+                   row["samples"])
 
 
 @dataclass
@@ -143,8 +138,7 @@ class Journal:
 
     def samples(self) -> dict[tuple[str, int, str, int], Sample]:
         """Examples already measured under this key, by (task, context, variant identity, seed)."""
-        return {(r["task"], r["context"], line_identity(r["label"], r.get("knobs")), r["seed"]):
-                Sample(r["value"], r["kv_bytes"], r["peak_bytes"], r.get("read_peak_bytes"), r.get("kv16_bytes"))
+        return {(r["task"], r["context"], line_identity(r["label"], r.get("knobs")), r["seed"]): Sample.of_row(r)
                 for r in self._rows(self.samples_path, ignore=("samples", "seed"))}
 
     def add(self, cell: Cell) -> None:
@@ -152,9 +146,7 @@ class Journal:
 
     def add_sample(self, task: str, context: int, variant: Variant, seed: int, sample: Sample) -> None:
         self._write(self.samples_path, {"task": task, "context": context, "label": variant.label(),
-                                        "knobs": variant.knob_values(), "seed": seed, "value": sample.value,
-                                        "kv_bytes": sample.kv_bytes, "peak_bytes": sample.peak_bytes,
-                                        "read_peak_bytes": sample.read_peak_bytes, "kv16_bytes": sample.kv16_bytes})
+                                        "knobs": variant.knob_values(), "seed": seed, **asdict(sample)})
 
     def _rows(self, path: Path, ignore: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """The lines of ``path`` written under this key (its ``ignore`` fields aside)."""
@@ -170,26 +162,18 @@ class Journal:
             handle.write(json.dumps({**row, "key": self.key}) + "\n")
 
 
-def retrieval(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec, quant: dict[str, Any],
-              reading: sharing.Reading, budget: int | None = None) -> tuple[float, int]:
-    """Greedy answer under the variant's cache, on its own prefill: (1.0 if right else 0.0, KV bytes at the end),
-    ``reading`` told when the prompt is read.
-
-    ``quant`` is the variant's kv_bits arguments for mlx_lm (empty unless it is the quantized one)."""
+def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec, quant: dict[str, Any],
+                 reading: sharing.Reading, budget: int | None = None) -> tuple[float, int]:
+    """Greedy answer under the variant's caches, on its own prefill (a follow-up's every turn on one cache list,
+    :func:`chat`): (1.0 if the last answer is right else 0.0, KV bytes at the end). ``quant`` is the variant's
+    kv_bits arguments for mlx_lm (empty unless it is the quantized one)."""
     tokens, steps = _prompt(tokenizer, item)
     caches = variant.caches(model, tokens.size, budget=budget)
-    out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, reading, **quant)]
+    if isinstance(item, ruler.Example) and item.turns:
+        out = chat(model, tokenizer, caches, item, spec, quant, reading)[-1]
+    else:
+        out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, reading, **quant)]
     return _right(tokenizer, out, item), sum(c.nbytes for c in caches)
-
-
-def conversation(model: Any, tokenizer: Any, variant: Variant, item: ruler.Example, spec: EvalSpec,
-                 quant: dict[str, Any], reading: sharing.Reading, budget: int | None = None) -> tuple[float, int]:
-    """A follow-up example's turns on one cache list (:func:`chat`): (1.0 if the last answer is right else 0.0,
-    KV bytes at the end)."""
-    tokens, _ = _prompt(tokenizer, item)
-    caches = variant.caches(model, tokens.size, budget=budget)
-    answers = chat(model, tokenizer, caches, item, spec, quant, reading)
-    return _right(tokenizer, answers[-1], item), sum(c.nbytes for c in caches)
 
 
 def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spec: EvalSpec,
@@ -242,27 +226,26 @@ def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, sp
     if spec.protocol == "after" and isinstance(item, ruler.Example) and not item.turns:
         return asked_after(model, tokenizer, chosen, item, spec, layout, budgets)
     tokens, steps = _prompt(tokenizer, item)
+    shared = spec.share_prefill and not (isinstance(item, ruler.Example) and item.turns)
+    plain, requests = _split(model, chosen, shared, budgets, tokens.size)
     out: dict[Variant, Sample] = {}
-    requests = []
-    chat = isinstance(item, ruler.Example) and bool(item.turns)
-    shared = spec.share_prefill and not chat
-    modes = sharing.plan(model, chosen) if shared else {v: sharing.PLAIN for v in chosen}
-    run: Callable[..., tuple[float, int]] = conversation if chat else retrieval  # chat: item is an Example
-    for variant in chosen:
-        mode = modes[variant]
-        if mode == sharing.PLAIN:
-            mx.clear_cache()
-            mx.reset_peak_memory()
-            reading = sharing.Reading()
-            value, nbytes = run(model, tokenizer, variant, item, spec, variant.generate_kwargs(layout), reading,
-                                budgets(variant, tokens.size))
-            out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
-        else:
-            requests.append(sharing.Request(variant, budgets.rows(variant, tokens.size), mode))
+    for variant in plain:
+        reading = sharing.fresh_reading()
+        value, nbytes = conversation(model, tokenizer, variant, item, spec, variant.generate_kwargs(layout), reading,
+                                     budgets(variant, tokens.size))
+        out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
     for result in sharing.run(model, tokens, requests, steps, spec.prefill_step):
         out[result.request.variant] = Sample(_right(tokenizer, result.tokens, item), result.kv_bytes,
                                              result.peak_bytes, result.read_peak_bytes)
     return {v: out[v] for v in chosen}
+
+
+def _split(model: Any, chosen: list[Variant], shared: bool, budgets: Budgets,
+           context: int) -> tuple[list[Variant], list[sharing.Request]]:
+    """The variants that run plain, and the others as requests to share a prefill of ``context`` tokens."""
+    modes = sharing.plan(model, chosen) if shared else dict.fromkeys(chosen, sharing.PLAIN)
+    plain = [v for v in chosen if modes[v] == sharing.PLAIN]
+    return plain, [sharing.Request(v, budgets.rows(v, context), modes[v]) for v in chosen if v not in plain]
 
 
 class Budgets:
@@ -303,37 +286,26 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
     context = mx.array(tokenizer.encode(item.context))
     question = mx.array(tokenizer.encode(item.question, add_special_tokens=False))
     steps = _steps(tokenizer, item)
-    modes = sharing.plan(model, chosen) if spec.share_prefill else {v: sharing.PLAIN for v in chosen}
+
+    def ask(caches: list[Any], quant: dict[str, Any], kv: float, peak: float, read: float, kv16: float) -> Sample:
+        """The question as the next turn on ``caches``, which hold the context as it left them."""
+        answer = _turn(model, tokenizer, question, caches, steps, spec, quant, sharing.Reading())
+        return Sample(_right(tokenizer, answer, item), kv, max(peak, mx.get_peak_memory()), read, kv16)
+
+    plain, requests = _split(model, chosen, spec.share_prefill, budgets, context.size)
     out: dict[Variant, Sample] = {}
-    requests = []
-    for variant in chosen:
-        if modes[variant] != sharing.PLAIN:
-            requests.append(sharing.Request(variant, budgets.rows(variant, context.size), modes[variant]))
-            continue
+    for variant in plain:
         quant = variant.generate_kwargs(layout)
         caches = variant.caches(model, context.size, budget=budgets(variant, context.size))
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        reading = sharing.Reading()
+        reading = sharing.fresh_reading()
         sharing.whole(model, context, caches, 0, spec.prefill_step, reading, **quant)
-        out[variant] = _ask(model, tokenizer, question, caches, steps, spec, quant, item,
-                            (sharing.kv_bytes(caches), mx.get_peak_memory(), reading.peak,
-                             equal_bytes_.held_bytes(caches)))
+        out[variant] = ask(caches, quant, sharing.kv_bytes(caches), mx.get_peak_memory(), reading.peak,
+                           equal_bytes_.held_bytes(caches))
     for result in sharing.run(model, context, requests, 0, spec.prefill_step):
         full = result.request.variant.method == "full"
-        out[result.request.variant] = _ask(model, tokenizer, question, result.caches, steps, spec, {}, item,
-                                           (result.kv_bytes, result.peak_bytes, result.read_peak_bytes,
-                                            equal_bytes_.held_bytes(result.caches, dense=full)))
+        out[result.request.variant] = ask(result.caches, {}, result.kv_bytes, result.peak_bytes,
+                                          result.read_peak_bytes, equal_bytes_.held_bytes(result.caches, dense=full))
     return {v: out[v] for v in chosen}
-
-
-def _ask(model: Any, tokenizer: Any, question: mx.array, caches: list[Any], steps: int, spec: EvalSpec,
-         quant: dict[str, Any], item: ruler.Example, held: tuple[float, float, float, float]) -> Sample:
-    """The question as the next turn on ``caches`` (which hold the context, compressed as they left it); ``held``
-    is what the context left: KV bytes, peak, read peak, 16-bit KV bytes."""
-    kv, peak, read, kv16 = held
-    answer = _turn(model, tokenizer, question, caches, steps, spec, quant, sharing.Reading())
-    return Sample(_right(tokenizer, answer, item), kv, max(peak, mx.get_peak_memory()), read, kv16)
 
 
 def _prompt(tokenizer: Any, item: Item) -> tuple[mx.array, int]:
@@ -357,12 +329,9 @@ def _right(tokenizer: Any, out: list[int], item: Item) -> float:
 
 def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: EvalSpec,
                quant: dict[str, Any]) -> tuple[float, int]:
-    """exp(mean NLL) of the second half of ``text`` under the variant's cache, and KV bytes.
-
-    The text streams through the cache in steps of PPL_STEP tokens, each scored as it arrives, so
-    our caches compress between steps (``VELOX_COMPRESS=chunk``): with ``end`` nothing would be
-    compressed before the last token and every method would score as the full cache.
-    """
+    """exp(mean NLL) of the second half of ``text`` under the variant's cache, and KV bytes. The text streams
+    through the cache in steps of PPL_STEP tokens, each scored as it arrives, so our caches compress between steps
+    (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full cache."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
     tokens = mx.array(tokenizer.encode(text))
@@ -398,12 +367,11 @@ def measure(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Vari
     """The chosen variants on one of the task's examples, with KV bytes and peak memory. Variants that differ
     only in a share their method ignores (``Variant.twin_key``) are measured once (XQuant decodes at 0.6
     tokens/s at 8k tokens here)."""
-    keys = {variant: variant.twin_key() for variant in chosen}
     first: dict[tuple[Any, ...], Variant] = {}
-    for variant, key in keys.items():
-        first.setdefault(key, variant)
+    for variant in chosen:
+        first.setdefault(variant.twin_key(), variant)
     out = _measure_each(model, tokenizer, task, item, list(first.values()), spec, layout, budgets)
-    return {v: out[first[key]] for v, key in keys.items()}
+    return {v: out[first[v.twin_key()]] for v in chosen}
 
 
 def _measure_each(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Variant], spec: EvalSpec,
@@ -412,9 +380,7 @@ def _measure_each(model: Any, tokenizer: Any, task: str, item: Item, chosen: lis
         return retrievals(model, tokenizer, chosen, item, spec, layout, budgets)
     out = {}
     for variant in chosen:
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        reading = sharing.Reading()  # the whole text is read: the run's peak
+        reading = sharing.fresh_reading()  # the whole text is read: the run's peak
         value, nbytes = perplexity(model, tokenizer, variant, item[0], spec, variant.generate_kwargs(layout))  # type: ignore[index]
         reading.done()
         out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
@@ -435,9 +401,8 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
     budgets = Budgets(model, spec.equal_bytes)
     units = [(task, context, i) for task in spec.tasks for context in spec.contexts for i in range(spec.samples)]
     cells = []
-    steps = progress(iter(units), len(units)) if progress else iter(units)
     try:
-        for task, context, i in steps:
+        for task, context, i in progress(iter(units), len(units)) if progress else units:
             seed = spec.seed + i
             todo = [v for v in grid if (task, context, v.identity()) not in done
                     and (task, context, v.identity(), seed) not in measured]

@@ -13,10 +13,8 @@ Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 
 
 def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval (95% by default) for ``successes`` out of ``n`` Bernoulli trials.
-
-    Unlike the normal approximation it stays inside [0, 1] and is not empty at 0/n or n/n, which is where
-    small-sample accuracies often sit."""
+    """The Wilson score interval for ``successes`` out of ``n`` Bernoulli trials: unlike the normal approximation
+    it stays inside [0, 1] and is not empty at 0/n or n/n, where small-sample accuracies often sit."""
     if n <= 0:
         return 0.0, 1.0
     k = round(successes)  # a mean of 0/1 outcomes times n: undo the float rounding

@@ -156,17 +156,21 @@ def _depths(rng: random.Random, n: int) -> list[float]:
 
 def niah_single(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
     """One needle at a random depth in the documentation; the question asks for its number (RULER's niah_single_2)."""
-    return _single(f"niah_single/{split}/{seed}", tokenizer, context, docs_hay(split), _number, "number")
+    return _single(f"niah_single/{split}/{seed}", tokenizer, context, _word, _number, "number", docs_hay(split))
 
 
 def niah_single_noise(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
     """One number needle in RULER's repeated-sentence noise (its niah_single_1)."""
-    return _single(f"niah_single_1/{seed}", tokenizer, context, noise_hay, _number, "number")
+    return _single(f"niah_single_1/{seed}", tokenizer, context, _word, _number, "number", noise_hay)
 
 
 def niah_single_uuid(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
     """One needle whose value is a UUID, in the documentation (RULER's niah_single_3): 36 characters to keep whole."""
-    return _single(f"niah_single_3/{split}/{seed}", tokenizer, context, docs_hay(split), _uuid, "uuid")
+    return _single(f"niah_single_3/{split}/{seed}", tokenizer, context, _word, _uuid, "uuid", docs_hay(split))
+
+
+def _word(rng: random.Random) -> str:
+    return rng.choice(WORDS)
 
 
 def _number(rng: random.Random) -> str:
@@ -182,15 +186,21 @@ def _needle(kind: str, key: str, value: str) -> str:
     return NEEDLE.format(word=key, number=value) if kind == "number" else UUID_NEEDLE.format(key=key, value=value)
 
 
-def _single(name: str, tokenizer: Any, context: int, hay: Hay, value: Callable[[random.Random], str],
-            kind: str) -> Example:
-    """One ``kind`` needle for one word at a random depth of ``hay``; asked for by the word (``name`` seeds it)."""
+def _single(name: str, tokenizer: Any, context: int, new_key: Callable[[random.Random], str],
+            value: Callable[[random.Random], str], kind: str, hay: Hay | None = None) -> Example:
+    """One ``kind`` needle for one key at a random depth, asked for by the key (``name`` seeds it), in ``hay`` or
+    else among needles of the same shape for other keys (RULER's niah_multikey_2 and _3)."""
     rng = random.Random(name)
-    word, answer = rng.choice(WORDS), value(rng)
-    needle = _needle(kind, word, answer)
-    question = f"What is the special magic {kind} for {word} mentioned in the provided text?"
-    prefix = f"The special magic {kind} for {word} mentioned in the provided text is"
-    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(needle, rng.random())], question, prefix, hay)
+    key, answer = new_key(rng), value(rng)
+
+    def line(r: random.Random) -> tuple[str, str]:
+        k = new_key(r)
+        return k, _needle(kind, k, value(r))
+
+    question = f"What is the special magic {kind} for {key} mentioned in the provided text?"
+    prefix = f"The special magic {kind} for {key} mentioned in the provided text is"
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(_needle(kind, key, answer), rng.random())],
+                           question, prefix, hay or needles_hay(line, key))
     return Example(prompt, answer, (answer,), question_at=at)
 
 
@@ -231,30 +241,13 @@ def needles_hay(line: Callable[[random.Random], tuple[str, str]], skip: str) -> 
 
 def niah_multikey_needles(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
     """The whole haystack is number needles for other two-word keys; one key is asked (RULER's niah_multikey_2)."""
-    return _among_needles(f"niah_multikey_2/{seed}", tokenizer, context, _pair, _number, "number")
+    return _single(f"niah_multikey_2/{seed}", tokenizer, context, _pair, _number, "number")
 
 
 def niah_multikey_uuids(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
     """The whole haystack is UUID-to-UUID needles; one UUID key is asked, its UUID value is the answer (RULER's
     niah_multikey_3: the hardest of the needle tasks, nothing in the key's words to go by)."""
-    return _among_needles(f"niah_multikey_3/{seed}", tokenizer, context, _uuid, _uuid, "uuid")
-
-
-def _among_needles(name: str, tokenizer: Any, context: int, new_key: Callable[[random.Random], str],
-                   value: Callable[[random.Random], str], kind: str) -> Example:
-    """One ``kind`` needle among a haystack of needles of the same shape for other keys (``name`` seeds it)."""
-    rng = random.Random(name)
-    key, answer = new_key(rng), value(rng)
-
-    def line(r: random.Random) -> tuple[str, str]:
-        k = new_key(r)
-        return k, _needle(kind, k, value(r))
-
-    question = f"What is the special magic {kind} for {key} mentioned in the provided text?"
-    prefix = f"The special magic {kind} for {key} mentioned in the provided text is"
-    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(_needle(kind, key, answer), rng.random())],
-                           question, prefix, needles_hay(line, key))
-    return Example(prompt, answer, (answer,), question_at=at)
+    return _single(f"niah_multikey_3/{seed}", tokenizer, context, _uuid, _uuid, "uuid")
 
 
 def niah_multivalue(tokenizer: Any, context: int, seed: int, split: str = "heldout", n_values: int = 4) -> Example:

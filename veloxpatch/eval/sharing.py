@@ -2,37 +2,32 @@
 
 Why it is exact. Retrieval runs our caches in ``VELOX_COMPRESS=end`` mode: the prompt's chunks never compress
 (a chunk longer than the decode headroom is a prefill chunk), and mlx_lm's ``generate_step`` feeds the prompt's
-last token as the first decode-sized step, which compresses the prompt before it attends, scored by the window
-of queries the prompt left. So once ``prompt[:-1]`` is in, a cache of a method that keeps no state of its own
-holds its stored rows, the remembered queries and its offset, and none of it depends on the budget or on which
-such method it is. From there each variant decodes on its own copy:
+last token as the first decode-sized step, which compresses the prompt before it attends. So once ``prompt[:-1]``
+is in, a cache of a method that keeps no state of its own holds its rows, the remembered queries and its offset,
+none of which depends on the budget or on which such method it is. From there each variant decodes on its own copy:
 
-* **shared** (the full cache and every method whose prompt leaves only rows, offset and the remembered window
-  of queries in its caches: ``rows`` or ``window`` in :data:`PROMPT_STATE`):
-  one prefill per prompt with a *source* method at a budget no prompt reaches; a variant gets a fresh cache list
-  made as today (``veloxpatch.patch`` + ``make_prompt_cache``: the real builder, knobs and coordinator) with a
-  copy of the source's rows, offset and (for ``window``) remembered queries moved in. The full cache decodes on
-  the source itself: our cache never evicting is mlx_lm's ``KVCache`` (the probe below checks that too), and its
-  KV bytes are counted as ``KVCache``'s (rows with spare capacity; no positions, no queries).
-* **own** (methods whose prompt leaves state of their own, every method :data:`PROMPT_STATE` does not name:
-  accumulated attention, the newest query alone, reports to a coordinator, folds): one prefill per (method, knobs)
-  at a budget no prompt reaches, copied with ``copy.deepcopy`` (coordinator included) per budget, whose ``budget``
-  is set before decoding.
-* **plain**: mlx_lm's own variants (rotating, quantized: their prefill differs) and anything a check refuses
-  run ``generate_step`` on the whole prompt as before.
+* **shared** (the full cache, and the methods :data:`PROMPT_STATE` names): one prefill per prompt by a *source*
+  method at a budget no prompt reaches; each variant gets a fresh cache list made as an app's would be
+  (``veloxpatch.patch`` + ``make_prompt_cache``: the real builder, knobs and coordinator) with a copy of the
+  source's rows, offset and (``window``) remembered queries moved in. The full cache decodes on the source itself
+  (our cache never evicting is mlx_lm's ``KVCache``; the check below checks that too), its KV bytes counted as
+  ``KVCache``'s (rows with spare capacity; no positions, no queries).
+* **own** (every other method of ours: accumulated attention, the newest query alone, reports to a coordinator,
+  folds): one prefill per (method, knobs) at a budget no prompt reaches, deep-copied (coordinator included) per
+  budget, whose ``budget`` is set before decoding.
+* **plain**: mlx_lm's own variants (rotating, quantized: their prefill differs) and anything a check refuses run
+  ``generate_step`` on the whole prompt.
 
 The prefill is mlx_lm's own ``generate_step``, stopped by its progress callback once ``prompt[:-1]`` is in (so
-chunking, coordinator resets and evaluation are exactly a plain run's). Decoding is mlx_lm's ``generate_step``
-from the last prompt token, called unwrapped: the shim's wrapper would reset the coordinators as a new
-generation starts, which a plain run did before its prompt, not between the prompt and its last token.
+chunking, coordinator resets and evaluation are a plain run's). Decoding calls ``generate_step`` unwrapped from the
+last prompt token: the shim's wrapper would reset the coordinators as a new generation starts, which a plain run
+did before its prompt, not between the prompt and its last token.
 
-Two checks keep it exact rather than assumed. A prompt whose chunking has a chunk no longer than the largest
-decode headroom (64 rows by default) may hold a decode-sized step (it would have compressed in the middle of a
-plain run's prompt, or been told from a prompt chunk differently at two budgets): such a prompt runs plain for the
-variant. With mlx_lm's prefill step of 2048 and prompts of 2k-8k tokens, no chunk is that short. And before a
-(model, method, knobs) first shares, :func:`mode` runs it both ways on a short random
-prompt at two evicting budgets: tokens, log-probabilities and the final cache state must be equal, else it falls
-back to its own prefill, then to plain, said once in the log.
+Two checks keep it exact rather than assumed. A prompt with a chunk no longer than the largest decode headroom may
+hold a decode-sized step (compressed in the middle of a plain run's prompt, or told from a prompt chunk
+differently at two budgets): it runs plain for the variant. And before a (model, method, knobs) first shares,
+:func:`modes` runs it both ways on a short random prompt at two evicting budgets: tokens, log-probabilities and
+the final cache state must be equal, else it falls back to its own prefill, then to plain, said once in the log.
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,9 +69,8 @@ class Request:
 
 @dataclass
 class Result:
-    """What a request produced: the greedy tokens (with log-probabilities), the cache list it ended with,
-    its KV bytes, the peak memory its run would have had on its own, and the most memory it held while the
-    prompt was read (:class:`Reading`)."""
+    """What a request produced: the greedy tokens (with log-probabilities), the cache list it ended with, its KV
+    bytes, the peak memory its run would have had on its own, and its :class:`Reading` peak."""
 
     request: Request
     tokens: list[int]
@@ -91,7 +85,7 @@ class Result:
 class Reading:
     """The most memory held while a prompt is read (every token but the last, whose step starts decoding: where
     ``end`` mode compresses), over what was held when the run began (the loaded model, and anything kept aside):
-    what a user must have free to read a long document. Made right before the run (after ``reset_peak_memory``);
+    what a user must have free to read a long document. Made right before the run (:func:`fresh_reading`);
     :meth:`progress` is ``generate_step``'s ``prompt_progress_callback``, :meth:`done` a prefill of its own's end."""
 
     def __init__(self) -> None:
@@ -104,6 +98,13 @@ class Reading:
 
     def done(self) -> None:
         self.peak = max(self.peak, mx.get_peak_memory() - self.start)
+
+
+def fresh_reading() -> Reading:
+    """The :class:`Reading` of a run about to start, mlx's buffer cache emptied and its peak reset first."""
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    return Reading()
 
 
 def ours(caches: list[Any]) -> list[CompressedKVCache]:
@@ -120,7 +121,7 @@ def source_method() -> str:
 
 
 def candidate(variant: Variant) -> str:
-    """The mode the declared rule gives a variant (before :func:`mode` checks it)."""
+    """The mode the declared rule gives a variant (before :func:`modes` checks it)."""
     if variant.method == "full":
         return SHARED
     if variant.method not in METHODS:
@@ -154,31 +155,18 @@ def prefill(model: Any, tokens: mx.array, caches: list[Any], step: int) -> list[
     raise RuntimeError("mlx_lm's generate_step did not report its prompt progress")
 
 
-def decode(model: Any, last: mx.array, caches: list[Any], max_tokens: int, step: int,
-           **quant: Any) -> list[tuple[int, mx.array]]:
-    """Greedy tokens from the last prompt token on, by mlx_lm's own ``generate_step`` (unwrapped: no new
-    generation starts here, see the module docstring)."""
-    from mlx_lm.generate import generate_step
-
-    raw = getattr(generate_step, "__wrapped__", generate_step)
-    return tokens_of(raw(last, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=step, **quant))
-
-
 def whole(model: Any, tokens: mx.array, caches: list[Any], max_tokens: int, step: int, reading: Reading | None = None,
-          **quant: Any) -> list[tuple[int, mx.array]]:
-    """A plain run: mlx_lm's ``generate_step`` (as the shim patches it) on the whole prompt, ``reading`` told
-    when the prompt is read."""
+          raw: bool = False, **quant: Any) -> list[tuple[int, mx.array]]:
+    """Greedy tokens (ids, as ``generate_step`` yields them whatever its annotation says, and log-probabilities)
+    by mlx_lm's ``generate_step`` as the shim patches it, ``reading`` told when the prompt is read; ``raw``:
+    unwrapped, to decode from the last prompt token of a prefill (no new generation starts there)."""
     from mlx_lm.generate import generate_step
 
+    run = getattr(generate_step, "__wrapped__", generate_step) if raw else generate_step
     progress = reading.progress if reading is not None else None
-    return tokens_of(generate_step(tokens, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=step,
-                                   prompt_progress_callback=progress, **quant))
-
-
-def tokens_of(steps: Iterable[Any]) -> list[tuple[int, mx.array]]:
-    """What ``generate_step`` yields, as it is: token ids (``y.item()``; its annotation says arrays) and
-    log-probabilities."""
-    return [(int(token), logprobs) for token, logprobs in steps]
+    return [(int(token), logprobs) for token, logprobs in run(
+        tokens, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=step,
+        prompt_progress_callback=progress, **quant)]
 
 
 # ----------------------------------------------------------------------------- moving a prefill
@@ -222,8 +210,7 @@ def at_budget(caches: list[Any], budget: int, copied: bool) -> list[Any]:
 def untouched(caches: list[Any], base: list[Any], chunks: list[int]) -> bool:
     """Whether every prompt chunk was a prefill chunk both for the prefill into ``base`` and for a plain run
     with ``caches``: longer than any decode headroom their caches can have (the headroom for a budget no prompt
-    reaches; asked without calling ``target()``, which a method may keep state in). A decode-sized step
-    compresses, and methods may tell prompt chunks from decode steps by it."""
+    reaches; asked without calling ``target()``, which a method may keep state in)."""
     return not chunks or all(min(chunks) > c.headroom(HUGE) for c in ours(caches) + ours(base))
 
 
@@ -232,8 +219,8 @@ def kv_bytes(caches: list[Any], dense: bool = False) -> int:
     mlx_lm's ``KVCache`` would hold the same rows (the same capacity steps; no positions, no queries)."""
     if not dense:
         return sum(c.nbytes for c in caches)
-    return sum(rows_bytes(c) for c in ours(caches)) + sum(c.nbytes for c in caches
-                                                          if not isinstance(c, CompressedKVCache))
+    rows = sum(a.nbytes for c in ours(caches) for a in rows_arrays(c))
+    return rows + sum(c.nbytes for c in caches if not isinstance(c, CompressedKVCache))
 
 
 def rows_arrays(cache: CompressedKVCache) -> list[mx.array]:
@@ -244,37 +231,26 @@ def rows_arrays(cache: CompressedKVCache) -> list[mx.array]:
     return [*store.keys, *store.values]
 
 
-def rows_bytes(cache: CompressedKVCache) -> int:
-    return sum(p.nbytes for p in rows_arrays(cache))
-
-
 # ----------------------------------------------------------------------------- the engine
 def run(model: Any, tokens: mx.array, requests: list[Request], max_tokens: int, step: int) -> Iterator[Result]:
     """Each request decoded from a shared prefill (shared and own modes, see the module docstring), yielded
     as it finishes; a request whose prompt chunking could compress mid-prompt runs plain. Plain requests are
     not handled here (mlx_lm's own variants need their generate arguments)."""
-    shared = [r for r in requests if r.mode == SHARED]
-    groups: dict[tuple[str, Any], list[Request]] = {}
-    for r in requests:
-        if r.mode == OWN:
-            groups.setdefault((r.variant.method, r.variant.knobs), []).append(r)
-    n = tokens.size
-    if shared:
-        source = Variant(source_method())
-        # the full cache decodes on the source itself, last
-        ordered = sorted(shared, key=lambda r: r.variant.method == "full")
-        yield from _group(model, tokens, source.caches(model, n, budget=HUGE), ordered, max_tokens, step)
-    for members in groups.values():
-        yield from _group(model, tokens, members[0].variant.caches(model, n, budget=HUGE), members, max_tokens, step)
+    groups: dict[Any, list[Request]] = {}
+    for r in requests:  # the shared group first; in it the full cache decodes on the source itself, last
+        if r.mode in (SHARED, OWN):
+            groups.setdefault(SHARED if r.mode == SHARED else (r.variant.method, r.variant.knobs), []).append(r)
+    for key, members in sorted(groups.items(), key=lambda group: group[0] != SHARED):
+        base = Variant(source_method()) if key == SHARED else members[0].variant
+        members = sorted(members, key=lambda r: r.variant.method == "full")
+        yield from _group(model, tokens, base.caches(model, tokens.size, budget=HUGE), members, max_tokens, step)
 
 
 def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request], max_tokens: int,
            step: int) -> Iterator[Result]:
     """One prefill into ``base``, then each member decoded on its own copy (the last on ``base`` itself when
     it can be)."""
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    reading = Reading()
+    reading = fresh_reading()
     chunks = prefill(model, tokens, base, step)
     reading.done()
     prefill_peak = mx.get_peak_memory()
@@ -295,7 +271,7 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
             continue
         mx.clear_cache()
         mx.reset_peak_memory()
-        pairs = decode(model, last, caches, max_tokens, step)
+        pairs = whole(model, last, caches, max_tokens, step, raw=True)
         peak = max(prefill_peak, mx.get_peak_memory() - held)
         yield Result(r, [t for t, _ in pairs], [p for _, p in pairs], caches,
                      kv_bytes(caches, dense=v.method == "full"), peak, reading.peak)
@@ -304,9 +280,7 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
 
 def _plain(model: Any, tokens: mx.array, r: Request, max_tokens: int, step: int, held: int = 0) -> Result:
     caches = r.variant.caches(model, tokens.size, budget=r.budget)
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    reading = Reading()
+    reading = fresh_reading()
     pairs = whole(model, tokens, caches, max_tokens, step, reading)
     return Result(r, [t for t, _ in pairs], [p for _, p in pairs], caches, kv_bytes(caches),
                   mx.get_peak_memory() - held, reading.peak, shared=False)
@@ -317,14 +291,13 @@ _modes: dict[tuple[Any, ...], str] = {}
 
 
 def modes(model: Any, chosen: list[Variant]) -> dict[Variant, str]:
-    """How each variant runs on ``model``: the static rule's mode (:func:`candidate`) if a short random prompt
-    gives the same tokens, log-probabilities, KV bytes and final cache state both ways, else the next safer
-    one (own prefill, then plain), said in the log. Checked once per (model, method, knobs), all variants
+    """How each variant runs on ``model``: :func:`candidate`'s mode where the check (the module docstring) finds
+    it exact, else the next safer one, said in the log. Checked once per (model, method, knobs), all variants
     together, so the shared candidates are checked from one source prefill."""
     todo = {}
     for v in chosen:
         key = (id(model), v.method, v.knobs)
-        if candidate(v) != PLAIN and key not in _modes and key not in todo:
+        if candidate(v) != PLAIN and key not in _modes:
             todo[key] = Variant(v.method, 1.0, v.knobs)
     for key, found in _check(model, todo).items():
         _modes[key] = found
@@ -361,11 +334,10 @@ def _check(model: Any, todo: dict[tuple[Any, ...], Variant]) -> dict[tuple[Any, 
     found: dict[tuple[Any, ...], str] = {}
     trying = {key: candidate(v) for key, v in todo.items()}
     while trying:
-        requests = {key: [Request(todo[key], b, m) for b in budgets(todo[key])] for key, m in trying.items()}
-        owner = {id(r): key for key, rs in requests.items() for r in rs}
+        requests = [Request(todo[key], b, m) for key, m in trying.items() for b in budgets(todo[key])]
         failed = set()
-        for got in run(model, tokens, [r for rs in requests.values() for r in rs], PROBE_DECODE, PROBE_STEP):
-            key = owner[id(got.request)]
+        for got in run(model, tokens, requests, PROBE_DECODE, PROBE_STEP):
+            key = (id(model), got.request.variant.method, got.request.variant.knobs)
             if not _same(expected[key, got.request.budget], got):
                 failed.add(key)
         retry = {}

@@ -68,25 +68,17 @@ def split_of(rel_path: str) -> str:
     return "heldout" if h % HELDOUT_MOD == 0 else "train"
 
 
-def stdlib_files(split: str) -> list[Path]:
-    """All stdlib ``.py`` files of one split, sorted so the corpus order is deterministic."""
-    assert split in SPLITS, split
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for p in sorted(root.rglob("*.py")):
-        rel = p.relative_to(root).as_posix()
-        if rel.startswith("site-packages/") or "/site-packages/" in rel:
-            continue
-        if split_of(rel) == split:
-            out.append(p)
-    return out
-
-
 @lru_cache(maxsize=2)
 def corpus(split: str) -> str:
-    """One string holding every file of the split (files that are not clean UTF-8 are skipped)."""
+    """Every stdlib ``.py`` file of one split (site-packages aside) as one string, in path order so the corpus is
+    deterministic; files that are not clean UTF-8 are skipped."""
+    assert split in SPLITS, split
+    root = Path(sysconfig.get_paths()["stdlib"])
     parts = []
-    for p in stdlib_files(split):
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root).as_posix()
+        if rel.startswith("site-packages/") or "/site-packages/" in rel or split_of(rel) != split:
+            continue
         try:
             text = p.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
@@ -128,10 +120,8 @@ def _insert_at_depth(text: str, needle: str, depth: float) -> str:
 
 
 def _fit(build: Callable[[int], str], context_tokens: int, len_fn: LenFn) -> str:
-    """Find the filler size (in characters) whose prompt is as close to ``context_tokens`` without going over.
-
-    ``build(n_chars)`` must be deterministic; a few secant-like steps on chars-per-token converge fast.
-    """
+    """The prompt of the deterministic ``build(n_chars)`` closest to ``context_tokens`` without going over: a few
+    secant-like steps on chars-per-token converge fast."""
     n_chars = context_tokens * 3
     best, best_len = build(0), len_fn(build(0))
     for _ in range(8):
@@ -153,10 +143,8 @@ def passkey_example(
     n_digits: int = 5,
     depth: float | None = None,
 ) -> tuple[str, str]:
-    """Passkey retrieval: a key hidden at ``depth`` (random if None) in filler; the prompt ends with the question.
-
-    Returns (prompt, answer); the prompt is at most ``context_tokens`` tokens long.
-    """
+    """Passkey retrieval, (prompt, answer): a key hidden at ``depth`` (random if None) in filler, the question
+    last, at most ``context_tokens`` tokens."""
     rng = random.Random(f"passkey/{split}/{seed}")
     key = random_key(rng, n_digits)
     depth = rng.random() if depth is None else depth
@@ -179,9 +167,7 @@ def multikey_example(
     n_digits: int = 4,
 ) -> tuple[str, str]:
     """Multi-key retrieval: ``n_keys`` name→code pairs scattered in filler, one of them asked for at the end.
-
-    Harder than passkey for eviction methods: the distractor pairs look alike, so only the right one may survive.
-    """
+    Harder than passkey for eviction methods: the distractor pairs look alike, so only the right one may survive."""
     rng = random.Random(f"multikey/{split}/{seed}")
     names = rng.sample(KEY_NAMES, n_keys)
     keys = [random_key(rng, n_digits) for _ in names]

@@ -185,16 +185,14 @@ class Variant:
         return f"{self.method}[{','.join(f'{k}={v}' for k, v in self.knobs)}]"
 
     def budget(self, context: int) -> int:
-        """Rows this variant may keep for a context of ``context`` tokens (all for the full cache,
-        else the share, but at least sink + window)."""
+        """Rows this variant may keep of ``context`` tokens: at least sink + window."""
         if self.method == "full":
             return context
         return max(round(self.share * context), PROTECTED)
 
     def knob_values(self) -> dict[str, Any]:
-        """Every knob that reaches this variant's caches, defaults included: what
-        a journal matches besides the label, so a changed default is measured again (mlx_lm's own caches have
-        none, but for the width ``quantized[bits=N]`` asks for)."""
+        """Every knob that reaches this variant's caches, defaults included: what a journal matches besides the
+        label, so a changed default is measured again (mlx_lm's own caches have none but ``quantized[bits=N]``)."""
         if self.method not in METHODS:
             return dict(self.knobs)
         settings = _settings(self.method, {k: str(v) for k, v in self.knobs})
@@ -222,14 +220,14 @@ class Variant:
         ``compress`` overrides ``VELOX_COMPRESS`` and ``budget`` the rows (our methods', the rotating cache's)."""
         import mlx_lm.models.cache as mlx_cache  # looked up after (un)patching, as an app's call would be
 
+        rows = self.budget(context) if budget is None else budget
         if self.method in METHODS:
-            veloxpatch.patch(**self.settings(self.budget(context) if budget is None else budget, compress))
+            veloxpatch.patch(**self.settings(rows, compress))
             return mlx_cache.make_prompt_cache(model)
         veloxpatch.unpatch()
         caches = mlx_cache.make_prompt_cache(model)
         if self.method == "rotating":
-            size = self.budget(context) if budget is None else budget
-            return [mlx_cache.RotatingKVCache(max_size=size, keep=4) if type(c) is mlx_cache.KVCache else c
+            return [mlx_cache.RotatingKVCache(max_size=rows, keep=4) if type(c) is mlx_cache.KVCache else c
                     for c in caches]
         return caches
 

@@ -43,6 +43,11 @@ MAMBA: dict[str, Any] = dict(state_size=8, ssm_state_size=8, conv_kernel=3, use_
 LINEAR: dict[str, Any] = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
                               linear_value_head_dim=8, linear_conv_kernel_dim=3)
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+GEMMA4: dict[str, Any] = dict(num_hidden_layers=4, layer_types=SLIDING * 2, sliding_window=8, num_kv_shared_layers=2,
+                              hidden_size_per_layer_input=8, vocab_size_per_layer_input=97, global_head_dim=16)
+GRANITE = dict(logits_scaling=1.0, attention_multiplier=0.125, embedding_multiplier=1.0, residual_multiplier=1.0)
+LFM2: dict[str, Any] = dict(conv_bias=False, conv_L_cache=3, block_dim=32, block_multiple_of=16,
+                            block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, full_attn_idxs=[1])
 
 OVERRIDES: dict[str, dict[str, Any]] = {
     "afm7": dict(hidden_dim=32, num_layers=3, num_kv_reuse_layers=1, num_heads=4, num_kv_heads=2),
@@ -68,10 +73,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                     layer_types=SLIDING * 2, activation_sparsity_pattern=[0.0] * 4,
                     hidden_size_per_layer_input=8, altup_num_inputs=2, altup_coef_clip=None,
                     altup_correct_scale=True, altup_active_idx=0, laurel_rank=4),
-    "gemma4": dict(num_hidden_layers=4, layer_types=SLIDING * 2, sliding_window=8, num_kv_shared_layers=2,
-                   hidden_size_per_layer_input=8, vocab_size_per_layer_input=97, global_head_dim=16),
-    "gemma4_text": dict(num_hidden_layers=4, layer_types=SLIDING * 2, sliding_window=8, num_kv_shared_layers=2,
-                        hidden_size_per_layer_input=8, vocab_size_per_layer_input=97, global_head_dim=16),
+    "gemma4": GEMMA4,
+    "gemma4_text": GEMMA4,
     "glm4_moe": dict(use_qk_norm=True),
     "glm_moe_dsa": dict(index_head_dim=16, index_n_heads=2, index_topk=8, topk_method="noaux_tc",
                         scoring_func="sigmoid", moe_layer_freq=1, rope_parameters=ROPE),
@@ -79,11 +82,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gpt_bigcode": dict(n_embd=32, n_layer=2, n_inner=64, n_head=4, n_positions=512),
     "gpt_neox": dict(rotary_emb_base=10000.0, rotary_pct=0.5),
     "gptj": dict(n_embd=32, n_head=4, n_layer=2, n_positions=512, rotary_dim=4),
-    "granite": dict(logits_scaling=1.0, attention_multiplier=0.125, embedding_multiplier=1.0, residual_multiplier=1.0),
-    "granitemoe": dict(logits_scaling=1.0, attention_multiplier=0.125, embedding_multiplier=1.0,
-                       residual_multiplier=1.0),
-    "granitemoehybrid": dict(logits_scaling=1.0, attention_multiplier=0.125, embedding_multiplier=1.0,
-                             residual_multiplier=1.0, layer_types=["mamba", "attention"], shared_intermediate_size=32,
+    "granite": GRANITE,
+    "granitemoe": GRANITE,
+    "granitemoehybrid": dict(GRANITE, layer_types=["mamba", "attention"], shared_intermediate_size=32,
                              mamba_n_heads=4, mamba_d_head=16, mamba_proj_bias=False, mamba_d_state=8,
                              mamba_d_conv=3, mamba_n_groups=1, mamba_conv_bias=True),
     "hunyuan": dict(moe_topk=2, num_shared_expert=1, use_mixed_mlp_moe=True, use_qk_norm=True, use_cla=True,
@@ -93,11 +94,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "kimi_k3": dict(linear_attn_config={"num_heads": 4, "head_dim": 8, "kda_layers": [1], "short_conv_kernel_size": 3},
                     num_experts_per_token=2),
     "kimi_linear": dict(linear_attn_config={"num_heads": 4, "head_dim": 8, "kda_layers": [1]}, model_max_length=512),
-    "lfm2": dict(conv_bias=False, conv_L_cache=3, block_dim=32, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
-                 block_auto_adjust_ff_dim=False, full_attn_idxs=[1]),
-    "lfm2-vl": dict(conv_bias=False, conv_L_cache=3, block_dim=32, block_multiple_of=16,
-                    block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, full_attn_idxs=[1],
-                    text_config={"model_type": "lfm2"}),
+    "lfm2": LFM2,
+    "lfm2-vl": dict(LFM2, text_config={"model_type": "lfm2"}),
     "lfm2_moe": dict(use_expert_bias=False, num_dense_layers=1, conv_bias=False, conv_L_cache=3, full_attn_idxs=[1]),
     "lille-130m": dict(block_size=512, n_embd=64, n_head=4, n_kv_heads=2, n_layer=2),
     "llama4": dict(attention_chunk_size=8, interleave_moe_layer_step=2, intermediate_size_mlp=64, use_qk_norm=True,
@@ -213,18 +211,14 @@ def support_table(types: list[str] | None = None) -> str:
     methods = sorted(METHODS)
     lines = ["| model type | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
     for model_type in types or model_types():
-        cells = _support(model_type, methods)
+        reason = unbuildable(model_type)
+        if reason:
+            cells = [f"not built: {reason}"] * len(methods)
+        else:  # probed under a temporary patch
+            model = build(small_config(model_type))
+            cells = [explain_patched(model, VeloxConfig(kv=method)) for method in methods]
         lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _support(model_type: str, methods: list[str]) -> list[str]:
-    """One cell per method for ``model_type``, probing it under a temporary patch."""
-    reason = unbuildable(model_type)
-    if reason:
-        return [f"not built: {reason}"] * len(methods)
-    model = build(small_config(model_type))
-    return [explain_patched(model, VeloxConfig(kv=method)) for method in methods]
 
 
 def load_as_patched(path: Any, config: VeloxConfig) -> Any:
