@@ -1,16 +1,13 @@
 """From (model, the cache list mlx_lm made, config) to the cache list a generation uses.
 
-Only plain full-attention ``KVCache`` slots are candidates. Sliding-window, SSM/linear, quantized,
-``CacheList`` and any other slot stays exactly as the model made it. Which candidates really get
-our caches is decided by probing what the model does with them (:mod:`veloxpatch.eligibility`);
-a model that fails the probe runs on mlx_lm's own caches, said once with the reason (at INFO, or at WARNING when
-something raised; under ``VELOX_STRICT`` an error instead, :mod:`veloxpatch.fallback`). When
-the method's caches read layer inputs and outputs, the integration hooks the model's attention modules
-and decoder blocks before it calls the builder, so the probe runs the model as it will run.
+Only plain full-attention ``KVCache`` slots are candidates; every other slot (sliding-window, SSM/linear, quantized,
+``CacheList``, ...) stays exactly as the model made it. Which candidates get our caches is decided by probing what
+the model does with them (:mod:`veloxpatch.eligibility`); a model that fails the probe runs on mlx_lm's own caches,
+said once with the reason (:mod:`veloxpatch.fallback`).
 
 The probe runs the model, so it never meets a model whose parameters are not evaluated yet (mlx-lm's own tests
-build 35B-parameter configs and only read output shapes; ``load(lazy=True)``): its forward would be what evaluates
-them, all at once, before the app asked for it. Such a list stays mlx_lm's, said once at INFO (an error under
+build 35B-parameter configs and only read output shapes; ``load(lazy=True)``): its forward would evaluate them, all
+at once, before the app asked for it. Such a list stays mlx_lm's, said once at INFO (an error under
 ``VELOX_STRICT``), and nothing is kept: the first list made after the app has evaluated the model is probed.
 """
 
@@ -77,11 +74,10 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
     if slots and unprobed_and_lazy(model, slots, config):  # before the ranks agree: every rank's model is alike
         notice(f"{name} with {config.kv}: {LAZY}", config, key=f"{name} {config.kv} lazy", level=logging.INFO)
         return caches
+    found = eligibility.Verdict(())  # every rank takes part in the agreement, slots or not
     if slots:
         ranks.drain_if_split(model)
         found = eligibility.verdict(model, caches, slots, config, whole=ranks.is_split(model))
-    else:
-        found = eligibility.Verdict((), reason=NO_SLOT.removesuffix("; running unpatched"))
     members = len({id(caches[i]) for i in found.slots})
     ready, span = ranks.agreement(model, config, bool(found.slots), members)
     if found.slots and not ready:

@@ -100,7 +100,7 @@ def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: Velox
     evaluates the model: the builder asks :func:`probed` and :func:`veloxpatch.structure.unevaluated` first.
     """
     return per_model(_verdicts, model, _key(slots, config),
-                     lambda: _probe_caught(model, caches, slots, config, whole))
+                     lambda: _probe(model, caches, slots, config, whole))
 
 
 def probed(model: Any, slots: tuple[int, ...], config: VeloxConfig) -> bool:
@@ -112,25 +112,20 @@ def _key(slots: tuple[int, ...], config: VeloxConfig) -> Hashable:
     return slots, config.kv, config.compress, tuple(sorted(config.knobs.items()))
 
 
-def _probe_caught(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
-                  whole: bool) -> Verdict:
-    """:func:`_probe`, an error it raises made the verdict. Its caches are never handed to the app, so nothing of
-    theirs counts in the user's statistics (:mod:`veloxpatch.stats`)."""
+def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig, whole: bool) -> Verdict:
+    """The verdict from a prefix of the layers holding every kind where it stands for the model, else from all; an
+    error raised makes the verdict. Its caches are never handed to the app, so nothing of theirs counts in the
+    user's statistics (:mod:`veloxpatch.stats`)."""
     try:
-        return _probe(model, caches, slots, config, whole)
+        part = None if whole else _prefix(model, caches)
+        if part is not None and part.length < len(caches):
+            found = _probe_prefix(model, caches, slots, config, part)
+            if found is not None:
+                return found
+        return _probe_list(model, caches, slots, config, _plain_run(model, caches))
     except Exception as error:  # the builder says it (or raises under strict): the app runs on mlx_lm's caches
         return Verdict((), reason=f"the probe could not run the model ({type(error).__name__}: {error})",
                        **_raised(error))
-
-
-def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig, whole: bool) -> Verdict:
-    """The verdict from a prefix of the layers holding every kind where it stands for the model, else from all."""
-    part = None if whole else _prefix(model, caches)
-    if part is not None and part.length < len(caches):
-        found = _probe_prefix(model, caches, slots, config, part)
-        if found is not None:
-            return found
-    return _probe_list(model, caches, slots, config, _plain_run(model, caches))
 
 
 def _prefix(model: Any, caches: list[Any]) -> structure.Prefix | None:

@@ -25,6 +25,9 @@ from mlx.utils import tree_flatten
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 
+HELD = ("kv_bytes", "dense_kv_bytes", "rows_kept", "rows_seen", "kv_bytes_16bit", "dense_kv_bytes_16bit")
+"""What :func:`held` counts of one cache list."""
+
 
 @dataclass
 class _Totals:
@@ -79,8 +82,7 @@ def held(caches: list[Any]) -> dict[str, int]:
     byte counts as a 16-bit model's caches would hold them (``kv_bytes_16bit``, ``dense_kv_bytes_16bit``: the same
     where the model runs at 16 bits, as on a Mac; on the CPU, where float16 weights run as float32, what such a
     Mac would hold, packed low-bit values counted as they are: :func:`at_16_bits`)."""
-    found = {"kv_bytes": 0, "dense_kv_bytes": 0, "rows_kept": 0, "rows_seen": 0, "kv_bytes_16bit": 0,
-             "dense_kv_bytes_16bit": 0}
+    found = dict.fromkeys(HELD, 0)
     for cache in caches:
         nbytes = int(getattr(cache, "nbytes", 0) or 0)
         dense = getattr(cache, "dense_nbytes", None)
@@ -102,17 +104,14 @@ def held(caches: list[Any]) -> dict[str, int]:
 def at_16_bits(arrays: list[mx.array]) -> float:
     """The bytes of ``arrays`` as a 16-bit model holds them: floating-point arrays wider than 16 bits halve (rows,
     scales, queries), integer ones (quantized values, positions) stay."""
-    return sum(a.nbytes * (2 / a.dtype.size if _wide_float(a) else 1) for a in arrays)
+    return sum(a.nbytes * (2 / a.dtype.size if mx.issubdtype(a.dtype, mx.floating) and a.dtype.size > 2 else 1)
+               for a in arrays)
 
 
 def sixteen_bit_share(arrays: list[mx.array]) -> float:
     """What a cache's arrays shrink to at 16 bits (:func:`at_16_bits` over their bytes)."""
     total = sum(a.nbytes for a in arrays)
     return at_16_bits(arrays) / total if total else 1.0
-
-
-def _wide_float(a: mx.array) -> bool:
-    return mx.issubdtype(a.dtype, mx.floating) and a.dtype.size > 2
 
 
 def forms(cache: Any) -> dict[str, int]:

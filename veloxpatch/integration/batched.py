@@ -51,11 +51,16 @@ FEATURE = "batched generation"
 
 def batching_on() -> bool:
     """Whether mlx_lm's batches may hold our caches: a method is on, batched generation is patched for the
-    installed mlx_lm, and its layouts are the ones :mod:`.compat` knows (``CompressedKVCache.merge`` asks)."""
+    installed mlx_lm, and its layouts are the ones :mod:`.compat` knows (``CompressedKVCache.merge`` asks).
+    Where they differ batching runs on mlx_lm's own caches only, said once (an error under ``VELOX_STRICT``)."""
     config = in_force()
     if config is None or not config.enabled or STATE.features.get(FEATURE, "undecided") is not None:
         return False
-    return _layout_known()
+    problem = compat.layout_problem()
+    if problem is not None:
+        notice(f"batched generation runs on mlx_lm's own caches only: {problem}", config,
+               key=f"batched layout: {problem}")
+    return problem is None
 
 
 @wrapt.decorator
@@ -70,17 +75,6 @@ def batch_insert_segments(wrapped: Callable, instance: Any, args: tuple, kwargs:
         return wrapped(*args, **kwargs)  # mlx_lm reports the bad call itself
     _join(instance, call.arguments)
     return wrapped(*call.args, **call.kwargs)
-
-
-def _layout_known() -> bool:
-    """True when mlx_lm's batched generation has the layouts :mod:`.compat` knows. Otherwise batching runs on
-    mlx_lm's own caches only, said once; under ``VELOX_STRICT`` that is an error instead."""
-    problem = compat.layout_problem()
-    if problem is None:
-        return True
-    notice(f"batched generation runs on mlx_lm's own caches only: {problem}", in_force(),
-           key=f"batched layout: {problem}")
-    return False
 
 
 def _join(generator: Any, arguments: dict[str, Any]) -> None:
@@ -99,23 +93,14 @@ def _join(generator: Any, arguments: dict[str, Any]) -> None:
         arguments["caches"] = lists
         return
     lists = [_members(c) for c in lists]
-    for caches, new, prompt in zip(lists, _new_tokens(arguments), _prompt_lengths(arguments)):
-        start_generation(caches, compat.generator_model(generator), new)
-        _carry(caches, ticket, prompt)
+    new = [sum(len(part) for part in parts) for parts in segments]  # each sequence's tokens still to read
+    seen = arguments.get("all_tokens") or [[] for _ in segments]  # and those its cache has seen
+    for caches, n, tokens in zip(lists, new, seen):
+        start_generation(caches, compat.generator_model(generator), n)
+        _carry(caches, ticket, len(tokens) + n)
     compat.replace_waiting_caches(generator, _members)
     compat.replace_running_caches(generator, _split)
     arguments["caches"] = lists
-
-
-def _new_tokens(arguments: dict[str, Any]) -> list[int]:
-    """Each sequence's tokens still to read: its segments."""
-    return [sum(len(part) for part in parts) for parts in arguments["segments"]]
-
-
-def _prompt_lengths(arguments: dict[str, Any]) -> list[int]:
-    """Each sequence's prompt in tokens: those its cache has seen (``all_tokens``) and its segments."""
-    seen = arguments.get("all_tokens") or [[] for _ in arguments["segments"]]
-    return [len(s) + new for s, new in zip(seen, _new_tokens(arguments))]
 
 
 def _carry(caches: list, ticket: Any, prompt: int) -> None:

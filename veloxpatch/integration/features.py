@@ -39,8 +39,6 @@ class Target:
     """Parameters the wrapper reads from the call's keywords alone (so they must be keyword-only)."""
     named: tuple[str, ...] = ()
     """Parameters the wrapper binds by name (``inspect.signature(...).bind``)."""
-    exactly: str | None = None
-    """The whole parameter list, as :func:`parameters` writes it: the wrapper answers the call itself."""
 
     def problem(self, function: Callable) -> str | None:
         """What in ``function``'s parameters this wrapper cannot work with; None if nothing."""
@@ -52,11 +50,9 @@ class Target:
             wanted = f"start with ({', '.join(self.leading)})"
         elif missing or loose:
             wanted = f"take {', '.join(missing)} by name" if missing else f"take {', '.join(loose)} as keyword-only"
-        elif self.exactly is not None and parameters(function) != self.exactly:
-            wanted = f"match {self.exactly}"
         else:
             return None
-        return f"{self.name}{parameters(function)} does not {wanted}"
+        return f"{self.name}{compat.parameters(function)} does not {wanted}"
 
 
 @dataclass(frozen=True)
@@ -105,8 +101,8 @@ FEATURES: tuple[Feature, ...] = (
         Target("ResponseGenerator.generate", server.generate, leading=("self", "request", "generation_args")),
         Target("ResponseGenerator._is_batchable", server.is_batchable, leading=("self", "args")),
         Target("ResponseGenerator._serve_single", server.serve_single, leading=("self", "request")),
-        Target("APIHandler.generate_response", server.generate_response, leading=("self",)),
-        Target("APIHandler.completion_usage_response", server.completion_usage_response, leading=("self",)),
+        Target("APIHandler.generate_response", server.with_usage, leading=("self",)),
+        Target("APIHandler.completion_usage_response", server.with_usage, leading=("self",)),
         Target("LRUPromptCache.fetch_nearest_cache", server.fetch_nearest_cache, leading=("self", "model", "tokens")),
         Target("LRUPromptCache.insert_cache", server.insert_cache,
                leading=("self", "model", "tokens", "prompt_cache")),
@@ -121,18 +117,6 @@ FEATURES: tuple[Feature, ...] = (
 
 MODULES = tuple(dict.fromkeys(f.module for f in FEATURES))
 """The defining modules veloxpatch hooks."""
-
-
-def parameters(function: Callable) -> str:
-    """``function``'s parameters as ``(a, b, *args, **kwargs)``: what callers bind to."""
-    prefix: dict[inspect._ParameterKind, str] = {inspect.Parameter.VAR_POSITIONAL: "*",
-                                                 inspect.Parameter.VAR_KEYWORD: "**"}
-    return f"({', '.join(prefix.get(p.kind, '') + p.name for p in inspect.signature(function).parameters.values())})"
-
-
-def in_module(name: str) -> list[Feature]:
-    """The features defined in module ``name``."""
-    return [f for f in FEATURES if f.module == name]
 
 
 def owner_of(module: ModuleType, target: Target) -> Any:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,19 @@ class Swap:
     original: Any
     replacement: Any
     owner: Any = None
+
+    def bind(self, undo: bool = False) -> None:
+        """Put the replacement where the original is (``undo``: the other way round), on the owning class or at
+        every module-level binding of the name."""
+        old, new = (self.replacement, self.original) if undo else (self.original, self.replacement)
+        if self.owner is not None:
+            if vars(self.owner).get(self.name) is old:
+                setattr(self.owner, self.name, new)
+            return
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if isinstance(namespace, dict) and namespace.get(self.name) is old:
+                setattr(module, self.name, new)
 
 
 @dataclass
@@ -46,6 +60,14 @@ class PatchState:
 
 
 STATE = PatchState()
+
+
+def swap(key: str, name: str, original: Any, wrap: Callable[[Any], Any], owner: Any = None) -> None:
+    """Bind ``wrap(original)`` in place of ``original``, wrapped once per patch and recorded under ``key`` for
+    ``unpatch``."""
+    if key not in STATE.swaps:
+        STATE.swaps[key] = Swap(name, original, wrap(original), owner)
+    STATE.swaps[key].bind()
 
 _local = threading.local()
 
