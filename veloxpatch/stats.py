@@ -43,10 +43,8 @@ totals = _Totals()
 
 
 def track(cache: Any, built: bool = True) -> None:
-    """Remember a compressed cache (weakly) for the exit summary; count it if it was just built.
-
-    Tracking the same cache again is harmless: the live set holds each cache once.
-    """
+    """Remember a compressed cache (weakly, once however often tracked) for the exit summary; count it if it was
+    just built."""
     if built:
         totals.caches_built += 1
     _live.add(cache)
@@ -116,8 +114,7 @@ def sixteen_bit_share(arrays: list[mx.array]) -> float:
 
 def forms(cache: Any) -> dict[str, int]:
     """The rows ``cache`` keeps in a form other than exact keys and values, by form in words."""
-    kept_forms = getattr(cache, "kept_forms", None)
-    return {} if kept_forms is None else kept_forms()
+    return getattr(cache, "kept_forms", dict)()
 
 
 def summary(method: str, numbers: list[int] | None = None, who: str = "", caches: list[Any] | None = None) -> str:

@@ -1,28 +1,21 @@
 """mlx_lm's batched generation over compressed caches: every sequence keeps its own (:mod:`..caches.batch`).
 
-While this is patched our caches have ``merge`` (:func:`batching_on`), so mlx_lm merges a prefill group of
-them into a :class:`~veloxpatch.caches.batch.SequenceBatch` per layer, and everything mlx_lm batches (its
-``BatchGenerator``, ``batch_generate``, the server's batched path) runs on compressed caches: each sequence with
-its own budget, rows and positions, compressing as it would on its own, and leaving the batch as its own
-compressed caches (``extract``).
+While this is patched our caches have ``merge`` (:func:`batching_on`), so mlx_lm merges a prefill group of them into
+a :class:`~veloxpatch.caches.batch.SequenceBatch` per layer, and everything mlx_lm batches (``BatchGenerator``,
+``batch_generate``, the server) runs on compressed caches, each sequence compressing as it would alone and leaving
+the batch as its own caches (``extract``).
 
-``BatchGenerator.insert_segments`` (``insert`` goes through it) prepares each sequence as a generation start
-does (:func:`.wrappers.start_generation`: a restored list gets its coordinator, coordinators reset, layer hooks
-installed), and:
+``BatchGenerator.insert_segments`` starts each sequence as a generation start does
+(:func:`.wrappers.start_generation`), makes a missing list as mlx_lm would, and copies the lists a caller hands in
+(mlx_lm's own merge copies rows, and ``batch_generate`` promises not to update the caller's caches). Where our caches
+and mlx_lm's plain ``KVCache`` meet in one generator (a caller's own list next to compressed ones), the plain ones
+join batches of ours too: waiting and new ones as a :class:`_PlainMember`, a running ``BatchKVCache`` split into its
+sequences' rows. mlx_lm's other caches (sliding windows, quantized, recurrent) stay in mlx_lm's own batches: the
+builder leaves those slots mlx_lm's for every sequence alike.
 
-* copies the cache lists a caller hands in: mlx_lm's own merge copies rows, and ``batch_generate`` promises not to
-  update the caller's caches; a batch of ours holds the sequence's caches themselves;
-* makes a missing list as mlx_lm would (``make_prompt_cache``, compressed while patched);
-* where our caches and mlx_lm's plain ``KVCache`` meet in one generator (a caller's own list next to compressed
-  ones), makes the plain ones members of the batch too: waiting and new ones become a :class:`_PlainMember`
-  (a ``KVCache`` whose ``merge`` makes a batch of ours), and a running ``BatchKVCache`` is split into its
-  sequences' rows. mlx_lm's other caches (sliding windows, quantized, recurrent) stay in mlx_lm's own batches:
-  the builder leaves those slots mlx_lm's for every sequence alike.
-
-Every mlx_lm layout this relies on is reached through :mod:`.compat`, and checked there once, at the first batched
-call: where the installed mlx_lm differs, our caches have no ``merge`` and ``insert_segments`` passes through,
-making mlx_lm's own caches where it makes any, so mlx_lm batches its own caches only (one warning naming what
-differs; an error under ``VELOX_STRICT``).
+Every mlx_lm layout this relies on is reached through :mod:`.compat` and checked there at the first batched call;
+where the installed mlx_lm differs, our caches have no ``merge`` and ``insert_segments`` passes through, making
+mlx_lm's own caches, said once (an error under ``VELOX_STRICT``).
 """
 
 from __future__ import annotations

@@ -40,13 +40,12 @@ PROTOCOL = {
                      "finalize": "(self)", "filter": "(self, batch_indices)", "extend": "(self, other)",
                      "extract": "(self, idx)"},
 }
-"""mlx_lm's cache methods as mlx_lm calls them: ``KVCache.merge``, which the :func:`mixed_into` subclass overrides,
-and the batch-cache protocol that ``SequenceBatch`` answers in place of ``BatchKVCache``."""
+"""mlx_lm's cache methods as mlx_lm calls them: ``KVCache.merge`` (overridden by :func:`mixed_into`'s subclass),
+and the batch-cache protocol ``SequenceBatch`` answers."""
 
 
 def _mlx_lm(name: str) -> ModuleType:
-    """``mlx_lm.<name>``, imported here, at first use: importing veloxpatch must not cost mlx_lm's start-up.
-    (``import_module``, not ``from mlx_lm import``: ``mlx_lm.generate`` is also a function's name.)"""
+    """``mlx_lm.<name>``, imported at first use (``import_module``: ``mlx_lm.generate`` is also a function's name)."""
     return importlib.import_module(f"mlx_lm.{name}")
 
 
@@ -137,8 +136,7 @@ CARRIED = "_veloxpatch_request"
 
 
 def request_body(handler: Any) -> Any:
-    """The JSON body of the request an ``APIHandler`` is answering: ``do_POST`` parses it into ``handler.body``
-    before it calls ``validate_model_parameters``."""
+    """The JSON body an ``APIHandler``'s ``do_POST`` parsed before it called ``validate_model_parameters``."""
     return getattr(handler, "body", None)
 
 
@@ -158,9 +156,8 @@ def carried(holder: Any) -> Any:
 
 
 def _check_queued_request() -> str | None:
-    """``ResponseGenerator.generate`` queues (response queue, request, arguments), the arguments at
-    :data:`ARGUMENTS_AT`, run on a stand-in generator whose queue answers at once with an error; and the generation
-    arguments, a dataclass, take an attribute and keep it through pickling."""
+    """``ResponseGenerator.generate`` (run on a stand-in whose queue answers at once with an error) queues the
+    arguments at :data:`ARGUMENTS_AT`, and they (a dataclass) keep an attribute through pickling."""
     server = _mlx_lm("server")
     queued: list[tuple] = []
 
@@ -223,8 +220,7 @@ def _check_insert_arguments() -> str | None:
 
 
 def _check_generator_attributes() -> str | None:
-    """A ``BatchGenerator`` keeps ``model`` and ``max_kv_size`` (:func:`new_sequence_caches`) and its
-    running batch caches as lists (:func:`replace_running_caches`)."""
+    """A ``BatchGenerator`` keeps ``model``, ``max_kv_size`` and its running batch caches as lists."""
     with contextlib.closing(_mlx_lm("generate").BatchGenerator(None, max_kv_size=7)) as generator:
         if (getattr(generator, "model", "missing"), getattr(generator, "max_kv_size", "missing")) != (None, 7):
             return "BatchGenerator(model, max_kv_size=...) keeps no .model and .max_kv_size"
@@ -236,9 +232,8 @@ def _check_generator_attributes() -> str | None:
 
 
 def _check_waiting_sequences() -> str | None:
-    """An inserted sequence waits as a tuple with its cache list at :data:`CACHES_AT`, and its prefill
-    group is merged by its first cache's ``merge`` into the group's ``prompt_cache``: what
-    :func:`replace_waiting_caches` and a joining sequence's ``merge`` override rely on."""
+    """An inserted sequence waits as a tuple with its cache list at :data:`CACHES_AT`, and its prefill group is
+    merged by its first cache's ``merge`` into the group's ``prompt_cache``."""
     merged: list = []
 
     class Probe:
@@ -276,9 +271,8 @@ def _check_protocol() -> str | None:
 
 
 def _check_batch_offsets() -> str | None:
-    """``BatchKVCache.offset`` holds one position per sequence, through ``merge`` (each sequence's rows),
-    ``extend`` and ``filter`` (:func:`batch_size`), and ``extract`` gives one sequence's own rows back as a
-    ``KVCache`` (:func:`kv_cache_rows`): how a running batch is split into its sequences."""
+    """``BatchKVCache.offset`` holds one position per sequence through ``merge``, ``extend`` and ``filter``, and
+    ``extract`` gives one sequence's own rows back as a ``KVCache``: how a running batch is split."""
     cache_module = _mlx_lm("models.cache")
 
     def rows(n: int) -> Any:
@@ -304,8 +298,8 @@ LAYOUTS: dict[str, Callable[[], str | None]] = {
     "the KVCache/BatchKVCache protocol": _check_protocol,
     "BatchKVCache.offset": _check_batch_offsets,
 }
-"""Each layout veloxpatch's batched generation relies on, by name, and its check: None when the
-installed mlx_lm has it, else what was found instead."""
+"""Each layout veloxpatch's batched generation relies on, by name, and its check (None: the installed mlx_lm has
+it, else what was found instead)."""
 
 
 def check(name: str) -> str | None:
@@ -319,10 +313,9 @@ def check(name: str) -> str | None:
 
 @functools.cache
 def layout_problem(names: tuple[str, ...] = tuple(LAYOUTS)) -> str | None:
-    """Every layout of ``names`` (all of :data:`LAYOUTS` by default) the installed mlx_lm does not have, said
-    in one line; None if it has them all. Checked once per process (a few one-row caches and a generator
-    over no model: about a millisecond once mlx_lm.generate is imported): mlx_lm's classes do not change
-    under a running app."""
+    """Every layout of ``names`` the installed mlx_lm does not have, said in one line; None if it has them all.
+    Checked once per process (a few one-row caches and a generator over no model: about a millisecond once
+    mlx_lm.generate is imported): mlx_lm's classes do not change under a running app."""
     found = {name: check(name) for name in names}
     changed = [f"{name} is not the layout veloxpatch {__version__} knows ({what})"
                for name, what in found.items() if what is not None]

@@ -21,8 +21,7 @@ from typing import Any
 
 from ..cpu import float32_wanted
 from . import batched, compat, float32, server, version, wrappers
-
-_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+from .layer_io import POSITIONAL
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class Target:
     def problem(self, function: Callable) -> str | None:
         """What in ``function``'s parameters this wrapper cannot work with; None if nothing."""
         found = inspect.signature(function).parameters
-        positional = [p.name for p in found.values() if p.kind in _POSITIONAL]
+        positional = [p.name for p in found.values() if p.kind in POSITIONAL]
         missing = [n for n in self.named if n not in found]
         loose = [n for n in self.keyword_only if n not in found or found[n].kind is not inspect.Parameter.KEYWORD_ONLY]
         if positional[:len(self.leading)] != list(self.leading):

@@ -15,6 +15,7 @@ alone, so whatever the mlx-lm version, every feature is either all ours or all m
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import signal
@@ -69,7 +70,8 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
         except StrictError:  # nothing stays half-patched
             unpatch()
             raise
-        _register_stats(config)
+        if config.stats:
+            _register_stats()
         return STATE.active
 
 
@@ -151,10 +153,9 @@ def _version_accepted(config: VeloxConfig) -> bool:
     return True
 
 
+@functools.cache
 def _register_hooks() -> None:
-    if STATE.hooks_registered:
-        return
-    STATE.hooks_registered = True
+    """Once per process: each hook checks the state."""
     for name in features.MODULES:
         wrapt.register_post_import_hook(_on_import, name)
 
@@ -223,13 +224,11 @@ def _guard_exit() -> None:
         atexit.register(threads.wait_for_exits)
 
 
-def _register_stats(config: VeloxConfig) -> None:
+@functools.cache
+def _register_stats() -> None:
     """The stats line at every normal end: at exit, and on SIGTERM (how systemd, docker and supervisors stop a
     server), whose default action ends the process without running ``atexit`` (an app's own handler is left
     alone, and its exit runs ``atexit``; only the main thread may set a handler)."""
-    if not config.stats or STATE.stats_registered:
-        return
-    STATE.stats_registered = True
     atexit.register(_print_stats)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _terminated)

@@ -19,8 +19,8 @@ from ..log import once
 
 @dataclass
 class Swap:
-    """One function replaced in mlx_lm (or ``threading.Thread.start``, :mod:`.threads`): the original and our
-    replacement, bound on ``owner`` (a class) or, when that is None, at every module-level binding of ``name``."""
+    """One function replaced in mlx_lm (or ``threading.Thread.start``, :mod:`.threads`), on ``owner`` (a class) or,
+    when that is None, at every module-level binding of ``name``."""
 
     name: str
     original: Any
@@ -50,8 +50,6 @@ class PatchState:
     """Each feature decided since the last patch (:mod:`.features`): None when patched, else why it is off."""
     runtime: Runtime = Runtime()
     """What the integration answers the caches it builds or loads (set by ``patch``: :class:`..caches.Runtime`)."""
-    hooks_registered: bool = False
-    stats_registered: bool = False
     exit_registered: bool = False
 
     @property
@@ -102,7 +100,7 @@ def batched_generation() -> Iterator[None]:
 
 
 def in_batched_generation() -> bool:
-    """True inside :func:`batched_generation` on this thread (said once in the log)."""
+    """True inside :func:`batched_generation` on this thread (said once)."""
     if not getattr(_local, "batched", 0):
         return False
     once("batched", logging.WARNING, "mlx_lm batched generation merges caches; it runs with mlx_lm's own caches")

@@ -1,10 +1,7 @@
 """Which mlx_lm versions veloxpatch patches: a floor, and the newest one it was tested with.
 
-pip installs veloxpatch next to whatever mlx-lm the app pinned, as long as it is at least the floor
-(``pyproject.toml`` has no upper cap, so installing veloxpatch never moves the app's mlx-lm). What is
-patched is then decided at run time, feature by feature (:mod:`.features`): below the floor nothing
-is; above the newest tested minor the features whose checks pass are, with one warning naming the
-version (an error under ``VELOX_STRICT``).
+``pyproject.toml`` has no upper cap, so installing veloxpatch never moves the app's mlx-lm; what is patched is
+decided at run time, feature by feature (:mod:`.features`), with one warning above the newest tested minor.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ rebuilds a saved prompt cache by calling a class of its own module with no argum
 ``from_state``: our caches could be saved, never loaded."""
 
 NEWEST_TESTED = (0, 32)
-"""The newest mlx-lm minor the test suite ran on; a newer one is patched where its checks pass, with a warning."""
+"""The newest mlx-lm minor the test suite ran on."""
 
 
 def text(release: tuple[int, ...]) -> str:
@@ -46,7 +43,7 @@ def parse(version: str) -> tuple[int, ...]:
 
 
 def too_old(version: str | None) -> bool:
-    """True for a version below :data:`OLDEST` (or none at all): veloxpatch does not patch it."""
+    """True for a version below :data:`OLDEST`, or none at all."""
     return version is None or parse(version) < OLDEST
 
 
