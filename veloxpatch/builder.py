@@ -5,9 +5,8 @@ Only plain full-attention ``KVCache`` slots are candidates; every other slot (sl
 the model does with them (:mod:`veloxpatch.eligibility`); a model that fails the probe runs on mlx_lm's own caches,
 said once with the reason (:mod:`veloxpatch.fallback`).
 
-The probe runs the model, so it never meets a model whose parameters are not evaluated yet (mlx-lm's own tests
-build 35B-parameter configs and only read output shapes; ``load(lazy=True)``): its forward would evaluate them, all
-at once, before the app asked for it. Such a list stays mlx_lm's, said once at INFO (an error under
+The probe runs the model, so it never meets a model whose parameters are not evaluated yet
+(:func:`veloxpatch.structure.unevaluated`): such a list stays mlx_lm's, said once at INFO (an error under
 ``VELOX_STRICT``), and nothing is kept: the first list made after the app has evaluated the model is probed.
 """
 

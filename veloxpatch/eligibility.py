@@ -117,30 +117,27 @@ def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxC
     error raised makes the verdict. Its caches are never handed to the app, so nothing of theirs counts in the
     user's statistics (:mod:`veloxpatch.stats`)."""
     try:
-        part = None if whole else _prefix(model, caches)
-        if part is not None and part.length < len(caches):
-            found = _probe_prefix(model, caches, slots, config, part)
-            if found is not None:
-                return found
-        return _probe_list(model, caches, slots, config, _plain_run(model, caches))
+        found = None if whole else _probe_prefix(model, caches, slots, config)
+        if found is None:
+            found = _probe_list(model, caches, slots, config, _plain_run(model, caches))
+        return found
     except Exception as error:  # the builder says it (or raises under strict): the app runs on mlx_lm's caches
         return Verdict((), reason=f"the probe could not run the model ({type(error).__name__}: {error})",
                        **_raised(error))
 
 
-def _prefix(model: Any, caches: list[Any]) -> structure.Prefix | None:
-    """:func:`veloxpatch.structure.prefix`, or None (the whole model is probed) where reading the layers fails."""
+def _probe_prefix(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig) -> Verdict | None:
+    """The verdict of the shortest prefix of the layers holding every kind (:func:`veloxpatch.structure.prefix`),
+    for every slot of the list; None where it cannot stand for the model (the whole model is probed): no such
+    prefix, layers that cannot be read, a forward over the prefix that fails, or layers of one kind that fared
+    differently."""
     try:
-        return structure.prefix(model, caches)
+        part = structure.prefix(model, caches)
     except Exception as error:  # a layer stack unlike mlx_lm's: not a reason to turn the model away
         log.debug("probing every layer of %s: its layers could not be read (%r)", type(model).__name__, error)
         return None
-
-
-def _probe_prefix(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
-                  part: structure.Prefix) -> Verdict | None:
-    """The verdict of the first ``part.length`` layers, for every slot of the list; None where it cannot stand for
-    the model: its forward over that many caches fails, or two layers of one kind fared differently."""
+    if part is None or part.length >= len(caches):
+        return None
     short = caches[: part.length]
     try:
         shallow = structure.shortened(model, part.length)

@@ -55,8 +55,7 @@ class RequestError(ValueError):
 
 
 class Ticket:
-    """One request's settings, from its handler to its generation thread and back with what its cache list holds.
-    Pickled (a distributed server shares a request with its other ranks) it is its config alone."""
+    """One request's settings, from its handler to its generation thread and back with what its cache list holds."""
 
     def __init__(self, config: VeloxConfig) -> None:
         self.config = config
@@ -65,8 +64,9 @@ class Ticket:
         self.held: dict[str, int] | None = None
         self._done = threading.Event()
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"config": self.config}
+    def __reduce__(self) -> tuple[type[Ticket], tuple[VeloxConfig]]:
+        """Pickled (a distributed server shares a request with its other ranks), its config alone."""
+        return Ticket, (self.config,)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Ticket:
         """Itself: it rides on a batched request's cache list (:mod:`.batched`), and the copies the batch gives back
@@ -77,9 +77,6 @@ class Ticket:
         """A batch serves the request, whose prompt is ``prompt_tokens`` long: its answer waits for the measurement
         of the list the server stores once it has answered (one at least that long)."""
         self.started, self.prompt_tokens = True, prompt_tokens
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        type(self).__init__(self, state["config"])
 
     def finish(self) -> None:
         self._done.set()

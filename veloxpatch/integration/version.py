@@ -7,6 +7,7 @@ decided at run time, feature by feature (:mod:`.features`), with one warning abo
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import re
 
 OLDEST = (0, 28, 1)
@@ -33,13 +34,8 @@ def mlx_lm_version() -> str | None:
 
 def parse(version: str) -> tuple[int, ...]:
     """Leading numeric release parts: ``"0.32.2.dev1"`` -> (0, 32, 2)."""
-    parts = []
-    for piece in version.split(".")[:3]:
-        match = re.match(r"\d+", piece)
-        if not match:
-            break
-        parts.append(int(match.group()))
-    return tuple(parts)
+    leading = (re.sub(r"\D.*", "", piece) for piece in version.split(".")[:3])  # each part's leading digits
+    return tuple(int(digits) for digits in itertools.takewhile(bool, leading))
 
 
 def too_old(version: str | None) -> bool:

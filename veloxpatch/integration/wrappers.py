@@ -24,7 +24,6 @@ from ..coordinators import coordinators_of
 from ..cpu import cpu_backend
 from ..fallback import StrictError, fall_back
 from ..log import once
-from ..ranks import RanksDisagree
 from ..settings import ConfigError
 from . import layer_io, rereading
 from .state import STATE, in_batched_generation, in_force
@@ -46,8 +45,8 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
             rereading.prepare(model, config)
         return builder.build(model, caches, config, STATE.runtime,
                              args[1] if len(args) > 1 else kwargs.get("max_kv_size"))
-    # RanksDisagree: every rank raises it, never one method per rank; ConfigError: a setting this model cannot take
-    except (RanksDisagree, StrictError, ConfigError):
+    # ConfigError: a setting this model cannot take, or RanksDisagree (every rank raises it, never one method per rank)
+    except (StrictError, ConfigError):
         raise
     except Exception as error:  # the host app must keep running
         fall_back("building compressed caches", error, config, model=model, instead="it runs on mlx_lm's own caches")
@@ -128,9 +127,8 @@ def load_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
 
 def _evaluate_first(caches: Any, *models: Any) -> None:
     """Evaluate the parameters of ``models`` not evaluated yet when mlx_lm is about to make their cache list
-    (``caches`` is None): the generation's first forward would evaluate them moments later, in the same memory, and
-    the probe, which never evaluates a model (:func:`veloxpatch.builder.build`), can then serve this generation
-    rather than the next (an app that loaded its model with ``lazy=True``)."""
+    (``caches`` is None, e.g. after ``load(lazy=True)``): the generation's first forward would evaluate them moments
+    later, and the probe, which never evaluates a model, can then serve this generation rather than the next."""
     config = in_force()
     if caches is not None or config is None or not config.enabled:
         return
@@ -168,13 +166,9 @@ def _tokens(prompt: Any) -> int | None:
 
 
 def _draft_caches(arguments: dict[str, Any]) -> None:
-    """With ``VELOX_DRAFT_KV=none`` the draft model keeps mlx_lm's own caches.
-
-    Without a prompt cache, mlx_lm would build both lists itself; we build them the same way (the
-    main model's compressed), also under ``VELOX_KV_MEMORY``, whose plan the two lists then share.
-    A given list's draft part (after the main model's layers) has its empty compressed slots swapped
-    for mlx_lm's; one that already holds rows stays (said once).
-    """
+    """With ``VELOX_DRAFT_KV=none`` the draft model keeps mlx_lm's own caches: without a prompt cache both lists
+    are built as mlx_lm would (also under ``VELOX_KV_MEMORY``, whose plan the two lists then share); a given list's
+    draft part has its empty compressed slots swapped for mlx_lm's (one that holds rows stays, said once)."""
     config = in_force()
     if config is None or (config.draft_kv != "none" and not config.kv_memory):
         return
@@ -224,10 +218,8 @@ def ours(caches: Any) -> list[CompressedKVCache]:
 
 
 def _adopt(caches: list[CompressedKVCache]) -> None:
-    """Give caches without a coordinator one per method, shared, joined in list order.
-
-    ``from_state`` (prompt-cache files) builds single caches, which cannot know their list.
-    """
+    """Give caches without a coordinator (``from_state`` builds single caches, which cannot know their list) one
+    per method, shared, joined in list order."""
     orphans = [c for c in caches if c.coordinator is None]
     for method in dict.fromkeys(c.method for c in orphans):
         members = [c for c in orphans if c.method == method]
