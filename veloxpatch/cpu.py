@@ -44,9 +44,9 @@ def cpu_backend() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def float32_wanted(mode: str, on_cpu: Callable[[], bool] = cpu_backend) -> bool:
+def float32_wanted(mode: str) -> bool:
     """Whether ``VELOX_FLOAT32=mode`` converts weights here (``auto``: only on the CPU backend)."""
-    return mode == "on" or (mode == "auto" and on_cpu())
+    return mode == "on" or (mode == "auto" and cpu_backend())
 
 
 def choose_blas(value: str, system: str | None = None, arch: str | None = None,

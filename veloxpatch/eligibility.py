@@ -1,27 +1,22 @@
 """Which cache slots of a model our caches can serve, decided by what the model does.
 
-A model's source does not say whether compression is safe: multi-head latent attention attends
-over keys up-projected from a stored latent, with its rotary scores in the mask and queries of
-another width when decoding; some models read a cache directly (``keys_and_values``) or hand one
-layer's KV to other layers. So the builder probes each model once, with a few dummy tokens:
+A model's source does not say whether compression is safe: multi-head latent attention attends over keys
+up-projected from a stored latent, with its rotary scores in the mask and queries of another width when decoding;
+some models read a cache directly (``keys_and_values``) or hand one layer's KV to other layers. So the builder
+probes each model once, with a few dummy tokens:
 
-1. a slot is served only if, at every forward, its layer stored rows in it once and attended
-   once, through the routed function, over as many rows as it got back;
+1. a slot is served only if, at every forward, its layer stored rows in it once and attended once, through the
+   routed function, over as many rows as it got back (a slot failing this stays mlx_lm's, the others are probed
+   again);
 2. with those slots ours and a budget no probe reaches, the logits equal mlx_lm's own;
-3. at a budget below the probe's length (prefill and decode compressions), nothing raises.
+3. at a budget below the probe's length (prefill and decode compressions), nothing raises (failing 2 or 3 leaves
+   the whole model to mlx_lm).
 
-A slot failing 1 stays mlx_lm's and the others are probed again; failing 2 or 3 leaves the whole
-model to mlx_lm.
-
-The probe's cost does not grow with depth: where the model's layers map one to one onto the cache list, it runs
-the shortest prefix of the layers holding every kind of layer (:mod:`veloxpatch.structure`: the forward gets that
-many caches and a view of the model with that many layers), and each slot past the prefix gets the verdict of its
-kind. The whole model is probed where that cannot stand: no such prefix, a forward that fails over the prefix, two
-layers of one kind that fared differently, or a model split across ranks (its ranks must run the same forwards).
-
-Each verdict carries the reason, in words a user can act on, and the error when one was raised (our code, or the
-model's, running with our caches): the builder logs that as a WARNING, not as a model the probe merely turned away,
-and ``VELOX_STRICT`` makes any verdict that leaves a slot to mlx_lm an error.
+The probe's cost does not grow with depth: it runs the shortest prefix of the layers holding every kind of layer
+(:mod:`veloxpatch.structure`), whose verdict each slot past it takes from its kind, or the whole model where that
+cannot stand (a model split across ranks: its ranks must run the same forwards). Each verdict carries the reason, in
+words a user can act on, and the error when one was raised (the builder logs that as a WARNING, not as a model the
+probe merely turned away); ``VELOX_STRICT`` makes any verdict that leaves a slot to mlx_lm an error.
 """
 
 from __future__ import annotations
@@ -93,12 +88,10 @@ def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], Compres
 
 def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
             whole: bool = False) -> Verdict:
-    """The probe's verdict for ``model`` under ``config`` (kept while the model lives); never raises.
-
-    ``caches`` is a fresh list from mlx_lm and ``slots`` its plain ``KVCache`` slots; ``whole`` probes every layer
-    (a model split across ranks). The attention route must be patched, or no call reaches our caches. The probe
-    evaluates the model: the builder asks :func:`probed` and :func:`veloxpatch.structure.unevaluated` first.
-    """
+    """The probe's verdict for ``model`` under ``config`` (kept while the model lives); never raises. ``caches`` is
+    a fresh list from mlx_lm and ``slots`` its plain ``KVCache`` slots; ``whole`` probes every layer. The attention
+    route must be patched, or no call reaches our caches; the probe evaluates the model (the builder asks
+    :func:`probed` and :func:`veloxpatch.structure.unevaluated` first)."""
     return per_model(_verdicts, model, _key(slots, config),
                      lambda: _probe(model, caches, slots, config, whole))
 

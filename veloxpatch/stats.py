@@ -1,16 +1,13 @@
 """Process-wide KV-cache statistics for ``VELOX_STATS`` (one line on exit).
 
-The statistics are of the caches the app holds: whoever hands a cache to the app registers it (:func:`track`),
-the builder those it builds, the loader those it loads, and copies (the server's ``copy.deepcopy`` of prompt
-caches, a quantized copy) are registered by whoever hands them on, with ``built=False``. Only a registered cache's
-compressions and folds count (:func:`compressed`, :func:`folded`), so the eligibility probe's caches, never handed
-on, count nothing. The summary reads the live ones, so nothing is counted twice and nothing is kept alive by the
-statistics.
+The statistics are of the caches the app holds: whoever hands a cache to the app registers it (:func:`track`: the
+builder, the loader, and with ``built=False`` whoever hands on a copy, such as the server's ``copy.deepcopy``), and
+only a registered cache's compressions and folds count, so the eligibility probe's caches count nothing. The summary
+reads the live ones, so nothing is counted twice and nothing is kept alive by the statistics.
 
-Rows kept are not all alike: an evicting method keeps exact rows (or rows mlx_lm's ``kv_bits`` quantized), a
-cross-layer method keeps every token but most of them folded (xquant: as a 4-bit latent or X, with K and V rebuilt
-when attention runs), so the line says how many rows are held in which form (each cache's ``kept_forms()``), whether
-the budget applies, and the bytes against a dense cache's.
+Rows kept are not all alike (exact, quantized, or folded by a cross-layer method, with K and V rebuilt when attention
+runs), so the line says how many rows are held in which form (each cache's ``kept_forms()``), whether the budget
+applies, and the bytes against a dense cache's.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ class Prefix:
     kinds: tuple[int, ...]
 
 
-def prefix(model: Any, caches: Sequence[Any], repeats: int = REPEATS) -> Prefix | None:
-    """The shortest prefix of ``model``'s layers holding ``repeats`` layers of each kind (all of a kind the model
+def prefix(model: Any, caches: Sequence[Any]) -> Prefix | None:
+    """The shortest prefix of ``model``'s layers holding :data:`REPEATS` layers of each kind (all of a kind the model
     has fewer of), or None when the model's layers do not map one to one onto ``caches`` (the slots then cannot be
     told apart by their layers: layers sharing caches, caches that are not per layer)."""
     layers = getattr(model, "layers", None)
@@ -64,7 +64,7 @@ def prefix(model: Any, caches: Sequence[Any], repeats: int = REPEATS) -> Prefix 
     kinds = _kinds([_features(layer) for layer in layers], [_cache_kind(cache) for cache in caches])
     first: dict[Hashable, int] = {}
     firsts = tuple(first.setdefault(kind, i) for i, kind in enumerate(kinds))
-    return Prefix(_shortest(kinds, repeats), firsts)
+    return Prefix(_shortest(kinds, REPEATS), firsts)
 
 
 def _shortest(kinds: list[Hashable], repeats: int) -> int:

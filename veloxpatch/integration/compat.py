@@ -312,11 +312,10 @@ def check(name: str) -> str | None:
 
 
 @functools.cache
-def layout_problem(names: tuple[str, ...] = tuple(LAYOUTS)) -> str | None:
-    """Every layout of ``names`` the installed mlx_lm does not have, said in one line; None if it has them all.
-    Checked once per process (a few one-row caches and a generator over no model: about a millisecond once
+def layout_problem() -> str | None:
+    """Every layout of :data:`LAYOUTS` the installed mlx_lm does not have, said in one line; None if it has them
+    all. Checked once per process (a few one-row caches and a generator over no model: about a millisecond once
     mlx_lm.generate is imported): mlx_lm's classes do not change under a running app."""
-    found = {name: check(name) for name in names}
     changed = [f"{name} is not the layout veloxpatch {__version__} knows ({what})"
-               for name, what in found.items() if what is not None]
+               for name in LAYOUTS if (what := check(name)) is not None]
     return "; ".join(changed) or None

@@ -1,13 +1,10 @@
 """What veloxpatch replaces in mlx_lm, grouped into features, and whether the installed mlx_lm offers each.
 
-mlx-lm changes between minors: ``BatchGenerator.insert_segments`` appeared in 0.31, ``batch_generate``'s
-parameters changed in 0.32. So nothing is patched by version: a feature is patched where every name it
-wraps exists and takes the parameters its wrapper reads (checked with ``inspect.signature``, without a
-model), and otherwise not at all, so that no feature is ever half mlx_lm's and half ours. Each feature
-lives in one defining module, so it is decided when that module is imported.
-
-Two features are the shim itself (``essential``): without the attention route or the prompt caches
-nothing can be compressed, so either being off leaves the whole of mlx_lm as it is.
+mlx-lm changes between minors (``BatchGenerator.insert_segments`` appeared in 0.31, ``batch_generate``'s parameters
+changed in 0.32), so nothing is patched by version: a feature is patched where every name it wraps exists and takes
+the parameters its wrapper reads (``inspect.signature``, without a model), and otherwise not at all, so that no
+feature is ever half mlx_lm's and half ours. Two features are the shim itself (``essential``): without the attention
+route or the prompt caches nothing can be compressed, so either being off leaves the whole of mlx_lm as it is.
 """
 
 from __future__ import annotations

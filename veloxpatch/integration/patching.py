@@ -1,15 +1,11 @@
 """patch / unpatch: bind our wrappers into mlx_lm, whenever it is imported, and undo it exactly.
 
-wrapt post-import hooks fire when a defining module is imported (or at once if it already is).
-The defining module gets the wrapper, and so does every module that already holds a copy of the
-original (``from .models.cache import make_prompt_cache`` copies the function), so mlx_lm's
-generate, server, chat, ... and a user's own early import all see it; modules imported later copy
-the wrapper from the definer. Hooks are registered once per process and check the state, so any
-order of import / patch / unpatch works and nothing is wrapped twice.
-
-What is wrapped is grouped into features (:mod:`.features`), decided when their defining module is
-first seen after a patch: a feature mlx_lm offers whole is bound, any other is said once and left
-alone, so whatever the mlx-lm version, every feature is either all ours or all mlx_lm's.
+wrapt post-import hooks fire when a defining module is imported (or at once if it already is). The defining module
+gets the wrapper, and so does every module that already holds a copy of the original (``from .models.cache import
+make_prompt_cache`` copies the function), so mlx_lm's generate, server, chat, ... and a user's own early import all
+see it; modules imported later copy the wrapper from the definer. Hooks are registered once per process and check
+the state, so any order of import / patch / unpatch works and nothing is wrapped twice. What is wrapped is grouped
+into features (:mod:`.features`), each decided when its defining module is first seen after a patch.
 """
 
 from __future__ import annotations
@@ -43,11 +39,10 @@ from .state import STATE, swap
 def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
     """Switch compressed caches (and ``VELOX_FLOAT32``) on for mlx_lm; True if mlx_lm is (or will be) patched.
 
-    ``config`` or keyword settings (``patch(kv="snapkv", budget="25%")``); neither means the
-    ``VELOX_*`` environment. Calling it again only swaps the config. mlx-lm older than
-    :data:`.version.OLDEST` passes through with a warning; one newer than the newest tested is
-    patched with a warning; each feature (:mod:`.features`) is patched where mlx_lm offers it
-    whole. Under ``strict`` each of these is a :class:`StrictError` instead, and nothing stays patched.
+    ``config`` or keyword settings (``patch(kv="snapkv", budget="25%")``); neither means the ``VELOX_*``
+    environment. Calling it again only swaps the config. mlx-lm older than :data:`.version.OLDEST` passes through
+    with a warning, a newer one than the newest tested is patched with a warning, and each feature where mlx_lm
+    offers it whole: under ``strict`` each warning is a :class:`StrictError` instead, and nothing stays patched.
     """
     if config is None:
         config = VeloxConfig(**settings) if settings else from_env().config

@@ -226,12 +226,6 @@ def _batched_ticket(caches: Any) -> Ticket | None:
     return None
 
 
-def _whole_prompt(ticket: Ticket | None, tokens: Any) -> bool:
-    """Whether ``tokens`` (a list the server stores) hold the batched request's whole prompt: it also stores one
-    at the end of each segment of a prompt, before the request is answered."""
-    return ticket is not None and tokens is not None and len(tokens) >= (ticket.prompt_tokens or 0)
-
-
 def _keyed(wrapped: Callable, args: tuple, kwargs: dict, ticket: Ticket | None) -> Any:
     """``wrapped`` (an ``LRUPromptCache`` method taking ``model`` first) called with the prompt cache's key for the
     model under ``ticket``'s settings, else those in force, in place of the model."""
@@ -254,8 +248,11 @@ def insert_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
     one: the request its list carries, once the list holds the whole prompt)."""
     caches = args[2] if len(args) > 2 else kwargs.get("prompt_cache")
     tokens = args[1] if len(args) > 1 else kwargs.get("tokens")
-    batched = _batched_ticket(caches) if getattr(_served, "ticket", None) is None else None
-    ticket = getattr(_served, "ticket", None) or (batched if _whole_prompt(batched, tokens) else None)
+    served = getattr(_served, "ticket", None)
+    batched = _batched_ticket(caches) if served is None else None
+    # a batched request's whole prompt: the server also stores a list at the end of each segment of a prompt
+    whole = batched is not None and tokens is not None and len(tokens) >= (batched.prompt_tokens or 0)
+    ticket = served or (batched if whole else None)
     if ticket is not None and isinstance(caches, list):
         try:
             ticket.held = stats.held(caches)

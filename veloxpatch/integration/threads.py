@@ -71,13 +71,13 @@ def tasks() -> set[int] | None:
         return None
 
 
-def wait_for_exits(limit: float = LIMIT_S) -> list[int]:
-    """Wait, at most ``limit`` seconds, until every noted thread finished in Python has ended in the OS too;
+def wait_for_exits() -> list[int]:
+    """Wait, at most :data:`LIMIT_S`, until every noted thread finished in Python has ended in the OS too;
     the native ids of those still there (none, normally)."""
     waiting = finished()
     if not waiting:
         return []
-    deadline = time.monotonic() + limit
+    deadline = time.monotonic() + LIMIT_S
     while True:
         present = tasks()
         if present is None:
