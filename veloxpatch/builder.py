@@ -85,8 +85,9 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
         reason = no_slot(caches, max_kv_size)
         notice(f"{name}: {reason}", config, key=f"{name} {reason}", level=logging.INFO)
         return caches
-    if not found.slots or found.left:
-        _left(name, config, found, len(slots))
+    if not found.slots or found.left:  # said once: at WARNING where something raised (its traceback at DEBUG)
+        notice(f"{name} with {config.kv}: {found.describe(len(slots))}", config, key=f"{name} {config.kv}",
+               error=found.error, level=logging.INFO if found.error is None else logging.WARNING, trace=found.trace)
     if not found.slots:
         return caches
     once(f"built {name} {config.cache_settings()}", logging.INFO,
@@ -137,11 +138,3 @@ def _planned(name: str, caches: list[Any], found: eligibility.Verdict, config: V
         notice(f"{name}: VELOX_KV_MEMORY={plan.setting} cannot bound {plan.unbounded} cache slot(s) that stay "
                "mlx_lm's: they grow with the context", config, key=f"{name} memory unbounded")
     return plan
-
-
-def _left(name: str, config: VeloxConfig, found: eligibility.Verdict, candidates: int) -> None:
-    """Say once why candidate slots stay mlx_lm's: at INFO for a model the probe turned away, at WARNING when
-    something raised (its traceback at DEBUG); under ``VELOX_STRICT`` either is an error."""
-    level = logging.INFO if found.error is None else logging.WARNING
-    notice(f"{name} with {config.kv}: {found.describe(candidates)}", config, key=f"{name} {config.kv}",
-           error=found.error, level=level, trace=found.trace)

@@ -39,8 +39,7 @@ class RanksDisagree(ConfigError):
 
 @dataclass(frozen=True)
 class Split:
-    """How a model is split: its pipeline stage (0 when not pipelined), whether it is split at all, and the
-    group its layers' heads are shared by (tensor parallel), or None."""
+    """How a model is split: its pipeline stage, whether it is split at all, and its tensor-parallel group."""
 
     stage: int = 0
     split: bool = False

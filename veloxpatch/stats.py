@@ -70,13 +70,11 @@ def counts(caches: list[Any] | None = None) -> list[int]:
 
 
 def held(caches: list[Any]) -> dict[str, int]:
-    """What one cache list holds, ours and mlx_lm's slots alike: ``kv_bytes`` (physical bytes, as ``nbytes``:
-    spare capacity, a tier's low-bit rows and a prompt's snapshot included), ``dense_kv_bytes`` (what mlx_lm's
-    full cache would hold for the same tokens; mlx_lm's own slots count as they are), ``rows_kept`` (the rows
-    attention runs over, summed over layers) and ``rows_seen`` (the tokens each layer has seen, summed); and both
-    byte counts as a 16-bit model's caches would hold them (``kv_bytes_16bit``, ``dense_kv_bytes_16bit``: the same
-    where the model runs at 16 bits, as on a Mac; on the CPU, where float16 weights run as float32, what such a
-    Mac would hold, packed low-bit values counted as they are: :func:`at_16_bits`)."""
+    """What one cache list holds (:data:`HELD`), ours and mlx_lm's slots alike: physical bytes (``nbytes``: spare
+    capacity, a tier's low-bit rows and a prompt's snapshot included), what mlx_lm's full cache would hold for the
+    same tokens (its own slots count as they are), the rows attention runs over and the tokens seen, summed over
+    layers; and both byte counts as a 16-bit model's caches would hold them (on the CPU, where float16 weights run as
+    float32, what a Mac would hold: :func:`at_16_bits`)."""
     found = dict.fromkeys(HELD, 0)
     for cache in caches:
         nbytes = int(getattr(cache, "nbytes", 0) or 0)
@@ -115,10 +113,8 @@ def forms(cache: Any) -> dict[str, int]:
 
 
 def summary(method: str, numbers: list[int] | None = None, who: str = "", caches: list[Any] | None = None) -> str:
-    """One line: method, caches, compressions or folds, tokens seen vs rows kept (in which forms, and whether the
-    budget applies), physical bytes vs a dense cache; of the live caches (or ``caches``), or of ``numbers`` (summed
-    over the ranks of a distributed run), ``who`` naming them. Rows kept in other forms whose words are not known
-    here (summed over ranks) are said as "folded or quantized"."""
+    """One line of the live caches (or ``caches``), or of ``numbers`` summed over the ranks of a distributed run
+    (``who`` naming them; rows in forms not known here are said as "folded or quantized")."""
     live = list(_live) if caches is None else caches
     numbers = counts(live) if numbers is None else numbers
     generations, built, compressions, folds, seen, kept, other, nbytes, dense = numbers

@@ -78,9 +78,8 @@ class Parameters:
 
 
 def prepare(model: Any, config: VeloxConfig) -> None:
-    """Hook ``model``'s attention modules and decoder blocks when ``config``'s method reads layer inputs and
-    outputs (``wants_layer_io``): before the builder probes the model, so the probe runs it with the hooks
-    in place and its caches see what the method's caches will."""
+    """Hook ``model`` when ``config``'s method reads layer inputs and outputs (``wants_layer_io``), before the builder
+    probes it: the probe's caches then see what the method's caches will."""
     if cache_class(config.kv).wants_layer_io:
         install(model)
 
@@ -102,8 +101,8 @@ def install(model: Any) -> bool:
 
 
 def hooked_classes(model: Any) -> dict[type, Wrapper]:
-    """The classes to wrap, each with its wrapper: those defining the ``__call__`` of every attention
-    module (innermost module taking a cache) and of its decoder block (nearest ancestor taking one)."""
+    """The classes defining the ``__call__`` of every attention module and of its decoder block, each with its
+    wrapper."""
     takers = _cache_takers(model)
     block_of = {name: next((a for a in _ancestors(name) if a in takers), None) for name in takers}
     enclosing = set(block_of.values())
@@ -116,8 +115,7 @@ def hooked_classes(model: Any) -> dict[type, Wrapper]:
 
 
 def _cache_takers(model: Any) -> dict[str, tuple[type, Parameters]]:
-    """Dotted module path -> (class defining its ``__call__``, that call's parameters), for every
-    module of ``model`` whose ``__call__`` takes a cache (signatures read once per class)."""
+    """Dotted module path -> :func:`defined_call`, for every module of ``model`` whose ``__call__`` takes a cache."""
     modules = model.named_modules()
     per_class = {cls: defined_call(cls) for cls in {type(module) for _, module in modules}}
     return {name: found for name, module in modules if (found := per_class[type(module)]) is not None}
