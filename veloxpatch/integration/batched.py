@@ -138,10 +138,7 @@ class _PlainMemberMixin:
     @classmethod
     def holding(cls, cache: Any) -> Any:
         """A new member holding ``cache``'s rows (new array objects: the batch's writes stay its own)."""
-        keys, values, rows = compat.kv_cache_rows(cache)
-        if keys is None:
-            return compat.kv_cache_holding(cls, None, None, 0)
-        return compat.kv_cache_holding(cls, keys[..., :rows, :], values[..., :rows, :], rows)
+        return compat.kv_cache_holding(cls, *compat.kv_cache_rows(cache))
 
     @classmethod
     def merge(cls, caches: list) -> SequenceBatch:

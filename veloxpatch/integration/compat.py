@@ -100,10 +100,11 @@ def mixed_into(mixin: type, base: str) -> type[Any]:
 
 
 def kv_cache_holding(cls: type, keys: Any, values: Any, rows: int) -> Any:
-    """A new ``cls`` (a ``KVCache``) holding the first ``rows`` rows of ``keys``/``values`` (their capacity along
-    axis 2 may be more): ``offset`` is the rows held, which ``BatchKVCache.merge`` reads through ``size``."""
+    """A new ``cls`` (a ``KVCache``) holding the first ``rows`` rows of ``keys``/``values`` (None: none) as new
+    arrays: ``offset`` is the rows held, which ``BatchKVCache.merge`` reads through ``size``."""
     cache = cls()
-    cache.keys, cache.values, cache.offset = keys, values, rows
+    if keys is not None:
+        cache.keys, cache.values, cache.offset = keys[..., :rows, :], values[..., :rows, :], rows
     return cache
 
 

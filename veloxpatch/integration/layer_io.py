@@ -4,13 +4,12 @@ The attention route sees rotated queries, keys and values only; some methods nee
 (SqueezeAttention compares the residual stream before and after self-attention, XQuant keeps the attention input and
 recomputes K and V from it). A cache class asks for them with ``wants_layer_io``, and :func:`prepare` hooks the model.
 
-mlx_lm's models name their modules differently (``self_attn``, ``attention``, ``attn``, ...) but every one hands the
-layer's cache down to its attention, so the modules are found by signature: the attention module is an innermost
-module whose ``__call__`` takes a ``cache`` parameter, its decoder block the nearest ancestor whose ``__call__`` takes
-one too. Python looks ``__call__`` up on the type, so the classes defining it are wrapped (once, recorded in
-``STATE.swaps`` for ``unpatch``). A call whose cache is not one of ours asking for this costs one isinstance check;
-for one of ours (a batch of ours hands each sequence its own part, :meth:`SequenceBatch.tell`) each hook its class
-defines is called:
+mlx_lm's models name their modules differently (``self_attn``, ``attention``, ...) but every one hands the layer's
+cache down to its attention, so the modules are found by signature: the attention module is an innermost module whose
+``__call__`` takes a ``cache``, its decoder block the nearest ancestor whose ``__call__`` takes one too. Python looks
+``__call__`` up on the type, so the classes defining it are wrapped (once, undone by ``unpatch``). A call whose cache
+is not one of ours asking for this costs one isinstance check; for one of ours (a batch of ours hands each sequence
+its own part, :meth:`SequenceBatch.tell`) each hook its class defines is called:
 
 - ``see_block_input(hidden)``: the decoder block's input (the residual stream), before the block runs;
 - ``see_attention_input(normed, module)``: the attention module's input and the module, before it runs, so before

@@ -11,12 +11,10 @@ for ``_`` after ``X-Velox-``), each value parsed as the environment's would be, 
 setting of the process alone (:data:`veloxpatch.config.PROCESS_WIDE`) is refused. A bad value is mlx_lm's own HTTP
 400 naming the field, the value and what is allowed, and the server keeps serving.
 
-The settings travel with the request (docs/DESIGN.md, "One server request"): checked by the HTTP handler where mlx_lm
-checks its own parameters, queued on the generation arguments (:mod:`.compat`), and in force on the generation
-thread while it is served (:func:`.state.serving`: the caches made, the probe, the draft's caches), or handed to the
-batch it joins (:mod:`.batched`; where batches are mlx_lm's own, a request whose settings are not the process's is
-served one at a time). The server's prompt cache is keyed by model *and* by the settings a list is built from
-(:meth:`VeloxConfig.cache_settings`), so a prompt cached under one setting is never reused under another.
+The settings travel with the request from the HTTP handler to the generation thread or the batch it joins
+(docs/DESIGN.md, "One server request"; where batches are mlx_lm's own, a request whose settings are not the
+process's is served one at a time). The server's prompt cache is keyed by model *and* by the settings a list is
+built from (:meth:`VeloxConfig.cache_settings`), so a prompt cached under one setting is never reused under another.
 
 The answer's ``usage`` gains ``velox``: the method and budget in force and what the request's cache list holds once
 answered (:func:`veloxpatch.stats.held`, and ``share_kept``), measured on the generation thread once the list is in

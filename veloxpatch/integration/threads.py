@@ -1,18 +1,17 @@
 """A clean exit for a process whose threads used mlx: the shim's workaround for a fault of mlx's.
 
 mlx's Python binding keeps each thread's default random key in a C++ ``thread_local`` (``PyKeySequence``, mlx's
-``python/src/random.cpp``) whose destructor takes the GIL. It runs when the OS thread ends, after ``Thread.join()``
-has returned; if the main thread is finalizing the interpreter by then, ``PyGILState_Ensure`` ends the thread with
-``pthread_exit``, whose unwinding meets the destructor's implicit ``noexcept``: "terminate called without an active
-exception", SIGABRT. ``mlx_lm server``'s generation thread draws from that key (its model's initial weights) and is
-joined just before the exit, so a stop by SIGINT would mostly abort (``tests/test_server_exit.py``: four lines of mlx).
+``python/src/random.cpp``) whose destructor takes the GIL when the OS thread ends, after ``Thread.join()`` has
+returned: if the interpreter is finalizing by then, ``PyGILState_Ensure`` ends the thread with ``pthread_exit``, whose
+unwinding meets the destructor's implicit ``noexcept`` ("terminate called without an active exception", SIGABRT).
+``mlx_lm server``'s generation thread draws from that key and is joined just before the exit, so a stop by SIGINT
+would mostly abort (``tests/test_server_exit.py``: four lines of mlx).
 
-While patched, :func:`track` (around ``threading.Thread.start``) notes each started thread's native id (the patch
-notes those already running). :func:`wait_for_exits`, an ``atexit`` handler (run after the interpreter has joined its
-non-daemon threads, before it finalizes), sleeps, the GIL free for their destructors, until every noted thread
-finished in Python has left the OS too (``/proc/self/task``): at most :data:`LIMIT_S`, usually no time at all;
-without ``/proc``, :data:`FALLBACK_S` once. A daemon thread still running at exit cannot be helped this way (mlx_lm's
-server's HTTP handler threads never draw from the key).
+While patched, :func:`track` (around ``threading.Thread.start``) notes each started thread (the patch notes those
+already running), and :func:`wait_for_exits`, an ``atexit`` handler (run after the interpreter has joined its
+non-daemon threads, before it finalizes), sleeps, the GIL free, until every noted thread finished in Python has left
+the OS too (``/proc/self/task``). A daemon thread still running at exit cannot be helped this way (mlx_lm's server's
+HTTP handler threads never draw from the key).
 """
 
 from __future__ import annotations
