@@ -89,7 +89,7 @@ def _join(generator: Any, arguments: dict[str, Any]) -> None:
     new = [sum(len(part) for part in parts) for parts in segments]  # each sequence's tokens still to read
     seen = arguments.get("all_tokens") or [[] for _ in segments]  # and those its cache has seen
     for caches, n, tokens in zip(lists, new, seen):
-        start_generation(caches, compat.generator_model(generator), n)
+        start_generation(caches, generator.model, n)
         _carry(caches, ticket, len(tokens) + n)
     compat.replace_waiting_caches(generator, _members)
     compat.replace_running_caches(generator, _split)
@@ -138,7 +138,7 @@ class _PlainMemberMixin:
     @classmethod
     def holding(cls, cache: Any) -> Any:
         """A new member holding ``cache``'s rows (new array objects: the batch's writes stay its own)."""
-        return compat.kv_cache_holding(cls, *compat.kv_cache_rows(cache))
+        return compat.kv_cache_holding(cls, cache.keys, cache.values, cache.offset)
 
     @classmethod
     def merge(cls, caches: list) -> SequenceBatch:

@@ -56,11 +56,6 @@ def new_sequence_caches(generator: Any) -> list:
     return _mlx_lm("models.cache").make_prompt_cache(generator.model, generator.max_kv_size)
 
 
-def generator_model(generator: Any) -> Any:
-    """The model a ``BatchGenerator`` runs (kept as ``model``)."""
-    return generator.model
-
-
 def waiting_cache_lists(generator: Any) -> list:
     """The cache list of each sequence waiting in ``generator`` (:data:`CACHES_AT`)."""
     return [sequence[CACHES_AT] for sequence in generator._unprocessed_sequences]
@@ -108,12 +103,6 @@ def kv_cache_holding(cls: type, keys: Any, values: Any, rows: int) -> Any:
     return cache
 
 
-def kv_cache_rows(cache: Any) -> tuple[Any, Any, int]:
-    """A ``KVCache``'s (as ``BatchKVCache.extract`` gives one back) ``keys``, ``values`` and ``offset``, as
-    :func:`kv_cache_holding` takes them."""
-    return cache.keys, cache.values, cache.offset
-
-
 @functools.cache
 def meta_state_apart() -> bool:
     """Whether mlx_lm's ``save_prompt_cache`` keeps each cache's ``meta_state`` apart (as strings) from its
@@ -134,11 +123,6 @@ request, arguments): the tuple ``_serve_single`` gets."""
 
 CARRIED = "_veloxpatch_request"
 """The attribute veloxpatch adds to mlx_lm's objects of one request (its handler, its generation arguments)."""
-
-
-def request_body(handler: Any) -> Any:
-    """The JSON body an ``APIHandler``'s ``do_POST`` parsed before it called ``validate_model_parameters``."""
-    return getattr(handler, "body", None)
 
 
 def queued_arguments(request: tuple) -> Any:
@@ -287,7 +271,7 @@ def _check_batch_offsets() -> str | None:
     if batch_size(batch) != 2 or batch.offset.tolist() != [1, 3]:
         return f"extend then filter leaves offset {batch.offset}, not the kept sequences' positions"
     one = batch.extract(0)
-    if kv_cache_rows(one)[0].shape[2] != 1 or one.size() != 1:
+    if one.keys.shape[2] != 1 or one.size() != 1:
         return "extract does not give back one sequence's own rows as a KVCache"
     return None
 

@@ -150,12 +150,13 @@ _handed = threading.local()  # the handler's thread: the ticket its checks made,
 
 @wrapt.decorator
 def validate_model_parameters(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """mlx_lm's checks, then the request's settings (:class:`RequestError`, a ValueError: mlx_lm answers 400)."""
+    """mlx_lm's checks, then the request's settings (:class:`RequestError`, a ValueError: mlx_lm answers 400), read
+    from the JSON body ``do_POST`` parsed into ``body`` before it called this, and the headers."""
     _handed.ticket = None
     result = wrapped(*args, **kwargs)
     base = STATE.config
     if base is not None:
-        ticket = Ticket(settings_of(compat.request_body(instance), getattr(instance, "headers", None), base))
+        ticket = Ticket(settings_of(getattr(instance, "body", None), getattr(instance, "headers", None), base))
         compat.carry(instance, ticket)
         _handed.ticket = ticket
     return result
