@@ -64,10 +64,9 @@ def explain(model: Any, config: VeloxConfig) -> str:
 def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime = Runtime(),
           max_kv_size: int | None = None) -> list[Any]:
     """Replace the slots the probe clears with compressed caches sharing one coordinator, each built whole with
-    ``runtime`` (what the integration answers them) and the list's memory plan, and counted in the statistics. On
-    a model split across ranks, the ranks agree first (:mod:`veloxpatch.ranks`): every rank takes part,
-    whatever its own verdict. ``max_kv_size``: what the app asked ``make_prompt_cache`` for (said when it is why
-    no slot is plain)."""
+    ``runtime`` and the list's memory plan, and counted in the statistics; on a model split across ranks, every rank
+    takes part in their agreement whatever its own verdict. ``max_kv_size``: what the app asked
+    ``make_prompt_cache`` for (said when it is why no slot is plain)."""
     name = model_type(model)
     slots = candidate_slots(caches)
     if slots and unprobed_and_lazy(model, slots, config):  # before the ranks agree: every rank's model is alike
@@ -101,9 +100,8 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
 
 
 def no_slot(caches: list[Any], max_kv_size: int | None) -> str:
-    """Why a list has no slot of ours, in words: where the app's ``max_kv_size`` made mlx_lm build its
-    ``RotatingKVCache`` slots (servers pass their context limit, e.g. mlx-dev-server's ``--max-kv-size``), say so,
-    so a user who launched with a method learns why nothing is compressed and what to change."""
+    """Why a list has no slot of ours, in words, naming the app's ``max_kv_size`` where it made mlx_lm build
+    ``RotatingKVCache`` slots (servers pass their context limit): the user learns what to change."""
     from mlx_lm.models.cache import RotatingKVCache
 
     if max_kv_size is None or not any(type(c) is RotatingKVCache for c in caches):

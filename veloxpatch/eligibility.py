@@ -70,10 +70,7 @@ class Verdict:
 def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], CompressedKVCache], method: str,
              span: Span = Span()) -> list[Any]:
     """``caches`` with ``slots`` replaced by fresh ``make()`` caches joined to one coordinator over ``span`` (the
-    list's layers in the whole model: :mod:`veloxpatch.ranks`).
-
-    A cache object that fills several slots (layers sharing their KV) gets one replacement.
-    """
+    list's layers in the whole model); a cache object that fills several slots (layers sharing their KV) gets one."""
     out = list(caches)
     replaced: dict[int, CompressedKVCache] = {}
     coordinator: Coordinator | None = None

@@ -3,12 +3,11 @@ of its layers are of one kind.
 
 Both serve the eligibility probe, which must cost little and change nothing. mlx is lazy: a model built from a
 config (mlx-lm's own tests build a 35B one and only look at output shapes) or loaded with ``lazy=True`` holds no
-weights until something evaluates them, and a probe forward would be that something. And a probe forward over every
-layer costs as much as the app's own: on a deep model the probe runs instead on the shortest prefix of the layers
-that holds every kind of layer (twice where the model has two), and what it finds for a kind holds for each layer of
-that kind. Two layers are of one kind when they are alike in every way the model's code can tell them apart by:
-module classes, parameter shapes and dtypes, plain attributes (a layer's own index aside), and the class and plain
-attributes of the cache mlx_lm gives them.
+weights until something evaluates them, which a probe forward would do. And a forward over every layer costs as much
+as the app's own, so on a deep model the probe runs the shortest prefix of the layers holding every kind of layer
+(:data:`REPEATS` of each), and what it finds for a kind holds for each layer of that kind. Two layers are of one kind
+when alike in every way the model's code can tell them apart by: module classes, parameter shapes and dtypes, plain
+attributes (a layer's own index aside), and the class and plain attributes of the cache mlx_lm gives them.
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def unevaluated(model: Any) -> bool:
-    """Whether any parameter of ``model`` is still a lazy computation, which evaluating the model would run.
-
-    mlx has no public flag for it; the graph it would run says it without running it: ``mx.export_to_dot`` writes
-    an evaluated array as a lone node and an unevaluated one with the operations that make it (edges, ``->``)."""
+    """Whether any parameter of ``model`` is still a lazy computation. mlx has no public flag for it, but
+    ``mx.export_to_dot`` writes an evaluated array as a lone node and an unevaluated one with the operations that
+    make it (edges, ``->``)."""
     return any(_pending(array) for _, array in tree_flatten(model.parameters()))
 
 

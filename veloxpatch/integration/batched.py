@@ -97,9 +97,9 @@ def _join(generator: Any, arguments: dict[str, Any]) -> None:
 
 
 def _carry(caches: list, ticket: Any, prompt: int) -> None:
-    """A server request inserted here (:func:`.state.hand_to_batch`) rides on the first cache of its list that the
-    batch holds (ours or a plain member), whose copies (the cache lists the batch gives back) keep it: the server
-    keys the list it stores by the request's settings and measures it for the request's usage."""
+    """A server request inserted here rides on the first cache of its list that the batch holds, whose copies (the
+    lists the batch gives back) keep it: the server keys the list it stores by the request's settings and measures
+    it for the request's usage."""
     holder = next((c for c in caches if isinstance(c, CompressedKVCache) or getattr(c, "batch_plain", False)), None)
     if holder is not None:
         if ticket is not None:

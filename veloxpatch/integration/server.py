@@ -189,10 +189,9 @@ _served = threading.local()  # the generation thread: the ticket of the request 
 
 @wrapt.decorator
 def is_batchable(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """mlx_lm's answer; a request whose settings are not the process's also needs batches of ours (a process with a
-    method on, whose batches take any sequence's caches), else it is served one at a time. A batchable request's
-    ticket goes to the batch (:func:`.state.hand_to_batch`): its caches are made, fetched and stored under its own
-    settings there."""
+    """mlx_lm's answer; a request whose settings are not the process's also needs batches of ours (which take any
+    sequence's caches), else it is served one at a time. A batchable request's ticket goes to the batch
+    (:func:`.state.hand_to_batch`), where its caches are made, fetched and stored under its own settings."""
     ticket = compat.carried(args[0] if args else kwargs.get("args"))
     batchable = wrapped(*args, **kwargs) and (ticket is None or same_as_process(ticket.config) or batching_on())
     hand_to_batch(ticket if batchable else None)

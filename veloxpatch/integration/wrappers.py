@@ -138,11 +138,10 @@ def _evaluate_first(caches: Any, *models: Any) -> None:
 
 
 def start_generation(caches: Any, model: Any, prompt: int | None = None) -> None:
-    """A generation starts on ``caches``: restored caches get their coordinator, every coordinator is reset (a
-    server list holds main and draft caches, each with its own), copies made without ``__init__`` (the server
-    deep-copies prompt caches) are counted in the statistics, a model whose caches read layer inputs and outputs or
-    the prompt twice gets its hooks (a list loaded from a file never went through ``make_prompt_cache``), and each
-    cache learns that its next ``prompt`` tokens (when known) are the prompt."""
+    """A generation starts on ``caches``: each learns that its next ``prompt`` tokens (when known) are the prompt,
+    a model whose caches read layer inputs and outputs or the prompt twice gets its hooks (a list loaded from a file
+    never went through ``make_prompt_cache``), restored caches get their coordinator, copies (the server deep-copies
+    prompt caches) are counted in the statistics, and every coordinator (main and draft lists' alike) is reset."""
     found = ours(caches)
     if prompt:
         for cache in found:
