@@ -147,10 +147,8 @@ def _probe_prefix(model: Any, caches: list[Any], slots: tuple[int, ...], config:
 
 def _alike(found: Verdict, part: structure.Prefix) -> bool:
     """Whether every probed slot fared as the first slot of its kind did (served, or left for the same reason)."""
-    def fate(i: int) -> Any:
-        return found.left.get(i, i in found.slots)
-
-    return all(fate(i) == fate(part.kinds[i]) for i in range(part.length))
+    fate = [found.left.get(i, i in found.slots) for i in range(part.length)]  # a kind's first slot is no later
+    return all(fate[i] == fate[part.kinds[i]] for i in range(part.length))
 
 
 def _plain_run(model: Any, caches: list[Any]) -> tuple[list[Any], list[mx.array]]:

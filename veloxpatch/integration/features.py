@@ -23,9 +23,8 @@ from .layer_io import POSITIONAL
 
 @dataclass(frozen=True)
 class Target:
-    """One name an mlx_lm module defines that veloxpatch replaces (a function, or ``Class.method``), its
-    wrapper, and the parameters that wrapper reads, so a changed signature turns the feature off instead
-    of reaching the wrapper."""
+    """One name an mlx_lm module defines that veloxpatch replaces (a function, or ``Class.method``), its wrapper,
+    and the parameters that wrapper reads, so a changed signature turns the feature off instead of reaching it."""
 
     name: str
     wrapper: Callable[[Any], Any]
@@ -63,8 +62,7 @@ class Feature:
     essential: bool = False
     """Off means the whole shim passes through (nothing can be compressed without it)."""
     layouts: tuple[str, ...] = ()
-    """What of mlx_lm's private layouts its wrappers rely on (:data:`.compat.SERVER_LAYOUTS`), checked with its
-    names: one that differs leaves the feature off."""
+    """Private layouts of mlx_lm its wrappers rely on (:data:`.compat.SERVER_LAYOUTS`); one that differs: off."""
     used: Callable[[Any], bool] = lambda config: True
     """Whether a config's settings use what it does: under ``VELOX_STRICT`` a feature off is refused only then
     (with only ``VELOX_FLOAT32`` at work, batched generation off leaves nothing uncompressed)."""
