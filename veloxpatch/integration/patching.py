@@ -41,8 +41,8 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
 
     ``config`` or keyword settings (``patch(kv="snapkv", budget="25%")``); neither means the ``VELOX_*``
     environment. Calling it again only swaps the config. mlx-lm older than :data:`.version.OLDEST` passes through
-    with a warning, a newer one than the newest tested is patched with a warning, and each feature where mlx_lm
-    offers it whole: under ``strict`` each warning is a :class:`StrictError` instead, and nothing stays patched.
+    with a warning, a newer one than the newest tested is patched with a warning, and each feature only where mlx_lm
+    offers it whole: under ``strict`` each of these is a :class:`StrictError` instead, and nothing stays patched.
     """
     if config is None:
         config = VeloxConfig(**settings) if settings else from_env().config
