@@ -25,11 +25,8 @@ def _read(name: str) -> str:
 
 
 def install() -> None:
-    """Arrange for mlx_lm to be patched from ``VELOX_*`` when it is imported.
-
-    Without a KV method there is still ``VELOX_FLOAT32`` to apply, unless it is off; and mlx_lm's server is patched
-    whatever the settings, when it is imported: a request there may ask for a method of its own.
-    """
+    """Arrange for mlx_lm to be patched from ``VELOX_*`` when it is imported (without a KV method, for
+    ``VELOX_FLOAT32`` unless it is off), and mlx_lm's server whatever the settings: a request may ask for a method."""
     everything = not (_read("VELOX_KV") in DISABLED and _read("VELOX_FLOAT32") == "off")
     sys.excepthook = _config_errors_exit_2(sys.excepthook)
     try:

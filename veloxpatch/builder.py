@@ -1,16 +1,12 @@
 """From (model, the cache list mlx_lm made, config) to the cache list a generation uses.
 
-Only plain full-attention ``KVCache`` slots are candidates. Sliding-window, SSM/linear, quantized,
-``CacheList`` and any other slot stays exactly as the model made it. Which candidates really get
-our caches is decided by probing what the model does with them (:mod:`veloxpatch.eligibility`);
-a model that fails the probe runs on mlx_lm's own caches, said once with the reason (at INFO, or at WARNING when
-something raised; under ``VELOX_STRICT`` an error instead, :mod:`veloxpatch.fallback`). When
-the method's caches read layer inputs and outputs, the integration hooks the model's attention modules
-and decoder blocks before it calls the builder, so the probe runs the model as it will run.
+Only plain full-attention ``KVCache`` slots are candidates; every other slot (sliding-window, SSM/linear, quantized,
+``CacheList``, ...) stays exactly as the model made it. Which candidates get our caches is decided by probing what
+the model does with them (:mod:`veloxpatch.eligibility`); a model that fails the probe runs on mlx_lm's own caches,
+said once with the reason (:mod:`veloxpatch.fallback`).
 
-The probe runs the model, so it never meets a model whose parameters are not evaluated yet (mlx-lm's own tests
-build 35B-parameter configs and only read output shapes; ``load(lazy=True)``): its forward would be what evaluates
-them, all at once, before the app asked for it. Such a list stays mlx_lm's, said once at INFO (an error under
+The probe runs the model, so it never meets a model whose parameters are not evaluated yet
+(:func:`veloxpatch.structure.unevaluated`): such a list stays mlx_lm's, said once at INFO (an error under
 ``VELOX_STRICT``), and nothing is kept: the first list made after the app has evaluated the model is probed.
 """
 
@@ -68,20 +64,18 @@ def explain(model: Any, config: VeloxConfig) -> str:
 def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime = Runtime(),
           max_kv_size: int | None = None) -> list[Any]:
     """Replace the slots the probe clears with compressed caches sharing one coordinator, each built whole with
-    ``runtime`` (what the integration answers them) and the list's memory plan, and counted in the statistics. On
-    a model split across ranks, the ranks agree first (:mod:`veloxpatch.ranks`): every rank takes part,
-    whatever its own verdict. ``max_kv_size``: what the app asked ``make_prompt_cache`` for (said when it is why
-    no slot is plain)."""
+    ``runtime`` and the list's memory plan, and counted in the statistics; on a model split across ranks, every rank
+    takes part in their agreement whatever its own verdict. ``max_kv_size``: what the app asked
+    ``make_prompt_cache`` for (said when it is why no slot is plain)."""
     name = model_type(model)
     slots = candidate_slots(caches)
     if slots and unprobed_and_lazy(model, slots, config):  # before the ranks agree: every rank's model is alike
         notice(f"{name} with {config.kv}: {LAZY}", config, key=f"{name} {config.kv} lazy", level=logging.INFO)
         return caches
+    found = eligibility.Verdict(())  # every rank takes part in the agreement, slots or not
     if slots:
         ranks.drain_if_split(model)
         found = eligibility.verdict(model, caches, slots, config, whole=ranks.is_split(model))
-    else:
-        found = eligibility.Verdict((), reason=NO_SLOT.removesuffix("; running unpatched"))
     members = len({id(caches[i]) for i in found.slots})
     ready, span = ranks.agreement(model, config, bool(found.slots), members)
     if found.slots and not ready:
@@ -90,8 +84,9 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
         reason = no_slot(caches, max_kv_size)
         notice(f"{name}: {reason}", config, key=f"{name} {reason}", level=logging.INFO)
         return caches
-    if not found.slots or found.left:
-        _left(name, config, found, len(slots))
+    if not found.slots or found.left:  # said once: at WARNING where something raised (its traceback at DEBUG)
+        notice(f"{name} with {config.kv}: {found.describe(len(slots))}", config, key=f"{name} {config.kv}",
+               error=found.error, level=logging.INFO if found.error is None else logging.WARNING, trace=found.trace)
     if not found.slots:
         return caches
     once(f"built {name} {config.cache_settings()}", logging.INFO,
@@ -105,9 +100,8 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
 
 
 def no_slot(caches: list[Any], max_kv_size: int | None) -> str:
-    """Why a list has no slot of ours, in words: where the app's ``max_kv_size`` made mlx_lm build its
-    ``RotatingKVCache`` slots (servers pass their context limit, e.g. mlx-dev-server's ``--max-kv-size``), say so,
-    so a user who launched with a method learns why nothing is compressed and what to change."""
+    """Why a list has no slot of ours, in words, naming the app's ``max_kv_size`` where it made mlx_lm build
+    ``RotatingKVCache`` slots (servers pass their context limit): the user learns what to change."""
     from mlx_lm.models.cache import RotatingKVCache
 
     if max_kv_size is None or not any(type(c) is RotatingKVCache for c in caches):
@@ -142,11 +136,3 @@ def _planned(name: str, caches: list[Any], found: eligibility.Verdict, config: V
         notice(f"{name}: VELOX_KV_MEMORY={plan.setting} cannot bound {plan.unbounded} cache slot(s) that stay "
                "mlx_lm's: they grow with the context", config, key=f"{name} memory unbounded")
     return plan
-
-
-def _left(name: str, config: VeloxConfig, found: eligibility.Verdict, candidates: int) -> None:
-    """Say once why candidate slots stay mlx_lm's: at INFO for a model the probe turned away, at WARNING when
-    something raised (its traceback at DEBUG); under ``VELOX_STRICT`` either is an error."""
-    level = logging.INFO if found.error is None else logging.WARNING
-    notice(f"{name} with {config.kv}: {found.describe(candidates)}", config, key=f"{name} {config.kv}",
-           error=found.error, level=level, trace=found.trace)

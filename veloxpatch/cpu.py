@@ -44,19 +44,9 @@ def cpu_backend() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def float32_wanted(mode: str, on_cpu: Callable[[], bool] = cpu_backend) -> bool:
+def float32_wanted(mode: str) -> bool:
     """Whether ``VELOX_FLOAT32=mode`` converts weights here (``auto``: only on the CPU backend)."""
-    return mode == "on" or (mode == "auto" and on_cpu())
-
-
-def candidates(arch: str) -> list[str]:
-    """Where OpenBLAS is looked for, in order."""
-    return [p.format(arch=arch) for p in SEARCH]
-
-
-def find_openblas(arch: str) -> str | None:
-    """The first OpenBLAS found on this system, or None."""
-    return next((p for p in candidates(arch) if os.path.isfile(p)), None)
+    return mode == "on" or (mode == "auto" and cpu_backend())
 
 
 def choose_blas(value: str, system: str | None = None, arch: str | None = None,
@@ -74,11 +64,11 @@ def choose_blas(value: str, system: str | None = None, arch: str | None = None,
         if value == "openblas":
             raise ConfigError(f"VELOX_BLAS='openblas' is for Linux; mlx on {system} brings its own BLAS")
         return BlasChoice(None, f"not Linux ({system}): mlx brings its own BLAS")
-    found = find_openblas(arch)
+    candidates = [p.format(arch=arch) for p in SEARCH]
+    found = next((p for p in candidates if os.path.isfile(p)), None)
     if value == "openblas":
         if found is None:
-            looked = ", ".join(candidates(arch))
-            raise ConfigError(f"VELOX_BLAS='openblas': OpenBLAS not found; looked in {looked} "
+            raise ConfigError(f"VELOX_BLAS='openblas': OpenBLAS not found; looked in {', '.join(candidates)} "
                               "(Debian/Ubuntu: apt-get install libopenblas0-pthread), or give its path")
         return BlasChoice(found, "VELOX_BLAS=openblas")
     if arch not in AUTO_ARCHES:

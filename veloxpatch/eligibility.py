@@ -1,27 +1,22 @@
 """Which cache slots of a model our caches can serve, decided by what the model does.
 
-A model's source does not say whether compression is safe: multi-head latent attention attends
-over keys up-projected from a stored latent, with its rotary scores in the mask and queries of
-another width when decoding; some models read a cache directly (``keys_and_values``) or hand one
-layer's KV to other layers. So the builder probes each model once, with a few dummy tokens:
+A model's source does not say whether compression is safe: multi-head latent attention attends over keys
+up-projected from a stored latent, with its rotary scores in the mask and queries of another width when decoding;
+some models read a cache directly (``keys_and_values``) or hand one layer's KV to other layers. So the builder
+probes each model once, with a few dummy tokens:
 
-1. a slot is served only if, at every forward, its layer stored rows in it once and attended
-   once, through the routed function, over as many rows as it got back;
+1. a slot is served only if, at every forward, its layer stored rows in it once and attended once, through the
+   routed function, over as many rows as it got back (a slot failing this stays mlx_lm's, the others are probed
+   again);
 2. with those slots ours and a budget no probe reaches, the logits equal mlx_lm's own;
-3. at a budget below the probe's length (prefill and decode compressions), nothing raises.
+3. at a budget below the probe's length (prefill and decode compressions), nothing raises (failing 2 or 3 leaves
+   the whole model to mlx_lm).
 
-A slot failing 1 stays mlx_lm's and the others are probed again; failing 2 or 3 leaves the whole
-model to mlx_lm.
-
-The probe's cost does not grow with depth: where the model's layers map one to one onto the cache list, it runs
-the shortest prefix of the layers holding every kind of layer (:mod:`veloxpatch.structure`: the forward gets that
-many caches and a view of the model with that many layers), and each slot past the prefix gets the verdict of its
-kind. The whole model is probed where that cannot stand: no such prefix, a forward that fails over the prefix, two
-layers of one kind that fared differently, or a model split across ranks (its ranks must run the same forwards).
-
-Each verdict carries the reason, in words a user can act on, and the error when one was raised (our code, or the
-model's, running with our caches): the builder logs that as a WARNING, not as a model the probe merely turned away,
-and ``VELOX_STRICT`` makes any verdict that leaves a slot to mlx_lm an error.
+The probe's cost does not grow with depth: it runs the shortest prefix of the layers holding every kind of layer
+(:mod:`veloxpatch.structure`), whose verdict each slot past it takes from its kind, or the whole model where that
+cannot stand (a model split across ranks: its ranks must run the same forwards). Each verdict carries the reason, in
+words a user can act on, and the error when one was raised (the builder logs that as a WARNING, not as a model the
+probe merely turned away); ``VELOX_STRICT`` makes any verdict that leaves a slot to mlx_lm an error.
 """
 
 from __future__ import annotations
@@ -75,10 +70,7 @@ class Verdict:
 def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], CompressedKVCache], method: str,
              span: Span = Span()) -> list[Any]:
     """``caches`` with ``slots`` replaced by fresh ``make()`` caches joined to one coordinator over ``span`` (the
-    list's layers in the whole model: :mod:`veloxpatch.ranks`).
-
-    A cache object that fills several slots (layers sharing their KV) gets one replacement.
-    """
+    list's layers in the whole model); a cache object that fills several slots (layers sharing their KV) gets one."""
     out = list(caches)
     replaced: dict[int, CompressedKVCache] = {}
     coordinator: Coordinator | None = None
@@ -93,14 +85,12 @@ def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], Compres
 
 def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
             whole: bool = False) -> Verdict:
-    """The probe's verdict for ``model`` under ``config`` (kept while the model lives); never raises.
-
-    ``caches`` is a fresh list from mlx_lm and ``slots`` its plain ``KVCache`` slots; ``whole`` probes every layer
-    (a model split across ranks). The attention route must be patched, or no call reaches our caches. The probe
-    evaluates the model: the builder asks :func:`probed` and :func:`veloxpatch.structure.unevaluated` first.
-    """
+    """The probe's verdict for ``model`` under ``config`` (kept while the model lives); never raises. ``caches`` is
+    a fresh list from mlx_lm and ``slots`` its plain ``KVCache`` slots; ``whole`` probes every layer. The attention
+    route must be patched, or no call reaches our caches; the probe evaluates the model (the builder asks
+    :func:`probed` and :func:`veloxpatch.structure.unevaluated` first)."""
     return per_model(_verdicts, model, _key(slots, config),
-                     lambda: _probe_caught(model, caches, slots, config, whole))
+                     lambda: _probe(model, caches, slots, config, whole))
 
 
 def probed(model: Any, slots: tuple[int, ...], config: VeloxConfig) -> bool:
@@ -112,40 +102,32 @@ def _key(slots: tuple[int, ...], config: VeloxConfig) -> Hashable:
     return slots, config.kv, config.compress, tuple(sorted(config.knobs.items()))
 
 
-def _probe_caught(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
-                  whole: bool) -> Verdict:
-    """:func:`_probe`, an error it raises made the verdict. Its caches are never handed to the app, so nothing of
-    theirs counts in the user's statistics (:mod:`veloxpatch.stats`)."""
+def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig, whole: bool) -> Verdict:
+    """The verdict from a prefix of the layers holding every kind where it stands for the model, else from all; an
+    error raised makes the verdict. Its caches are never handed to the app, so nothing of theirs counts in the
+    user's statistics (:mod:`veloxpatch.stats`)."""
     try:
-        return _probe(model, caches, slots, config, whole)
+        found = None if whole else _probe_prefix(model, caches, slots, config)
+        if found is None:
+            found = _probe_list(model, caches, slots, config, _plain_run(model, caches))
+        return found
     except Exception as error:  # the builder says it (or raises under strict): the app runs on mlx_lm's caches
         return Verdict((), reason=f"the probe could not run the model ({type(error).__name__}: {error})",
                        **_raised(error))
 
 
-def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig, whole: bool) -> Verdict:
-    """The verdict from a prefix of the layers holding every kind where it stands for the model, else from all."""
-    part = None if whole else _prefix(model, caches)
-    if part is not None and part.length < len(caches):
-        found = _probe_prefix(model, caches, slots, config, part)
-        if found is not None:
-            return found
-    return _probe_list(model, caches, slots, config, _plain_run(model, caches))
-
-
-def _prefix(model: Any, caches: list[Any]) -> structure.Prefix | None:
-    """:func:`veloxpatch.structure.prefix`, or None (the whole model is probed) where reading the layers fails."""
+def _probe_prefix(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig) -> Verdict | None:
+    """The verdict of the shortest prefix of the layers holding every kind (:func:`veloxpatch.structure.prefix`),
+    for every slot of the list; None where it cannot stand for the model (the whole model is probed): no such
+    prefix, layers that cannot be read, a forward over the prefix that fails, or layers of one kind that fared
+    differently."""
     try:
-        return structure.prefix(model, caches)
+        part = structure.prefix(model, caches)
     except Exception as error:  # a layer stack unlike mlx_lm's: not a reason to turn the model away
         log.debug("probing every layer of %s: its layers could not be read (%r)", type(model).__name__, error)
         return None
-
-
-def _probe_prefix(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
-                  part: structure.Prefix) -> Verdict | None:
-    """The verdict of the first ``part.length`` layers, for every slot of the list; None where it cannot stand for
-    the model: its forward over that many caches fails, or two layers of one kind fared differently."""
+    if part is None or part.length >= len(caches):
+        return None
     short = caches[: part.length]
     try:
         shallow = structure.shortened(model, part.length)
@@ -165,10 +147,8 @@ def _probe_prefix(model: Any, caches: list[Any], slots: tuple[int, ...], config:
 
 def _alike(found: Verdict, part: structure.Prefix) -> bool:
     """Whether every probed slot fared as the first slot of its kind did (served, or left for the same reason)."""
-    def fate(i: int) -> Any:
-        return found.left.get(i, i in found.slots)
-
-    return all(fate(i) == fate(part.kinds[i]) for i in range(part.length))
+    fate = [found.left.get(i, i in found.slots) for i in range(part.length)]  # a kind's first slot is no later
+    return all(fate[i] == fate[part.kinds[i]] for i in range(part.length))
 
 
 def _plain_run(model: Any, caches: list[Any]) -> tuple[list[Any], list[mx.array]]:

@@ -1,11 +1,7 @@
 """What ``veloxpatch run`` starts, and how the shim reaches the ranks that ``mlx.launch`` starts.
 
-A SCRIPT or ``-m`` MODULE that Python cannot run by itself may name a console script
-(``mlx.launch``, ``mlx_lm.generate``): a small Python file in a ``bin`` folder, which the launcher
-runs with its own interpreter like any script.
-
-``mlx.launch`` starts local ranks as its children, which inherit the environment and so the shim,
-but starts remote ranks over ssh, where only what it is given with ``--env`` arrives.
+A SCRIPT or ``-m`` MODULE that Python cannot run by itself may name a console script (``mlx.launch``,
+``mlx_lm.generate``): a small Python file, which the launcher runs with its own interpreter like any script.
 """
 
 from __future__ import annotations
@@ -25,11 +21,8 @@ MLX_LAUNCH = "mlx.launch"
 
 
 def script_target(script: str) -> list[str]:
-    """The interpreter arguments that run SCRIPT: itself when Python can open it, else its console script.
-
-    Python's own options (``-c``, ``-``) and existing paths (files, folders with ``__main__.py``)
-    pass unchanged, as before console scripts were looked up.
-    """
+    """The interpreter arguments that run SCRIPT: itself when Python can open it (Python's own options ``-c``,
+    ``-``, and existing paths pass unchanged), else its console script."""
     if script.startswith("-") or os.path.exists(script):
         return [script]
     found = _console_script(script)
@@ -39,12 +32,9 @@ def script_target(script: str) -> list[str]:
 
 
 def module_target(module: str) -> list[str]:
-    """The interpreter arguments that run ``-m MODULE``: the module when importable, else its console script.
-
-    ``mlx.launch`` is only a console script (entry point ``mlx._distributed_utils.launch:main``).
-    The cheap look-up that runs no package code comes first; the import machinery, which runs
-    parent packages' ``__init__`` (a second for mlx_lm), is asked only before refusing.
-    """
+    """The interpreter arguments that run ``-m MODULE``: the module when importable, else its console script
+    (``mlx.launch`` is only one). The import machinery, which runs parent packages' ``__init__`` (slow for mlx_lm),
+    is asked only before refusing."""
     if _found_without_importing(module):
         return ["-m", module]
     found = _console_script(module)
@@ -63,13 +53,12 @@ def is_mlx_launch(target: list[str]) -> bool:
 def forward_environment(args: list[str], env: dict[str, str]) -> list[str]:
     """``mlx.launch``'s ``args`` with ``--env NAME=VALUE`` first for each ``VELOX_*`` and PYTHONPATH in ``env``.
 
-    Remote ranks start over ssh with a fresh environment; mlx.launch exports its ``--env`` values on
-    every rank, so they bootstrap the shim with the same settings. That needs veloxpatch installed at
-    the same path on every host, as ``--python`` already assumes. LD_PRELOAD is not forwarded: the
-    BLAS it preloads is a library of this machine, which another host may lack or keep elsewhere.
-    A name the user passes with their own ``--env`` is theirs; their PYTHONPATH gets the shim first.
-    Ours go first because mlx.launch exports in order: a later user flag wins even in a spelling
-    not recognised here (an argparse abbreviation), though ours win over a hostfile's ``envs``.
+    Remote ranks start over ssh with a fresh environment (local ones inherit it); mlx.launch exports its ``--env``
+    values on every rank, so they bootstrap the shim with the same settings (veloxpatch installed at the same path
+    on every host, as ``--python`` already assumes). LD_PRELOAD is not forwarded: another host may lack that BLAS or
+    keep it elsewhere. A name the user passes with their own ``--env`` is theirs, their PYTHONPATH gets the shim
+    first; ours go first because mlx.launch exports in order, so a later user flag wins even in a spelling not
+    recognised here (an argparse abbreviation), though ours win over a hostfile's ``envs``.
     """
     given = _given_env(args)
     names = [name for name in sorted(env) if name.startswith("VELOX_")] + ["PYTHONPATH"]
@@ -79,8 +68,8 @@ def forward_environment(args: list[str], env: dict[str, str]) -> list[str]:
 
 
 def _search_path() -> str:
-    """Where console scripts are looked for: the interpreter's own folder first (its scripts import
-    what it has installed, even when that folder is not on PATH), then PATH."""
+    """Where console scripts are looked for: the interpreter's own folder first (its scripts import what it has
+    installed, even off PATH), then PATH."""
     return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
@@ -110,10 +99,8 @@ def _missing(what: str, name: str, kind: str) -> str:
 
 
 def _found_without_importing(module: str) -> bool:
-    """Whether ``module``'s file can be found by walking its packages' folders without importing them.
-
-    ``python -m`` puts the working folder first on ``sys.path``; this process has its own folder there.
-    """
+    """Whether ``module``'s file can be found by walking its packages' folders without importing them (from the
+    working folder first, as ``python -m`` does; this process has its own folder on ``sys.path``)."""
     top, *parts = module.split(".")
     try:
         spec = importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) or importlib.util.find_spec(top)
@@ -136,10 +123,8 @@ def _found_by_importing(module: str) -> bool:
 
 
 def _given_env(args: list[str]) -> dict[str, int]:
-    """Each name the user sets with ``--env``, to the index in ``args`` of its ``NAME=VALUE``.
-
-    mlx.launch's argparse reads ``--env`` anywhere before ``--``, also after the script's name.
-    """
+    """Each name the user sets with ``--env`` (anywhere before ``--``, as mlx.launch's argparse reads it), to the
+    index in ``args`` of its ``NAME=VALUE``."""
     given: dict[str, int] = {}
     for index, arg in enumerate(args):
         if arg == "--":

@@ -1,23 +1,16 @@
 """Models split across ranks by ``mlx.distributed``: what each rank's cache list spans, and that every
 rank runs with the same settings.
 
-mlx_lm splits a model two ways (``sharded_load``). Tensor parallel (``model.shard(group)``): every
-rank holds every layer with a share of its heads, through mlx's sharded linear layers, which keep
-their group. Pipeline parallel (``model.model.pipeline(group)``, a ``PipelineMixin``): rank r holds a
-span of layers (the later layers on the lower ranks) and ``make_cache`` returns caches for its own
-layers only. Both may be combined.
+mlx_lm splits a model two ways (``sharded_load``), which may be combined: tensor parallel (``model.shard(group)``:
+every rank holds every layer with a share of its heads) and pipeline parallel (``model.model.pipeline(group)``: rank
+r holds a span of layers, the later ones on the lower ranks, and ``make_cache`` returns caches for those only).
 
-Each rank builds its own list, so per-head choices (which rows every method keeps) are local and
-need no traffic. What depends on the whole model is agreed once, when a rank first builds caches
-for a model, by one all-gather over every rank of the world group (:func:`agree`): each rank's
-settings (a checksum per setting), whether its probe passed, its pipeline stage and how many layers
-it serves. Settings that differ are an error on every rank before any generation (raised
-through mlx_lm's ``make_prompt_cache``, not fallen back from); a rank whose probe
-failed leaves every rank unpatched (a cache's collectives must be met by every rank); the stages
-give each list its :class:`~veloxpatch.coordinators.Span`. Every rank builds caches at the same
-point of the program (mlx_lm's own distributed apps do), which is what makes one collective there
-safe; a rank running without veloxpatch cannot take part, so every rank must be started with it
-(``veloxpatch run mlx.launch ...``).
+Each rank builds its own list, so per-head choices are local and need no traffic. What depends on the whole model is
+agreed once per model by one all-gather over the world group (:func:`agree`): settings that differ are an error on
+every rank before any generation; a rank whose probe failed leaves every rank unpatched (a cache's collectives must
+be met by every rank); the pipeline stages give each list its :class:`~veloxpatch.coordinators.Span`. That
+collective is safe because every rank builds caches at the same point of the program (mlx_lm's own distributed apps
+do), so every rank must run veloxpatch (``veloxpatch run mlx.launch``).
 """
 
 from __future__ import annotations
@@ -44,8 +37,7 @@ class RanksDisagree(ConfigError):
 
 @dataclass(frozen=True)
 class Split:
-    """How a model is split: its pipeline stage (0 when not pipelined), whether it is split at all, and the
-    group its layers' heads are shared by (tensor parallel), or None."""
+    """How a model is split: its pipeline stage, whether it is split at all, and its tensor-parallel group."""
 
     stage: int = 0
     split: bool = False
@@ -105,15 +97,11 @@ def agreed_settings(config: VeloxConfig) -> list[tuple[str, str]]:
     return [(name, value) for name, value in config.to_env().items() if name not in local]
 
 
-def _checksum(text: str) -> int:
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
-
-
 def agree(split: Split, config: VeloxConfig, ready: bool, members: int) -> tuple[bool, Span]:
     """One all-gather over every rank: raises RanksDisagree if a setting differs; returns whether every
     rank's probe passed and this rank's span (first served layer, served layers in the model)."""
     settings = agreed_settings(config)
-    mine = [_checksum(value) for _, value in settings] + [int(ready), split.stage, members]
+    mine = [zlib.crc32(value.encode()) & 0x7FFFFFFF for _, value in settings] + [int(ready), split.stage, members]
     drain_streams()
     rows = cast(list[list[int]], mx.distributed.all_gather(mx.array([mine], dtype=mx.int32), stream=mx.cpu).tolist())
     world = mx.distributed.init()

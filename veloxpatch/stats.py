@@ -1,16 +1,13 @@
 """Process-wide KV-cache statistics for ``VELOX_STATS`` (one line on exit).
 
-The statistics are of the caches the app holds: whoever hands a cache to the app registers it (:func:`track`),
-the builder those it builds, the loader those it loads, and copies (the server's ``copy.deepcopy`` of prompt
-caches, a quantized copy) are registered by whoever hands them on, with ``built=False``. Only a registered cache's
-compressions and folds count (:func:`compressed`, :func:`folded`), so the eligibility probe's caches, never handed
-on, count nothing. The summary reads the live ones, so nothing is counted twice and nothing is kept alive by the
-statistics.
+The statistics are of the caches the app holds: whoever hands a cache to the app registers it (:func:`track`: the
+builder, the loader, and with ``built=False`` whoever hands on a copy, such as the server's ``copy.deepcopy``), and
+only a registered cache's compressions and folds count, so the eligibility probe's caches count nothing. The summary
+reads the live ones, so nothing is counted twice and nothing is kept alive by the statistics.
 
-Rows kept are not all alike: an evicting method keeps exact rows (or rows mlx_lm's ``kv_bits`` quantized), a
-cross-layer method keeps every token but most of them folded (xquant: as a 4-bit latent or X, with K and V rebuilt
-when attention runs), so the line says how many rows are held in which form (each cache's ``kept_forms()``), whether
-the budget applies, and the bytes against a dense cache's.
+Rows kept are not all alike (exact, quantized, or folded by a cross-layer method, with K and V rebuilt when attention
+runs), so the line says how many rows are held in which form (each cache's ``kept_forms()``), whether the budget
+applies, and the bytes against a dense cache's.
 """
 
 from __future__ import annotations
@@ -24,6 +21,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
+
+HELD = ("kv_bytes", "dense_kv_bytes", "rows_kept", "rows_seen", "kv_bytes_16bit", "dense_kv_bytes_16bit")
+"""What :func:`held` counts of one cache list."""
 
 
 @dataclass
@@ -40,10 +40,8 @@ totals = _Totals()
 
 
 def track(cache: Any, built: bool = True) -> None:
-    """Remember a compressed cache (weakly) for the exit summary; count it if it was just built.
-
-    Tracking the same cache again is harmless: the live set holds each cache once.
-    """
+    """Remember a compressed cache (weakly, once however often tracked) for the exit summary; count it if it was
+    just built."""
     if built:
         totals.caches_built += 1
     _live.add(cache)
@@ -72,15 +70,12 @@ def counts(caches: list[Any] | None = None) -> list[int]:
 
 
 def held(caches: list[Any]) -> dict[str, int]:
-    """What one cache list holds, ours and mlx_lm's slots alike: ``kv_bytes`` (physical bytes, as ``nbytes``:
-    spare capacity, a tier's low-bit rows and a prompt's snapshot included), ``dense_kv_bytes`` (what mlx_lm's
-    full cache would hold for the same tokens; mlx_lm's own slots count as they are), ``rows_kept`` (the rows
-    attention runs over, summed over layers) and ``rows_seen`` (the tokens each layer has seen, summed); and both
-    byte counts as a 16-bit model's caches would hold them (``kv_bytes_16bit``, ``dense_kv_bytes_16bit``: the same
-    where the model runs at 16 bits, as on a Mac; on the CPU, where float16 weights run as float32, what such a
-    Mac would hold, packed low-bit values counted as they are: :func:`at_16_bits`)."""
-    found = {"kv_bytes": 0, "dense_kv_bytes": 0, "rows_kept": 0, "rows_seen": 0, "kv_bytes_16bit": 0,
-             "dense_kv_bytes_16bit": 0}
+    """What one cache list holds (:data:`HELD`), ours and mlx_lm's slots alike: physical bytes (``nbytes``: spare
+    capacity, a tier's low-bit rows and a prompt's snapshot included), what mlx_lm's full cache would hold for the
+    same tokens (its own slots count as they are), the rows attention runs over and the tokens seen, summed over
+    layers; and both byte counts as a 16-bit model's caches would hold them (on the CPU, where float16 weights run as
+    float32, what a Mac would hold: :func:`at_16_bits`)."""
+    found = dict.fromkeys(HELD, 0)
     for cache in caches:
         nbytes = int(getattr(cache, "nbytes", 0) or 0)
         dense = getattr(cache, "dense_nbytes", None)
@@ -102,7 +97,8 @@ def held(caches: list[Any]) -> dict[str, int]:
 def at_16_bits(arrays: list[mx.array]) -> float:
     """The bytes of ``arrays`` as a 16-bit model holds them: floating-point arrays wider than 16 bits halve (rows,
     scales, queries), integer ones (quantized values, positions) stay."""
-    return sum(a.nbytes * (2 / a.dtype.size if _wide_float(a) else 1) for a in arrays)
+    return sum(a.nbytes * (2 / a.dtype.size if mx.issubdtype(a.dtype, mx.floating) and a.dtype.size > 2 else 1)
+               for a in arrays)
 
 
 def sixteen_bit_share(arrays: list[mx.array]) -> float:
@@ -111,21 +107,14 @@ def sixteen_bit_share(arrays: list[mx.array]) -> float:
     return at_16_bits(arrays) / total if total else 1.0
 
 
-def _wide_float(a: mx.array) -> bool:
-    return mx.issubdtype(a.dtype, mx.floating) and a.dtype.size > 2
-
-
 def forms(cache: Any) -> dict[str, int]:
     """The rows ``cache`` keeps in a form other than exact keys and values, by form in words."""
-    kept_forms = getattr(cache, "kept_forms", None)
-    return {} if kept_forms is None else kept_forms()
+    return getattr(cache, "kept_forms", dict)()
 
 
 def summary(method: str, numbers: list[int] | None = None, who: str = "", caches: list[Any] | None = None) -> str:
-    """One line: method, caches, compressions or folds, tokens seen vs rows kept (in which forms, and whether the
-    budget applies), physical bytes vs a dense cache; of the live caches (or ``caches``), or of ``numbers`` (summed
-    over the ranks of a distributed run), ``who`` naming them. Rows kept in other forms whose words are not known
-    here (summed over ranks) are said as "folded or quantized"."""
+    """One line of the live caches (or ``caches``), or of ``numbers`` summed over the ranks of a distributed run
+    (``who`` naming them; rows in forms not known here are said as "folded or quantized")."""
     live = list(_live) if caches is None else caches
     numbers = counts(live) if numbers is None else numbers
     generations, built, compressions, folds, seen, kept, other, nbytes, dense = numbers

@@ -3,12 +3,11 @@ of its layers are of one kind.
 
 Both serve the eligibility probe, which must cost little and change nothing. mlx is lazy: a model built from a
 config (mlx-lm's own tests build a 35B one and only look at output shapes) or loaded with ``lazy=True`` holds no
-weights until something evaluates them, and a probe forward would be that something. And a probe forward over every
-layer costs as much as the app's own: on a deep model the probe runs instead on the shortest prefix of the layers
-that holds every kind of layer (twice where the model has two), and what it finds for a kind holds for each layer of
-that kind. Two layers are of one kind when they are alike in every way the model's code can tell them apart by:
-module classes, parameter shapes and dtypes, plain attributes (a layer's own index aside), and the class and plain
-attributes of the cache mlx_lm gives them.
+weights until something evaluates them, which a probe forward would do. And a forward over every layer costs as much
+as the app's own, so on a deep model the probe runs the shortest prefix of the layers holding every kind of layer
+(:data:`REPEATS` of each), and what it finds for a kind holds for each layer of that kind. Two layers are of one kind
+when alike in every way the model's code can tell them apart by: module classes, parameter shapes and dtypes, plain
+attributes (a layer's own index aside), and the class and plain attributes of the cache mlx_lm gives them.
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def unevaluated(model: Any) -> bool:
-    """Whether any parameter of ``model`` is still a lazy computation, which evaluating the model would run.
-
-    mlx has no public flag for it; the graph it would run says it without running it: ``mx.export_to_dot`` writes
-    an evaluated array as a lone node and an unevaluated one with the operations that make it (edges, ``->``)."""
+    """Whether any parameter of ``model`` is still a lazy computation. mlx has no public flag for it, but
+    ``mx.export_to_dot`` writes an evaluated array as a lone node and an unevaluated one with the operations that
+    make it (edges, ``->``)."""
     return any(_pending(array) for _, array in tree_flatten(model.parameters()))
 
 
@@ -54,8 +52,8 @@ class Prefix:
     kinds: tuple[int, ...]
 
 
-def prefix(model: Any, caches: Sequence[Any], repeats: int = REPEATS) -> Prefix | None:
-    """The shortest prefix of ``model``'s layers holding ``repeats`` layers of each kind (all of a kind the model
+def prefix(model: Any, caches: Sequence[Any]) -> Prefix | None:
+    """The shortest prefix of ``model``'s layers holding :data:`REPEATS` layers of each kind (all of a kind the model
     has fewer of), or None when the model's layers do not map one to one onto ``caches`` (the slots then cannot be
     told apart by their layers: layers sharing caches, caches that are not per layer)."""
     layers = getattr(model, "layers", None)
@@ -64,7 +62,7 @@ def prefix(model: Any, caches: Sequence[Any], repeats: int = REPEATS) -> Prefix 
     kinds = _kinds([_features(layer) for layer in layers], [_cache_kind(cache) for cache in caches])
     first: dict[Hashable, int] = {}
     firsts = tuple(first.setdefault(kind, i) for i, kind in enumerate(kinds))
-    return Prefix(_shortest(kinds, repeats), firsts)
+    return Prefix(_shortest(kinds, REPEATS), firsts)
 
 
 def _shortest(kinds: list[Hashable], repeats: int) -> int:

@@ -1,28 +1,21 @@
 """mlx_lm's batched generation over compressed caches: every sequence keeps its own (:mod:`..caches.batch`).
 
-While this is patched our caches have ``merge`` (:func:`batching_on`), so mlx_lm merges a prefill group of
-them into a :class:`~veloxpatch.caches.batch.SequenceBatch` per layer, and everything mlx_lm batches (its
-``BatchGenerator``, ``batch_generate``, the server's batched path) runs on compressed caches: each sequence with
-its own budget, rows and positions, compressing as it would on its own, and leaving the batch as its own
-compressed caches (``extract``).
+While this is patched our caches have ``merge`` (:func:`batching_on`), so mlx_lm merges a prefill group of them into
+a :class:`~veloxpatch.caches.batch.SequenceBatch` per layer, and everything mlx_lm batches (``BatchGenerator``,
+``batch_generate``, the server) runs on compressed caches, each sequence compressing as it would alone and leaving
+the batch as its own caches (``extract``).
 
-``BatchGenerator.insert_segments`` (``insert`` goes through it) prepares each sequence as a generation start
-does (:func:`.wrappers.start_generation`: a restored list gets its coordinator, coordinators reset, layer hooks
-installed), and:
+``BatchGenerator.insert_segments`` starts each sequence as a generation start does
+(:func:`.wrappers.start_generation`), makes a missing list as mlx_lm would, and copies the lists a caller hands in
+(mlx_lm's own merge copies rows, and ``batch_generate`` promises not to update the caller's caches). Where our caches
+and mlx_lm's plain ``KVCache`` meet in one generator (a caller's own list next to compressed ones), the plain ones
+join batches of ours too: waiting and new ones as a :class:`_PlainMember`, a running ``BatchKVCache`` split into its
+sequences' rows. mlx_lm's other caches (sliding windows, quantized, recurrent) stay in mlx_lm's own batches: the
+builder leaves those slots mlx_lm's for every sequence alike.
 
-* copies the cache lists a caller hands in: mlx_lm's own merge copies rows, and ``batch_generate`` promises not to
-  update the caller's caches; a batch of ours holds the sequence's caches themselves;
-* makes a missing list as mlx_lm would (``make_prompt_cache``, compressed while patched);
-* where our caches and mlx_lm's plain ``KVCache`` meet in one generator (a caller's own list next to compressed
-  ones), makes the plain ones members of the batch too: waiting and new ones become a :class:`_PlainMember`
-  (a ``KVCache`` whose ``merge`` makes a batch of ours), and a running ``BatchKVCache`` is split into its
-  sequences' rows. mlx_lm's other caches (sliding windows, quantized, recurrent) stay in mlx_lm's own batches:
-  the builder leaves those slots mlx_lm's for every sequence alike.
-
-Every mlx_lm layout this relies on is reached through :mod:`.compat`, and checked there once, at the first batched
-call: where the installed mlx_lm differs, our caches have no ``merge`` and ``insert_segments`` passes through,
-making mlx_lm's own caches where it makes any, so mlx_lm batches its own caches only (one warning naming what
-differs; an error under ``VELOX_STRICT``).
+Every mlx_lm layout this relies on is reached through :mod:`.compat` and checked there at the first batched call;
+where the installed mlx_lm differs, our caches have no ``merge`` and ``insert_segments`` passes through, making
+mlx_lm's own caches, said once (an error under ``VELOX_STRICT``).
 """
 
 from __future__ import annotations
@@ -51,11 +44,16 @@ FEATURE = "batched generation"
 
 def batching_on() -> bool:
     """Whether mlx_lm's batches may hold our caches: a method is on, batched generation is patched for the
-    installed mlx_lm, and its layouts are the ones :mod:`.compat` knows (``CompressedKVCache.merge`` asks)."""
+    installed mlx_lm, and its layouts are the ones :mod:`.compat` knows (``CompressedKVCache.merge`` asks).
+    Where they differ batching runs on mlx_lm's own caches only, said once (an error under ``VELOX_STRICT``)."""
     config = in_force()
     if config is None or not config.enabled or STATE.features.get(FEATURE, "undecided") is not None:
         return False
-    return _layout_known()
+    problem = compat.layout_problem()
+    if problem is not None:
+        notice(f"batched generation runs on mlx_lm's own caches only: {problem}", config,
+               key=f"batched layout: {problem}")
+    return problem is None
 
 
 @wrapt.decorator
@@ -70,17 +68,6 @@ def batch_insert_segments(wrapped: Callable, instance: Any, args: tuple, kwargs:
         return wrapped(*args, **kwargs)  # mlx_lm reports the bad call itself
     _join(instance, call.arguments)
     return wrapped(*call.args, **call.kwargs)
-
-
-def _layout_known() -> bool:
-    """True when mlx_lm's batched generation has the layouts :mod:`.compat` knows. Otherwise batching runs on
-    mlx_lm's own caches only, said once; under ``VELOX_STRICT`` that is an error instead."""
-    problem = compat.layout_problem()
-    if problem is None:
-        return True
-    notice(f"batched generation runs on mlx_lm's own caches only: {problem}", in_force(),
-           key=f"batched layout: {problem}")
-    return False
 
 
 def _join(generator: Any, arguments: dict[str, Any]) -> None:
@@ -99,29 +86,20 @@ def _join(generator: Any, arguments: dict[str, Any]) -> None:
         arguments["caches"] = lists
         return
     lists = [_members(c) for c in lists]
-    for caches, new, prompt in zip(lists, _new_tokens(arguments), _prompt_lengths(arguments)):
-        start_generation(caches, compat.generator_model(generator), new)
-        _carry(caches, ticket, prompt)
+    new = [sum(len(part) for part in parts) for parts in segments]  # each sequence's tokens still to read
+    seen = arguments.get("all_tokens") or [[] for _ in segments]  # and those its cache has seen
+    for caches, n, tokens in zip(lists, new, seen):
+        start_generation(caches, generator.model, n)
+        _carry(caches, ticket, len(tokens) + n)
     compat.replace_waiting_caches(generator, _members)
     compat.replace_running_caches(generator, _split)
     arguments["caches"] = lists
 
 
-def _new_tokens(arguments: dict[str, Any]) -> list[int]:
-    """Each sequence's tokens still to read: its segments."""
-    return [sum(len(part) for part in parts) for parts in arguments["segments"]]
-
-
-def _prompt_lengths(arguments: dict[str, Any]) -> list[int]:
-    """Each sequence's prompt in tokens: those its cache has seen (``all_tokens``) and its segments."""
-    seen = arguments.get("all_tokens") or [[] for _ in arguments["segments"]]
-    return [len(s) + new for s, new in zip(seen, _new_tokens(arguments))]
-
-
 def _carry(caches: list, ticket: Any, prompt: int) -> None:
-    """A server request inserted here (:func:`.state.hand_to_batch`) rides on the first cache of its list that the
-    batch holds (ours or a plain member), whose copies (the cache lists the batch gives back) keep it: the server
-    keys the list it stores by the request's settings and measures it for the request's usage."""
+    """A server request inserted here rides on the first cache of its list that the batch holds, whose copies (the
+    lists the batch gives back) keep it: the server keys the list it stores by the request's settings and measures
+    it for the request's usage."""
     holder = next((c for c in caches if isinstance(c, CompressedKVCache) or getattr(c, "batch_plain", False)), None)
     if holder is not None:
         if ticket is not None:
@@ -160,10 +138,7 @@ class _PlainMemberMixin:
     @classmethod
     def holding(cls, cache: Any) -> Any:
         """A new member holding ``cache``'s rows (new array objects: the batch's writes stay its own)."""
-        keys, values, rows = compat.kv_cache_rows(cache)
-        if keys is None:
-            return compat.kv_cache_holding(cls, None, None, 0)
-        return compat.kv_cache_holding(cls, keys[..., :rows, :], values[..., :rows, :], rows)
+        return compat.kv_cache_holding(cls, cache.keys, cache.values, cache.offset)
 
     @classmethod
     def merge(cls, caches: list) -> SequenceBatch:

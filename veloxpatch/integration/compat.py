@@ -1,21 +1,12 @@
 """The one place that names what mlx_lm keeps private and veloxpatch's batched generation and server touch.
 
-:mod:`.batched` reaches into mlx_lm 0.32's ``BatchGenerator`` (the tuples of its waiting sequences, the caches of
-its prompt and generation batches, its ``model`` and ``max_kv_size``), builds a subclass of ``KVCache`` that
-overrides ``merge``, splits a running ``BatchKVCache`` into its sequences' rows (``offset`` one entry per
-sequence, ``extract``), and stands in for mlx_lm's batch caches with a batch of its own, which mlx_lm drives
-through the protocol of ``BatchKVCache`` (``prepare``, ``finalize``, ``filter``, ``extend``, ``extract``). Each
-function here says which layout it assumes; :data:`LAYOUTS` checks every one of them against the installed mlx_lm
-without a model (a ``BatchGenerator`` over no model, a few one-row caches, signatures), and :func:`layout_problem`
-says what differs, so a changed mlx_lm turns batching off instead of corrupting it.
-
-The server's settings per request (:mod:`.server`) rely on how mlx_lm's ``server`` hands a request from the HTTP
-handler to its generation thread: the handler keeps the parsed JSON body as ``body``, ``ResponseGenerator.generate``
-queues (response queue, request, generation arguments) and its generation thread passes that tuple to
-``_serve_single`` and the arguments to ``_is_batchable``; a request's settings ride on the generation arguments (a
-plain dataclass instance that takes one more attribute and pickles it, so the ranks of a distributed server get it
-too). :data:`SERVER_LAYOUTS` checks these when ``mlx_lm.server`` is imported; the feature that needs them
-(:mod:`.features`) is off where one differs.
+Each function here says which layout it assumes: for :mod:`.batched`, ``BatchGenerator``'s waiting sequences and
+running batches, ``KVCache`` (subclassed to override ``merge``) and the ``BatchKVCache`` protocol a batch of ours
+answers in its place; for :mod:`.server`, how a request travels from the HTTP handler (its parsed ``body``) through
+``ResponseGenerator.generate``'s queue to the generation thread (``_serve_single``, ``_is_batchable``), its settings
+riding on the generation arguments. :data:`LAYOUTS` and :data:`SERVER_LAYOUTS` check each against the installed
+mlx_lm without a model (a ``BatchGenerator`` over no model, a few one-row caches, signatures), so that a changed
+mlx_lm turns the feature that needs it off instead of corrupting it.
 
 mlx_lm is imported on first use (:func:`_mlx_lm`): importing veloxpatch never imports it.
 """
@@ -28,7 +19,7 @@ import functools
 import importlib
 import inspect
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -37,9 +28,8 @@ import mlx.core as mx
 from .._version import __version__
 
 CACHES_AT = 3
-"""Where a waiting sequence's cache list sits in its tuple in ``BatchGenerator._unprocessed_sequences``:
-``insert_segments`` queues (uid, segments, max_tokens, caches, all_tokens, sampler, logits processors,
-stop sequences) and ``_make_batch`` reads the caches back from there."""
+"""Where a waiting sequence's cache list sits in its tuple in ``BatchGenerator._unprocessed_sequences`` (uid,
+segments, max_tokens, caches, ...), where ``_make_batch`` reads it back."""
 
 INSERT_ARGUMENTS = ("segments", "caches", "all_tokens")
 """The ``insert_segments`` arguments :mod:`.batched` reads and rewrites by name."""
@@ -50,31 +40,24 @@ PROTOCOL = {
                      "finalize": "(self)", "filter": "(self, batch_indices)", "extend": "(self, other)",
                      "extract": "(self, idx)"},
 }
-"""mlx_lm's cache methods as mlx_lm calls them: ``KVCache.merge``, which the :func:`mixed_into` subclass overrides,
-and the batch-cache protocol that ``SequenceBatch`` answers in place of ``BatchKVCache``."""
+"""mlx_lm's cache methods as mlx_lm calls them: ``KVCache.merge`` (overridden by :func:`mixed_into`'s subclass),
+and the batch-cache protocol ``SequenceBatch`` answers."""
 
 
 def _mlx_lm(name: str) -> ModuleType:
-    """``mlx_lm.<name>``, imported here, at first use: importing veloxpatch must not cost mlx_lm's start-up.
-    (``import_module``, not ``from mlx_lm import``: ``mlx_lm.generate`` is also a function's name.)"""
+    """``mlx_lm.<name>``, imported at first use (``import_module``: ``mlx_lm.generate`` is also a function's name)."""
     return importlib.import_module(f"mlx_lm.{name}")
 
 
 # --------------------------------------------------------------------- BatchGenerator
 def new_sequence_caches(generator: Any) -> list:
-    """The cache list ``insert_segments`` makes for a sequence that brings none: ``make_prompt_cache``
-    of the ``model`` and ``max_kv_size`` the generator keeps under those names."""
+    """The cache list ``insert_segments`` makes for a sequence that brings none (from the generator's ``model``
+    and ``max_kv_size``)."""
     return _mlx_lm("models.cache").make_prompt_cache(generator.model, generator.max_kv_size)
 
 
-def generator_model(generator: Any) -> Any:
-    """The model a ``BatchGenerator`` runs (kept as ``model``)."""
-    return generator.model
-
-
 def waiting_cache_lists(generator: Any) -> list:
-    """The cache list of each sequence waiting in ``generator`` (tuples in ``_unprocessed_sequences``, the list at
-    :data:`CACHES_AT`)."""
+    """The cache list of each sequence waiting in ``generator`` (:data:`CACHES_AT`)."""
     return [sequence[CACHES_AT] for sequence in generator._unprocessed_sequences]
 
 
@@ -84,9 +67,7 @@ def running_caches(generator: Any) -> list:
 
 
 def replace_waiting_caches(generator: Any, replace: Callable[[Any], Any]) -> None:
-    """Put ``replace(caches)`` in place of each waiting sequence's cache list: sequences wait in
-    ``generator._unprocessed_sequences``, tuples with their cache list at :data:`CACHES_AT`, until
-    their prefill group is merged."""
+    """Put ``replace(caches)`` in place of each waiting sequence's cache list (:func:`waiting_cache_lists`)."""
     waiting = generator._unprocessed_sequences
     for k in range(len(waiting)):
         sequence = waiting[k]
@@ -94,9 +75,8 @@ def replace_waiting_caches(generator: Any, replace: Callable[[Any], Any]) -> Non
 
 
 def replace_running_caches(generator: Any, replace: Callable[[Any], Any]) -> None:
-    """Put ``replace(cache)`` in place of each batch cache already running, in place: the per-layer
-    lists ``generator._prompt_batch.prompt_cache`` and ``generator._generation_batch.prompt_cache``,
-    which mlx_lm extends, filters and extracts from as it goes."""
+    """Put ``replace(cache)`` in place of each batch cache already running (:func:`running_caches`), in the
+    lists themselves, which mlx_lm extends, filters and extracts from as it goes."""
     for batch in (generator._prompt_batch.prompt_cache, generator._generation_batch.prompt_cache):
         batch[:] = [replace(cache) for cache in batch]
 
@@ -108,26 +88,19 @@ def cache_class(name: str) -> type[Any]:
 
 
 def mixed_into(mixin: type, base: str) -> type[Any]:
-    """``mixin`` on mlx_lm's ``models.cache.<base>`` (a name in :data:`PROTOCOL`), named as the mixin
-    without its "Mixin": the mixin may override the methods listed there, called as listed."""
-    parent = getattr(_mlx_lm("models.cache"), base)
-    return type(mixin.__name__.removesuffix("Mixin"), (mixin, parent),
+    """``mixin`` (which may override the methods :data:`PROTOCOL` lists) on mlx_lm's ``models.cache.<base>``,
+    named as the mixin without its "Mixin"."""
+    return type(mixin.__name__.removesuffix("Mixin"), (mixin, cache_class(base)),
                 {"__doc__": mixin.__doc__, "__module__": mixin.__module__})
 
 
 def kv_cache_holding(cls: type, keys: Any, values: Any, rows: int) -> Any:
-    """A new ``cls`` (a ``KVCache``) holding the first ``rows`` rows of ``keys``/``values``: a
-    ``KVCache`` made without arguments is its ``keys`` and ``values`` (capacity along axis 2, maybe
-    more than ``rows``) and ``offset`` (the rows held, which ``BatchKVCache.merge`` reads through ``size``)."""
+    """A new ``cls`` (a ``KVCache``) holding the first ``rows`` rows of ``keys``/``values`` (None: none) as new
+    arrays: ``offset`` is the rows held, which ``BatchKVCache.merge`` reads through ``size``."""
     cache = cls()
-    cache.keys, cache.values, cache.offset = keys, values, rows
+    if keys is not None:
+        cache.keys, cache.values, cache.offset = keys[..., :rows, :], values[..., :rows, :], rows
     return cache
-
-
-def kv_cache_rows(cache: Any) -> tuple[Any, Any, int]:
-    """A ``KVCache``'s ``keys``, ``values`` and ``offset`` (the rows of the first two it holds), as
-    :func:`kv_cache_holding` takes them; also what ``BatchKVCache.extract`` gives back for one sequence."""
-    return cache.keys, cache.values, cache.offset
 
 
 @functools.cache
@@ -152,12 +125,6 @@ CARRIED = "_veloxpatch_request"
 """The attribute veloxpatch adds to mlx_lm's objects of one request (its handler, its generation arguments)."""
 
 
-def request_body(handler: Any) -> Any:
-    """The JSON body of the request an ``APIHandler`` is answering: ``do_POST`` parses it into ``handler.body``
-    before it calls ``validate_model_parameters``."""
-    return getattr(handler, "body", None)
-
-
 def queued_arguments(request: tuple) -> Any:
     """The generation arguments of a request as the generation thread got it (:data:`ARGUMENTS_AT`)."""
     return request[ARGUMENTS_AT]
@@ -174,9 +141,8 @@ def carried(holder: Any) -> Any:
 
 
 def _check_queued_request() -> str | None:
-    """``ResponseGenerator.generate`` queues (response queue, request, arguments), the arguments at
-    :data:`ARGUMENTS_AT`, run on a stand-in generator whose queue answers at once with an error; and the generation
-    arguments, a dataclass, take an attribute and keep it through pickling."""
+    """``ResponseGenerator.generate`` (run on a stand-in whose queue answers at once with an error) queues the
+    arguments at :data:`ARGUMENTS_AT`, and they (a dataclass) keep an attribute through pickling."""
     server = _mlx_lm("server")
     queued: list[tuple] = []
 
@@ -226,19 +192,9 @@ def _names(function: Callable) -> list[str]:
     return [prefix.get(p.kind, "") + p.name for p in inspect.signature(function).parameters.values()]
 
 
-def _parameters(function: Callable) -> str:
+def parameters(function: Callable) -> str:
     """``function``'s parameters as ``(a, b, *args, **kwargs)``, as :data:`PROTOCOL` writes them."""
     return f"({', '.join(_names(function))})"
-
-
-@contextlib.contextmanager
-def _bare_generator(**settings: Any) -> Iterator[Any]:
-    """A real ``BatchGenerator`` over no model (it runs nothing until ``next``), closed afterwards."""
-    generator = _mlx_lm("generate").BatchGenerator(None, **settings)
-    try:
-        yield generator
-    finally:
-        generator.close()
 
 
 def _check_insert_arguments() -> str | None:
@@ -249,9 +205,8 @@ def _check_insert_arguments() -> str | None:
 
 
 def _check_generator_attributes() -> str | None:
-    """A ``BatchGenerator`` keeps ``model`` and ``max_kv_size`` (:func:`new_sequence_caches`) and its
-    running batch caches as lists (:func:`replace_running_caches`)."""
-    with _bare_generator(max_kv_size=7) as generator:
+    """A ``BatchGenerator`` keeps ``model``, ``max_kv_size`` and its running batch caches as lists."""
+    with contextlib.closing(_mlx_lm("generate").BatchGenerator(None, max_kv_size=7)) as generator:
         if (getattr(generator, "model", "missing"), getattr(generator, "max_kv_size", "missing")) != (None, 7):
             return "BatchGenerator(model, max_kv_size=...) keeps no .model and .max_kv_size"
         for batch in ("_prompt_batch", "_generation_batch"):
@@ -262,9 +217,8 @@ def _check_generator_attributes() -> str | None:
 
 
 def _check_waiting_sequences() -> str | None:
-    """An inserted sequence waits as a tuple with its cache list at :data:`CACHES_AT`, and its prefill
-    group is merged by its first cache's ``merge`` into the group's ``prompt_cache``: what
-    :func:`replace_waiting_caches` and a joining sequence's ``merge`` override rely on."""
+    """An inserted sequence waits as a tuple with its cache list at :data:`CACHES_AT`, and its prefill group is
+    merged by its first cache's ``merge`` into the group's ``prompt_cache``."""
     merged: list = []
 
     class Probe:
@@ -275,7 +229,7 @@ def _check_waiting_sequences() -> str | None:
 
     caches = [Probe()]
     generate = _mlx_lm("generate")
-    with _bare_generator() as generator:
+    with contextlib.closing(generate.BatchGenerator(None)) as generator:  # over no model: runs nothing
         inspect.unwrap(generate.BatchGenerator.insert_segments)(generator, [[[1, 2]]], caches=[caches])
         waiting = list(generator._unprocessed_sequences)
         if len(waiting) != 1 or not isinstance(waiting[0], tuple):
@@ -295,16 +249,15 @@ def _check_protocol() -> str | None:
     for base, methods in PROTOCOL.items():
         for name, expected in methods.items():
             method = getattr(getattr(cache_module, base), name, None)
-            found = "missing" if method is None else _parameters(method)
+            found = "missing" if method is None else parameters(method)
             if found != expected:
                 return f"{base}.{name} is {found}, not {expected}"
     return None
 
 
 def _check_batch_offsets() -> str | None:
-    """``BatchKVCache.offset`` holds one position per sequence, through ``merge`` (each sequence's rows),
-    ``extend`` and ``filter`` (:func:`batch_size`), and ``extract`` gives one sequence's own rows back as a
-    ``KVCache`` (:func:`kv_cache_rows`): how a running batch is split into its sequences."""
+    """``BatchKVCache.offset`` holds one position per sequence through ``merge``, ``extend`` and ``filter``, and
+    ``extract`` gives one sequence's own rows back as a ``KVCache``: how a running batch is split."""
     cache_module = _mlx_lm("models.cache")
 
     def rows(n: int) -> Any:
@@ -318,7 +271,7 @@ def _check_batch_offsets() -> str | None:
     if batch_size(batch) != 2 or batch.offset.tolist() != [1, 3]:
         return f"extend then filter leaves offset {batch.offset}, not the kept sequences' positions"
     one = batch.extract(0)
-    if kv_cache_rows(one)[0].shape[2] != 1 or one.size() != 1:
+    if one.keys.shape[2] != 1 or one.size() != 1:
         return "extract does not give back one sequence's own rows as a KVCache"
     return None
 
@@ -330,8 +283,8 @@ LAYOUTS: dict[str, Callable[[], str | None]] = {
     "the KVCache/BatchKVCache protocol": _check_protocol,
     "BatchKVCache.offset": _check_batch_offsets,
 }
-"""Each layout veloxpatch's batched generation relies on, by name, and its check: None when the
-installed mlx_lm has it, else what was found instead."""
+"""Each layout veloxpatch's batched generation relies on, by name, and its check (None: the installed mlx_lm has
+it, else what was found instead)."""
 
 
 def check(name: str) -> str | None:
@@ -344,12 +297,10 @@ def check(name: str) -> str | None:
 
 
 @functools.cache
-def layout_problem(names: tuple[str, ...] = tuple(LAYOUTS)) -> str | None:
-    """Every layout of ``names`` (all of :data:`LAYOUTS` by default) the installed mlx_lm does not have, said
-    in one line; None if it has them all. Checked once per process (a few one-row caches and a generator
-    over no model: about a millisecond once mlx_lm.generate is imported): mlx_lm's classes do not change
-    under a running app."""
-    found = {name: check(name) for name in names}
+def layout_problem() -> str | None:
+    """Every layout of :data:`LAYOUTS` the installed mlx_lm does not have, said in one line; None if it has them
+    all. Checked once per process (a few one-row caches and a generator over no model: about a millisecond once
+    mlx_lm.generate is imported): mlx_lm's classes do not change under a running app."""
     changed = [f"{name} is not the layout veloxpatch {__version__} knows ({what})"
-               for name, what in found.items() if what is not None]
+               for name in LAYOUTS if (what := check(name)) is not None]
     return "; ".join(changed) or None

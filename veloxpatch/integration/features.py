@@ -1,13 +1,10 @@
 """What veloxpatch replaces in mlx_lm, grouped into features, and whether the installed mlx_lm offers each.
 
-mlx-lm changes between minors: ``BatchGenerator.insert_segments`` appeared in 0.31, ``batch_generate``'s
-parameters changed in 0.32. So nothing is patched by version: a feature is patched where every name it
-wraps exists and takes the parameters its wrapper reads (checked with ``inspect.signature``, without a
-model), and otherwise not at all, so that no feature is ever half mlx_lm's and half ours. Each feature
-lives in one defining module, so it is decided when that module is imported.
-
-Two features are the shim itself (``essential``): without the attention route or the prompt caches
-nothing can be compressed, so either being off leaves the whole of mlx_lm as it is.
+mlx-lm changes between minors (``BatchGenerator.insert_segments`` appeared in 0.31, ``batch_generate``'s parameters
+changed in 0.32), so nothing is patched by version: a feature is patched where every name it wraps exists and takes
+the parameters its wrapper reads (``inspect.signature``, without a model), and otherwise not at all, so that no
+feature is ever half mlx_lm's and half ours. Two features are the shim itself (``essential``): without the attention
+route or the prompt caches nothing can be compressed, so either being off leaves the whole of mlx_lm as it is.
 """
 
 from __future__ import annotations
@@ -21,15 +18,13 @@ from typing import Any
 
 from ..cpu import float32_wanted
 from . import batched, compat, float32, server, version, wrappers
-
-_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+from .layer_io import POSITIONAL
 
 
 @dataclass(frozen=True)
 class Target:
-    """One name an mlx_lm module defines that veloxpatch replaces (a function, or ``Class.method``), its
-    wrapper, and the parameters that wrapper reads, so a changed signature turns the feature off instead
-    of reaching the wrapper."""
+    """One name an mlx_lm module defines that veloxpatch replaces (a function, or ``Class.method``), its wrapper,
+    and the parameters that wrapper reads, so a changed signature turns the feature off instead of reaching it."""
 
     name: str
     wrapper: Callable[[Any], Any]
@@ -39,24 +34,20 @@ class Target:
     """Parameters the wrapper reads from the call's keywords alone (so they must be keyword-only)."""
     named: tuple[str, ...] = ()
     """Parameters the wrapper binds by name (``inspect.signature(...).bind``)."""
-    exactly: str | None = None
-    """The whole parameter list, as :func:`parameters` writes it: the wrapper answers the call itself."""
 
     def problem(self, function: Callable) -> str | None:
         """What in ``function``'s parameters this wrapper cannot work with; None if nothing."""
         found = inspect.signature(function).parameters
-        positional = [p.name for p in found.values() if p.kind in _POSITIONAL]
+        positional = [p.name for p in found.values() if p.kind in POSITIONAL]
         missing = [n for n in self.named if n not in found]
         loose = [n for n in self.keyword_only if n not in found or found[n].kind is not inspect.Parameter.KEYWORD_ONLY]
         if positional[:len(self.leading)] != list(self.leading):
             wanted = f"start with ({', '.join(self.leading)})"
         elif missing or loose:
             wanted = f"take {', '.join(missing)} by name" if missing else f"take {', '.join(loose)} as keyword-only"
-        elif self.exactly is not None and parameters(function) != self.exactly:
-            wanted = f"match {self.exactly}"
         else:
             return None
-        return f"{self.name}{parameters(function)} does not {wanted}"
+        return f"{self.name}{compat.parameters(function)} does not {wanted}"
 
 
 @dataclass(frozen=True)
@@ -71,8 +62,7 @@ class Feature:
     essential: bool = False
     """Off means the whole shim passes through (nothing can be compressed without it)."""
     layouts: tuple[str, ...] = ()
-    """What of mlx_lm's private layouts its wrappers rely on (:data:`.compat.SERVER_LAYOUTS`), checked with its
-    names: one that differs leaves the feature off."""
+    """Private layouts of mlx_lm its wrappers rely on (:data:`.compat.SERVER_LAYOUTS`); one that differs: off."""
     used: Callable[[Any], bool] = lambda config: True
     """Whether a config's settings use what it does: under ``VELOX_STRICT`` a feature off is refused only then
     (with only ``VELOX_FLOAT32`` at work, batched generation off leaves nothing uncompressed)."""
@@ -105,8 +95,8 @@ FEATURES: tuple[Feature, ...] = (
         Target("ResponseGenerator.generate", server.generate, leading=("self", "request", "generation_args")),
         Target("ResponseGenerator._is_batchable", server.is_batchable, leading=("self", "args")),
         Target("ResponseGenerator._serve_single", server.serve_single, leading=("self", "request")),
-        Target("APIHandler.generate_response", server.generate_response, leading=("self",)),
-        Target("APIHandler.completion_usage_response", server.completion_usage_response, leading=("self",)),
+        Target("APIHandler.generate_response", server.with_usage, leading=("self",)),
+        Target("APIHandler.completion_usage_response", server.with_usage, leading=("self",)),
         Target("LRUPromptCache.fetch_nearest_cache", server.fetch_nearest_cache, leading=("self", "model", "tokens")),
         Target("LRUPromptCache.insert_cache", server.insert_cache,
                leading=("self", "model", "tokens", "prompt_cache")),
@@ -121,18 +111,6 @@ FEATURES: tuple[Feature, ...] = (
 
 MODULES = tuple(dict.fromkeys(f.module for f in FEATURES))
 """The defining modules veloxpatch hooks."""
-
-
-def parameters(function: Callable) -> str:
-    """``function``'s parameters as ``(a, b, *args, **kwargs)``: what callers bind to."""
-    prefix: dict[inspect._ParameterKind, str] = {inspect.Parameter.VAR_POSITIONAL: "*",
-                                                 inspect.Parameter.VAR_KEYWORD: "**"}
-    return f"({', '.join(prefix.get(p.kind, '') + p.name for p in inspect.signature(function).parameters.values())})"
-
-
-def in_module(name: str) -> list[Feature]:
-    """The features defined in module ``name``."""
-    return [f for f in FEATURES if f.module == name]
 
 
 def owner_of(module: ModuleType, target: Target) -> Any:

@@ -42,19 +42,12 @@ def load_model(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> A
     if config is None or not float32_wanted(config.float32):
         return loaded
     try:
-        _convert(loaded[0], config.float32, lazy=kwargs.get("lazy", args[1] if len(args) > 1 else False))
+        found = upcast(loaded[0])
+        if found and not kwargs.get("lazy", args[1] if len(args) > 1 else False):  # as the caller asked
+            mx.eval(loaded[0].parameters())
+        if found:
+            log.info("VELOX_FLOAT32=%s: %s parameter(s) run as float32 (faster on the CPU backend)", config.float32,
+                     ", ".join(f"{n} {dtype}" for dtype, n in sorted(found.items())))
     except Exception as error:  # the model still works in its own dtype
         fall_back("converting weights to float32", error, config, instead="the model keeps its own dtype")
     return loaded
-
-
-def _convert(model: nn.Module, mode: str, lazy: bool) -> None:
-    """Upcast, evaluate unless the caller asked for a lazy load, and say what changed."""
-    found = upcast(model)
-    if not found:
-        return
-    if not lazy:
-        mx.eval(model.parameters())
-    counts = ", ".join(f"{n} {dtype}" for dtype, n in sorted(found.items()))
-    log.info("VELOX_FLOAT32=%s: %s parameter(s) run as float32 (faster on the CPU backend)",
-             mode, counts)

@@ -1,27 +1,20 @@
 """Layer input and output: what each attention module receives and returns, and its decoder block's input.
 
-The attention route sees rotated queries, keys and values only. Some methods need the hidden states
-around it: SqueezeAttention's paper signal compares the residual stream before and after
-self-attention, XQuant keeps the attention input and recomputes K and V from it. A cache class asks
-for them with ``wants_layer_io``; the builder then calls :func:`install` on the model.
+The attention route sees rotated queries, keys and values only; some methods need the hidden states around it
+(SqueezeAttention compares the residual stream before and after self-attention, XQuant keeps the attention input and
+recomputes K and V from it). A cache class asks for them with ``wants_layer_io``, and :func:`prepare` hooks the model.
 
-mlx_lm's models name their modules differently (``self_attn``, ``attention``, ``attn``, ...) but every
-one hands the layer's cache down to its attention, so the modules are found by signature: the
-attention module is an innermost module whose ``__call__`` takes a ``cache`` parameter, its decoder
-block the nearest ancestor whose ``__call__`` takes one too. Python looks ``__call__`` up on the type,
-so it is the classes (each class that defines the ``__call__`` they run, once) that are wrapped, and
-every wrap is recorded in ``STATE.swaps`` so ``unpatch`` restores the original exactly. A call whose
-cache is not one of ours asking for these calls goes straight to the original after one isinstance
-check; for one of ours each hook the cache class defines is called (a batch of ours hands each sequence its
-own part, :meth:`SequenceBatch.tell`):
+mlx_lm's models name their modules differently (``self_attn``, ``attention``, ...) but every one hands the layer's
+cache down to its attention, so the modules are found by signature: the attention module is an innermost module whose
+``__call__`` takes a ``cache``, its decoder block the nearest ancestor whose ``__call__`` takes one too. Python looks
+``__call__`` up on the type, so the classes defining it are wrapped (once, undone by ``unpatch``). A call whose cache
+is not one of ours asking for this costs one isinstance check; for one of ours (a batch of ours hands each sequence
+its own part, :meth:`SequenceBatch.tell`) each hook its class defines is called:
 
-- ``see_block_input(hidden)``: the decoder block's input (the residual stream, (B, n, hidden)), before the block
-  runs (SqueezeAttention's signal);
-- ``see_attention_input(normed, module)``: what the attention module is about to receive and the module itself,
-  before it runs, so before ``update_and_fetch`` (XQuant keeps it and recomputes K and V with the module's own
-  projections);
-- ``see_attention(normed, output)``: what the attention module received and returned, after it has run, so after
-  ``attend``.
+- ``see_block_input(hidden)``: the decoder block's input (the residual stream), before the block runs;
+- ``see_attention_input(normed, module)``: the attention module's input and the module, before it runs, so before
+  ``update_and_fetch`` (XQuant recomputes K and V with the module's own projections);
+- ``see_attention(normed, output)``: its input and output, after it has run, so after ``attend``.
 """
 
 from __future__ import annotations
@@ -42,7 +35,7 @@ from ..fallback import fall_back
 from ..log import model_type, once
 from ..memo import per_model
 from ..registry import cache_class
-from .state import STATE, Swap, in_force
+from .state import STATE, in_force, swap
 
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
@@ -51,11 +44,8 @@ _FOUND: dict[tuple[int, Any], dict[type, Wrapper]] = {}  # per model: a server b
 
 @dataclass(frozen=True)
 class Parameters:
-    """Where a ``__call__`` takes its input (the first argument after ``self``) and its cache.
-
-    Read once from the signature: binding every call with ``inspect`` would cost more, at every
-    layer of every forward, than the isinstance check a call that is not ours pays.
-    """
+    """Where a ``__call__`` takes its input (the first argument after ``self``) and its cache, read once from the
+    signature: binding every call with ``inspect`` would cost more than the isinstance check a call not ours pays."""
 
     input_name: str
     cache_index: int | None  # position among the arguments after self; None: keyword only
@@ -87,9 +77,8 @@ class Parameters:
 
 
 def prepare(model: Any, config: VeloxConfig) -> None:
-    """Hook ``model``'s attention modules and decoder blocks when ``config``'s method reads layer inputs and
-    outputs (``wants_layer_io``): before the builder probes the model, so the probe runs it with the hooks
-    in place and its caches see what the method's caches will."""
+    """Hook ``model`` when ``config``'s method reads layer inputs and outputs (``wants_layer_io``), before the builder
+    probes it: the probe's caches then see what the method's caches will."""
     if cache_class(config.kv).wants_layer_io:
         install(model)
 
@@ -111,8 +100,8 @@ def install(model: Any) -> bool:
 
 
 def hooked_classes(model: Any) -> dict[type, Wrapper]:
-    """The classes to wrap, each with its wrapper: those defining the ``__call__`` of every attention
-    module (innermost module taking a cache) and of its decoder block (nearest ancestor taking one)."""
+    """The classes defining the ``__call__`` of every attention module and of its decoder block, each with its
+    wrapper."""
     takers = _cache_takers(model)
     block_of = {name: next((a for a in _ancestors(name) if a in takers), None) for name in takers}
     enclosing = set(block_of.values())
@@ -125,18 +114,10 @@ def hooked_classes(model: Any) -> dict[type, Wrapper]:
 
 
 def _cache_takers(model: Any) -> dict[str, tuple[type, Parameters]]:
-    """Dotted module path -> (class defining its ``__call__``, that call's parameters), for every
-    module of ``model`` whose ``__call__`` takes a cache (signatures read once per class)."""
-    per_class: dict[type, tuple[type, Parameters] | None] = {}
-    takers: dict[str, tuple[type, Parameters]] = {}
-    for name, module in model.named_modules():
-        cls = type(module)
-        if cls not in per_class:
-            per_class[cls] = defined_call(cls)
-        found = per_class[cls]
-        if found is not None:
-            takers[name] = found
-    return takers
+    """Dotted module path -> :func:`defined_call`, for every module of ``model`` whose ``__call__`` takes a cache."""
+    modules = model.named_modules()
+    per_class = {cls: defined_call(cls) for cls in {type(module) for _, module in modules}}
+    return {name: found for name, module in modules if (found := per_class[type(module)]) is not None}
 
 
 def defined_call(cls: type) -> tuple[type, Parameters] | None:
@@ -158,11 +139,8 @@ def _ancestors(name: str) -> Iterator[str]:
 
 def wrap_call(owner: type, wrapper: Wrapper, purpose: str) -> None:
     """Bind ``wrapper`` around ``owner.__call__`` once for ``purpose``, recorded for ``unpatch``."""
-    key = f"{purpose} {owner.__module__}.{owner.__qualname__} at {id(owner):#x}"
-    if key not in STATE.swaps:
-        original = vars(owner)["__call__"]
-        STATE.swaps[key] = Swap("__call__", original, wrapt.FunctionWrapper(original, wrapper), owner)
-        setattr(owner, "__call__", STATE.swaps[key].replacement)  # a class's method, replaced
+    swap(f"{purpose} {owner.__module__}.{owner.__qualname__} at {id(owner):#x}", "__call__", vars(owner)["__call__"],
+         lambda original: wrapt.FunctionWrapper(original, wrapper), owner)
 
 
 def _listener(params: Parameters, args: tuple, kwargs: dict) -> CompressedKVCache | SequenceBatch | None:

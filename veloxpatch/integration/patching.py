@@ -1,20 +1,17 @@
 """patch / unpatch: bind our wrappers into mlx_lm, whenever it is imported, and undo it exactly.
 
-wrapt post-import hooks fire when a defining module is imported (or at once if it already is).
-The defining module gets the wrapper, and so does every module that already holds a copy of the
-original (``from .models.cache import make_prompt_cache`` copies the function), so mlx_lm's
-generate, server, chat, ... and a user's own early import all see it; modules imported later copy
-the wrapper from the definer. Hooks are registered once per process and check the state, so any
-order of import / patch / unpatch works and nothing is wrapped twice.
-
-What is wrapped is grouped into features (:mod:`.features`), decided when their defining module is
-first seen after a patch: a feature mlx_lm offers whole is bound, any other is said once and left
-alone, so whatever the mlx-lm version, every feature is either all ours or all mlx_lm's.
+wrapt post-import hooks fire when a defining module is imported (or at once if it already is). The defining module
+gets the wrapper, and so does every module that already holds a copy of the original (``from .models.cache import
+make_prompt_cache`` copies the function), so mlx_lm's generate, server, chat, ... and a user's own early import all
+see it; modules imported later copy the wrapper from the definer. Hooks are registered once per process and check
+the state, so any order of import / patch / unpatch works and nothing is wrapped twice. What is wrapped is grouped
+into features (:mod:`.features`), each decided when its defining module is first seen after a patch.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import signal
@@ -36,17 +33,16 @@ from ..registry import METHODS
 from ..settings import strict_requested
 from . import batched, compat, features, threads, version
 from .features import Feature
-from .state import STATE, Swap
+from .state import STATE, swap
 
 
 def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
     """Switch compressed caches (and ``VELOX_FLOAT32``) on for mlx_lm; True if mlx_lm is (or will be) patched.
 
-    ``config`` or keyword settings (``patch(kv="snapkv", budget="25%")``); neither means the
-    ``VELOX_*`` environment. Calling it again only swaps the config. mlx-lm older than
-    :data:`.version.OLDEST` passes through with a warning; one newer than the newest tested is
-    patched with a warning; each feature (:mod:`.features`) is patched where mlx_lm offers it
-    whole. Under ``strict`` each of these is a :class:`StrictError` instead, and nothing stays patched.
+    ``config`` or keyword settings (``patch(kv="snapkv", budget="25%")``); neither means the ``VELOX_*``
+    environment. Calling it again only swaps the config. mlx-lm older than :data:`.version.OLDEST` passes through
+    with a warning, a newer one than the newest tested is patched with a warning, and each feature only where mlx_lm
+    offers it whole: under ``strict`` each of these is a :class:`StrictError` instead, and nothing stays patched.
     """
     if config is None:
         config = VeloxConfig(**settings) if settings else from_env().config
@@ -69,7 +65,8 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
         except StrictError:  # nothing stays half-patched
             unpatch()
             raise
-        _register_stats(config)
+        if config.stats:
+            _register_stats()
         return STATE.active
 
 
@@ -77,8 +74,8 @@ def unpatch() -> None:
     """Restore every original function wherever we bound ours; forget our cache classes."""
     with STATE.lock:
         STATE.config = None
-        for swap in STATE.swaps.values():
-            _rebind(swap, swap.replacement, swap.original)
+        for swapped in STATE.swaps.values():
+            swapped.bind(undo=True)
         STATE.swaps.clear()
         STATE.features.clear()
         cache_module = sys.modules.get("mlx_lm.models.cache")
@@ -151,10 +148,9 @@ def _version_accepted(config: VeloxConfig) -> bool:
     return True
 
 
+@functools.cache
 def _register_hooks() -> None:
-    if STATE.hooks_registered:
-        return
-    STATE.hooks_registered = True
+    """Once per process: each hook checks the state."""
     for name in features.MODULES:
         wrapt.register_post_import_hook(_on_import, name)
 
@@ -175,7 +171,7 @@ def _on_import(module: ModuleType) -> None:
 def _apply(module: ModuleType) -> None:
     """Patch every feature ``module`` defines that the installed mlx_lm offers whole; decide each once per
     patch, and say each that is off (an essential one off unpatches everything)."""
-    for feature in features.in_module(module.__name__):
+    for feature in (f for f in features.FEATURES if f.module == module.__name__):
         if feature.name not in STATE.features:
             STATE.features[feature.name] = features.problem(feature, module)
         _said_off(feature, STATE.features[feature.name])  # each patch: a new config may use what is off
@@ -203,39 +199,18 @@ def _said_off(feature: Feature, problem: str | None) -> None:
 def _bind(feature: Feature, module: ModuleType) -> None:
     """Bind our wrapper for each of ``feature``'s names in ``module`` (each wrapped once per patch)."""
     for target in feature.targets:
-        if target.name not in STATE.swaps:
-            original = features.original(module, target)
-            owner = features.owner_of(module, target) if "." in target.name else None
-            STATE.swaps[target.name] = Swap(target.name.rpartition(".")[2], original, target.wrapper(original), owner)
-        swap = STATE.swaps[target.name]
-        _rebind(swap, swap.original, swap.replacement)
+        owner = features.owner_of(module, target) if "." in target.name else None
+        swap(target.name, target.name.rpartition(".")[2], features.original(module, target), target.wrapper, owner)
     if module.__name__ == "mlx_lm.models.cache":
         for cls in (info.cls for info in METHODS.values()):  # load_prompt_cache looks classes up here by name
             setattr(module, cls.__name__, cls)
-
-
-def _rebind(swap: Swap, old: Any, new: Any) -> None:
-    """Replace ``old`` with ``new``: on the owning class, or at every module-level binding of the name."""
-    if swap.owner is not None:
-        if vars(swap.owner).get(swap.name) is old:
-            setattr(swap.owner, swap.name, new)
-        return
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if isinstance(namespace, dict) and namespace.get(swap.name) is old:
-            setattr(module, swap.name, new)
 
 
 def _guard_exit() -> None:
     """Note the threads running now and every one started while patched, and at exit let the finished ones
     leave the OS before the interpreter finalizes (:mod:`.threads`: mlx's per-thread random key would otherwise
     abort the exit)."""
-    name = "threading.Thread.start"
-    if name not in STATE.swaps:
-        original = vars(threading.Thread)["start"]
-        STATE.swaps[name] = Swap("start", original, threads.track(original), threading.Thread)
-    swap = STATE.swaps[name]
-    _rebind(swap, swap.original, swap.replacement)
+    swap("threading.Thread.start", "start", vars(threading.Thread)["start"], threads.track, threading.Thread)
     for thread in threading.enumerate():  # those started before the patch
         if thread is not threading.main_thread():
             threads.note(thread)
@@ -244,18 +219,12 @@ def _guard_exit() -> None:
         atexit.register(threads.wait_for_exits)
 
 
-def _register_stats(config: VeloxConfig) -> None:
+@functools.cache
+def _register_stats() -> None:
     """The stats line at every normal end: at exit, and on SIGTERM (how systemd, docker and supervisors stop a
-    server), which by default ends the process without running ``atexit``."""
-    if config.stats and not STATE.stats_registered:
-        STATE.stats_registered = True
-        atexit.register(_print_stats)
-        _stats_on_sigterm()
-
-
-def _stats_on_sigterm() -> None:
-    """Print the stats line before SIGTERM's default action, where SIGTERM has it (an app's own handler is left
-    alone, and its exit runs ``atexit``); only the main thread may set a handler."""
+    server), whose default action ends the process without running ``atexit`` (an app's own handler is left
+    alone, and its exit runs ``atexit``; only the main thread may set a handler)."""
+    atexit.register(_print_stats)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _terminated)
 

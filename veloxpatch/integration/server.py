@@ -6,30 +6,19 @@ A request to ``mlx_lm server`` may carry its own settings, in a field of its JSO
     X-Velox-Kv: snapkv
     X-Velox-Budget: 25%
 
-The keys are the settings' own (:func:`veloxpatch.config.request_settings`: ``kv``, ``budget``, ``sink``,
-``window``, ``tier``, ``tier_size``, ``compress``, ``draft_kv`` and every method's knobs), a header's name is the
-key with ``-`` for ``_`` after ``X-Velox-``, and a value is parsed as the environment's would be. What a request
-does not say is the process's (``VELOX_*`` or the launcher's options); what it says for a setting of the process
-alone (:data:`veloxpatch.config.PROCESS_WIDE`) is refused. A bad value is mlx_lm's own HTTP 400 (``{"error":
-...}``), the message naming the field, the value and what is allowed, and the server keeps serving.
+The keys are the settings' own (:func:`veloxpatch.config.request_settings`; a header's name is the key with ``-``
+for ``_`` after ``X-Velox-``), each value parsed as the environment's would be, over the process's settings; a
+setting of the process alone (:data:`veloxpatch.config.PROCESS_WIDE`) is refused. A bad value is mlx_lm's own HTTP
+400 naming the field, the value and what is allowed, and the server keeps serving.
 
-How the settings travel: the HTTP handler checks them where mlx_lm checks its own parameters
-(``validate_model_parameters``), and hands them, on its own thread, to ``ResponseGenerator.generate``, which queues
-them on the request's generation arguments (:mod:`.compat`). The generation thread serves the request with them in
-force (:func:`.state.serving`): the cache list ``make_prompt_cache`` builds, the probe, the draft's caches. The
-server's prompt cache (``LRUPromptCache``) is keyed by model *and* by the settings a list is built from
-(:meth:`VeloxConfig.cache_settings`), so a prompt cached under one setting is never reused under another, and two
-requests that ask for the same (said or by default) share as before.
+The settings travel with the request from the HTTP handler to the generation thread or the batch it joins
+(docs/DESIGN.md, "One server request"; where batches are mlx_lm's own, a request whose settings are not the
+process's is served one at a time). The server's prompt cache is keyed by model *and* by the settings a list is
+built from (:meth:`VeloxConfig.cache_settings`), so a prompt cached under one setting is never reused under another.
 
-Concurrent requests are batched on compressed caches (:mod:`.batched`), each sequence's made, fetched from the prompt
-cache and stored under its own request's settings; where batches are mlx_lm's own (no method for the process, or
-its batching layouts changed), a request whose settings are not the process's is served one at a time.
-
-The answer's ``usage`` gains ``velox``: the method and budget in force and what the request's cache list holds
-once answered (``kv_bytes``, ``dense_kv_bytes``, ``rows_kept``, ``rows_seen``, ``share_kept``, and both byte counts
-as a 16-bit model would hold them, ``kv_bytes_16bit`` and ``dense_kv_bytes_16bit``;
-:func:`veloxpatch.stats.held`), measured on the generation thread once the list is in the prompt cache, whether the
-request was served alone or in a batch (its ticket rides on its list: :func:`.state.hand_to_batch`).
+The answer's ``usage`` gains ``velox``: the method and budget in force and what the request's cache list holds once
+answered (:func:`veloxpatch.stats.held`, and ``share_kept``), measured on the generation thread once the list is in
+the prompt cache, whether the request was served alone or in a batch.
 """
 
 from __future__ import annotations
@@ -49,7 +38,6 @@ from .batched import batching_on
 from .state import STATE, hand_to_batch, in_force, same_as_process, serving, to_batch
 
 FIELD = "velox"
-HELD = ("kv_bytes", "dense_kv_bytes", "rows_kept", "rows_seen", "kv_bytes_16bit", "dense_kv_bytes_16bit")
 """The JSON field of a request's settings."""
 
 HEADER = "x-velox-"
@@ -65,8 +53,7 @@ class RequestError(ValueError):
 
 
 class Ticket:
-    """One request's settings, from its handler to its generation thread and back with what its cache list holds.
-    Pickled (a distributed server shares a request with its other ranks) it is its config alone."""
+    """One request's settings, from its handler to its generation thread and back with what its cache list holds."""
 
     def __init__(self, config: VeloxConfig) -> None:
         self.config = config
@@ -75,8 +62,9 @@ class Ticket:
         self.held: dict[str, int] | None = None
         self._done = threading.Event()
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"config": self.config}
+    def __reduce__(self) -> tuple[type[Ticket], tuple[VeloxConfig]]:
+        """Pickled (a distributed server shares a request with its other ranks), its config alone."""
+        return Ticket, (self.config,)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Ticket:
         """Itself: it rides on a batched request's cache list (:mod:`.batched`), and the copies the batch gives back
@@ -88,9 +76,6 @@ class Ticket:
         of the list the server stores once it has answered (one at least that long)."""
         self.started, self.prompt_tokens = True, prompt_tokens
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        type(self).__init__(self, state["config"])
-
     def finish(self) -> None:
         self._done.set()
 
@@ -99,7 +84,7 @@ class Ticket:
         list the server stores for it."""
         if self.started and not self._done.wait(WAIT_S):
             log.warning("the KV usage of a request was not measured within %.0f s", WAIT_S)
-        held: dict[str, Any] = self.held or dict.fromkeys(HELD)
+        held: dict[str, Any] = self.held or dict.fromkeys(stats.HELD)
         seen = held["rows_seen"]
         share = round(held["rows_kept"] / seen, 4) if seen else (None if seen is None else 1.0)
         return {"kv": self.config.kv, "budget": str(self.config.budget) if self.config.enabled else None,
@@ -115,7 +100,7 @@ def settings_of(body: Any, headers: Any, base: VeloxConfig) -> VeloxConfig:
                            f"not {field!r}")
     given = [(str(key), f"{FIELD}.{key}", value) for key, value in (field or {}).items()]
     given += [(name[len(HEADER):].lower().replace("-", "_"), f"header {name}", value)
-              for name, value in _velox_headers(headers)]
+              for name, value in (headers.items() if headers is not None else []) if name.lower().startswith(HEADER)]
     if not given:
         return base
     allowed = request_settings()
@@ -159,24 +144,19 @@ def _carried_text(allowed: Mapping[str, Setting]) -> str:
             "methods` lists them)")
 
 
-def _velox_headers(headers: Any) -> list[tuple[str, str]]:
-    """(name, value) of every header named :data:`HEADER`..."""
-    items = headers.items() if headers is not None else []
-    return [(name, value) for name, value in items if name.lower().startswith(HEADER)]
-
-
 # --------------------------------------------------------------------- the handler's thread
 _handed = threading.local()  # the handler's thread: the ticket its checks made, for its generate call
 
 
 @wrapt.decorator
 def validate_model_parameters(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """mlx_lm's checks, then the request's settings (:class:`RequestError`, a ValueError: mlx_lm answers 400)."""
+    """mlx_lm's checks, then the request's settings (:class:`RequestError`, a ValueError: mlx_lm answers 400), read
+    from the JSON body ``do_POST`` parsed into ``body`` before it called this, and the headers."""
     _handed.ticket = None
     result = wrapped(*args, **kwargs)
     base = STATE.config
     if base is not None:
-        ticket = Ticket(settings_of(compat.request_body(instance), getattr(instance, "headers", None), base))
+        ticket = Ticket(settings_of(getattr(instance, "body", None), getattr(instance, "headers", None), base))
         compat.carry(instance, ticket)
         _handed.ticket = ticket
     return result
@@ -192,23 +172,15 @@ def generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any
     return wrapped(*args, **kwargs)
 
 
-def _with_usage(response: Any, handler: Any) -> Any:
-    ticket = compat.carried(handler)
+@wrapt.decorator
+def with_usage(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """For ``generate_response`` and ``completion_usage_response``: an answer that carries ``usage`` (a whole one,
+    or a stream's usage chunk, ``stream_options.include_usage``) says what the request's KV holds."""
+    response = wrapped(*args, **kwargs)
+    ticket = compat.carried(instance)
     if ticket is not None and isinstance(response, dict) and isinstance(response.get("usage"), dict):
         response["usage"][FIELD] = ticket.usage()
     return response
-
-
-@wrapt.decorator
-def generate_response(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """An answer that carries ``usage`` (a whole one, not a streamed chunk) says what the request's KV holds."""
-    return _with_usage(wrapped(*args, **kwargs), instance)
-
-
-@wrapt.decorator
-def completion_usage_response(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """A stream's usage chunk (``stream_options.include_usage``) says it too."""
-    return _with_usage(wrapped(*args, **kwargs), instance)
 
 
 # --------------------------------------------------------------------- the generation thread
@@ -217,10 +189,9 @@ _served = threading.local()  # the generation thread: the ticket of the request 
 
 @wrapt.decorator
 def is_batchable(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """mlx_lm's answer; a request whose settings are not the process's also needs batches of ours (a process with a
-    method on, whose batches take any sequence's caches), else it is served one at a time. A batchable request's
-    ticket goes to the batch (:func:`.state.hand_to_batch`): its caches are made, fetched and stored under its own
-    settings there."""
+    """mlx_lm's answer; a request whose settings are not the process's also needs batches of ours (which take any
+    sequence's caches), else it is served one at a time. A batchable request's ticket goes to the batch
+    (:func:`.state.hand_to_batch`), where its caches are made, fetched and stored under its own settings."""
     ticket = compat.carried(args[0] if args else kwargs.get("args"))
     batchable = wrapped(*args, **kwargs) and (ticket is None or same_as_process(ticket.config) or batching_on())
     hand_to_batch(ticket if batchable else None)
@@ -253,26 +224,19 @@ def _batched_ticket(caches: Any) -> Ticket | None:
     return None
 
 
-def _whole_prompt(ticket: Ticket | None, tokens: Any) -> bool:
-    """Whether ``tokens`` (a list the server stores) hold the batched request's whole prompt: it also stores one
-    at the end of each segment of a prompt, before the request is answered."""
-    return ticket is not None and tokens is not None and len(tokens) >= (ticket.prompt_tokens or 0)
-
-
-def _keyed(model: Any, ticket: Ticket | None = None) -> tuple[Any, Any]:
-    """The prompt cache's key for ``model`` under ``ticket``'s settings, else those in force."""
+def _keyed(wrapped: Callable, args: tuple, kwargs: dict, ticket: Ticket | None) -> Any:
+    """``wrapped`` (an ``LRUPromptCache`` method taking ``model`` first) called with the prompt cache's key for the
+    model under ``ticket``'s settings, else those in force, in place of the model."""
     config = ticket.config if ticket is not None else in_force()
-    return model, None if config is None else config.cache_settings()
+    model = args[0] if args else kwargs.pop("model")
+    return wrapped((model, None if config is None else config.cache_settings()), *args[1:], **kwargs)
 
 
 @wrapt.decorator
 def fetch_nearest_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``LRUPromptCache.fetch_nearest_cache(model, tokens)``: only lists made under the settings of the request
     about to be served (one at a time: in force; batched: handed to the batch)."""
-    ticket = None if getattr(_served, "ticket", None) is not None else to_batch()
-    if args:
-        return wrapped(_keyed(args[0], ticket), *args[1:], **kwargs)
-    return wrapped(*args, **{**kwargs, "model": _keyed(kwargs["model"], ticket)})
+    return _keyed(wrapped, args, dict(kwargs), None if getattr(_served, "ticket", None) is not None else to_batch())
 
 
 @wrapt.decorator
@@ -282,8 +246,11 @@ def insert_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
     one: the request its list carries, once the list holds the whole prompt)."""
     caches = args[2] if len(args) > 2 else kwargs.get("prompt_cache")
     tokens = args[1] if len(args) > 1 else kwargs.get("tokens")
-    batched = _batched_ticket(caches) if getattr(_served, "ticket", None) is None else None
-    ticket = getattr(_served, "ticket", None) or (batched if _whole_prompt(batched, tokens) else None)
+    served = getattr(_served, "ticket", None)
+    batched = _batched_ticket(caches) if served is None else None
+    # a batched request's whole prompt: the server also stores a list at the end of each segment of a prompt
+    whole = batched is not None and tokens is not None and len(tokens) >= (batched.prompt_tokens or 0)
+    ticket = served or (batched if whole else None)
     if ticket is not None and isinstance(caches, list):
         try:
             ticket.held = stats.held(caches)
@@ -291,6 +258,4 @@ def insert_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
             log.warning("measuring a request's KV cache failed (%s: %s)", type(error).__name__, error)
         if ticket.prompt_tokens is not None:
             ticket.finish()
-    if args:
-        return wrapped(_keyed(args[0], batched), *args[1:], **kwargs)
-    return wrapped(*args, **{**kwargs, "model": _keyed(kwargs["model"], batched)})
+    return _keyed(wrapped, args, dict(kwargs), batched)

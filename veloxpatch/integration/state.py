@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,13 +19,26 @@ from ..log import once
 
 @dataclass
 class Swap:
-    """One function replaced in mlx_lm (or ``threading.Thread.start``, :mod:`.threads`): the original and our
-    replacement, bound on ``owner`` (a class) or, when that is None, at every module-level binding of ``name``."""
+    """One function replaced in mlx_lm (or ``threading.Thread.start``, :mod:`.threads`), on ``owner`` (a class) or,
+    when that is None, at every module-level binding of ``name``."""
 
     name: str
     original: Any
     replacement: Any
     owner: Any = None
+
+    def bind(self, undo: bool = False) -> None:
+        """Put the replacement where the original is (``undo``: the other way round), on the owning class or at
+        every module-level binding of the name."""
+        old, new = (self.replacement, self.original) if undo else (self.original, self.replacement)
+        if self.owner is not None:
+            if vars(self.owner).get(self.name) is old:
+                setattr(self.owner, self.name, new)
+            return
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if isinstance(namespace, dict) and namespace.get(self.name) is old:
+                setattr(module, self.name, new)
 
 
 @dataclass
@@ -36,8 +50,6 @@ class PatchState:
     """Each feature decided since the last patch (:mod:`.features`): None when patched, else why it is off."""
     runtime: Runtime = Runtime()
     """What the integration answers the caches it builds or loads (set by ``patch``: :class:`..caches.Runtime`)."""
-    hooks_registered: bool = False
-    stats_registered: bool = False
     exit_registered: bool = False
 
     @property
@@ -46,6 +58,14 @@ class PatchState:
 
 
 STATE = PatchState()
+
+
+def swap(key: str, name: str, original: Any, wrap: Callable[[Any], Any], owner: Any = None) -> None:
+    """Bind ``wrap(original)`` in place of ``original``, wrapped once per patch and recorded under ``key`` for
+    ``unpatch``."""
+    if key not in STATE.swaps:
+        STATE.swaps[key] = Swap(name, original, wrap(original), owner)
+    STATE.swaps[key].bind()
 
 _local = threading.local()
 
@@ -80,7 +100,7 @@ def batched_generation() -> Iterator[None]:
 
 
 def in_batched_generation() -> bool:
-    """True inside :func:`batched_generation` on this thread (said once in the log)."""
+    """True inside :func:`batched_generation` on this thread (said once)."""
     if not getattr(_local, "batched", 0):
         return False
     once("batched", logging.WARNING, "mlx_lm batched generation merges caches; it runs with mlx_lm's own caches")

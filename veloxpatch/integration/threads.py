@@ -1,24 +1,17 @@
 """A clean exit for a process whose threads used mlx: the shim's workaround for a fault of mlx's.
 
-mlx's Python binding keeps each thread's default random key in a C++ ``thread_local`` (``PyKeySequence``,
-mlx's ``python/src/random.cpp``) whose destructor takes the GIL to drop the Python list holding the key. A
-``thread_local`` is destroyed when its OS thread ends, which is after Python counts the thread as finished:
-``Thread.join()`` returns once the thread's Python state is gone, before its C++ destructors have run. When the
-main thread has begun finalizing the interpreter by then, the destructor's ``PyGILState_Ensure`` ends the thread
-with ``pthread_exit``, whose unwinding meets the destructor's implicit ``noexcept`` and calls ``std::terminate``:
-"terminate called without an active exception", SIGABRT (status -6, 134 from a shell). Any thread that drew from
-the default key qualifies: ``mlx_lm server``'s generation thread builds the model, whose layers draw their
-initial weights from it, and the server joins that thread just before it exits, so without this a stop by SIGINT
-aborts most of the time. Four lines of mlx alone do it (``tests/test_server_exit.py`` runs them).
+mlx's Python binding keeps each thread's default random key in a C++ ``thread_local`` (``PyKeySequence``, mlx's
+``python/src/random.cpp``) whose destructor takes the GIL when the OS thread ends, after ``Thread.join()`` has
+returned: if the interpreter is finalizing by then, ``PyGILState_Ensure`` ends the thread with ``pthread_exit``, whose
+unwinding meets the destructor's implicit ``noexcept`` ("terminate called without an active exception", SIGABRT).
+``mlx_lm server``'s generation thread draws from that key and is joined just before the exit, so a stop by SIGINT
+would mostly abort (``tests/test_server_exit.py``: four lines of mlx).
 
-While patched, :func:`track` (wrapped around ``threading.Thread.start``) notes each started thread's native id
-(the patch notes those already running). At exit, :func:`wait_for_exits` (an ``atexit`` handler: those run after the
-interpreter has joined its non-daemon threads and before it finalizes) waits until every noted thread that has
-finished in Python has left the OS too (``/proc/self/task``, Linux), sleeping meanwhile so the GIL is free for
-their destructors; at most :data:`LIMIT_S`, and usually no time at all. Where ``/proc`` is missing it gives the
-GIL away for :data:`FALLBACK_S` once. A daemon thread still running at exit cannot be helped this way: one that
-drew from the key aborts the process when the interpreter stops it (mlx_lm's server has none such: its HTTP
-handler threads never draw from it).
+While patched, :func:`track` (around ``threading.Thread.start``) notes each started thread (the patch notes those
+already running), and :func:`wait_for_exits`, an ``atexit`` handler (run after the interpreter has joined its
+non-daemon threads, before it finalizes), sleeps, the GIL free, until every noted thread finished in Python has left
+the OS too (``/proc/self/task``). A daemon thread still running at exit cannot be helped this way (mlx_lm's server's
+HTTP handler threads never draw from the key).
 """
 
 from __future__ import annotations
@@ -77,13 +70,13 @@ def tasks() -> set[int] | None:
         return None
 
 
-def wait_for_exits(limit: float = LIMIT_S) -> list[int]:
-    """Wait, at most ``limit`` seconds, until every noted thread finished in Python has ended in the OS too;
+def wait_for_exits() -> list[int]:
+    """Wait, at most :data:`LIMIT_S`, until every noted thread finished in Python has ended in the OS too;
     the native ids of those still there (none, normally)."""
     waiting = finished()
     if not waiting:
         return []
-    deadline = time.monotonic() + limit
+    deadline = time.monotonic() + LIMIT_S
     while True:
         present = tasks()
         if present is None:

@@ -1,15 +1,13 @@
 """Which mlx_lm versions veloxpatch patches: a floor, and the newest one it was tested with.
 
-pip installs veloxpatch next to whatever mlx-lm the app pinned, as long as it is at least the floor
-(``pyproject.toml`` has no upper cap, so installing veloxpatch never moves the app's mlx-lm). What is
-patched is then decided at run time, feature by feature (:mod:`.features`): below the floor nothing
-is; above the newest tested minor the features whose checks pass are, with one warning naming the
-version (an error under ``VELOX_STRICT``).
+``pyproject.toml`` has no upper cap, so installing veloxpatch never moves the app's mlx-lm; what is patched is
+decided at run time, feature by feature (:mod:`.features`), with one warning above the newest tested minor.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import re
 
 OLDEST = (0, 28, 1)
@@ -18,7 +16,7 @@ rebuilds a saved prompt cache by calling a class of its own module with no argum
 ``from_state``: our caches could be saved, never loaded."""
 
 NEWEST_TESTED = (0, 32)
-"""The newest mlx-lm minor the test suite ran on; a newer one is patched where its checks pass, with a warning."""
+"""The newest mlx-lm minor the test suite ran on."""
 
 
 def text(release: tuple[int, ...]) -> str:
@@ -36,17 +34,12 @@ def mlx_lm_version() -> str | None:
 
 def parse(version: str) -> tuple[int, ...]:
     """Leading numeric release parts: ``"0.32.2.dev1"`` -> (0, 32, 2)."""
-    parts = []
-    for piece in version.split(".")[:3]:
-        match = re.match(r"\d+", piece)
-        if not match:
-            break
-        parts.append(int(match.group()))
-    return tuple(parts)
+    leading = (re.sub(r"\D.*", "", piece) for piece in version.split(".")[:3])  # each part's leading digits
+    return tuple(int(digits) for digits in itertools.takewhile(bool, leading))
 
 
 def too_old(version: str | None) -> bool:
-    """True for a version below :data:`OLDEST` (or none at all): veloxpatch does not patch it."""
+    """True for a version below :data:`OLDEST`, or none at all."""
     return version is None or parse(version) < OLDEST
 
 

@@ -1,19 +1,8 @@
-"""The replacements the shim binds into mlx_lm.
+"""The replacements the shim binds into mlx_lm (the batched-generation ones live in :mod:`.batched`, the server's
+in :mod:`.server`).
 
-* ``make_prompt_cache``: builds mlx_lm's cache list, then swaps eligible slots for ours.
-* ``scaled_dot_product_attention``: a call whose cache is ours goes to the cache (real queries,
-  our mask); every other call goes to the original, arguments untouched.
-* ``generate_step`` / ``speculative_generate_step``: a generation starts on a cache list. Every
-  coordinator in it resets (a server list holds main and draft caches, each with its own), caches
-  that lost theirs (restored with ``from_state``) get one, and copies made without ``__init__``
-  (the server deep-copies prompt caches) are counted in the statistics. A generation that makes its
-  own list from a model not evaluated yet evaluates it first (:func:`_evaluate_first`).
-* ``load_prompt_cache``: a restored list gets its coordinator back, and its caches what the builder gives the
-  caches it builds (the runtime, a place in the statistics).
-* the batched-generation entries live in :mod:`.batched`.
-
-Each reads the active config at call time, so re-patching with a new config needs no re-binding,
-and a failure inside our code falls back to mlx_lm's own behaviour unless ``VELOX_STRICT``.
+Each reads the config in force at call time, so re-patching with a new config needs no re-binding, and a failure
+inside our code falls back to mlx_lm's own behaviour unless ``VELOX_STRICT``.
 """
 
 from __future__ import annotations
@@ -35,7 +24,6 @@ from ..coordinators import coordinators_of
 from ..cpu import cpu_backend
 from ..fallback import StrictError, fall_back
 from ..log import once
-from ..ranks import RanksDisagree
 from ..settings import ConfigError
 from . import layer_io, rereading
 from .state import STATE, in_batched_generation, in_force
@@ -45,6 +33,7 @@ SDPA_PARAMS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 
 @wrapt.decorator
 def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """mlx_lm's cache list, its eligible slots swapped for ours."""
     caches = wrapped(*args, **kwargs)
     config = in_force()
     if config is None or not config.enabled or in_batched_generation():
@@ -54,22 +43,20 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
         if builder.candidate_slots(caches):
             layer_io.prepare(model, config)
             rereading.prepare(model, config)
-        return builder.build(model, caches, config, STATE.runtime, _max_kv_size(args, kwargs))
-    # RanksDisagree: every rank raises it, never one method per rank; ConfigError: a setting this model cannot take
-    except (RanksDisagree, StrictError, ConfigError):
+        return builder.build(model, caches, config, STATE.runtime,
+                             args[1] if len(args) > 1 else kwargs.get("max_kv_size"))
+    # ConfigError: a setting this model cannot take, or RanksDisagree (every rank raises it, never one method per rank)
+    except (StrictError, ConfigError):
         raise
     except Exception as error:  # the host app must keep running
         fall_back("building compressed caches", error, config, model=model, instead="it runs on mlx_lm's own caches")
         return caches
 
 
-def _max_kv_size(args: tuple, kwargs: dict) -> int | None:
-    """The ``max_kv_size`` of a ``make_prompt_cache(model, max_kv_size=None)`` call, by position or name."""
-    return args[1] if len(args) > 1 else kwargs.get("max_kv_size")
-
-
 @wrapt.decorator
 def scaled_dot_product_attention(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """A call whose cache is ours goes to the cache (real queries, our mask); every other call goes to the
+    original, arguments untouched."""
     call = dict(zip(SDPA_PARAMS, args), **kwargs)
     cache = call.get("cache")
     if isinstance(cache, (CompressedKVCache, SequenceBatch)):
@@ -97,10 +84,10 @@ def _in_blocks(cache: Any, queries: mx.array) -> bool:
 @wrapt.decorator
 def generation_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """For ``generate_step`` and ``speculative_generate_step`` (``prompt_cache`` is keyword-only)."""
+    caches, model = kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model")
     try:
-        _evaluate_first(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"))
-        start_generation(kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model"),
-                         _tokens(args[0] if args else kwargs.get("prompt")))
+        _evaluate_first(caches, model)
+        start_generation(caches, model, _tokens(args[0] if args else kwargs.get("prompt")))
     except Exception as error:
         fall_back("starting a generation", error, in_force(),
                   instead="it runs on its caches as they are (cross-layer state not reset)")
@@ -112,13 +99,12 @@ def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
     """For ``speculative_generate_step``: the draft model's caches follow ``VELOX_DRAFT_KV``, then a
     generation starts as for ``generate_step``."""
     call = inspect.signature(wrapped).bind(*args, **kwargs)
+    given = call.arguments
     try:
-        _evaluate_first(call.arguments.get("prompt_cache"), call.arguments.get("model"),
-                        call.arguments.get("draft_model"))
-        _draft_caches(call.arguments)
-        _share_memory_plan(call.arguments)
-        start_generation(call.arguments.get("prompt_cache"), call.arguments.get("model"),
-                         _tokens(call.arguments.get("prompt")))
+        _evaluate_first(given.get("prompt_cache"), given.get("model"), given.get("draft_model"))
+        _draft_caches(given)
+        _share_memory_plan(given)
+        start_generation(given.get("prompt_cache"), given.get("model"), _tokens(given.get("prompt")))
     except ConfigError:  # the model and its draft together cannot fit VELOX_KV_MEMORY: a setting, not our fault
         raise
     except Exception as error:
@@ -129,6 +115,7 @@ def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
 
 @wrapt.decorator
 def load_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """A restored list gets its coordinator back, and its caches what the builder gives those it builds."""
     loaded = wrapped(*args, **kwargs)
     found = ours(loaded[0] if isinstance(loaded, tuple) else loaded)
     for cache in found:  # built by from_state: given what a cache the builder built is given
@@ -140,9 +127,8 @@ def load_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
 
 def _evaluate_first(caches: Any, *models: Any) -> None:
     """Evaluate the parameters of ``models`` not evaluated yet when mlx_lm is about to make their cache list
-    (``caches`` is None): the generation's first forward would evaluate them moments later, in the same memory, and
-    the probe, which never evaluates a model (:func:`veloxpatch.builder.build`), can then serve this generation
-    rather than the next (an app that loaded its model with ``lazy=True``)."""
+    (``caches`` is None, e.g. after ``load(lazy=True)``): the generation's first forward would evaluate them moments
+    later, and the probe, which never evaluates a model, can then serve this generation rather than the next."""
     config = in_force()
     if caches is not None or config is None or not config.enabled:
         return
@@ -152,10 +138,10 @@ def _evaluate_first(caches: Any, *models: Any) -> None:
 
 
 def start_generation(caches: Any, model: Any, prompt: int | None = None) -> None:
-    """A generation starts on ``caches``: restored caches get their coordinator, every coordinator is
-    reset, a model whose caches read layer inputs and outputs gets its hooks (a list loaded from a
-    file never went through ``make_prompt_cache``, where they are installed otherwise), and each cache
-    learns that its next ``prompt`` tokens (when known) are the prompt."""
+    """A generation starts on ``caches``: each learns that its next ``prompt`` tokens (when known) are the prompt,
+    a model whose caches read layer inputs and outputs or the prompt twice gets its hooks (a list loaded from a file
+    never went through ``make_prompt_cache``), restored caches get their coordinator, copies (the server deep-copies
+    prompt caches) are counted in the statistics, and every coordinator (main and draft lists' alike) is reset."""
     found = ours(caches)
     if prompt:
         for cache in found:
@@ -179,13 +165,9 @@ def _tokens(prompt: Any) -> int | None:
 
 
 def _draft_caches(arguments: dict[str, Any]) -> None:
-    """With ``VELOX_DRAFT_KV=none`` the draft model keeps mlx_lm's own caches.
-
-    Without a prompt cache, mlx_lm would build both lists itself; we build them the same way (the
-    main model's compressed), also under ``VELOX_KV_MEMORY``, whose plan the two lists then share.
-    A given list's draft part (after the main model's layers) has its empty compressed slots swapped
-    for mlx_lm's; one that already holds rows stays (said once).
-    """
+    """With ``VELOX_DRAFT_KV=none`` the draft model keeps mlx_lm's own caches: without a prompt cache both lists
+    are built as mlx_lm would (also under ``VELOX_KV_MEMORY``, whose plan the two lists then share); a given list's
+    draft part has its empty compressed slots swapped for mlx_lm's (one that holds rows stays, said once)."""
     config = in_force()
     if config is None or (config.draft_kv != "none" and not config.kv_memory):
         return
@@ -235,10 +217,8 @@ def ours(caches: Any) -> list[CompressedKVCache]:
 
 
 def _adopt(caches: list[CompressedKVCache]) -> None:
-    """Give caches without a coordinator one per method, shared, joined in list order.
-
-    ``from_state`` (prompt-cache files) builds single caches, which cannot know their list.
-    """
+    """Give caches without a coordinator (``from_state`` builds single caches, which cannot know their list) one
+    per method, shared, joined in list order."""
     orphans = [c for c in caches if c.coordinator is None]
     for method in dict.fromkeys(c.method for c in orphans):
         members = [c for c in orphans if c.method == method]
