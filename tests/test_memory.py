@@ -46,6 +46,9 @@ def test_held_memory_does_not_grow_with_the_prompt_chunk() -> None:
     (512 KiB per layer for the 2048-token chunk here) until the next decode step."""
     model = tiny("llama", seed=1)
     veloxpatch.patch(kv="snapkv", budget=64, window=16, compress="chunk")
+    # a first run may free what an earlier test of this process left behind and so read low (seen in the full
+    # suite: 20 KB held after 512 tokens, where the caches report 107 KB): run once unmeasured
+    held(prefill(random_tokens(512, 29), model), model)
     short, _ = held(prefill(random_tokens(512, 30), model), model)
     long, caches = held(prefill(random_tokens(2048, 30), model), model)
     reported = sum(c.nbytes for c in caches)
