@@ -90,10 +90,6 @@ class Cell:
     mean: Sample
     samples: int
 
-    @classmethod
-    def of(cls, task: str, context: int, variant: Variant, samples: list[Sample]) -> Cell:
-        return cls(task, context, variant, Sample.mean(samples), len(samples))
-
     def row(self) -> dict[str, Any]:
         """The cell as JSON; an accuracy carries its 95% Wilson interval over the cell's samples."""
         accuracy, mean = self.task != "perplexity", self.mean
@@ -355,11 +351,10 @@ def examples(task: str, tokenizer: Any, context: int, spec: EvalSpec) -> list[It
     seeds = range(spec.seed, spec.seed + spec.samples)
     if task in ruler.GENERATORS:
         return [ruler.example(task, tokenizer, context, seed, "heldout") for seed in seeds]
-    if task == "passkey":
-        return [tasks.passkey_example(tokenizer, context, seed, "heldout") for seed in seeds]
-    if task == "multikey":
-        return [tasks.multikey_example(tokenizer, context, seed, "heldout") for seed in seeds]
-    return [(tasks.longtext_sample(tokenizer, context, seed), "") for seed in seeds]
+    if task == "perplexity":
+        return [(tasks.longtext_sample(tokenizer, context, seed), "") for seed in seeds]
+    make = tasks.passkey_example if task == "passkey" else tasks.multikey_example
+    return [make(tokenizer, context, seed, "heldout") for seed in seeds]
 
 
 def measure(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Variant], spec: EvalSpec,
@@ -420,7 +415,7 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
                 key = (task, context, variant.identity())
                 if key not in done:
                     got = [measured[key + (s,)] for s in range(spec.seed, spec.seed + spec.samples)]
-                    done[key] = Cell.of(task, context, variant, got)
+                    done[key] = Cell(task, context, variant, Sample.mean(got), len(got))
                     if journal:
                         journal.add(done[key])
                 cells.append(replace(done[key], variant=variant))  # as asked, if measured under another name
