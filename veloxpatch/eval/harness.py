@@ -187,7 +187,7 @@ def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spe
     for turn in range(len(item.turns)):
         last = turn == len(item.turns) - 1
         if turn:
-            full = tokenizer.encode(ruler.conversation(tokenizer, item.prompt, item.turns, texts))
+            full = tokenizer.encode(ruler.conversation(tokenizer, item.turns, texts))
             keep = next((i for i, (a, b) in enumerate(zip(cached, full)) if a != b), min(len(cached), len(full)))
             trim_prompt_cache(caches, len(cached) - keep)
             tokens, cached = mx.array(full[keep:]), full

@@ -99,19 +99,6 @@ def haystack_text(split: str) -> str:
     return "".join(topics[k].strip("\n") + "\n\n" for k in sorted(topics) if split_of(k) == split)
 
 
-def chat(tokenizer: Any, message: str, answer_prefix: str) -> str:
-    """The user's message through the tokenizer's chat template (plain text without one), then an answer start.
-
-    Starting the assistant's turn with the answer's first words is what makes a 135M instruct model answer
-    with the number instead of a preamble (measured: see README)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return f"{message}\n{answer_prefix}"
-    messages = [{"role": "user", "content": message}]
-    head = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return head + answer_prefix
-
-
 Hay = Callable[[int, random.Random], str]  # about n characters of filler, from a random generator
 
 
@@ -141,7 +128,7 @@ def _build(tokenizer: Any, context: int, seed_text: str, needles: list[tuple[str
         for needle, depth in sorted(needles, key=lambda nd: -nd[1]):  # back to front keeps depths meaningful
             body = _insert_at_depth(body, needle, depth)
         message = f"{INSTRUCTION}{body}\n{question}"
-        prompt = chat(tokenizer, message, answer_prefix)
+        prompt = conversation(tokenizer, [(message, answer_prefix)])
         messages[prompt] = message
         return prompt
 
@@ -380,17 +367,18 @@ def ask_first_again(ex: Example) -> Example:
                    turns=(*ex.turns, (message.rsplit("\n", 1)[1], prefix)))
 
 
-def conversation(tokenizer: Any, prompt: str, turns: Sequence[tuple[str, str]], answers: Sequence[str]) -> str:
-    """A chat's text up to where the answer to ``turns[len(answers)]`` starts: each earlier turn with its answer
-    given, through the chat template as the server's prompt-cache reuse writes it (it keeps the cached tokens the
-    new text starts with and feeds the rest); plain text after ``prompt`` (the first turn) without a template.
-    An answer follows its turn's start after one space, however it began (mlx_lm's server drops the space its
-    first token starts with; its tokens had it)."""
+def conversation(tokenizer: Any, turns: Sequence[tuple[str, str]], answers: Sequence[str] = ()) -> str:
+    """A chat's text up to where the answer to ``turns[len(answers)]`` starts: each turn a user's message and the
+    start of its answer, an earlier one with its answer given, through the tokenizer's chat template as the server's
+    prompt-cache reuse writes it (it keeps the cached tokens the new text starts with and feeds the rest); plain text
+    without a template. Starting the assistant's turn with the answer's first words is what makes a 135M instruct
+    model answer with the number instead of a preamble (measured: see README). An answer follows its turn's start
+    after one space, however it began (mlx_lm's server drops the space its first token starts with; its tokens had
+    it)."""
     asked, answers = turns[: len(answers) + 1], [" " + a.strip() for a in answers]
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        later = "".join(f"{a}\n{q}\n{p}" for a, (q, p) in zip(answers, asked[1:]))
-        return prompt + later
+    if not getattr(tokenizer, "chat_template", None):
+        (message, prefix), *later = asked
+        return f"{message}\n{prefix}" + "".join(f"{a}\n{q}\n{p}" for a, (q, p) in zip(answers, later))
     messages = []
     for (message, prefix), answer in zip(asked, answers):
         messages += [{"role": "user", "content": message}, {"role": "assistant", "content": prefix + answer}]
