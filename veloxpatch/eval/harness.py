@@ -215,20 +215,19 @@ def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit
 
 
 def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, spec: EvalSpec,
-               layout: KVLayout, budgets: Budgets | None = None) -> dict[Variant, Sample]:
+               budgets: Budgets) -> dict[Variant, Sample]:
     """Every chosen variant on one example, sharing prefills where that is exact (``sharing``); a follow-up
     example's variants each on their own; a RULER example asked after its context under ``protocol="after"``."""
-    budgets = budgets or Budgets(model, False)
     if spec.protocol == "after" and isinstance(item, ruler.Example) and not item.turns:
-        return asked_after(model, tokenizer, chosen, item, spec, layout, budgets)
+        return asked_after(model, tokenizer, chosen, item, spec, budgets)
     tokens, steps = _prompt(tokenizer, item)
     shared = spec.share_prefill and not (isinstance(item, ruler.Example) and item.turns)
     plain, requests = _split(model, chosen, shared, budgets, tokens.size)
     out: dict[Variant, Sample] = {}
     for variant in plain:
         reading = sharing.fresh_reading()
-        value, nbytes = conversation(model, tokenizer, variant, item, spec, variant.generate_kwargs(layout), reading,
-                                     budgets(variant, tokens.size))
+        value, nbytes = conversation(model, tokenizer, variant, item, spec, variant.generate_kwargs(KVLayout.of(model)),
+                                     reading, budgets(variant, tokens.size))
         out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
     for result in sharing.run(model, tokens, requests, steps, spec.prefill_step):
         out[result.request.variant] = Sample(_right(tokenizer, result.tokens, item), result.kv_bytes,
@@ -274,7 +273,7 @@ class Budgets:
 
 
 def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.Example, spec: EvalSpec,
-                layout: KVLayout, budgets: Budgets) -> dict[Variant, Sample]:
+                budgets: Budgets) -> dict[Variant, Sample]:
     """The field's protocol (kvpress's leaderboard): each variant's cache reads the context alone, as a
     generation of no tokens, and compresses it as a chat's first turn would leave it; then the question comes as
     the next turn on that cache. KV bytes are those held once the context is read. The context's prefill is
@@ -291,7 +290,7 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
     plain, requests = _split(model, chosen, spec.share_prefill, budgets, context.size)
     out: dict[Variant, Sample] = {}
     for variant in plain:
-        quant = variant.generate_kwargs(layout)
+        quant = variant.generate_kwargs(KVLayout.of(model))
         caches = variant.caches(model, context.size, budget=budgets(variant, context.size))
         reading = sharing.fresh_reading()
         sharing.whole(model, context, caches, 0, spec.prefill_step, reading, **quant)
@@ -323,8 +322,7 @@ def _right(tokenizer: Any, out: list[int], item: Item) -> float:
     return float(ruler.score(text, item) if isinstance(item, ruler.Example) else tasks.is_correct(text, item[1]))
 
 
-def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: EvalSpec,
-               quant: dict[str, Any]) -> tuple[float, int]:
+def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str) -> tuple[float, int]:
     """exp(mean NLL) of the second half of ``text`` under the variant's cache, and KV bytes. The text streams
     through the cache in steps of PPL_STEP tokens, each scored as it arrives, so our caches compress between steps
     (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full cache."""
@@ -332,6 +330,7 @@ def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: Ev
 
     tokens = mx.array(tokenizer.encode(text))
     caches = variant.caches(model, tokens.size, compress="chunk")
+    quant = variant.generate_kwargs(KVLayout.of(model))
     total, count, start_scoring = 0.0, 0, tokens.size // 2
     for start in range(0, tokens.size - 1, PPL_STEP):
         end = min(start + PPL_STEP, tokens.size - 1)
@@ -358,25 +357,25 @@ def examples(task: str, tokenizer: Any, context: int, spec: EvalSpec) -> list[It
 
 
 def measure(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Variant], spec: EvalSpec,
-            layout: KVLayout, budgets: Budgets | None = None) -> dict[Variant, Sample]:
+            budgets: Budgets) -> dict[Variant, Sample]:
     """The chosen variants on one of the task's examples, with KV bytes and peak memory. Variants that differ
     only in a share their method ignores (``Variant.twin_key``) are measured once (XQuant decodes at 0.6
     tokens/s at 8k tokens here)."""
     first: dict[tuple[Any, ...], Variant] = {}
     for variant in chosen:
         first.setdefault(variant.twin_key(), variant)
-    out = _measure_each(model, tokenizer, task, item, list(first.values()), spec, layout, budgets)
+    out = _measure_each(model, tokenizer, task, item, list(first.values()), spec, budgets)
     return {v: out[first[v.twin_key()]] for v in chosen}
 
 
 def _measure_each(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Variant], spec: EvalSpec,
-                  layout: KVLayout, budgets: Budgets | None) -> dict[Variant, Sample]:
+                  budgets: Budgets) -> dict[Variant, Sample]:
     if task != "perplexity":
-        return retrievals(model, tokenizer, chosen, item, spec, layout, budgets)
+        return retrievals(model, tokenizer, chosen, item, spec, budgets)
     out = {}
     for variant in chosen:
         reading = sharing.fresh_reading()  # the whole text is read: the run's peak
-        value, nbytes = perplexity(model, tokenizer, variant, item[0], spec, variant.generate_kwargs(layout))  # type: ignore[index]
+        value, nbytes = perplexity(model, tokenizer, variant, item[0])  # type: ignore[index]
         reading.done()
         out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
     return out
@@ -392,7 +391,6 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
     done = journal.done() if journal else {}
     measured = journal.samples() if journal else {}
     items: dict[tuple[str, int], list[Item]] = {}
-    layout = KVLayout.of(model)
     budgets = Budgets(model, spec.equal_bytes)
     units = [(task, context, i) for task in spec.tasks for context in spec.contexts for i in range(spec.samples)]
     cells = []
@@ -405,7 +403,7 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
                 if (task, context) not in items:
                     items[task, context] = examples(task, tokenizer, context, spec)
                 for variant, sample in measure(model, tokenizer, task, items[task, context][i], todo, spec,
-                                               layout, budgets).items():
+                                               budgets).items():
                     measured[task, context, variant.identity(), seed] = sample
                     if journal:
                         journal.add_sample(task, context, variant, seed, sample)
