@@ -237,7 +237,7 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
     reading = sharing.Reading()
     harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128), {}, reading)
     (first, start, answer), (second, held, _) = turns
-    cached, full = first + answer, tok.encode(conversations[0])
+    cached, full = first + answer, tok.encode(conversations[1])  # [0]: the first turn's, the prompt
     common = 0
     while common < min(len(cached), len(full)) and cached[common] == full[common]:
         common += 1

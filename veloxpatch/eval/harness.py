@@ -175,25 +175,23 @@ def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec:
 def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spec: EvalSpec,
          quant: dict[str, Any], reading: sharing.Reading) -> list[list[int]]:
     """Every turn of ``item`` on one cache list, each answer's tokens: a turn before the last answered to its end
-    of turn (at most :data:`FIRST_TURN` tokens); then the conversation so far and the next question, templated
+    of turn (at most :data:`FIRST_TURN` tokens); each turn the conversation so far and the next question, templated
     anew, of which the caches keep the tokens they hold and read the rest (trimmed back first where the new text
     parts from them, as the server does); ``reading`` told when each turn's prompt is read."""
     from mlx_lm.models.cache import trim_prompt_cache
 
-    cached: list[int] = tokenizer.encode(item.prompt)
-    tokens, steps = mx.array(cached), _steps(tokenizer, item)
+    cached: list[int] = []  # what the caches hold
     answers: list[list[int]] = []
     texts: list[str] = []
     for turn in range(len(item.turns)):
-        last = turn == len(item.turns) - 1
+        full = tokenizer.encode(ruler.conversation(tokenizer, item.turns, texts))
+        keep = next((i for i, (a, b) in enumerate(zip(cached, full)) if a != b), min(len(cached), len(full)))
         if turn:
-            full = tokenizer.encode(ruler.conversation(tokenizer, item.turns, texts))
-            keep = next((i for i, (a, b) in enumerate(zip(cached, full)) if a != b), min(len(cached), len(full)))
             trim_prompt_cache(caches, len(cached) - keep)
-            tokens, cached = mx.array(full[keep:]), full
-        out = _turn(model, tokenizer, tokens, caches, steps if last else FIRST_TURN, spec, quant, reading)
+        limit = _steps(tokenizer, item) if turn == len(item.turns) - 1 else FIRST_TURN
+        out = _turn(model, tokenizer, mx.array(full[keep:]), caches, limit, spec, quant, reading)
         answers.append(out)
-        cached = cached + out
+        cached = full + out
         texts.append(tokenizer.decode([t for t in out if t not in tokenizer.eos_token_ids]))
     return answers
 
