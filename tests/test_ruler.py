@@ -207,7 +207,7 @@ def test_a_followup_asks_the_other_number_in_a_conversation_that_starts_with_the
     assert first_word != second_word and ex.wanted != ex.unwanted
     assert f"numbers for {first_word} is: {ex.unwanted[0]}." in ex.prompt
     assert f"numbers for {second_word} is: {ex.wanted[0]}." in ex.prompt, "both facts are in the document"
-    conversation = ruler.conversation(tok, ex.prompt, ex.turns, [f" {ex.unwanted[0]}."])
+    conversation = ruler.conversation(tok, ex.turns, [f" {ex.unwanted[0]}."])
     assert conversation.startswith(ex.prompt + f" {ex.unwanted[0]}."), "a cache of the first turn is its prefix"
     assert conversation.endswith(ex.turns[1][1]) and ex.turns[1][0] in conversation[len(ex.prompt):]
     assert ruler.score(f" {ex.wanted[0]}.", ex) and not ruler.score(f" {ex.wanted[0]}, {ex.unwanted[0]}", ex)
@@ -237,7 +237,7 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
     reading = sharing.Reading()
     harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128), {}, reading)
     (first, start, answer), (second, held, _) = turns
-    cached, full = first + answer, tok.encode(conversations[0])
+    cached, full = first + answer, tok.encode(conversations[1])  # [0]: the first turn's, the prompt
     common = 0
     while common < min(len(cached), len(full)) and cached[common] == full[common]:
         common += 1

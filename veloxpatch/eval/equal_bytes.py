@@ -60,23 +60,20 @@ class Line:
 
 def full_bytes_per_token(model: Any) -> float:
     """The full cache's 16-bit bytes per token of context, measured on the calibration prompt."""
-    caches = Variant("full").caches(model, CALIBRATION_TOKENS)
-    sharing.whole(model, _calibration_prompt(model), caches, 0, CALIBRATION_STEP)
-    return held_bytes(caches) / CALIBRATION_TOKENS
+    return _held_after(model, Variant("full")) / CALIBRATION_TOKENS
 
 
 def line(model: Any, variant: Variant) -> Line:
     """The variant's bytes after the calibration prompt, as a line in its budget."""
-    held = []
-    for budget in CALIBRATION_BUDGETS:
-        caches = variant.caches(model, CALIBRATION_TOKENS, budget=budget)
-        sharing.whole(model, _calibration_prompt(model), caches, 0, CALIBRATION_STEP)
-        held.append(held_bytes(caches))
-        del caches
     low, high = CALIBRATION_BUDGETS
+    held = [_held_after(model, variant, budget) for budget in CALIBRATION_BUDGETS]
     per_row = (held[1] - held[0]) / (high - low)
     return Line(held[0] - per_row * low, per_row)
 
 
-def _calibration_prompt(model: Any) -> mx.array:
-    return mx.random.randint(0, model.args.vocab_size, (CALIBRATION_TOKENS,), key=mx.random.key(CALIBRATION_TOKENS))
+def _held_after(model: Any, variant: Variant, budget: int | None = None) -> float:
+    """The 16-bit bytes ``variant``'s caches hold at ``budget`` rows once they have read a random calibration prompt."""
+    prompt = mx.random.randint(0, model.args.vocab_size, (CALIBRATION_TOKENS,), key=mx.random.key(CALIBRATION_TOKENS))
+    caches = variant.caches(model, CALIBRATION_TOKENS, budget=budget)
+    sharing.whole(model, prompt, caches, 0, CALIBRATION_STEP)
+    return held_bytes(caches)

@@ -90,10 +90,6 @@ class Cell:
     mean: Sample
     samples: int
 
-    @classmethod
-    def of(cls, task: str, context: int, variant: Variant, samples: list[Sample]) -> Cell:
-        return cls(task, context, variant, Sample.mean(samples), len(samples))
-
     def row(self) -> dict[str, Any]:
         """The cell as JSON; an accuracy carries its 95% Wilson interval over the cell's samples."""
         accuracy, mean = self.task != "perplexity", self.mean
@@ -179,25 +175,23 @@ def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec:
 def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spec: EvalSpec,
          quant: dict[str, Any], reading: sharing.Reading) -> list[list[int]]:
     """Every turn of ``item`` on one cache list, each answer's tokens: a turn before the last answered to its end
-    of turn (at most :data:`FIRST_TURN` tokens); then the conversation so far and the next question, templated
+    of turn (at most :data:`FIRST_TURN` tokens); each turn the conversation so far and the next question, templated
     anew, of which the caches keep the tokens they hold and read the rest (trimmed back first where the new text
     parts from them, as the server does); ``reading`` told when each turn's prompt is read."""
     from mlx_lm.models.cache import trim_prompt_cache
 
-    cached: list[int] = tokenizer.encode(item.prompt)
-    tokens, steps = mx.array(cached), _steps(tokenizer, item)
+    cached: list[int] = []  # what the caches hold
     answers: list[list[int]] = []
     texts: list[str] = []
     for turn in range(len(item.turns)):
-        last = turn == len(item.turns) - 1
+        full = tokenizer.encode(ruler.conversation(tokenizer, item.turns, texts))
+        keep = next((i for i, (a, b) in enumerate(zip(cached, full)) if a != b), min(len(cached), len(full)))
         if turn:
-            full = tokenizer.encode(ruler.conversation(tokenizer, item.prompt, item.turns, texts))
-            keep = next((i for i, (a, b) in enumerate(zip(cached, full)) if a != b), min(len(cached), len(full)))
             trim_prompt_cache(caches, len(cached) - keep)
-            tokens, cached = mx.array(full[keep:]), full
-        out = _turn(model, tokenizer, tokens, caches, steps if last else FIRST_TURN, spec, quant, reading)
+        limit = _steps(tokenizer, item) if turn == len(item.turns) - 1 else FIRST_TURN
+        out = _turn(model, tokenizer, mx.array(full[keep:]), caches, limit, spec, quant, reading)
         answers.append(out)
-        cached = cached + out
+        cached = full + out
         texts.append(tokenizer.decode([t for t in out if t not in tokenizer.eos_token_ids]))
     return answers
 
@@ -219,20 +213,19 @@ def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit
 
 
 def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, spec: EvalSpec,
-               layout: KVLayout, budgets: Budgets | None = None) -> dict[Variant, Sample]:
+               budgets: Budgets) -> dict[Variant, Sample]:
     """Every chosen variant on one example, sharing prefills where that is exact (``sharing``); a follow-up
     example's variants each on their own; a RULER example asked after its context under ``protocol="after"``."""
-    budgets = budgets or Budgets(model, False)
     if spec.protocol == "after" and isinstance(item, ruler.Example) and not item.turns:
-        return asked_after(model, tokenizer, chosen, item, spec, layout, budgets)
+        return asked_after(model, tokenizer, chosen, item, spec, budgets)
     tokens, steps = _prompt(tokenizer, item)
     shared = spec.share_prefill and not (isinstance(item, ruler.Example) and item.turns)
     plain, requests = _split(model, chosen, shared, budgets, tokens.size)
     out: dict[Variant, Sample] = {}
     for variant in plain:
         reading = sharing.fresh_reading()
-        value, nbytes = conversation(model, tokenizer, variant, item, spec, variant.generate_kwargs(layout), reading,
-                                     budgets(variant, tokens.size))
+        value, nbytes = conversation(model, tokenizer, variant, item, spec, variant.generate_kwargs(KVLayout.of(model)),
+                                     reading, budgets(variant, tokens.size))
         out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
     for result in sharing.run(model, tokens, requests, steps, spec.prefill_step):
         out[result.request.variant] = Sample(_right(tokenizer, result.tokens, item), result.kv_bytes,
@@ -278,7 +271,7 @@ class Budgets:
 
 
 def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.Example, spec: EvalSpec,
-                layout: KVLayout, budgets: Budgets) -> dict[Variant, Sample]:
+                budgets: Budgets) -> dict[Variant, Sample]:
     """The field's protocol (kvpress's leaderboard): each variant's cache reads the context alone, as a
     generation of no tokens, and compresses it as a chat's first turn would leave it; then the question comes as
     the next turn on that cache. KV bytes are those held once the context is read. The context's prefill is
@@ -295,7 +288,7 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
     plain, requests = _split(model, chosen, spec.share_prefill, budgets, context.size)
     out: dict[Variant, Sample] = {}
     for variant in plain:
-        quant = variant.generate_kwargs(layout)
+        quant = variant.generate_kwargs(KVLayout.of(model))
         caches = variant.caches(model, context.size, budget=budgets(variant, context.size))
         reading = sharing.fresh_reading()
         sharing.whole(model, context, caches, 0, spec.prefill_step, reading, **quant)
@@ -327,8 +320,7 @@ def _right(tokenizer: Any, out: list[int], item: Item) -> float:
     return float(ruler.score(text, item) if isinstance(item, ruler.Example) else tasks.is_correct(text, item[1]))
 
 
-def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: EvalSpec,
-               quant: dict[str, Any]) -> tuple[float, int]:
+def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str) -> tuple[float, int]:
     """exp(mean NLL) of the second half of ``text`` under the variant's cache, and KV bytes. The text streams
     through the cache in steps of PPL_STEP tokens, each scored as it arrives, so our caches compress between steps
     (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full cache."""
@@ -336,6 +328,7 @@ def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str, spec: Ev
 
     tokens = mx.array(tokenizer.encode(text))
     caches = variant.caches(model, tokens.size, compress="chunk")
+    quant = variant.generate_kwargs(KVLayout.of(model))
     total, count, start_scoring = 0.0, 0, tokens.size // 2
     for start in range(0, tokens.size - 1, PPL_STEP):
         end = min(start + PPL_STEP, tokens.size - 1)
@@ -355,33 +348,32 @@ def examples(task: str, tokenizer: Any, context: int, spec: EvalSpec) -> list[It
     seeds = range(spec.seed, spec.seed + spec.samples)
     if task in ruler.GENERATORS:
         return [ruler.example(task, tokenizer, context, seed, "heldout") for seed in seeds]
-    if task == "passkey":
-        return [tasks.passkey_example(tokenizer, context, seed, "heldout") for seed in seeds]
-    if task == "multikey":
-        return [tasks.multikey_example(tokenizer, context, seed, "heldout") for seed in seeds]
-    return [(tasks.longtext_sample(tokenizer, context, seed), "") for seed in seeds]
+    if task == "perplexity":
+        return [(tasks.longtext_sample(tokenizer, context, seed), "") for seed in seeds]
+    make = tasks.passkey_example if task == "passkey" else tasks.multikey_example
+    return [make(tokenizer, context, seed, "heldout") for seed in seeds]
 
 
 def measure(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Variant], spec: EvalSpec,
-            layout: KVLayout, budgets: Budgets | None = None) -> dict[Variant, Sample]:
+            budgets: Budgets) -> dict[Variant, Sample]:
     """The chosen variants on one of the task's examples, with KV bytes and peak memory. Variants that differ
     only in a share their method ignores (``Variant.twin_key``) are measured once (XQuant decodes at 0.6
     tokens/s at 8k tokens here)."""
     first: dict[tuple[Any, ...], Variant] = {}
     for variant in chosen:
         first.setdefault(variant.twin_key(), variant)
-    out = _measure_each(model, tokenizer, task, item, list(first.values()), spec, layout, budgets)
+    out = _measure_each(model, tokenizer, task, item, list(first.values()), spec, budgets)
     return {v: out[first[v.twin_key()]] for v in chosen}
 
 
 def _measure_each(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Variant], spec: EvalSpec,
-                  layout: KVLayout, budgets: Budgets | None) -> dict[Variant, Sample]:
+                  budgets: Budgets) -> dict[Variant, Sample]:
     if task != "perplexity":
-        return retrievals(model, tokenizer, chosen, item, spec, layout, budgets)
+        return retrievals(model, tokenizer, chosen, item, spec, budgets)
     out = {}
     for variant in chosen:
         reading = sharing.fresh_reading()  # the whole text is read: the run's peak
-        value, nbytes = perplexity(model, tokenizer, variant, item[0], spec, variant.generate_kwargs(layout))  # type: ignore[index]
+        value, nbytes = perplexity(model, tokenizer, variant, item[0])  # type: ignore[index]
         reading.done()
         out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
     return out
@@ -397,7 +389,6 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
     done = journal.done() if journal else {}
     measured = journal.samples() if journal else {}
     items: dict[tuple[str, int], list[Item]] = {}
-    layout = KVLayout.of(model)
     budgets = Budgets(model, spec.equal_bytes)
     units = [(task, context, i) for task in spec.tasks for context in spec.contexts for i in range(spec.samples)]
     cells = []
@@ -410,7 +401,7 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
                 if (task, context) not in items:
                     items[task, context] = examples(task, tokenizer, context, spec)
                 for variant, sample in measure(model, tokenizer, task, items[task, context][i], todo, spec,
-                                               layout, budgets).items():
+                                               budgets).items():
                     measured[task, context, variant.identity(), seed] = sample
                     if journal:
                         journal.add_sample(task, context, variant, seed, sample)
@@ -420,7 +411,7 @@ def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,
                 key = (task, context, variant.identity())
                 if key not in done:
                     got = [measured[key + (s,)] for s in range(spec.seed, spec.seed + spec.samples)]
-                    done[key] = Cell.of(task, context, variant, got)
+                    done[key] = Cell(task, context, variant, Sample.mean(got), len(got))
                     if journal:
                         journal.add(done[key])
                 cells.append(replace(done[key], variant=variant))  # as asked, if measured under another name

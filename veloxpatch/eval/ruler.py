@@ -99,19 +99,6 @@ def haystack_text(split: str) -> str:
     return "".join(topics[k].strip("\n") + "\n\n" for k in sorted(topics) if split_of(k) == split)
 
 
-def chat(tokenizer: Any, message: str, answer_prefix: str) -> str:
-    """The user's message through the tokenizer's chat template (plain text without one), then an answer start.
-
-    Starting the assistant's turn with the answer's first words is what makes a 135M instruct model answer
-    with the number instead of a preamble (measured: see README)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return f"{message}\n{answer_prefix}"
-    messages = [{"role": "user", "content": message}]
-    head = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return head + answer_prefix
-
-
 Hay = Callable[[int, random.Random], str]  # about n characters of filler, from a random generator
 
 
@@ -141,7 +128,7 @@ def _build(tokenizer: Any, context: int, seed_text: str, needles: list[tuple[str
         for needle, depth in sorted(needles, key=lambda nd: -nd[1]):  # back to front keeps depths meaningful
             body = _insert_at_depth(body, needle, depth)
         message = f"{INSTRUCTION}{body}\n{question}"
-        prompt = chat(tokenizer, message, answer_prefix)
+        prompt = conversation(tokenizer, [(message, answer_prefix)])
         messages[prompt] = message
         return prompt
 
@@ -152,21 +139,6 @@ def _build(tokenizer: Any, context: int, seed_text: str, needles: list[tuple[str
 def _depths(rng: random.Random, n: int) -> list[float]:
     """``n`` needle depths spread over the text (one per equal slice, jittered), so no two collide."""
     return [(i + rng.uniform(0.1, 0.9)) / n for i in range(n)]
-
-
-def niah_single(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
-    """One needle at a random depth in the documentation; the question asks for its number (RULER's niah_single_2)."""
-    return _single(f"niah_single/{split}/{seed}", tokenizer, context, _word, _number, "number", docs_hay(split))
-
-
-def niah_single_noise(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
-    """One number needle in RULER's repeated-sentence noise (its niah_single_1)."""
-    return _single(f"niah_single_1/{seed}", tokenizer, context, _word, _number, "number", noise_hay)
-
-
-def niah_single_uuid(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
-    """One needle whose value is a UUID, in the documentation (RULER's niah_single_3): 36 characters to keep whole."""
-    return _single(f"niah_single_3/{split}/{seed}", tokenizer, context, _word, _uuid, "uuid", docs_hay(split))
 
 
 def _word(rng: random.Random) -> str:
@@ -181,27 +153,51 @@ def _uuid(rng: random.Random) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
+def _pair(rng: random.Random) -> str:
+    """A two-word key (``amber-lantern``): thousands of them, so a haystack of needles needs no repeated key."""
+    first, second = rng.sample(WORDS, 2)
+    return f"{first}-{second}"
+
+
 def _needle(kind: str, key: str, value: str) -> str:
     """A needle line: a number for a key (``NEEDLE``) or a uuid (``UUID_NEEDLE``)."""
     return NEEDLE.format(word=key, number=value) if kind == "number" else UUID_NEEDLE.format(key=key, value=value)
 
 
-def _single(name: str, tokenizer: Any, context: int, new_key: Callable[[random.Random], str],
-            value: Callable[[random.Random], str], kind: str, hay: Hay | None = None) -> Example:
-    """One ``kind`` needle for one key at a random depth, asked for by the key (``name`` seeds it), in ``hay`` or
-    else among needles of the same shape for other keys (RULER's niah_multikey_2 and _3)."""
-    rng = random.Random(name)
-    key, answer = new_key(rng), value(rng)
+def _needles(words: Sequence[str], numbers: list[str], depths: list[float]) -> list[tuple[str, float]]:
+    return [(NEEDLE.format(word=w, number=n), d) for w, n, d in zip(words, numbers, depths)]
 
-    def line(r: random.Random) -> tuple[str, str]:
-        k = new_key(r)
-        return k, _needle(kind, k, value(r))
 
-    question = f"What is the special magic {kind} for {key} mentioned in the provided text?"
-    prefix = f"The special magic {kind} for {key} mentioned in the provided text is"
-    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(_needle(kind, key, answer), rng.random())],
-                           question, prefix, hay or needles_hay(line, key))
-    return Example(prompt, answer, (answer,), question_at=at)
+def _asked(kind: str, key: str) -> tuple[str, str]:
+    """The question for ``key``'s magic ``kind`` (a plural: all of them) and the answer's start."""
+    what = f"special magic {kind} for {key} mentioned in the provided text"
+    if kind.endswith("s"):
+        return f"What are all the {what}?", f"The {what} are"
+    return f"What is the {what}?", f"The {what} is"
+
+
+def _single(name: str, new_key: Callable[[random.Random], str], value: Callable[[random.Random], str], kind: str,
+            hay: Callable[[str], Hay] | None = None) -> Callable[..., Example]:
+    """A task of one ``kind`` needle for one key at a random depth, asked for by the key (``name``, given the split
+    and seed, seeds it), in ``hay(split)`` or else among needles of the same shape for other keys (RULER's
+    niah_multikey_2 and _3)."""
+
+    def generate(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
+        rng = random.Random(name.format(split=split, seed=seed))
+        key, answer = new_key(rng), value(rng)
+
+        def line(r: random.Random) -> tuple[str, str]:
+            k = new_key(r)
+            return k, _needle(kind, k, value(r))
+
+        prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(_needle(kind, key, answer), rng.random())],
+                               *_asked(kind, key), hay(split) if hay else needles_hay(line, key))
+        return Example(prompt, answer, (answer,), question_at=at)
+
+    return generate
+
+
+niah_single = _single("niah_single/{split}/{seed}", _word, _number, "number", docs_hay)  # RULER's niah_single_2
 
 
 def niah_multikey(tokenizer: Any, context: int, seed: int, split: str = "heldout", n_keys: int = 4) -> Example:
@@ -210,18 +206,11 @@ def niah_multikey(tokenizer: Any, context: int, seed: int, split: str = "heldout
     words = rng.sample(WORDS, n_keys)
     numbers = [random_key(rng, 7) for _ in words]
     asked = rng.randrange(n_keys)
-    needles = [(NEEDLE.format(word=w, number=n), d) for w, n, d in zip(words, numbers, _depths(rng, n_keys))]
-    question = f"What is the special magic number for {words[asked]} mentioned in the provided text?"
-    prefix = f"The special magic number for {words[asked]} mentioned in the provided text is"
-    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", needles, question, prefix, docs_hay(split))
+    needles = _needles(words, numbers, _depths(rng, n_keys))
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", needles, *_asked("number", words[asked]),
+                           docs_hay(split))
     others = tuple(n for i, n in enumerate(numbers) if i != asked)
     return Example(prompt, numbers[asked], (numbers[asked],), others, question_at=at)
-
-
-def _pair(rng: random.Random) -> str:
-    """A two-word key (``amber-lantern``): thousands of them, so a haystack of needles needs no repeated key."""
-    first, second = rng.sample(WORDS, 2)
-    return f"{first}-{second}"
 
 
 def needles_hay(line: Callable[[random.Random], tuple[str, str]], skip: str) -> Hay:
@@ -239,40 +228,28 @@ def needles_hay(line: Callable[[random.Random], tuple[str, str]], skip: str) -> 
     return hay
 
 
-def niah_multikey_needles(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
-    """The whole haystack is number needles for other two-word keys; one key is asked (RULER's niah_multikey_2)."""
-    return _single(f"niah_multikey_2/{seed}", tokenizer, context, _pair, _number, "number")
-
-
-def niah_multikey_uuids(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
-    """The whole haystack is UUID-to-UUID needles; one UUID key is asked, its UUID value is the answer (RULER's
-    niah_multikey_3: the hardest of the needle tasks, nothing in the key's words to go by)."""
-    return _single(f"niah_multikey_3/{seed}", tokenizer, context, _uuid, _uuid, "uuid")
+def _all_numbers(tokenizer: Any, context: int, rng: random.Random, words: list[str], named: str,
+                 split: str) -> Example:
+    """A number for each of ``words`` (a word may repeat) spread over the text; all asked for at once."""
+    numbers = [random_key(rng, 7) for _ in words]
+    needles = _needles(words, numbers, _depths(rng, len(words)))
+    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", needles, *_asked("numbers", named),
+                           docs_hay(split))
+    return Example(prompt, ", ".join(numbers), tuple(numbers), question_at=at)
 
 
 def niah_multivalue(tokenizer: Any, context: int, seed: int, split: str = "heldout", n_values: int = 4) -> Example:
     """One word with ``n_values`` numbers spread over the text; all are asked for."""
     rng = random.Random(f"niah_multivalue/{split}/{seed}")
     word = rng.choice(WORDS)
-    numbers = [random_key(rng, 7) for _ in range(n_values)]
-    needles = [(NEEDLE.format(word=word, number=n), d) for n, d in zip(numbers, _depths(rng, n_values))]
-    question = f"What are all the special magic numbers for {word} mentioned in the provided text?"
-    prefix = f"The special magic numbers for {word} mentioned in the provided text are"
-    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", needles, question, prefix, docs_hay(split))
-    return Example(prompt, ", ".join(numbers), tuple(numbers), question_at=at)
+    return _all_numbers(tokenizer, context, rng, [word] * n_values, word, split)
 
 
 def niah_multiquery(tokenizer: Any, context: int, seed: int, split: str = "heldout", n_keys: int = 4) -> Example:
     """``n_keys`` words, each with its number spread over the text; all of them are asked at once."""
     rng = random.Random(f"niah_multiquery/{seed}")
     words = rng.sample(WORDS, n_keys)
-    numbers = [random_key(rng, 7) for _ in words]
-    needles = [(NEEDLE.format(word=w, number=n), d) for w, n, d in zip(words, numbers, _depths(rng, n_keys))]
-    listed = ", ".join(words[:-1]) + f" and {words[-1]}"
-    question = f"What are all the special magic numbers for {listed} mentioned in the provided text?"
-    prefix = f"The special magic numbers for {listed} mentioned in the provided text are"
-    prompt, _, at = _build(tokenizer, context, f"{rng.random()}", needles, question, prefix, docs_hay(split))
-    return Example(prompt, ", ".join(numbers), tuple(numbers), question_at=at)
+    return _all_numbers(tokenizer, context, rng, words, ", ".join(words[:-1]) + f" and {words[-1]}", split)
 
 
 def _names(rng: random.Random, n: int) -> list[str]:
@@ -376,10 +353,9 @@ def followup(tokenizer: Any, context: int, seed: int, split: str = "heldout") ->
     numbers = [random_key(rng, 7) for _ in words]
     depths = _depths(rng, 2)
     rng.shuffle(depths)  # either number may come first in the text
-    needles = [(NEEDLE.format(word=w, number=n), d) for w, n, d in zip(words, numbers, depths)]
-    turns = tuple((f"What is the special magic number for {w} mentioned in the provided text?",
-                   f"The special magic number for {w} mentioned in the provided text is") for w in words)
-    prompt, message, _ = _build(tokenizer, context, f"{rng.random()}", needles, *turns[0], docs_hay(split))
+    turns = tuple(_asked("number", w) for w in words)
+    prompt, message, _ = _build(tokenizer, context, f"{rng.random()}", _needles(words, numbers, depths), *turns[0],
+                                docs_hay(split))
     return Example(prompt, numbers[1], (numbers[1],), (numbers[0],), turns=((message, turns[0][1]), turns[1]))
 
 
@@ -391,17 +367,18 @@ def ask_first_again(ex: Example) -> Example:
                    turns=(*ex.turns, (message.rsplit("\n", 1)[1], prefix)))
 
 
-def conversation(tokenizer: Any, prompt: str, turns: Sequence[tuple[str, str]], answers: Sequence[str]) -> str:
-    """A chat's text up to where the answer to ``turns[len(answers)]`` starts: each earlier turn with its answer
-    given, through the chat template as the server's prompt-cache reuse writes it (it keeps the cached tokens the
-    new text starts with and feeds the rest); plain text after ``prompt`` (the first turn) without a template.
-    An answer follows its turn's start after one space, however it began (mlx_lm's server drops the space its
-    first token starts with; its tokens had it)."""
+def conversation(tokenizer: Any, turns: Sequence[tuple[str, str]], answers: Sequence[str] = ()) -> str:
+    """A chat's text up to where the answer to ``turns[len(answers)]`` starts: each turn a user's message and the
+    start of its answer, an earlier one with its answer given, through the tokenizer's chat template as the server's
+    prompt-cache reuse writes it (it keeps the cached tokens the new text starts with and feeds the rest); plain text
+    without a template. Starting the assistant's turn with the answer's first words is what makes a 135M instruct
+    model answer with the number instead of a preamble (measured: see README). An answer follows its turn's start
+    after one space, however it began (mlx_lm's server drops the space its first token starts with; its tokens had
+    it)."""
     asked, answers = turns[: len(answers) + 1], [" " + a.strip() for a in answers]
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        later = "".join(f"{a}\n{q}\n{p}" for a, (q, p) in zip(answers, asked[1:]))
-        return prompt + later
+    if not getattr(tokenizer, "chat_template", None):
+        (message, prefix), *later = asked
+        return f"{message}\n{prefix}" + "".join(f"{a}\n{q}\n{p}" for a, (q, p) in zip(answers, later))
     messages = []
     for (message, prefix), answer in zip(asked, answers):
         messages += [{"role": "user", "content": message}, {"role": "assistant", "content": prefix + answer}]
@@ -412,8 +389,13 @@ def conversation(tokenizer: Any, prompt: str, turns: Sequence[tuple[str, str]], 
 GENERATORS: dict[str, Callable[..., Example]] = {
     "niah_single": niah_single, "niah_multikey": niah_multikey, "niah_multivalue": niah_multivalue,
     "vt": vt, "trip": trip, "followup": followup,
-    "niah_single_1": niah_single_noise, "niah_single_2": niah_single, "niah_single_3": niah_single_uuid,
-    "niah_multikey_1": niah_multikey, "niah_multikey_2": niah_multikey_needles, "niah_multikey_3": niah_multikey_uuids,
+    "niah_single_1": _single("niah_single_1/{seed}", _word, _number, "number", lambda split: noise_hay),
+    "niah_single_2": niah_single,
+    "niah_single_3": _single("niah_single_3/{split}/{seed}", _word, _uuid, "uuid", docs_hay),  # 36 characters to keep
+    "niah_multikey_1": niah_multikey,
+    "niah_multikey_2": _single("niah_multikey_2/{seed}", _pair, _number, "number"),  # a haystack of other keys' needles
+    # UUIDs to UUIDs: the hardest of the needle tasks, nothing in the key's words to go by
+    "niah_multikey_3": _single("niah_multikey_3/{seed}", _uuid, _uuid, "uuid"),
     "niah_multiquery": niah_multiquery, "cwe": cwe, "fwe": fwe,
 }
 

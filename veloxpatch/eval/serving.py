@@ -82,7 +82,7 @@ def chat(url: str, tokenizer: Any, ex: ruler.Example, max_tokens: int,
     ``usage`` appended to ``usages``, if given); each request given ``timeout`` seconds."""
     answers: list[str] = []
     for _ in ex.turns:
-        text = ruler.conversation(tokenizer, ex.prompt, ex.turns, answers)
+        text = ruler.conversation(tokenizer, ex.turns, answers)
         status, body = post(url, {"prompt": text, "max_tokens": max_tokens, "temperature": 0}, timeout)
         if status != 200:
             raise RuntimeError(f"the server answered {status}: {body}")

@@ -30,8 +30,7 @@ Knobs = tuple[tuple[str, Any], ...]  # (knob name without the method prefix, val
 
 # core settings a variant may set for itself, beside its method's knobs: snapkv[window=8],
 # snapkv[tier=4,compress=chunk,tier_size=3x]
-GENERAL = {"window": setting("VELOX_WINDOW"), "tier": setting("VELOX_TIER"), "compress": setting("VELOX_COMPRESS"),
-           "tier_size": setting("VELOX_TIER_SIZE")}
+GENERAL = {name: setting(f"VELOX_{name.upper()}") for name in ("window", "tier", "compress", "tier_size")}
 # what a variant gets of those it does not set: the methods compared in SnapKV's one-shot mode without a tier (the
 # papers' setting, the one a prompt's prefill can be shared in, and the one every journal line written before the
 # default became `chunk` with a tier measured); the users' default is `snapkv[compress=chunk,tier=8]`
