@@ -168,14 +168,18 @@ class CompressedKVCache(ABC):
         return self.prompt_end is not None and self.offset + n < self.prompt_end
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens: the cache becomes the compressed cache of the prefix."""
+        """Forget the last ``n`` tokens: the cache becomes the compressed cache of the prefix (:meth:`cut_to`)."""
         n = min(n, self.offset)
         if n <= 0:
             return 0
-        self.offset -= n
-        self.store.trim_to(self.offset)
-        self.memory.trim(self.offset)
+        self.cut_to(self.offset - n)
         return n
+
+    def cut_to(self, prefix: int) -> None:
+        """Forget every token from ``prefix`` on (``0 <= prefix < offset``): what a kind of cache adds to a trim."""
+        self.offset = prefix
+        self.store.trim_to(prefix)
+        self.memory.trim(prefix)
 
     def headroom(self, keep: int) -> int:
         """Decode rows allowed above a budget of ``keep`` before compressing again (:class:`Schedule`)."""

@@ -193,25 +193,25 @@ class CrossLayerCache(CompressedKVCache):
             return False
         return self.schedule.decode_sized(queries.shape[2])
 
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens; a fold cut by the new end becomes exact rows of its prefix."""
-        n = min(n, self.offset)
-        if n <= 0:
-            return 0
-        prefix = self.offset - n
+    def cut_to(self, prefix: int) -> None:
+        """A fold cut by the new end becomes exact rows of its prefix."""
         self.pending.clear()
         cut = next((i for i, fold in enumerate(self.folds) if fold.end > prefix), None)
         if cut is None:
-            return super().trim(n)
+            super().cut_to(prefix)
+            return
         fold = self.folds[cut]
-        keys, values = self.unfold(fold)
         del self.folds[cut:]
+        self._exact_again(fold, fold.start, prefix)
+
+    def _exact_again(self, fold: Fold, start: int, prefix: int) -> None:
+        """End the cache at ``prefix`` with no exact rows but those of ``fold`` from position ``start`` on, rebuilt."""
         self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
-        if prefix > fold.start:
-            rows = prefix - fold.start
-            self.store.append(keys[..., :rows, :], values[..., :rows, :], fold.start)
         self.offset = prefix
-        return n
+        if prefix > start:
+            keys, values = self.unfold(fold)
+            rows = slice(start - fold.start, prefix - fold.start)
+            self.store.append(keys[..., rows, :], values[..., rows, :], start)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> CrossLayerCache:
         """The base's quantized copy (exact rows quantized, folds as they are), with lists of its own."""

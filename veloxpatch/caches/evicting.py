@@ -311,19 +311,15 @@ class EvictingCache(CompressedKVCache):
         return protected(positions, self.sink, self.window, self.offset)
 
     # ----------------------------------------------------------------- the protocol, with the policy's part
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens. A trim back into the last prompt starts from its :class:`Snapshot`, so the
-        server's prompt-cache reuse answers a repeated request as it answered the first time."""
-        n = min(n, self.offset)
-        if self.read is not None and self.offset - n < self.read.offset:
-            end, done = self.offset - n, self.offset - self.read.offset
+    def cut_to(self, prefix: int) -> None:
+        """A trim back into the last prompt starts from its :class:`Snapshot`, so the server's prompt-cache reuse
+        answers a repeated request as it answered the first time."""
+        if self.read is not None and prefix < self.read.offset:
             self.read.restore(self)
-            return done + self.trim(self.offset - end)
-        n = super().trim(n)
-        self.log.trim(self.offset)
+        super().cut_to(prefix)
+        self.log.trim(prefix)
         if self.tier is not None:
-            self.tier.store.trim_to(self.offset)
-        return n
+            self.tier.store.trim_to(prefix)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> EvictingCache:
         """The base's quantized copy (the tier keeps its own format), with a policy, log and tier of its own."""

@@ -46,7 +46,7 @@ from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.selection import pool_rows
 from ..caches.spec import CacheSpec
-from ..caches.store import RowStore, take_rows
+from ..caches.store import take_rows
 from ..coordinators import members_of
 from ..log import once
 from ..registry import method
@@ -495,37 +495,28 @@ class QuantCache(CrossLayerCache):
         width = rows * self._key_bits(keys) // 32
         return ((packed[..., :width], scales[..., :blocks], biases[..., :blocks]), values, *extra)
 
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens. A new end among the quantized rows keeps the fold's whole blocks before it
-        and the cut block's prefix as exact rows. Where rows were dropped, each head keeps its own blocks wholly
-        before the new end (none anywhere if some head keeps none), or in a batch the blocks wholly before it in
-        every head; kept rows after them are dropped too (a rare path: a server request reusing a shorter prefix
-        of a compressed document)."""
-        n = min(n, self.offset)
-        if n <= 0:
-            return 0
-        prefix = self.offset - n
+    def cut_to(self, prefix: int) -> None:
+        """A new end among the quantized rows keeps the fold's whole blocks before it and the cut block's prefix as
+        exact rows. Where rows were dropped, each head keeps its own blocks wholly before the new end (none anywhere
+        if some head keeps none), or in a batch the blocks wholly before it in every head; kept rows after them are
+        dropped too (a rare path: a server request reusing a shorter prefix of a compressed document)."""
         if not self.folds or prefix >= self.folds[-1].end:
-            return super().trim(n)
+            super().cut_to(prefix)
+            return
         self._settle()
         fold, g = self.folds[0], self.group_size
         positions = self.fold_positions(fold)
         before = ((positions >= 0) & (positions < prefix)).sum(axis=-1)
-        self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
-        self.offset = prefix
         if _ragged(fold) or (len(fold.own) == 3 and positions.shape[0] == 1):  # one sequence's heads apart
             kept = [rows // g * g for rows in _ints(before[0])]
             heads = [self._cut(own, k, own[2].shape[-1]) for own, k in zip(self._split(fold), kept)]
+            self._exact_again(fold, prefix, prefix)
             self.folds = [_fold_of(0, prefix, heads, fold.group)] if min(kept) else []
-            return n
+            return
         rows = int(before.min()) // g * g
-        if prefix > rows and len(fold.own) == 2:
-            keys, values = self.unfold(fold)
-            self.store.append(keys[..., rows:prefix, :], values[..., rows:prefix, :], rows)
+        self._exact_again(fold, rows if len(fold.own) == 2 else prefix, prefix)
         end = prefix if len(fold.own) == 3 else rows
         self.folds = [Fold(0, end, self._cut(fold.own, rows, self.held_rows(fold)), None, fold.group)] if rows else []
-        return n
-
 
 def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tuple[mx.array, mx.array],
                         real: mx.array | None) -> tuple[mx.array, mx.array]:

@@ -55,10 +55,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import stats
-from ..caches.base import CompressedKVCache
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
-from ..caches.store import Parts, RowStore, decode, encode
+from ..caches.store import Parts, decode, encode
 from ..coordinators import members_of
 from ..log import model_type, once
 from ..memo import per_model
@@ -356,27 +355,16 @@ class XQuantCache(CrossLayerCache):
         self.store.keep(index, self.min_fold())
 
     # ----------------------------------------------------------------- the cache protocol
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens. Their X goes; when the new end falls among the released rows, the
-        prefix's released rows become exact rows again (rebuilt, as crosslayer's contract says), their X kept."""
-        n = min(n, self.offset)
-        if n <= 0:
-            return 0
-        prefix = self.offset - n
-        if prefix < self.folded_rows():
-            keys, values = self.unfold(self.folds[0])
-            self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
-            if prefix:
-                self.store.append(keys[..., :prefix, :], values[..., :prefix, :], 0)
-            self.folds = [] if self.exact or not prefix else [replace(self.folds[0], end=0)]
-            self.offset = prefix
-        else:
-            CompressedKVCache.trim(self, n)
-        if self.folds and not self.exact:
-            own, shared = (_cut(part, prefix) for part in (self.folds[0].own, self.folds[0].shared))
-            self.folds = [replace(self.folds[0], own=own, shared=shared)]
-            self.linked = False  # a group's layers cut copies of the shared X: linked again at the next step
-        return n
+    def cut_to(self, prefix: int) -> None:
+        """Their X goes; when the new end falls among the released rows, the prefix's released rows become exact rows
+        again (rebuilt, as crosslayer's contract says), their X kept."""
+        fold = self.folds[0] if self.folds and not self.exact else None
+        super().cut_to(prefix)
+        if fold is None or 0 == prefix < fold.end:  # (an exact layer's fold is cut by crosslayer's trim)
+            return
+        own, shared = (_cut(part, prefix) for part in (fold.own, fold.shared))
+        self.folds = [replace(fold, end=fold.end if prefix >= fold.end else 0, own=own, shared=shared)]
+        self.linked = False  # a group's layers cut copies of the shared X: linked again at the next step
 
     def _meta(self) -> dict[str, Any]:
         return {**super()._meta(), "exact": self.exact, "grouped": self.grouped, "latent_on": self.latent_on,
