@@ -46,7 +46,7 @@ from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.selection import pool_rows
 from ..caches.spec import CacheSpec
-from ..caches.store import take_rows
+from ..caches.store import Parts, decode, encode, take_rows
 from ..coordinators import members_of
 from ..log import once
 from ..registry import method
@@ -56,7 +56,6 @@ from ..stats import at_16_bits
 BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
 
-Parts = tuple[mx.array, ...]  # mlx's (packed, scales, biases), or the array itself (16 bits)
 HOLD_BITS = 8  # the keys of a prompt awaiting its second reading (module doc: why not at VELOX_QUANT_BITS)
 QUERY_BLOCK = 64  # queries of a second reading scored at once: bounds the (heads, group x block, rows) float32 logits
 
@@ -325,9 +324,7 @@ class QuantCache(CrossLayerCache):
     def fold_positions(self, fold: Fold) -> mx.array:
         """Each row's position; a ragged fold's shorter heads end in holes (-1), which attention masks."""
         if _ragged(fold):
-            width = self.held_rows(fold)
-            return mx.concatenate([mx.pad(head[2].astype(mx.int32), [(0, 0), (0, 0), (0, width - head[2].shape[-1])],
-                                          constant_values=-1) for head in _heads(fold)], axis=1)
+            return _side_by_side([head[2].astype(mx.int32) for head in _heads(fold)], self.held_rows(fold), -1)
         if len(fold.own) == 3:
             return fold.own[2].astype(mx.int32)
         return super().fold_positions(fold)
@@ -336,12 +333,9 @@ class QuantCache(CrossLayerCache):
         """The fold's keys and values dequantized; a ragged fold's shorter heads padded with zero rows (holes)."""
         if not _ragged(fold):
             return self._keys_decoded(fold.own[0]), self._values_decoded(fold.own[1], self.held_rows(fold))
-        width = self.held_rows(fold)
-        rows = [(self._keys_decoded(head[0]), self._values_decoded(head[1], head[2].shape[-1]))
-                for head in _heads(fold)]
-        pad = [[(0, 0), (0, 0), (0, width - k.shape[2]), (0, 0)] for k, _ in rows]
-        return (mx.concatenate([mx.pad(k, p) for (k, _), p in zip(rows, pad)], axis=1),
-                mx.concatenate([mx.pad(v, p) for (_, v), p in zip(rows, pad)], axis=1))
+        width, heads = self.held_rows(fold), _heads(fold)
+        return (_side_by_side([self._keys_decoded(head[0]) for head in heads], width),
+                _side_by_side([self._values_decoded(head[1], head[2].shape[-1]) for head in heads], width))
 
     def has_holes(self) -> bool:
         """The store's holes, or a ragged fold's (its shorter heads padded to its largest)."""
@@ -441,16 +435,12 @@ class QuantCache(CrossLayerCache):
     # ----------------------------------------------------------------- the formats
     def _keys_encoded(self, keys: mx.array, bits: int) -> Parts:
         """(B, H, T, d) keys as per-channel blocks: quantized along the tokens, (B, H, d, T)."""
-        if bits == 16:
-            return (keys,)
-        return tuple(mx.quantize(mx.swapaxes(keys, 2, 3), group_size=self.group_size, bits=bits))
+        return (keys,) if bits == 16 else encode(mx.swapaxes(keys, 2, 3), bits, self.group_size)
 
     def _keys_decoded(self, parts: Parts) -> mx.array:
         if len(parts) == 1:
             return parts[0]
-        packed, scales, biases = parts
-        out = mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self._key_bits(parts))
-        return mx.swapaxes(out, 2, 3).astype(scales.dtype)
+        return mx.swapaxes(decode(parts, self._key_bits(parts), self.group_size), 2, 3)
 
     def _key_bits(self, parts: Parts) -> int:
         """The bits of keys held as ``parts`` (``HOLD_BITS`` while a prompt waits)."""
@@ -471,16 +461,16 @@ class QuantCache(CrossLayerCache):
         b, h, t, d = values.shape
         group = self._value_group(d)
         rows = values if group is not None else values.reshape(b, h, t * d // 32, 32)
-        return tuple(mx.quantize(rows, group_size=group or 32, bits=self.bits))
+        return encode(rows, self.bits, group or 32)
 
     def _values_decoded(self, parts: Parts, tokens: int) -> mx.array:
         """The values of ``tokens`` tokens back as (B, H, tokens, d)."""
         if len(parts) == 1:
             return parts[0]
-        packed, scales, biases = parts
+        packed = parts[0]
         width = packed.shape[-1] * 32 // self.bits if packed.shape[2] == tokens else packed.shape[2] * 32 // tokens
-        out = mx.dequantize(packed, scales, biases, group_size=self._value_group(width) or 32, bits=self.bits)
-        return out.reshape(*out.shape[:2], tokens, width).astype(scales.dtype)
+        out = decode(parts, self.bits, self._value_group(width) or 32)
+        return out.reshape(*out.shape[:2], tokens, width)
 
     # ----------------------------------------------------------------- the cache protocol
     def _cut(self, own: Any, rows: int, held: int) -> tuple[Any, ...]:
@@ -546,6 +536,12 @@ def _ragged(fold: Fold) -> bool:
 def _heads(fold: Fold) -> list[Any]:
     """A ragged fold's per-head owns (lists once loaded from a file, tuples before)."""
     return list(fold.own["heads"])
+
+
+def _side_by_side(heads: list[mx.array], width: int, fill: int = 0) -> mx.array:
+    """Per-head arrays (B, 1, rows, ...) padded to ``width`` rows with ``fill``, joined on the head axis."""
+    return mx.concatenate([mx.pad(a, [(0, 0), (0, 0), (0, width - a.shape[2])] + [(0, 0)] * (a.ndim - 3),
+                                  constant_values=fill) for a in heads], axis=1)
 
 
 def _fold_of(start: int, end: int, heads: list[tuple[Any, ...]], group: tuple[int, ...]) -> Fold:
