@@ -109,6 +109,7 @@ class QuantCache(CrossLayerCache):
     budget_use = ("VELOX_BUDGET does not apply: it keeps every token, all but the exact window at VELOX_QUANT_BITS "
                   "bits (4 by default).")
 
+    saved_scalars = ("chosen_end",)
     store_step = 8  # the exact rows' spare room, counted in a share of the bytes: 32 rows were 0.016 of a 2k cache
     rereads_prompt = True  # the model call may read a prompt twice for it (integration.rereading)
     memory_instead = (" (VELOX_QUANT_KEEP=0.125x keeps the rows that make it hold an eighth of the full cache's "
@@ -127,13 +128,6 @@ class QuantCache(CrossLayerCache):
     def knob_values(self) -> dict[str, Any]:
         return {"bits": self.bits, "group": self.group_size,
                 "keep": str(self.keep) if isinstance(self.keep, BytesShare) else self.keep, "pool": self.pool}
-
-    def _meta(self) -> dict[str, Any]:
-        return {**super()._meta(), "chosen_end": self.chosen_end}
-
-    def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
-        super()._load_extra(extra, info)
-        self.chosen_end = info.get("chosen_end", 0)
 
     @property
     def wants_rereading(self) -> bool:

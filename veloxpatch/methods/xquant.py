@@ -99,6 +99,7 @@ class XQuantCache(CrossLayerCache):
     too). A layer that cannot rebuild keeps its released rows' exact K and V in the fold instead."""
 
     wants_layer_io = True
+    saved_scalars = ("exact", "grouped", "latent_on", "hidden")
     uses_budget = False
     budget_use = ("VELOX_BUDGET does not apply: it keeps every token, all but the exact window at VELOX_XQUANT_BITS "
                   "bits (4 by default).")
@@ -365,16 +366,6 @@ class XQuantCache(CrossLayerCache):
         own, shared = (_cut(part, prefix) for part in (fold.own, fold.shared))
         self.folds = [replace(fold, end=fold.end if prefix >= fold.end else 0, own=own, shared=shared)]
         self.linked = False  # a group's layers cut copies of the shared X: linked again at the next step
-
-    def _meta(self) -> dict[str, Any]:
-        return {**super()._meta(), "exact": self.exact, "grouped": self.grouped, "latent_on": self.latent_on,
-                "hidden": self.hidden}
-
-    def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
-        """The cross-layer state (the module is not saved: the hook hands it over again at the next step)."""
-        super()._load_extra(extra, info)
-        self.exact, self.grouped = info["exact"], info["grouped"]
-        self.latent_on, self.hidden = info.get("latent_on", False), info.get("hidden", 0)
 
 
 _WHITENINGS: dict[tuple[int, Any], Any] = {}
