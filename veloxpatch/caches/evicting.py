@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from .. import stats
 from ..config import TierSize
+from .allocation import layer_budgets
 from .base import CompressedKVCache
 from .masks import marked
 from .queries import QueryLog
@@ -154,8 +155,19 @@ class EvictingCache(CompressedKVCache):
 
     # ----------------------------------------------------------------- what a method may set
     def target(self) -> int:
-        """Rows to keep now: the budget, but never fewer than the protected sink + window."""
-        return max(self.budget_rows(), self.sink + self.window)
+        """Rows to keep now: the budget (this layer's part of the list's, where :meth:`layer_weights` moves it between
+        layers), but never fewer than the protected sink + window."""
+        budget, floor = self.budget_rows(), self.sink + self.window
+        weighted = self.layer_weights()
+        if weighted is None:
+            return max(budget, floor)
+        weights, index = weighted
+        return layer_budgets(weights, budget, floor, self.offset)[index]
+
+    def layer_weights(self) -> tuple[tuple[float, ...], int] | None:
+        """Each layer's weight (mean 1) in the budget above sink + window, and this layer's index; None: the plain
+        budget (:func:`.allocation.layer_budgets`)."""
+        return None
 
     def budget_rows(self) -> int:
         """The budget's rows after the tokens seen, or ``VELOX_KV_MEMORY``'s where that is stricter."""

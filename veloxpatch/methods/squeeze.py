@@ -40,7 +40,6 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from ..caches.allocation import layer_budgets
 from ..caches.evicting import EvictingCache, Policy
 from ..caches.masks import visible
 from ..caches.spec import CacheSpec
@@ -203,15 +202,6 @@ class SqueezeCache(EvictingCache):
         return {**super().knob_values(), "policy": self.policy_name, "strength": self.strength,
                 "signal": self.signal, "share": self.share}
 
-    def target(self) -> int:
-        """This layer's share of layers x budget, or the plain budget while the list has no shares."""
-        budget = self.budget_rows()
-        floor = self.sink + self.window
-        shares, index = self._shares()
-        if shares is None:
-            return max(budget, floor)
-        return layer_budgets(shares, budget, floor, self.offset)[index]
-
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
         """The policy's hook; then a prompt chunk reports its importance (under ``cosine`` once the attention
         output is in, :meth:`see_attention`), and a decode-sized step ends reporting."""
@@ -268,9 +258,9 @@ class SqueezeCache(EvictingCache):
                  "are not called with a `cache` argument, or the cache is driven directly): such chunks report the "
                  "entropy signal")
 
-    def _shares(self) -> tuple[tuple[float, ...] | None, int]:
+    def layer_weights(self) -> tuple[tuple[float, ...], int] | None:
         """The shares and this layer's index in them: every served layer's when the reports set them, the list's
-        own when they came with the caches (a loaded list); (None, 0) if this layer has none."""
+        own when they came with the caches (a loaded list); None if this layer has none (the plain budget)."""
         coordinator = self.coordinator
         if isinstance(coordinator, SqueezeCoordinator):
             shares = coordinator.schedule()
@@ -278,4 +268,4 @@ class SqueezeCache(EvictingCache):
             index = coordinator.position(self) if pooled else self.layer
         else:
             shares, index = shares_of(members_of(self)), self.layer
-        return (shares, index) if shares is not None and index < len(shares) else (None, 0)
+        return (shares, index) if shares is not None and index < len(shares) else None
