@@ -270,13 +270,10 @@ class QuantCache(CrossLayerCache):
     def _settle(self) -> None:
         """Keys held at ``HOLD_BITS`` (a prompt whose second reading is over, failed or never came) quantized to
         ``VELOX_QUANT_BITS``, and the folds joined into one."""
-        def settled(own: Any) -> tuple[Any, ...]:
-            return (self._keys_encoded(self._keys_decoded(own[0]), self.bits), *own[1:])
-
         for i, fold in enumerate(self.folds):
             if self._fold_bits(fold) != self.bits:
-                own = {"heads": tuple(settled(head) for head in _heads(fold))} if _ragged(fold) else settled(fold.own)
-                self.folds[i] = replace(fold, own=own)
+                owns = [(self._keys_encoded(self._keys_decoded(own[0]), self.bits), *own[1:]) for own in _owns(fold)]
+                self.folds[i] = replace(fold, own={"heads": tuple(owns)} if _ragged(fold) else owns[0])
         self._join()
 
     def _apply(self, start: int, end: int, group: tuple[int, ...], result: tuple[list[Any], Any], at: int) -> None:
@@ -311,25 +308,21 @@ class QuantCache(CrossLayerCache):
     def held_rows(self, fold: Fold) -> int:
         """Rows the fold holds per head: its range, or fewer where rows were dropped; a ragged fold's largest
         head's (as attention sees them, the others padded with holes)."""
-        if _ragged(fold):
-            return max(head[2].shape[-1] for head in _heads(fold))
-        return fold.own[2].shape[-1] if len(fold.own) == 3 else fold.end - fold.start
+        owns = _owns(fold)
+        return max(own[2].shape[-1] for own in owns) if len(owns[0]) == 3 else fold.end - fold.start
 
     def fold_positions(self, fold: Fold) -> mx.array:
         """Each row's position; a ragged fold's shorter heads end in holes (-1), which attention masks."""
-        if _ragged(fold):
-            return _side_by_side([head[2].astype(mx.int32) for head in _heads(fold)], self.held_rows(fold), -1)
-        if len(fold.own) == 3:
-            return fold.own[2].astype(mx.int32)
-        return super().fold_positions(fold)
+        owns = _owns(fold)
+        if len(owns[0]) == 2:
+            return super().fold_positions(fold)
+        return _side_by_side([own[2].astype(mx.int32) for own in owns], self.held_rows(fold), -1)
 
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
         """The fold's keys and values dequantized; a ragged fold's shorter heads padded with zero rows (holes)."""
-        if not _ragged(fold):
-            return self._keys_decoded(fold.own[0]), self._values_decoded(fold.own[1], self.held_rows(fold))
-        width, heads = self.held_rows(fold), _heads(fold)
-        return (_side_by_side([self._keys_decoded(head[0]) for head in heads], width),
-                _side_by_side([self._values_decoded(head[1], head[2].shape[-1]) for head in heads], width))
+        owns, width = _owns(fold), self.held_rows(fold)
+        values = [self._values_decoded(own[1], own[2].shape[-1] if len(own) == 3 else width) for own in owns]
+        return _side_by_side([self._keys_decoded(own[0]) for own in owns], width), _side_by_side(values, width)
 
     def has_holes(self) -> bool:
         """The store's holes, or a ragged fold's (its shorter heads padded to its largest)."""
@@ -337,12 +330,12 @@ class QuantCache(CrossLayerCache):
 
     def _fold_bits(self, fold: Fold) -> int:
         """The bits of the fold's keys (the same in every head)."""
-        return self._key_bits(_heads(fold)[0][0] if _ragged(fold) else fold.own[0])
+        return self._key_bits(_owns(fold)[0][0])
 
     def _split(self, fold: Fold) -> list[tuple[Any, ...]]:
         """The fold as one own per head (keys, values, positions, a head axis of one)."""
         if _ragged(fold):
-            return [tuple(head) for head in _heads(fold)]
+            return [tuple(own) for own in _owns(fold)]
         positions = self.fold_positions(fold)
         return [(tuple(p[:, h: h + 1] for p in fold.own[0]), tuple(p[:, h: h + 1] for p in fold.own[1]),
                  _compact(positions[:, h: h + 1])) for h in range(positions.shape[1])]
@@ -356,7 +349,7 @@ class QuantCache(CrossLayerCache):
         fold = self.folds[0]
         if self.bits == 16 or len(self.folds) > 1 or self._fold_bits(fold) != self.bits:
             return None
-        owns = _heads(fold) if _ragged(fold) else [fold.own]
+        owns = _owns(fold)
         if any(own[1][0].shape[2] != own[0][0].shape[-1] * 32 // self.bits for own in owns):
             return None  # values in groups across rows (fewer packed rows than keys' tokens)
         exact_keys, exact_values = self.store.fetch()
@@ -527,13 +520,17 @@ def _ragged(fold: Fold) -> bool:
     return isinstance(fold.own, dict)
 
 
-def _heads(fold: Fold) -> list[Any]:
-    """A ragged fold's per-head owns (lists once loaded from a file, tuples before)."""
-    return list(fold.own["heads"])
+def _owns(fold: Fold) -> list[Any]:
+    """The fold's owns (keys, values, and positions where rows were dropped): one per head of a ragged fold (lists once
+    loaded from a file, tuples before), else the fold's own alone."""
+    return list(fold.own["heads"]) if _ragged(fold) else [fold.own]
 
 
 def _side_by_side(heads: list[mx.array], width: int, fill: int = 0) -> mx.array:
-    """Per-head arrays (B, 1, rows, ...) padded to ``width`` rows with ``fill``, joined on the head axis."""
+    """Per-head arrays (B, 1, rows, ...) padded to ``width`` rows with ``fill``, joined on the head axis (a dense
+    fold's one array as it is)."""
+    if len(heads) == 1:
+        return heads[0]
     return mx.concatenate([mx.pad(a, [(0, 0), (0, 0), (0, width - a.shape[2])] + [(0, 0)] * (a.ndim - 3),
                                   constant_values=fill) for a in heads], axis=1)
 
