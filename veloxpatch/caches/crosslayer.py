@@ -242,12 +242,12 @@ class CrossLayerCache(CompressedKVCache):
     def _pick_up(self) -> None:
         """Apply completed folds; a group that did not complete folds this layer alone."""
         for key, group, start, end in self.pending:
-            result = self.coordinator.joint(key) if self.coordinator is not None else None
+            assert self.coordinator is not None, "only a coordinated layer contributes"
+            result = self.coordinator.joint(key)
             if result is None:
-                missing = self.coordinator.missing(key, group) if self.coordinator is not None else []
                 once(f"{self.method} fold alone", logging.INFO,
-                     f"{self.method}: layers {missing} of group {list(group)} did not fold rows {start}-{end} "
-                     f"with the others; each layer folds alone")
+                     f"{self.method}: layers {self.coordinator.missing(key, group)} of group {list(group)} did not "
+                     f"fold rows {start}-{end} with the others; each layer folds alone")
                 self._apply(start, end, (self.layer,), self.joint([self._exact(start, end)]), 0)
             else:
                 self._apply(start, end, group, result, group.index(self.layer))
