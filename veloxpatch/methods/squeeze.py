@@ -118,7 +118,6 @@ class SqueezeCoordinator(Coordinator):
         self.closed = False  # decoding has started: the prompt's reports are all in
         self.stale = False  # reports arrived since the shares were set
         self.considered = -1  # the forward whose first layer last looked at the reports
-        self.current: tuple[float, ...] | None = None  # the members' shares as of that forward
         self.pooled_shares: tuple[float, ...] | None = None  # every served layer's, from the last allocation
 
     def reset(self) -> None:
@@ -150,8 +149,7 @@ class SqueezeCoordinator(Coordinator):
             self.considered = self.step
             if self.stale:
                 self._allocate()
-            self.current = self.pooled_shares or shares_of(self.members)
-        return self.current
+        return self.pooled_shares or shares_of(self.members)  # (only _allocate changes them within a forward)
 
     def _allocate(self) -> None:
         """Set every member's share from every layer's reports (pooled over ranks); none if some layer has not."""
