@@ -361,7 +361,7 @@ class XQuantCache(CrossLayerCache):
         again (rebuilt, as crosslayer's contract says), their X kept."""
         fold = self.folds[0] if self.folds and not self.exact else None
         super().cut_to(prefix)
-        if fold is None or 0 == prefix < fold.end:  # (an exact layer's fold is cut by crosslayer's trim)
+        if fold is None or prefix == 0 < fold.end:  # crosslayer's trim dropped it (an exact layer's, or every row)
             return
         own, shared = (_cut(part, prefix) for part in (fold.own, fold.shared))
         self.folds = [replace(fold, end=fold.end if prefix >= fold.end else 0, own=own, shared=shared)]
