@@ -74,6 +74,11 @@ class CrossLayerCache(CompressedKVCache):
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
         """The fold's rows as attention uses them: keys and values (B, kv_heads, end - start, head_dim)."""
 
+    def block(self, layers: int) -> tuple[int, ...]:
+        """This layer's block of ``layers`` consecutive members (the last one shorter): a group for :meth:`group`."""
+        first = self.layer // layers * layers
+        return tuple(range(first, min(first + layers, len(members_of(self)))))
+
     def min_fold(self) -> int:
         """Exact rows (beyond the window) worth folding at once."""
         return 1

@@ -58,7 +58,6 @@ from .. import stats
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
 from ..caches.store import Parts, decode, encode
-from ..coordinators import members_of
 from ..log import model_type, once
 from ..memo import per_model
 from ..registry import method
@@ -314,11 +313,7 @@ class XQuantCache(CrossLayerCache):
     # ----------------------------------------------------------------- releasing exact rows
     def group(self) -> tuple[int, ...]:
         """XQuant-CL's block of consecutive members (this layer alone when off, left or exact)."""
-        if not self.grouped:
-            return (self.layer,)
-        size = len(members_of(self))
-        first = self.layer // self.cl * self.cl
-        return tuple(range(first, min(first + self.cl, size)))
+        return self.block(self.cl) if self.grouped else (self.layer,)
 
     def folded_as(self) -> str | None:
         """What a released row is kept as, in words for the stats line (None: exact)."""
