@@ -56,6 +56,7 @@ class CompressedKVCache(ABC):
     bounds_memory: ClassVar[bool] = False  # True: VELOX_KV_MEMORY can cap its rows (the methods that evict)
     memory_instead: ClassVar[str] = ""  # where VELOX_KV_MEMORY is refused: the method's own way to less memory
     budget_use: ClassVar[str] = "VELOX_BUDGET is the rows it keeps per layer."  # said by `veloxpatch methods`
+    saved_scalars: ClassVar[tuple[str, ...]] = ()  # attributes of a kind of cache saved in the meta under their names
 
     def __init__(self, spec: CacheSpec) -> None:
         self.budget = spec.budget
@@ -168,14 +169,18 @@ class CompressedKVCache(ABC):
         return self.prompt_end is not None and self.offset + n < self.prompt_end
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens: the cache becomes the compressed cache of the prefix."""
+        """Forget the last ``n`` tokens: the cache becomes the compressed cache of the prefix (:meth:`cut_to`)."""
         n = min(n, self.offset)
         if n <= 0:
             return 0
-        self.offset -= n
-        self.store.trim_to(self.offset)
-        self.memory.trim(self.offset)
+        self.cut_to(self.offset - n)
         return n
+
+    def cut_to(self, prefix: int) -> None:
+        """Forget every token from ``prefix`` on (``0 <= prefix < offset``): what a kind of cache adds to a trim."""
+        self.offset = prefix
+        self.store.trim_to(prefix)
+        self.memory.trim(prefix)
 
     def headroom(self, keep: int) -> int:
         """Decode rows allowed above a budget of ``keep`` before compressing again (:class:`Schedule`)."""
@@ -231,7 +236,8 @@ class CompressedKVCache(ABC):
         """What :attr:`meta_state` holds; a kind of cache adds its own scalars."""
         return {"offset": self.offset, "evicted": self.evicted, "budget": str(self.budget), "sink": self.sink,
                 "window": self.window, "mode": self.schedule.mode, "bits": self.store.bits,
-                "group_size": self.store.group_size, "knobs": self.knob_values(), "queries_end": self.memory.end}
+                "group_size": self.store.group_size, "knobs": self.knob_values(), "queries_end": self.memory.end,
+                **{name: getattr(self, name) for name in self.saved_scalars}}
 
     @property
     def state(self) -> tuple[Any, ...] | list[mx.array]:
@@ -251,6 +257,9 @@ class CompressedKVCache(ABC):
         self.memory = QueryMemory(value[3], info.get("queries_end", info["offset"]))
         self.offset, self.evicted = info["offset"], info["evicted"]
         self._load_extra(tuple(value[4:-1]), info)
+        for name in self.saved_scalars:
+            if name in info:  # (else a file from before it was saved: the constructor's value)
+                setattr(self, name, info[name])
 
     def _whole_state(self) -> tuple[Any, ...]:
         """What :attr:`state` is where mlx_lm saves it alone (mlx-lm 0.32), meta string last."""

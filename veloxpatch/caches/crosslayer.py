@@ -74,6 +74,11 @@ class CrossLayerCache(CompressedKVCache):
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
         """The fold's rows as attention uses them: keys and values (B, kv_heads, end - start, head_dim)."""
 
+    def block(self, layers: int) -> tuple[int, ...]:
+        """This layer's block of ``layers`` consecutive members (the last one shorter): a group for :meth:`group`."""
+        first = self.layer // layers * layers
+        return tuple(range(first, min(first + layers, len(members_of(self)))))
+
     def min_fold(self) -> int:
         """Exact rows (beyond the window) worth folding at once."""
         return 1
@@ -193,25 +198,25 @@ class CrossLayerCache(CompressedKVCache):
             return False
         return self.schedule.decode_sized(queries.shape[2])
 
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens; a fold cut by the new end becomes exact rows of its prefix."""
-        n = min(n, self.offset)
-        if n <= 0:
-            return 0
-        prefix = self.offset - n
+    def cut_to(self, prefix: int) -> None:
+        """A fold cut by the new end becomes exact rows of its prefix."""
         self.pending.clear()
         cut = next((i for i, fold in enumerate(self.folds) if fold.end > prefix), None)
         if cut is None:
-            return super().trim(n)
+            super().cut_to(prefix)
+            return
         fold = self.folds[cut]
-        keys, values = self.unfold(fold)
         del self.folds[cut:]
+        self._exact_again(fold, fold.start, prefix)
+
+    def _exact_again(self, fold: Fold, start: int, prefix: int) -> None:
+        """End the cache at ``prefix`` with no exact rows but those of ``fold`` from position ``start`` on, rebuilt."""
         self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
-        if prefix > fold.start:
-            rows = prefix - fold.start
-            self.store.append(keys[..., :rows, :], values[..., :rows, :], fold.start)
         self.offset = prefix
-        return n
+        if prefix > start:
+            keys, values = self.unfold(fold)
+            rows = slice(start - fold.start, prefix - fold.start)
+            self.store.append(keys[..., rows, :], values[..., rows, :], start)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> CrossLayerCache:
         """The base's quantized copy (exact rows quantized, folds as they are), with lists of its own."""
@@ -242,12 +247,12 @@ class CrossLayerCache(CompressedKVCache):
     def _pick_up(self) -> None:
         """Apply completed folds; a group that did not complete folds this layer alone."""
         for key, group, start, end in self.pending:
-            result = self.coordinator.joint(key) if self.coordinator is not None else None
+            assert self.coordinator is not None, "only a coordinated layer contributes"
+            result = self.coordinator.joint(key)
             if result is None:
-                missing = self.coordinator.missing(key, group) if self.coordinator is not None else []
                 once(f"{self.method} fold alone", logging.INFO,
-                     f"{self.method}: layers {missing} of group {list(group)} did not fold rows {start}-{end} "
-                     f"with the others; each layer folds alone")
+                     f"{self.method}: layers {self.coordinator.missing(key, group)} of group {list(group)} did not "
+                     f"fold rows {start}-{end} with the others; each layer folds alone")
                 self._apply(start, end, (self.layer,), self.joint([self._exact(start, end)]), 0)
             else:
                 self._apply(start, end, group, result, group.index(self.layer))

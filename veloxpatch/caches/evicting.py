@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from .. import stats
 from ..config import TierSize
+from .allocation import layer_budgets
 from .base import CompressedKVCache
 from .masks import marked
 from .queries import QueryLog
@@ -154,8 +155,19 @@ class EvictingCache(CompressedKVCache):
 
     # ----------------------------------------------------------------- what a method may set
     def target(self) -> int:
-        """Rows to keep now: the budget, but never fewer than the protected sink + window."""
-        return max(self.budget_rows(), self.sink + self.window)
+        """Rows to keep now: the budget (this layer's part of the list's, where :meth:`layer_weights` moves it between
+        layers), but never fewer than the protected sink + window."""
+        budget, floor = self.budget_rows(), self.sink + self.window
+        weighted = self.layer_weights()
+        if weighted is None:
+            return max(budget, floor)
+        weights, index = weighted
+        return layer_budgets(weights, budget, floor, self.offset)[index]
+
+    def layer_weights(self) -> tuple[tuple[float, ...], int] | None:
+        """Each layer's weight (mean 1) in the budget above sink + window, and this layer's index; None: the plain
+        budget (:func:`.allocation.layer_budgets`)."""
+        return None
 
     def budget_rows(self) -> int:
         """The budget's rows after the tokens seen, or ``VELOX_KV_MEMORY``'s where that is stricter."""
@@ -311,19 +323,15 @@ class EvictingCache(CompressedKVCache):
         return protected(positions, self.sink, self.window, self.offset)
 
     # ----------------------------------------------------------------- the protocol, with the policy's part
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens. A trim back into the last prompt starts from its :class:`Snapshot`, so the
-        server's prompt-cache reuse answers a repeated request as it answered the first time."""
-        n = min(n, self.offset)
-        if self.read is not None and self.offset - n < self.read.offset:
-            end, done = self.offset - n, self.offset - self.read.offset
+    def cut_to(self, prefix: int) -> None:
+        """A trim back into the last prompt starts from its :class:`Snapshot`, so the server's prompt-cache reuse
+        answers a repeated request as it answered the first time."""
+        if self.read is not None and prefix < self.read.offset:
             self.read.restore(self)
-            return done + self.trim(self.offset - end)
-        n = super().trim(n)
-        self.log.trim(self.offset)
+        super().cut_to(prefix)
+        self.log.trim(prefix)
         if self.tier is not None:
-            self.tier.store.trim_to(self.offset)
-        return n
+            self.tier.store.trim_to(prefix)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> EvictingCache:
         """The base's quantized copy (the tier keeps its own format), with a policy, log and tier of its own."""

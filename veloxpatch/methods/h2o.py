@@ -45,26 +45,9 @@ BLOCK_ELEMENTS = 1 << 24  # float32 probabilities per block of queries: 64 MB
 
 def received_mass(queries: mx.array, keys: mx.array, scale: float, positions: mx.array, first: int) -> mx.array:
     """Attention probability mass each row receives from ``queries`` (B, q_heads, n, d), (B, kv_heads, rows),
-    summed over the queries and the query heads of each KV head. The queries are those of tokens ``first ..
-    first + n - 1``; each sees the rows of ``positions`` at or before its own, holes never. Queries go in blocks,
-    each evaluated before the next, so the probabilities stay within :data:`BLOCK_ELEMENTS`."""
-    b, hq, n, d = queries.shape
-    hkv, rows = keys.shape[1], keys.shape[2]
-    q = (queries.astype(mx.float32) * scale).reshape(b, hkv, hq // hkv, n, d)
-    k = mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)
-    row_positions = mx.where(positions >= 0, positions, first + n)[:, :, None, None, :]  # a hole: after every query
-    block = max(1, BLOCK_ELEMENTS // (b * hq * rows))
-    total = None
-    for start in range(0, n, block):
-        stop = min(n, start + block)
-        visible = row_positions <= mx.arange(first + start, first + stop)[:, None]
-        logits = mx.where(visible, q[..., start:stop, :] @ k, -mx.inf)
-        mass = mx.where(visible, mx.softmax(logits, axis=-1, precise=True), 0.0).sum(axis=(2, 3))
-        total = mass if total is None else total + mass
-        if block < n:
-            mx.eval(total)  # left lazy, every block's probabilities would be alive at once
-    assert total is not None, "no queries"
-    return total
+    summed over the queries and the query heads of each KV head, in float32. The queries are those of tokens ``first
+    .. first + n - 1``; each sees the rows of ``positions`` at or before its own, holes never."""
+    return _blocks(queries.astype(mx.float32), keys.astype(mx.float32), None, scale, positions, first)[1]
 
 
 def attention_with_mass(queries: mx.array, keys: mx.array, values: mx.array, scale: float, positions: mx.array,
@@ -73,25 +56,34 @@ def attention_with_mass(queries: mx.array, keys: mx.array, values: mx.array, sca
     :func:`received_mass`) from one softmax, not two. The same operations as mlx's attention on the CPU (scaled
     queries, one matmul per KV head group, a precise softmax with hidden rows at -inf), so the same output; every
     query sees its own row (a prompt step's rows are stored before it attends)."""
+    outs, mass = _blocks(queries, keys, values, scale, positions, first)
+    return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)), mass
+
+
+def _blocks(queries: mx.array, keys: mx.array, values: mx.array | None, scale: float, positions: mx.array,
+            first: int) -> tuple[list[mx.array], mx.array]:
+    """The work of both: a block of queries at a time, each evaluated before the next so the probabilities stay
+    within :data:`BLOCK_ELEMENTS`; the blocks' outputs (none without ``values``) and the summed mass."""
     b, hq, n, d = queries.shape
     hkv, rows = keys.shape[1], keys.shape[2]
     q = (queries * scale).reshape(b, hkv, hq // hkv, n, d)
     k = mx.expand_dims(keys, 2).swapaxes(-1, -2)
-    v = mx.expand_dims(values, 2)
     row_positions = mx.where(positions >= 0, positions, first + n)[:, :, None, None, :]  # a hole: after every query
     block = max(1, BLOCK_ELEMENTS // (b * hq * rows))
     outs, total = [], None
     for start in range(0, n, block):
         stop = min(n, start + block)
-        hidden = mx.where(row_positions <= mx.arange(first + start, first + stop)[:, None], 0.0, -mx.inf)
-        probs = mx.softmax(q[..., start:stop, :] @ k + hidden.astype(q.dtype), axis=-1, precise=True)
-        outs.append((probs @ v).reshape(b, hq, stop - start, values.shape[-1]))
-        mass = probs.astype(mx.float32).sum(axis=(2, 3))
+        visible = row_positions <= mx.arange(first + start, first + stop)[:, None]
+        hidden = mx.where(visible, 0.0, -mx.inf).astype(q.dtype)
+        probs = mx.softmax(q[..., start:stop, :] @ k + hidden, axis=-1, precise=True)
+        if values is not None:
+            outs.append((probs @ mx.expand_dims(values, 2)).reshape(b, hq, stop - start, values.shape[-1]))
+        mass = mx.where(visible, probs.astype(mx.float32), 0.0).sum(axis=(2, 3))  # 0 from a query seeing no row
         total = mass if total is None else total + mass
         if block < n:
-            mx.eval(outs[-1], total)  # left lazy, every block's probabilities would be alive at once
+            mx.eval(outs[-1:], total)  # left lazy, every block's probabilities would be alive at once
     assert total is not None, "no queries"
-    return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)), total
+    return outs, total
 
 
 class H2O(Policy):

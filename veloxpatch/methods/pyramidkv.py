@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 
-from ..caches.allocation import layer_budgets
 from ..caches.evicting import EvictingCache
 from ..caches.spec import CacheSpec
 from ..coordinators import depth_of
@@ -58,11 +57,7 @@ class PyramidKVCache(EvictingCache):
     def knob_values(self) -> dict[str, object]:
         return {**super().knob_values(), "beta": self.beta}
 
-    def target(self) -> int:
+    def layer_weights(self) -> tuple[tuple[float, ...], int] | None:
         """This layer's term of the pyramid over the model's served layers (the plain budget alone)."""
         depth, layers = depth_of(self)
-        budget = self.budget_rows()
-        floor = self.sink + self.window
-        if layers < 2 or depth >= layers:
-            return max(budget, floor)
-        return layer_budgets(pyramid(layers, self.beta), budget, floor, self.offset)[depth]
+        return None if layers < 2 or depth >= layers else (pyramid(layers, self.beta), depth)

@@ -46,7 +46,7 @@ from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.selection import pool_rows
 from ..caches.spec import CacheSpec
-from ..caches.store import RowStore, take_rows
+from ..caches.store import Parts, decode, encode, take_rows
 from ..coordinators import members_of
 from ..log import once
 from ..registry import method
@@ -56,7 +56,6 @@ from ..stats import at_16_bits
 BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
 
-Parts = tuple[mx.array, ...]  # mlx's (packed, scales, biases), or the array itself (16 bits)
 HOLD_BITS = 8  # the keys of a prompt awaiting its second reading (module doc: why not at VELOX_QUANT_BITS)
 QUERY_BLOCK = 64  # queries of a second reading scored at once: bounds the (heads, group x block, rows) float32 logits
 
@@ -110,6 +109,7 @@ class QuantCache(CrossLayerCache):
     budget_use = ("VELOX_BUDGET does not apply: it keeps every token, all but the exact window at VELOX_QUANT_BITS "
                   "bits (4 by default).")
 
+    saved_scalars = ("chosen_end",)
     store_step = 8  # the exact rows' spare room, counted in a share of the bytes: 32 rows were 0.016 of a 2k cache
     rereads_prompt = True  # the model call may read a prompt twice for it (integration.rereading)
     memory_instead = (" (VELOX_QUANT_KEEP=0.125x keeps the rows that make it hold an eighth of the full cache's "
@@ -128,13 +128,6 @@ class QuantCache(CrossLayerCache):
     def knob_values(self) -> dict[str, Any]:
         return {"bits": self.bits, "group": self.group_size,
                 "keep": str(self.keep) if isinstance(self.keep, BytesShare) else self.keep, "pool": self.pool}
-
-    def _meta(self) -> dict[str, Any]:
-        return {**super()._meta(), "chosen_end": self.chosen_end}
-
-    def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
-        super()._load_extra(extra, info)
-        self.chosen_end = info.get("chosen_end", 0)
 
     @property
     def wants_rereading(self) -> bool:
@@ -277,13 +270,10 @@ class QuantCache(CrossLayerCache):
     def _settle(self) -> None:
         """Keys held at ``HOLD_BITS`` (a prompt whose second reading is over, failed or never came) quantized to
         ``VELOX_QUANT_BITS``, and the folds joined into one."""
-        def settled(own: Any) -> tuple[Any, ...]:
-            return (self._keys_encoded(self._keys_decoded(own[0]), self.bits), *own[1:])
-
         for i, fold in enumerate(self.folds):
             if self._fold_bits(fold) != self.bits:
-                own = {"heads": tuple(settled(head) for head in _heads(fold))} if _ragged(fold) else settled(fold.own)
-                self.folds[i] = replace(fold, own=own)
+                owns = [(self._keys_encoded(self._keys_decoded(own[0]), self.bits), *own[1:]) for own in _owns(fold)]
+                self.folds[i] = replace(fold, own={"heads": tuple(owns)} if _ragged(fold) else owns[0])
         self._join()
 
     def _apply(self, start: int, end: int, group: tuple[int, ...], result: tuple[list[Any], Any], at: int) -> None:
@@ -318,30 +308,21 @@ class QuantCache(CrossLayerCache):
     def held_rows(self, fold: Fold) -> int:
         """Rows the fold holds per head: its range, or fewer where rows were dropped; a ragged fold's largest
         head's (as attention sees them, the others padded with holes)."""
-        if _ragged(fold):
-            return max(head[2].shape[-1] for head in _heads(fold))
-        return fold.own[2].shape[-1] if len(fold.own) == 3 else fold.end - fold.start
+        owns = _owns(fold)
+        return max(own[2].shape[-1] for own in owns) if len(owns[0]) == 3 else fold.end - fold.start
 
     def fold_positions(self, fold: Fold) -> mx.array:
         """Each row's position; a ragged fold's shorter heads end in holes (-1), which attention masks."""
-        if _ragged(fold):
-            width = self.held_rows(fold)
-            return mx.concatenate([mx.pad(head[2].astype(mx.int32), [(0, 0), (0, 0), (0, width - head[2].shape[-1])],
-                                          constant_values=-1) for head in _heads(fold)], axis=1)
-        if len(fold.own) == 3:
-            return fold.own[2].astype(mx.int32)
-        return super().fold_positions(fold)
+        owns = _owns(fold)
+        if len(owns[0]) == 2:
+            return super().fold_positions(fold)
+        return _side_by_side([own[2].astype(mx.int32) for own in owns], self.held_rows(fold), -1)
 
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
         """The fold's keys and values dequantized; a ragged fold's shorter heads padded with zero rows (holes)."""
-        if not _ragged(fold):
-            return self._keys_decoded(fold.own[0]), self._values_decoded(fold.own[1], self.held_rows(fold))
-        width = self.held_rows(fold)
-        rows = [(self._keys_decoded(head[0]), self._values_decoded(head[1], head[2].shape[-1]))
-                for head in _heads(fold)]
-        pad = [[(0, 0), (0, 0), (0, width - k.shape[2]), (0, 0)] for k, _ in rows]
-        return (mx.concatenate([mx.pad(k, p) for (k, _), p in zip(rows, pad)], axis=1),
-                mx.concatenate([mx.pad(v, p) for (_, v), p in zip(rows, pad)], axis=1))
+        owns, width = _owns(fold), self.held_rows(fold)
+        values = [self._values_decoded(own[1], own[2].shape[-1] if len(own) == 3 else width) for own in owns]
+        return _side_by_side([self._keys_decoded(own[0]) for own in owns], width), _side_by_side(values, width)
 
     def has_holes(self) -> bool:
         """The store's holes, or a ragged fold's (its shorter heads padded to its largest)."""
@@ -349,12 +330,12 @@ class QuantCache(CrossLayerCache):
 
     def _fold_bits(self, fold: Fold) -> int:
         """The bits of the fold's keys (the same in every head)."""
-        return self._key_bits(_heads(fold)[0][0] if _ragged(fold) else fold.own[0])
+        return self._key_bits(_owns(fold)[0][0])
 
     def _split(self, fold: Fold) -> list[tuple[Any, ...]]:
         """The fold as one own per head (keys, values, positions, a head axis of one)."""
         if _ragged(fold):
-            return [tuple(head) for head in _heads(fold)]
+            return [tuple(own) for own in _owns(fold)]
         positions = self.fold_positions(fold)
         return [(tuple(p[:, h: h + 1] for p in fold.own[0]), tuple(p[:, h: h + 1] for p in fold.own[1]),
                  _compact(positions[:, h: h + 1])) for h in range(positions.shape[1])]
@@ -368,7 +349,7 @@ class QuantCache(CrossLayerCache):
         fold = self.folds[0]
         if self.bits == 16 or len(self.folds) > 1 or self._fold_bits(fold) != self.bits:
             return None
-        owns = _heads(fold) if _ragged(fold) else [fold.own]
+        owns = _owns(fold)
         if any(own[1][0].shape[2] != own[0][0].shape[-1] * 32 // self.bits for own in owns):
             return None  # values in groups across rows (fewer packed rows than keys' tokens)
         exact_keys, exact_values = self.store.fetch()
@@ -441,16 +422,12 @@ class QuantCache(CrossLayerCache):
     # ----------------------------------------------------------------- the formats
     def _keys_encoded(self, keys: mx.array, bits: int) -> Parts:
         """(B, H, T, d) keys as per-channel blocks: quantized along the tokens, (B, H, d, T)."""
-        if bits == 16:
-            return (keys,)
-        return tuple(mx.quantize(mx.swapaxes(keys, 2, 3), group_size=self.group_size, bits=bits))
+        return (keys,) if bits == 16 else encode(mx.swapaxes(keys, 2, 3), bits, self.group_size)
 
     def _keys_decoded(self, parts: Parts) -> mx.array:
         if len(parts) == 1:
             return parts[0]
-        packed, scales, biases = parts
-        out = mx.dequantize(packed, scales, biases, group_size=self.group_size, bits=self._key_bits(parts))
-        return mx.swapaxes(out, 2, 3).astype(scales.dtype)
+        return mx.swapaxes(decode(parts, self._key_bits(parts), self.group_size), 2, 3)
 
     def _key_bits(self, parts: Parts) -> int:
         """The bits of keys held as ``parts`` (``HOLD_BITS`` while a prompt waits)."""
@@ -471,16 +448,16 @@ class QuantCache(CrossLayerCache):
         b, h, t, d = values.shape
         group = self._value_group(d)
         rows = values if group is not None else values.reshape(b, h, t * d // 32, 32)
-        return tuple(mx.quantize(rows, group_size=group or 32, bits=self.bits))
+        return encode(rows, self.bits, group or 32)
 
     def _values_decoded(self, parts: Parts, tokens: int) -> mx.array:
         """The values of ``tokens`` tokens back as (B, H, tokens, d)."""
         if len(parts) == 1:
             return parts[0]
-        packed, scales, biases = parts
+        packed = parts[0]
         width = packed.shape[-1] * 32 // self.bits if packed.shape[2] == tokens else packed.shape[2] * 32 // tokens
-        out = mx.dequantize(packed, scales, biases, group_size=self._value_group(width) or 32, bits=self.bits)
-        return out.reshape(*out.shape[:2], tokens, width).astype(scales.dtype)
+        out = decode(parts, self.bits, self._value_group(width) or 32)
+        return out.reshape(*out.shape[:2], tokens, width)
 
     # ----------------------------------------------------------------- the cache protocol
     def _cut(self, own: Any, rows: int, held: int) -> tuple[Any, ...]:
@@ -495,37 +472,28 @@ class QuantCache(CrossLayerCache):
         width = rows * self._key_bits(keys) // 32
         return ((packed[..., :width], scales[..., :blocks], biases[..., :blocks]), values, *extra)
 
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens. A new end among the quantized rows keeps the fold's whole blocks before it
-        and the cut block's prefix as exact rows. Where rows were dropped, each head keeps its own blocks wholly
-        before the new end (none anywhere if some head keeps none), or in a batch the blocks wholly before it in
-        every head; kept rows after them are dropped too (a rare path: a server request reusing a shorter prefix
-        of a compressed document)."""
-        n = min(n, self.offset)
-        if n <= 0:
-            return 0
-        prefix = self.offset - n
+    def cut_to(self, prefix: int) -> None:
+        """A new end among the quantized rows keeps the fold's whole blocks before it and the cut block's prefix as
+        exact rows. Where rows were dropped, each head keeps its own blocks wholly before the new end (none anywhere
+        if some head keeps none), or in a batch the blocks wholly before it in every head; kept rows after them are
+        dropped too (a rare path: a server request reusing a shorter prefix of a compressed document)."""
         if not self.folds or prefix >= self.folds[-1].end:
-            return super().trim(n)
+            super().cut_to(prefix)
+            return
         self._settle()
         fold, g = self.folds[0], self.group_size
         positions = self.fold_positions(fold)
         before = ((positions >= 0) & (positions < prefix)).sum(axis=-1)
-        self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
-        self.offset = prefix
         if _ragged(fold) or (len(fold.own) == 3 and positions.shape[0] == 1):  # one sequence's heads apart
             kept = [rows // g * g for rows in _ints(before[0])]
             heads = [self._cut(own, k, own[2].shape[-1]) for own, k in zip(self._split(fold), kept)]
+            self._exact_again(fold, prefix, prefix)
             self.folds = [_fold_of(0, prefix, heads, fold.group)] if min(kept) else []
-            return n
+            return
         rows = int(before.min()) // g * g
-        if prefix > rows and len(fold.own) == 2:
-            keys, values = self.unfold(fold)
-            self.store.append(keys[..., rows:prefix, :], values[..., rows:prefix, :], rows)
+        self._exact_again(fold, rows if len(fold.own) == 2 else prefix, prefix)
         end = prefix if len(fold.own) == 3 else rows
         self.folds = [Fold(0, end, self._cut(fold.own, rows, self.held_rows(fold)), None, fold.group)] if rows else []
-        return n
-
 
 def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tuple[mx.array, mx.array],
                         real: mx.array | None) -> tuple[mx.array, mx.array]:
@@ -552,9 +520,19 @@ def _ragged(fold: Fold) -> bool:
     return isinstance(fold.own, dict)
 
 
-def _heads(fold: Fold) -> list[Any]:
-    """A ragged fold's per-head owns (lists once loaded from a file, tuples before)."""
-    return list(fold.own["heads"])
+def _owns(fold: Fold) -> list[Any]:
+    """The fold's owns (keys, values, and positions where rows were dropped): one per head of a ragged fold (lists once
+    loaded from a file, tuples before), else the fold's own alone."""
+    return list(fold.own["heads"]) if _ragged(fold) else [fold.own]
+
+
+def _side_by_side(heads: list[mx.array], width: int, fill: int = 0) -> mx.array:
+    """Per-head arrays (B, 1, rows, ...) padded to ``width`` rows with ``fill``, joined on the head axis (a dense
+    fold's one array as it is)."""
+    if len(heads) == 1:
+        return heads[0]
+    return mx.concatenate([mx.pad(a, [(0, 0), (0, 0), (0, width - a.shape[2])] + [(0, 0)] * (a.ndim - 3),
+                                  constant_values=fill) for a in heads], axis=1)
 
 
 def _fold_of(start: int, end: int, heads: list[tuple[Any, ...]], group: tuple[int, ...]) -> Fold:

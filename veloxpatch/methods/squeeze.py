@@ -40,7 +40,6 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from ..caches.allocation import layer_budgets
 from ..caches.evicting import EvictingCache, Policy
 from ..caches.masks import visible
 from ..caches.spec import CacheSpec
@@ -119,7 +118,6 @@ class SqueezeCoordinator(Coordinator):
         self.closed = False  # decoding has started: the prompt's reports are all in
         self.stale = False  # reports arrived since the shares were set
         self.considered = -1  # the forward whose first layer last looked at the reports
-        self.current: tuple[float, ...] | None = None  # the members' shares as of that forward
         self.pooled_shares: tuple[float, ...] | None = None  # every served layer's, from the last allocation
 
     def reset(self) -> None:
@@ -151,8 +149,7 @@ class SqueezeCoordinator(Coordinator):
             self.considered = self.step
             if self.stale:
                 self._allocate()
-            self.current = self.pooled_shares or shares_of(self.members)
-        return self.current
+        return self.pooled_shares or shares_of(self.members)  # (only _allocate changes them within a forward)
 
     def _allocate(self) -> None:
         """Set every member's share from every layer's reports (pooled over ranks); none if some layer has not."""
@@ -202,15 +199,6 @@ class SqueezeCache(EvictingCache):
     def knob_values(self) -> dict[str, Any]:
         return {**super().knob_values(), "policy": self.policy_name, "strength": self.strength,
                 "signal": self.signal, "share": self.share}
-
-    def target(self) -> int:
-        """This layer's share of layers x budget, or the plain budget while the list has no shares."""
-        budget = self.budget_rows()
-        floor = self.sink + self.window
-        shares, index = self._shares()
-        if shares is None:
-            return max(budget, floor)
-        return layer_budgets(shares, budget, floor, self.offset)[index]
 
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
         """The policy's hook; then a prompt chunk reports its importance (under ``cosine`` once the attention
@@ -268,9 +256,9 @@ class SqueezeCache(EvictingCache):
                  "are not called with a `cache` argument, or the cache is driven directly): such chunks report the "
                  "entropy signal")
 
-    def _shares(self) -> tuple[tuple[float, ...] | None, int]:
+    def layer_weights(self) -> tuple[tuple[float, ...], int] | None:
         """The shares and this layer's index in them: every served layer's when the reports set them, the list's
-        own when they came with the caches (a loaded list); (None, 0) if this layer has none."""
+        own when they came with the caches (a loaded list); None if this layer has none (the plain budget)."""
         coordinator = self.coordinator
         if isinstance(coordinator, SqueezeCoordinator):
             shares = coordinator.schedule()
@@ -278,4 +266,4 @@ class SqueezeCache(EvictingCache):
             index = coordinator.position(self) if pooled else self.layer
         else:
             shares, index = shares_of(members_of(self)), self.layer
-        return (shares, index) if shares is not None and index < len(shares) else (None, 0)
+        return (shares, index) if shares is not None and index < len(shares) else None

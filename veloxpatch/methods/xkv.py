@@ -33,7 +33,6 @@ import mlx.core as mx
 
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
-from ..coordinators import members_of
 from ..registry import method
 from ..settings import Budget, ConfigError, Setting, int_range, number_range
 
@@ -83,9 +82,7 @@ class XKVCache(CrossLayerCache):
 
     def group(self) -> tuple[int, ...]:
         """This layer's block of ``VELOX_XKV_GROUP`` consecutive members."""
-        size = len(members_of(self))
-        first = self.layer // self.group_layers * self.group_layers
-        return tuple(range(first, min(first + self.group_layers, size)))
+        return self.block(self.group_layers)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.width = keys.shape[1] * keys.shape[3]  # kv heads x head dim, for the rank of a percentage

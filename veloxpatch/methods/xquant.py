@@ -55,11 +55,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import stats
-from ..caches.base import CompressedKVCache
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
-from ..caches.store import Parts, RowStore, decode, encode
-from ..coordinators import members_of
+from ..caches.store import Parts, decode, encode
 from ..log import model_type, once
 from ..memo import per_model
 from ..registry import method
@@ -100,6 +98,7 @@ class XQuantCache(CrossLayerCache):
     too). A layer that cannot rebuild keeps its released rows' exact K and V in the fold instead."""
 
     wants_layer_io = True
+    saved_scalars = ("exact", "grouped", "latent_on", "hidden")
     uses_budget = False
     budget_use = ("VELOX_BUDGET does not apply: it keeps every token, all but the exact window at VELOX_XQUANT_BITS "
                   "bits (4 by default).")
@@ -314,11 +313,7 @@ class XQuantCache(CrossLayerCache):
     # ----------------------------------------------------------------- releasing exact rows
     def group(self) -> tuple[int, ...]:
         """XQuant-CL's block of consecutive members (this layer alone when off, left or exact)."""
-        if not self.grouped:
-            return (self.layer,)
-        size = len(members_of(self))
-        first = self.layer // self.cl * self.cl
-        return tuple(range(first, min(first + self.cl, size)))
+        return self.block(self.cl) if self.grouped else (self.layer,)
 
     def folded_as(self) -> str | None:
         """What a released row is kept as, in words for the stats line (None: exact)."""
@@ -356,37 +351,16 @@ class XQuantCache(CrossLayerCache):
         self.store.keep(index, self.min_fold())
 
     # ----------------------------------------------------------------- the cache protocol
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens. Their X goes; when the new end falls among the released rows, the
-        prefix's released rows become exact rows again (rebuilt, as crosslayer's contract says), their X kept."""
-        n = min(n, self.offset)
-        if n <= 0:
-            return 0
-        prefix = self.offset - n
-        if prefix < self.folded_rows():
-            keys, values = self.unfold(self.folds[0])
-            self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
-            if prefix:
-                self.store.append(keys[..., :prefix, :], values[..., :prefix, :], 0)
-            self.folds = [] if self.exact or not prefix else [replace(self.folds[0], end=0)]
-            self.offset = prefix
-        else:
-            CompressedKVCache.trim(self, n)
-        if self.folds and not self.exact:
-            own, shared = (_cut(part, prefix) for part in (self.folds[0].own, self.folds[0].shared))
-            self.folds = [replace(self.folds[0], own=own, shared=shared)]
-            self.linked = False  # a group's layers cut copies of the shared X: linked again at the next step
-        return n
-
-    def _meta(self) -> dict[str, Any]:
-        return {**super()._meta(), "exact": self.exact, "grouped": self.grouped, "latent_on": self.latent_on,
-                "hidden": self.hidden}
-
-    def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
-        """The cross-layer state (the module is not saved: the hook hands it over again at the next step)."""
-        super()._load_extra(extra, info)
-        self.exact, self.grouped = info["exact"], info["grouped"]
-        self.latent_on, self.hidden = info.get("latent_on", False), info.get("hidden", 0)
+    def cut_to(self, prefix: int) -> None:
+        """Their X goes; when the new end falls among the released rows, the prefix's released rows become exact rows
+        again (rebuilt, as crosslayer's contract says), their X kept."""
+        fold = self.folds[0] if self.folds and not self.exact else None
+        super().cut_to(prefix)
+        if fold is None or prefix == 0 < fold.end:  # crosslayer's trim dropped it (an exact layer's, or every row)
+            return
+        own, shared = (_cut(part, prefix) for part in (fold.own, fold.shared))
+        self.folds = [replace(fold, end=fold.end if prefix >= fold.end else 0, own=own, shared=shared)]
+        self.linked = False  # a group's layers cut copies of the shared X: linked again at the next step
 
 
 _WHITENINGS: dict[tuple[int, Any], Any] = {}
