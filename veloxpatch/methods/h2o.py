@@ -78,7 +78,9 @@ def _blocks(queries: mx.array, keys: mx.array, values: mx.array | None, scale: f
         probs = mx.softmax(q[..., start:stop, :] @ k + hidden, axis=-1, precise=True)
         if values is not None:
             outs.append((probs @ mx.expand_dims(values, 2)).reshape(b, hq, stop - start, values.shape[-1]))
-        mass = mx.where(visible, probs.astype(mx.float32), 0.0).sum(axis=(2, 3))  # 0 from a query seeing no row
+        else:  # a queued decode query may see no row (its softmax NaN); a prompt step's sees its own
+            probs = mx.where(visible, probs, 0.0)
+        mass = probs.astype(mx.float32).sum(axis=(2, 3))
         total = mass if total is None else total + mass
         if block < n:
             mx.eval(outs[-1:], total)  # left lazy, every block's probabilities would be alive at once
