@@ -495,6 +495,7 @@ class QuantCache(CrossLayerCache):
         end = prefix if len(fold.own) == 3 else rows
         self.folds = [Fold(0, end, self._cut(fold.own, rows, self.held_rows(fold)), None, fold.group)] if rows else []
 
+
 def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tuple[mx.array, mx.array],
                         real: mx.array | None) -> tuple[mx.array, mx.array]:
     """A block of scaled queries ``q`` (B, h, group, m, d) over the rows before the chunk (``earlier``: keys
