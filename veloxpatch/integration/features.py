@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from ..cpu import float32_wanted
-from . import batched, compat, float32, server, version, wrappers
+from . import batched, compat, float32, server, threads, version, wrappers
 from .layer_io import POSITIONAL
 
 
@@ -103,6 +103,10 @@ FEATURES: tuple[Feature, ...] = (
     ), off='the server serves every request with the process\'s settings (a request\'s "velox" field and X-Velox-* '
            'headers are ignored, and its usage says nothing of its KV cache)',
         layouts=tuple(compat.SERVER_LAYOUTS)),
+    Feature("clean stop", "mlx_lm.server", (
+        Target("ResponseGenerator.stop_and_join", threads.joined, leading=("self",)),
+        Target("ResponseGenerator.join", threads.joined, leading=("self",)),
+    ), off="a server stopped by SIGINT may abort as it exits (mlx's per-thread random key, integration/threads.py)"),
     Feature("float32 load", "mlx_lm.utils", (
         Target("load_model", float32.load_model, leading=("model_path", "lazy")),
     ), off="VELOX_FLOAT32 has no effect: models keep their dtype", used=lambda config: float32_wanted(config.float32)),

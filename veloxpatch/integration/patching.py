@@ -31,7 +31,7 @@ from ..log import configure as configure_logging
 from ..log import log
 from ..registry import METHODS
 from ..settings import strict_requested
-from . import batched, compat, features, threads, version
+from . import batched, compat, features, version
 from .features import Feature
 from .state import STATE, swap
 
@@ -57,7 +57,6 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
         STATE.config = config
         STATE.runtime = Runtime(batching=batched.batching_on, meta_apart=compat.meta_state_apart)  # for our caches
         _register_hooks()
-        _guard_exit()
         try:
             for name in features.MODULES:
                 if name in sys.modules and STATE.active:
@@ -204,19 +203,6 @@ def _bind(feature: Feature, module: ModuleType) -> None:
     if module.__name__ == "mlx_lm.models.cache":
         for cls in (info.cls for info in METHODS.values()):  # load_prompt_cache looks classes up here by name
             setattr(module, cls.__name__, cls)
-
-
-def _guard_exit() -> None:
-    """Note the threads running now and every one started while patched, and at exit let the finished ones
-    leave the OS before the interpreter finalizes (:mod:`.threads`: mlx's per-thread random key would otherwise
-    abort the exit)."""
-    swap("threading.Thread.start", "start", vars(threading.Thread)["start"], threads.track, threading.Thread)
-    for thread in threading.enumerate():  # those started before the patch
-        if thread is not threading.main_thread():
-            threads.note(thread)
-    if not STATE.exit_registered:
-        STATE.exit_registered = True
-        atexit.register(threads.wait_for_exits)
 
 
 @functools.cache

@@ -19,8 +19,8 @@ from ..log import once
 
 @dataclass
 class Swap:
-    """One function replaced in mlx_lm (or ``threading.Thread.start``, :mod:`.threads`), on ``owner`` (a class) or,
-    when that is None, at every module-level binding of ``name``."""
+    """One function replaced in mlx_lm, on ``owner`` (a class) or, when that is None, at every module-level
+    binding of ``name``."""
 
     name: str
     original: Any
@@ -50,7 +50,6 @@ class PatchState:
     """Each feature decided since the last patch (:mod:`.features`): None when patched, else why it is off."""
     runtime: Runtime = Runtime()
     """What the integration answers the caches it builds or loads (set by ``patch``: :class:`..caches.Runtime`)."""
-    exit_registered: bool = False
 
     @property
     def active(self) -> bool:

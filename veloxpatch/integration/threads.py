@@ -1,17 +1,15 @@
-"""A clean exit for a process whose threads used mlx: the shim's workaround for a fault of mlx's.
+"""A clean stop for ``mlx_lm server``: the shim's workaround for a fault of mlx's.
 
 mlx's Python binding keeps each thread's default random key in a C++ ``thread_local`` (``PyKeySequence``, mlx's
 ``python/src/random.cpp``) whose destructor takes the GIL when the OS thread ends, after ``Thread.join()`` has
 returned: if the interpreter is finalizing by then, ``PyGILState_Ensure`` ends the thread with ``pthread_exit``, whose
 unwinding meets the destructor's implicit ``noexcept`` ("terminate called without an active exception", SIGABRT).
 ``mlx_lm server``'s generation thread draws from that key and is joined just before the exit, so a stop by SIGINT
-would mostly abort (``tests/test_server_exit.py``: four lines of mlx).
+would mostly abort (``tests/test_server_exit.py``).
 
-While patched, :func:`track` (around ``threading.Thread.start``) notes each started thread (the patch notes those
-already running), and :func:`wait_for_exits`, an ``atexit`` handler (run after the interpreter has joined its
-non-daemon threads, before it finalizes), sleeps, the GIL free, until every noted thread finished in Python has left
-the OS too (``/proc/self/task``). A daemon thread still running at exit cannot be helped this way (mlx_lm's server's
-HTTP handler threads never draw from the key).
+So :func:`joined` wraps the server's two joins of that thread (``ResponseGenerator.stop_and_join`` and ``.join``):
+once joined, it sleeps, the GIL free, until the thread has left the OS too (``/proc/self/task``). Only that thread
+is waited for: mlx_lm starts no other, and an app's own threads are the app's (mlx aborts them alike unpatched).
 """
 
 from __future__ import annotations
@@ -19,47 +17,27 @@ from __future__ import annotations
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import wrapt
 
 LIMIT_S = 2.0
-"""The longest :func:`wait_for_exits` waits for finished threads to leave the OS."""
+"""The longest :func:`wait_gone` waits for a joined thread to leave the OS."""
 FALLBACK_S = 0.05
-"""Without ``/proc/self/task``: how long :func:`wait_for_exits` sleeps, once, when a noted thread has finished."""
-PRUNE_AT = 256
-"""Noted threads kept before those already gone from the OS are forgotten (a server starts one per request)."""
+"""Without ``/proc/self/task``: how long :func:`wait_gone` sleeps, once."""
 TASKS = "/proc/self/task"
-
-_noted: dict[int, weakref.ref[threading.Thread]] = {}
-_lock = threading.Lock()
 
 
 @wrapt.decorator
-def track(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """For ``threading.Thread.start``: start the thread, then note it for :func:`wait_for_exits`."""
-    started = wrapped(*args, **kwargs)
-    note(instance if isinstance(instance, threading.Thread) else args[0])
-    return started
-
-
-def note(thread: threading.Thread) -> None:
-    """Remember ``thread`` (by its native id) until it has left the OS."""
-    native = getattr(thread, "native_id", None)
-    if native is None:
-        return
-    with _lock:
-        if len(_noted) >= PRUNE_AT:
-            _prune()
-        _noted[native] = weakref.ref(thread)
-
-
-def finished() -> list[int]:
-    """The native ids of noted threads that are done in Python (their OS thread may still be ending)."""
-    with _lock:
-        return [native for native, ref in _noted.items() if (thread := ref()) is None or not thread.is_alive()]
+def joined(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """For ``ResponseGenerator.stop_and_join`` and ``.join``: join the generation thread, then wait for it to
+    leave the OS (a private name read softly: where it is missing, nothing waits)."""
+    result = wrapped(*args, **kwargs)
+    thread = getattr(instance, "_generation_thread", None)
+    if isinstance(thread, threading.Thread) and not thread.is_alive():
+        wait_gone(thread.native_id)
+    return result
 
 
 def tasks() -> set[int] | None:
@@ -70,30 +48,18 @@ def tasks() -> set[int] | None:
         return None
 
 
-def wait_for_exits() -> list[int]:
-    """Wait, at most :data:`LIMIT_S`, until every noted thread finished in Python has ended in the OS too;
-    the native ids of those still there (none, normally)."""
-    waiting = finished()
-    if not waiting:
-        return []
+def wait_gone(native: int | None) -> bool:
+    """Wait, at most :data:`LIMIT_S`, until the OS thread ``native`` (a finished Python thread's) has ended;
+    whether it has (True where the system cannot say)."""
     deadline = time.monotonic() + LIMIT_S
-    while True:
+    while native is not None:
         present = tasks()
         if present is None:
             time.sleep(FALLBACK_S)
-            return []
-        waiting = [native for native in waiting if native in present]
-        if not waiting or time.monotonic() >= deadline:
-            return waiting
+            return True
+        if native not in present:
+            return True
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.001)
-
-
-def _prune() -> None:
-    """Forget noted threads that are gone from the OS (all finished ones where the OS does not say); holds
-    ``_lock``."""
-    present = tasks()
-    for native, ref in list(_noted.items()):
-        thread = ref()
-        done = thread is None or not thread.is_alive()
-        if done and (present is None or native not in present):
-            del _noted[native]
+    return True
