@@ -10,6 +10,10 @@ Then the decode step of ``quant`` (float32, SmolLM2-135M's shapes: 9 query heads
 8192 rows): both products of attention, ``q K^T`` with the keys held per channel (quantized along the tokens) and
 ``p V`` with the values per token, each by mlx's quantized matmul as ``quant`` runs them (``transpose=False``),
 against dequantizing first and against the dense products, at 2, 3, 4 and 8 bits, groups of 64.
+
+Last, the same two products at 4 bits over Qwen2.5-0.5B's 2 KV heads at 8192 rows, with 1, 3 and 7 query rows per
+KV head (a decode step's GQA group: 7 on Qwen2.5-0.5B, 3 on SmolLM2): whether the quantized matmul's cost grows
+with the rows multiplied (it unpacks the keys again for each) where the dense product's barely does.
 """
 
 from __future__ import annotations
@@ -64,6 +68,23 @@ def decode_step() -> None:
               f"dequantize + dense {rebuilt * 1e3:7.2f} ms ({rebuilt / dense:.1f}x dense)")
 
 
+def group_rows() -> None:
+    """``quant``'s two decode-step products at 4 bits against dense, by query rows per KV head (module doc)."""
+    for rows in (1, 3, 7):
+        queries, keys_t = mx.random.normal((1, 2, rows, 64)), mx.random.normal((1, 2, 64, 8192))
+        values = mx.random.normal((1, 2, 8192, 64))
+        weights = mx.softmax(queries @ keys_t, axis=-1)
+        k, v = mx.quantize(keys_t, group_size=64, bits=4), mx.quantize(values, group_size=64, bits=4)
+        mx.eval(k, v)
+        dense = median_seconds(lambda: (queries @ keys_t, weights @ values))
+        direct = median_seconds(lambda: (
+            mx.quantized_matmul(queries, *k, transpose=False, group_size=64, bits=4),
+            mx.quantized_matmul(weights, *v, transpose=False, group_size=64, bits=4)))
+        print(f"{rows} query rows per KV head: dense {dense * 1e3:6.2f} ms, quantized matmul {direct * 1e3:6.2f} ms "
+              f"({direct / dense:.1f}x dense)")
+
+
 if __name__ == "__main__":
     main()
     decode_step()
+    group_rows()
