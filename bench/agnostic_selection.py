@@ -17,6 +17,9 @@ then rates every row of every layer's key heads, without the question:
   chunks, each trimmed away before the next is read (what ``VELOX_QUANT_KEEP`` does to bound the peak);
 * ``expected``: the attention a query drawn from the last 128 queries' mean and per-channel variance is expected
   to pay it, times its value's norm (Expected Attention, Devoto et al., arXiv 2510.00636; RoPE not rotated forward);
+  ``expected-rope``: the same from the queries' statistics before the rotation (each recorded query rotated back by
+  its position), rotated forward over the next ``FUTURE`` positions (their mean rotation for the mean, the mean of
+  the rotated covariances for the variance term), as the paper does;
 * ``keynorm``: a small key norm (Devoto et al., arXiv 2406.11430).
 
 Each layer keeps its first 4 and last 32 rows and, of the rest, the best ``--keep`` share of the context, either
@@ -54,6 +57,7 @@ from veloxpatch.caches.selection import pool_rows
 from veloxpatch.eval import ruler
 
 SINK, RECENT, WINDOW, STATS = 4, 32, 64, 128
+FUTURE = 512  # positions after the context whose queries ``expected-rope`` expects
 ANSWER = 64  # greedy tokens an answer may take at least: at 32 the full cache's own uuid answers scored wrong
 REPEAT = "\n\nRepeat the previous context exactly.\n"
 
@@ -130,6 +134,7 @@ def scores(model: Any, tokenizer: Any, attention: Attention, context: list[int],
     attention.record, attention.found = "sum", {}
     read(model, cache, context[-WINDOW:])
     out["window"] = [attention.found[i] for i in range(len(cache))]
+    attention.record = None
     queries = {i: mx.concatenate(q, axis=1) for i, q in attention.seen.items()}
     attention.queries = False
     if body is not None:
@@ -147,6 +152,9 @@ def scores(model: Any, tokenizer: Any, attention: Attention, context: list[int],
         if "bare-trimmed" in scorers:
             out["bare-trimmed" + named] = _read_again(model, again, attention, context, 2048)
     out["expected"] = [_expected(queries[i], c) for i, c in enumerate(cache)]
+    if "expected-rope" in scorers:
+        out["expected-rope"] = [_expected_rope(queries[i], c, _rope(model, i), len(context))
+                                for i, c in enumerate(cache)]
     out["keynorm"] = [-mx.linalg.norm(c.keys[0, :, : c.offset], axis=-1) for c in cache]
     return cache, {name: got for name, got in out.items() if name.split(" from ")[0] in scorers}
 
@@ -184,6 +192,52 @@ def _expected(queries: mx.array, layer: Any) -> mx.array:
     mean, var = queries.mean(axis=1), queries.var(axis=1)  # (hq, d)
     mean, var = mean.reshape(heads, -1, d), var.reshape(heads, -1, d)
     logits = scale * (mean @ keys.swapaxes(-1, -2)) + 0.5 * scale**2 * (var @ (keys**2).swapaxes(-1, -2))
+    return mx.softmax(logits, axis=-1).mean(axis=1) * mx.linalg.norm(values, axis=-1)
+
+
+def _rope(model: Any, layer: int) -> Any:
+    """The layer's ``nn.RoPE`` (its ``dims``, ``base``, ``scale``, ``traditional``)."""
+    return model.layers[layer].self_attn.rope
+
+
+def _pairs(x: mx.array, traditional: bool) -> tuple[mx.array, mx.array]:
+    """The two halves of each rotated pair of channels: interleaved (traditional) or the two halves."""
+    if traditional:
+        return x[..., 0::2], x[..., 1::2]
+    half = x.shape[-1] // 2
+    return x[..., :half], x[..., half:]
+
+
+def _expected_rope(queries: mx.array, layer: Any, rope: Any, end: int) -> mx.array:
+    """Expected attention of the next :data:`FUTURE` positions' queries, per kv head, times ||v||: ``queries``
+    (hq, n, d), rotated at positions ``end - n`` .. ``end - 1``, rotated back, their mean and per-channel variance
+    taken, then rotated forward over positions ``end`` .. ``end + FUTURE - 1`` (closed forms per channel pair)."""
+    keys, values = layer.keys[0, :, : layer.offset], layer.values[0, :, : layer.offset]
+    heads, d = keys.shape[0], keys.shape[-1]
+    n = queries.shape[1]
+    assert rope.dims == d, "partial rotary embeddings are not handled"
+    freqs = rope.base ** (-mx.arange(0, rope.dims, 2, dtype=mx.float32) / rope.dims)  # (d/2,)
+    at = (mx.arange(end - n, end, dtype=mx.float32) * rope.scale)[:, None] * freqs
+    q1, q2 = _pairs(queries.astype(mx.float32), rope.traditional)
+    cos, sin = mx.cos(at), mx.sin(at)
+    p1, p2 = q1 * cos + q2 * sin, q2 * cos - q1 * sin  # rotated back: before RoPE
+    m1, m2, a, b = p1.mean(axis=1), p2.mean(axis=1), p1.var(axis=1), p2.var(axis=1)  # (hq, d/2)
+    future = (mx.arange(end, end + FUTURE, dtype=mx.float32) * rope.scale)[:, None] * freqs
+    c, s = mx.cos(future), mx.sin(future)
+    cbar, sbar, c2, s2, cs = c.mean(0), s.mean(0), (c * c).mean(0), (s * s).mean(0), (c * s).mean(0)
+    mean1, mean2 = m1 * cbar - m2 * sbar, m1 * sbar + m2 * cbar
+    k1, k2 = _pairs(keys.astype(mx.float32), rope.traditional)  # (heads, rows, d/2)
+    group = queries.shape[0] // heads
+
+    def per_kv(x: mx.array) -> mx.array:  # (hq, d/2) -> (heads, group, d/2)
+        return x.reshape(heads, group, -1)
+
+    mean = per_kv(mean1) @ k1.swapaxes(-1, -2) + per_kv(mean2) @ k2.swapaxes(-1, -2)
+    spread = (per_kv(a * c2 + b * s2) @ (k1 * k1).swapaxes(-1, -2)
+              + per_kv(a * s2 + b * c2) @ (k2 * k2).swapaxes(-1, -2)
+              + 2 * per_kv((a - b) * cs) @ (k1 * k2).swapaxes(-1, -2))
+    scale = d ** -0.5
+    logits = scale * mean + 0.5 * scale**2 * spread
     return mx.softmax(logits, axis=-1).mean(axis=1) * mx.linalg.norm(values, axis=-1)
 
 
