@@ -33,7 +33,9 @@ the 16-bit full cache's. Two more options follow ``VELOX_QUANT_KEEP`` step by st
 keys/values as ``8/4``) reads the context again over rows already at those bits (scorers named "... from 4"), and
 ``--held-bits N`` (a list: each a variant) holds every row at N bits first and then quantizes each head's kept
 keys to ``--bits`` in blocks of the rows kept (``quant``'s fold rebuilt from them: ``--held-bits 4`` quantizes
-4-bit rows a second time). With ``--out`` each example's rows are appended to ``rows.jsonl`` there as it finishes,
+4-bit rows a second time). ``--head-wise`` leaves out the same number per head; ``--same-bytes`` reads
+``--keep`` at the first of ``--bits`` and keeps, at the others, the share holding the same bytes (fewer bits, more
+rows). With ``--out`` each example's rows are appended to ``rows.jsonl`` there as it finishes,
 and a rerun skips the examples it holds.
 """
 
@@ -320,6 +322,9 @@ def main() -> None:
     parser.add_argument("--held-bits", default="0", help="comma-separated; 0: quantized once")
     parser.add_argument("--pool", default="0", help="comma-separated: rows scored as the best of this many "
                         "neighbours (0: each row alone); each a variant")
+    parser.add_argument("--head-wise", action="store_true", help="rows chosen head-wise only (as the shim does)")
+    parser.add_argument("--same-bytes", action="store_true", help="--keep is a share at the first of --bits; at "
+                        "the others, the share holding the same bytes")
     parser.add_argument("--seed", type=int, default=0, help="the first example (seeds SEED .. SEED+SAMPLES-1)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -352,11 +357,9 @@ def one_example(model: Any, tokenizer: Any, attention: Attention, task: str, see
                            args.score_bits.split(","))
     reference, _ = kl_after(model, copy.deepcopy(cache), rest, None)
     out = []
-    plans: list[tuple[str, float, bool, int]] = [("full", 1.0, False, 0)]
-    plans += [(name, share, headwise, pool) for name in found for share in map(float, args.keep.split(","))
-              for headwise in (False, True) for pool in map(int, args.pool.split(","))]
-    for bits in map(int, args.bits.split(",")):
-        for name, share, headwise, pool in plans:
+    all_bits = list(map(int, args.bits.split(",")))
+    for bits in all_bits:
+        for name, share, headwise, pool in _plans(found, args, bits, all_bits[0]):
             keep = None if name == "full" else [kept(s, share, headwise, pool) for s in found[name]]
             for held_bits in map(int, args.held_bits.split(",")) if keep is not None and bits < 16 else [0]:
                 kl, right = variant(model, tokenizer, attention, cache, keep, bits, example, question, rest,
@@ -369,6 +372,18 @@ def one_example(model: Any, tokenizer: Any, attention: Attention, task: str, see
                 print(f"{task} {seed}: {label} keep {share} at {bits} bits ({held:.3f} of the bytes): "
                       f"KL {kl:.4f}, {'right' if right else 'wrong'}", flush=True)
     return out
+
+
+def _plans(found: dict[str, list], args: argparse.Namespace, bits: int,
+           first: int) -> list[tuple[str, float, bool, int]]:
+    """The variants at ``bits``: the full cache, then each scorer at each share of ``--keep`` (with
+    ``--same-bytes`` a share of the first of ``--bits``, scaled to the bytes it holds there), both per head and
+    head-wise (``--head-wise``: head-wise alone), at each ``--pool``."""
+    ratio = (first + 0.5) / (bits + 0.5) if args.same_bytes and bits < 16 else 1.0
+    layouts = (True,) if args.head_wise else (False, True)
+    return [("full", 1.0, False, 0)] + [
+        (name, round(min(float(share) * ratio, 1.0), 3), headwise, pool) for name in found
+        for share in args.keep.split(",") for headwise in layouts for pool in map(int, args.pool.split(","))]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
