@@ -7,7 +7,8 @@ Reads the samples journal ``veloxpatch eval --question after --equal-bytes`` wri
 measures all variants of one example together), so every row is on the same prompts. A row's accuracy is over all
 its examples pooled (equal to the average over tasks where each task has the same n), with its 95% Wilson interval;
 its share is its KV bytes once the context was read, counted as a 16-bit model holds them, over the full cache's,
-averaged over the examples. ``--per-task`` adds one column per task; ``--variant NAME`` (repeatable) tables only
+averaged over the examples that measured it ("n/a" where none did: an eval with the question inside wrote none
+before 2026-12-05). ``--per-task`` adds one column per task; ``--variant NAME`` (repeatable) tables only
 the variants named as the table names them, and then counts every example those finished (a run that changed its
 variants part way has more of them).
 """
@@ -58,8 +59,9 @@ def rows(samples: dict[str, dict[Key, dict]], per_task: bool) -> list[dict]:
     out = []
     for label, by_key in sorted(samples.items(), key=lambda item: _order(item[0])):
         values = [by_key[k]["value"] for k in keys]
-        shares = [by_key[k]["kv16_bytes"] / full[k]["kv16_bytes"] for k in keys]
-        row = {"variant": label, "bytes (16-bit share)": f"{sum(shares) / len(shares):.3f}",
+        shares = [by_key[k]["kv16_bytes"] / full[k]["kv16_bytes"] for k in keys
+                  if by_key[k].get("kv16_bytes") is not None and full[k].get("kv16_bytes")]
+        row = {"variant": label, "bytes (16-bit share)": f"{sum(shares) / len(shares):.3f}" if shares else "n/a",
                "accuracy": accuracy_text(sum(values) / len(values), len(values))}
         if per_task:
             for task in tasks:

@@ -266,6 +266,20 @@ def test_question_after_at_equal_bytes_through_the_cli(model_dir: Path, tmp_path
     assert again.exit_code == 0 and json.loads((out / "eval.json").read_text())["rows"] == rows
 
 
+def test_question_inside_at_equal_bytes_records_every_variants_16_bit_share(model_dir: Path, tmp_path: Path) -> None:
+    """--question inside --equal-bytes: a shared prefill's variants (snapkv in ``end`` mode) and those on their own
+    prefill (the chunk-mode default, mlx_lm's quantized cache) all get their 16-bit share, as asked after."""
+    out = tmp_path / "eval"
+    args = ["eval", "--model", str(model_dir), "--tasks", "niah_single_1", "--contexts", "400", "--samples", "1",
+            "--budgets", "50%", "--methods", "snapkv,snapkv[compress=chunk,tier=8],quantized[bits=8]",
+            "--question", "inside", "--equal-bytes", "--out", str(out), "--no-plots"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    shares = {r["label"]: r["kv16_share"] for r in json.loads((out / "eval.json").read_text())["rows"]}
+    assert shares["full"] == 1.0 and len(shares) == 4 and None not in shares.values(), shares
+    assert all(0.35 <= s <= 0.65 for label, s in shares.items() if label.startswith("snapkv")), shares
+
+
 def test_the_context_is_compressed_before_the_question_comes(model_dir: Path, tokenizer: Any) -> None:
     """What the question-after protocol rests on: a generation of no tokens over the context leaves our cache
     compressed (at most its budget and the decode headroom), so the question is asked of what survived."""

@@ -13,7 +13,7 @@ def load_script():
     return bench_script("yardstick")
 
 
-def sample(task: str, seed: int, label: str, value: float, kv16: float) -> str:
+def sample(task: str, seed: int, label: str, value: float, kv16: float | None) -> str:
     return json.dumps({"task": task, "seed": seed, "label": label, "value": value, "kv16_bytes": kv16})
 
 
@@ -48,3 +48,15 @@ def test_a_method_keeping_every_token_is_one_row_and_a_chosen_few_count_their_ow
     rows = {r["variant"]: r for r in script.rows(chosen, per_task=False)}
     assert rows["quant[bits=3]"]["accuracy"].startswith("0.50 [")
     assert rows["quant[bits=3]"]["bytes (16-bit share)"] == "0.230"
+
+
+def test_examples_without_16_bit_bytes_are_tabled_with_no_share(tmp_path: Path) -> None:
+    lines = [sample("a", 0, "full", 1.0, None), sample("a", 0, "snapkv@0.25", 0.0, None),
+             sample("b", 0, "full", 1.0, 100.0), sample("b", 0, "snapkv@0.25", 1.0, 30.0)]
+    (tmp_path / "eval.samples.jsonl").write_text("\n".join(lines) + "\n")
+    script = load_script()
+    rows = {r["variant"]: r for r in script.rows(script.load(tmp_path), per_task=False)}
+    assert rows["snapkv@0.25"]["bytes (16-bit share)"] == "0.300" and rows["snapkv@0.25"]["accuracy"].endswith("n=2")
+    (tmp_path / "eval.samples.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    rows = {r["variant"]: r for r in script.rows(script.load(tmp_path), per_task=False)}
+    assert rows["snapkv@0.25"]["bytes (16-bit share)"] == "n/a"

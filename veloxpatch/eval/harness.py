@@ -159,17 +159,19 @@ class Journal:
 
 
 def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec, quant: dict[str, Any],
-                 reading: sharing.Reading, budget: int | None = None) -> tuple[float, int]:
+                 reading: sharing.Reading, budget: int | None = None) -> tuple[float, int, float | None]:
     """Greedy answer under the variant's caches, on its own prefill (a follow-up's every turn on one cache list,
-    :func:`chat`): (1.0 if the last answer is right else 0.0, KV bytes at the end). ``quant`` is the variant's
-    kv_bits arguments for mlx_lm (empty unless it is the quantized one)."""
+    :func:`chat`): (1.0 if the last answer is right else 0.0, KV bytes at the end, and those bytes as a 16-bit
+    model holds them where ``spec.equal_bytes``). ``quant`` is the variant's kv_bits arguments for mlx_lm (empty
+    unless it is the quantized one)."""
     tokens, steps = _prompt(tokenizer, item)
     caches = variant.caches(model, tokens.size, budget=budget)
     if isinstance(item, ruler.Example) and item.turns:
         out = chat(model, tokenizer, caches, item, spec, quant, reading)[-1]
     else:
         out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, reading, **quant)]
-    return _right(tokenizer, out, item), sum(c.nbytes for c in caches)
+    kv16 = equal_bytes_.held_bytes(caches, dense=variant.method == "full") if spec.equal_bytes else None
+    return _right(tokenizer, out, item), sum(c.nbytes for c in caches), kv16
 
 
 def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spec: EvalSpec,
@@ -224,12 +226,15 @@ def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, sp
     out: dict[Variant, Sample] = {}
     for variant in plain:
         reading = sharing.fresh_reading()
-        value, nbytes = conversation(model, tokenizer, variant, item, spec, variant.generate_kwargs(KVLayout.of(model)),
-                                     reading, budgets(variant, tokens.size))
-        out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
+        value, nbytes, kv16 = conversation(model, tokenizer, variant, item, spec,
+                                           variant.generate_kwargs(KVLayout.of(model)), reading,
+                                           budgets(variant, tokens.size))
+        out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak, kv16)
     for result in sharing.run(model, tokens, requests, steps, spec.prefill_step):
+        full = result.request.variant.method == "full"
+        kv16 = equal_bytes_.held_bytes(result.caches, dense=full) if spec.equal_bytes else None
         out[result.request.variant] = Sample(_right(tokenizer, result.tokens, item), result.kv_bytes,
-                                             result.peak_bytes, result.read_peak_bytes)
+                                             result.peak_bytes, result.read_peak_bytes, kv16)
     return {v: out[v] for v in chosen}
 
 
