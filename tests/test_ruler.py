@@ -246,36 +246,36 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
     assert reading.peak > 0, "reading both turns' prompts took memory"
 
 
+def equal_bytes_eval(model_dir: Path, out: Path, question: str, budgets: str, methods: str) -> list[dict]:
+    """``veloxpatch eval --equal-bytes`` of one niah_single_1 example at 400 tokens into ``out``: its table's rows."""
+    args = ["eval", "--model", str(model_dir), "--tasks", "niah_single_1", "--contexts", "400", "--samples", "1",
+            "--budgets", budgets, "--methods", methods, "--question", question, "--equal-bytes", "--out", str(out),
+            "--no-plots"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "eval.json").read_text())["rows"]
+
+
 def test_question_after_at_equal_bytes_through_the_cli(model_dir: Path, tmp_path: Path) -> None:
     """--question after --equal-bytes: each variant's 16-bit bytes once the context is read land near its share of
     the full cache's (a budget measured per method: rows, positions, the tier), the journal says the protocol, and a
     rerun reuses it."""
-    out = tmp_path / "eval"
-    args = ["eval", "--model", str(model_dir), "--tasks", "niah_single_1", "--contexts", "400", "--samples", "1",
-            "--budgets", "100%,50%", "--methods", "snapkv,rotating,snapkv[compress=chunk,tier=8]",
-            "--question", "after", "--equal-bytes", "--out", str(out), "--no-plots"]
-    first = CliRunner().invoke(main, args)
-    assert first.exit_code == 0, first.output
-    rows = json.loads((out / "eval.json").read_text())["rows"]
+    out, methods = tmp_path / "eval", "snapkv,rotating,snapkv[compress=chunk,tier=8]"
+    rows = equal_bytes_eval(model_dir, out, "after", "100%,50%", methods)
     shares = {r["label"]: r["kv16_share"] for r in rows}
     assert shares["full"] == 1.0 and len(shares) == 4
     assert all(0.4 <= s <= 0.6 for label, s in shares.items() if label != "full"), shares
     journal = [json.loads(line) for line in (out / "eval.cells.jsonl").read_text().splitlines()]
     assert {(r["key"]["protocol"], r["key"]["equal_bytes"]) for r in journal} == {("after", True)}
-    again = CliRunner().invoke(main, args)
-    assert again.exit_code == 0 and json.loads((out / "eval.json").read_text())["rows"] == rows
+    assert equal_bytes_eval(model_dir, out, "after", "100%,50%", methods) == rows
 
 
 def test_question_inside_at_equal_bytes_records_every_variants_16_bit_share(model_dir: Path, tmp_path: Path) -> None:
     """--question inside --equal-bytes: a shared prefill's variants (snapkv in ``end`` mode) and those on their own
     prefill (the chunk-mode default, mlx_lm's quantized cache) all get their 16-bit share, as asked after."""
-    out = tmp_path / "eval"
-    args = ["eval", "--model", str(model_dir), "--tasks", "niah_single_1", "--contexts", "400", "--samples", "1",
-            "--budgets", "50%", "--methods", "snapkv,snapkv[compress=chunk,tier=8],quantized[bits=8]",
-            "--question", "inside", "--equal-bytes", "--out", str(out), "--no-plots"]
-    result = CliRunner().invoke(main, args)
-    assert result.exit_code == 0, result.output
-    shares = {r["label"]: r["kv16_share"] for r in json.loads((out / "eval.json").read_text())["rows"]}
+    rows = equal_bytes_eval(model_dir, tmp_path / "eval", "inside", "50%",
+                            "snapkv,snapkv[compress=chunk,tier=8],quantized[bits=8]")
+    shares = {r["label"]: r["kv16_share"] for r in rows}
     assert shares["full"] == 1.0 and len(shares) == 4 and None not in shares.values(), shares
     assert all(0.35 <= s <= 0.65 for label, s in shares.items() if label.startswith("snapkv")), shares
 
