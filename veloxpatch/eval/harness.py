@@ -170,7 +170,7 @@ def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec:
         out = chat(model, tokenizer, caches, item, spec, quant, reading)[-1]
     else:
         out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, reading, **quant)]
-    kv16 = equal_bytes_.held_bytes(caches, dense=variant.method == "full") if spec.equal_bytes else None
+    kv16 = _held_16_bit(caches, variant) if spec.equal_bytes else None
     return _right(tokenizer, out, item), sum(c.nbytes for c in caches), kv16
 
 
@@ -231,8 +231,7 @@ def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, sp
                                            budgets(variant, tokens.size))
         out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak, kv16)
     for result in sharing.run(model, tokens, requests, steps, spec.prefill_step):
-        full = result.request.variant.method == "full"
-        kv16 = equal_bytes_.held_bytes(result.caches, dense=full) if spec.equal_bytes else None
+        kv16 = _held_16_bit(result.caches, result.request.variant) if spec.equal_bytes else None
         out[result.request.variant] = Sample(_right(tokenizer, result.tokens, item), result.kv_bytes,
                                              result.peak_bytes, result.read_peak_bytes, kv16)
     return {v: out[v] for v in chosen}
@@ -298,12 +297,17 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
         reading = sharing.fresh_reading()
         sharing.whole(model, context, caches, 0, spec.prefill_step, reading, **quant)
         out[variant] = ask(caches, quant, sharing.kv_bytes(caches), mx.get_peak_memory(), reading.peak,
-                           equal_bytes_.held_bytes(caches))
+                           _held_16_bit(caches, variant))
     for result in sharing.run(model, context, requests, 0, spec.prefill_step):
-        full = result.request.variant.method == "full"
         out[result.request.variant] = ask(result.caches, {}, result.kv_bytes, result.peak_bytes,
-                                          result.read_peak_bytes, equal_bytes_.held_bytes(result.caches, dense=full))
+                                          result.read_peak_bytes, _held_16_bit(result.caches, result.request.variant))
     return {v: out[v] for v in chosen}
+
+
+def _held_16_bit(caches: list[Any], variant: Variant) -> float:
+    """What ``caches`` hold as a 16-bit model's caches would; the full cache's rows alone, as mlx_lm's ``KVCache``
+    holds them (a shared prefill runs it as one of ours at a budget no prompt reaches)."""
+    return equal_bytes_.held_bytes(caches, dense=variant.method == "full")
 
 
 def _prompt(tokenizer: Any, item: Item) -> tuple[mx.array, int]:

@@ -51,8 +51,10 @@ def tasks() -> set[int] | None:
 def wait_gone(native: int | None) -> bool:
     """Wait, at most :data:`LIMIT_S`, until the OS thread ``native`` (a finished Python thread's) has ended;
     whether it has (True where the system cannot say)."""
+    if native is None:
+        return True
     deadline = time.monotonic() + LIMIT_S
-    while native is not None:
+    while True:
         present = tasks()
         if present is None:
             time.sleep(FALLBACK_S)
@@ -62,4 +64,3 @@ def wait_gone(native: int | None) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.001)
-    return True
