@@ -122,7 +122,8 @@ ARGUMENTS_AT = 2
 request, arguments): the tuple ``_serve_single`` gets."""
 
 CARRIED = "_veloxpatch_request"
-"""The attribute veloxpatch adds to mlx_lm's objects of one request (its handler, its generation arguments)."""
+"""The attribute veloxpatch adds to mlx_lm's objects of one request (its handler, its ``CompletionRequest``, its
+generation arguments)."""
 
 
 def queued_arguments(request: tuple) -> Any:
@@ -142,7 +143,8 @@ def carried(holder: Any) -> Any:
 
 def _check_queued_request() -> str | None:
     """``ResponseGenerator.generate`` (run on a stand-in whose queue answers at once with an error) queues the
-    arguments at :data:`ARGUMENTS_AT`, and they (a dataclass) keep an attribute through pickling."""
+    arguments at :data:`ARGUMENTS_AT`, and they (a dataclass) keep an attribute through pickling; the handler's
+    ``CompletionRequest`` takes one."""
     server = _mlx_lm("server")
     queued: list[tuple] = []
 
@@ -175,6 +177,11 @@ def _check_queued_request() -> str | None:
     carry(arguments, "probe")
     if carried(pickle.loads(pickle.dumps(arguments))) != "probe":
         return f"{cls.__name__} does not keep an attribute through pickling"
+    fields = {f.name: None for f in dataclasses.fields(server.CompletionRequest)}
+    try:
+        carry(server.CompletionRequest(**fields), "probe")
+    except (AttributeError, TypeError) as error:
+        return f"CompletionRequest cannot carry an attribute ({error})"
     return None
 
 

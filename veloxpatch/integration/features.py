@@ -92,6 +92,7 @@ FEATURES: tuple[Feature, ...] = (
     ), off="batched generation stays mlx_lm's", used=compressing),
     Feature("settings per request", "mlx_lm.server", (
         Target("APIHandler.validate_model_parameters", server.validate_model_parameters, leading=("self",)),
+        Target("APIHandler.handle_completion", server.handle_completion, leading=("self", "request")),
         Target("ResponseGenerator.generate", server.generate, leading=("self", "request", "generation_args")),
         Target("ResponseGenerator._is_batchable", server.is_batchable, leading=("self", "args")),
         Target("ResponseGenerator._serve_single", server.serve_single, leading=("self", "request")),

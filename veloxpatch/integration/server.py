@@ -35,7 +35,7 @@ from ..config import PROCESS_WIDE, ConfigError, Setting, VeloxConfig, request_se
 from ..log import log
 from . import compat
 from .batched import batching_on
-from .state import STATE, hand_to_batch, in_force, same_as_process, serving, to_batch
+from .state import STATE, hand_to_batch, in_force, same_as_process, served, serving, to_batch
 
 FIELD = "velox"
 """The JSON field of a request's settings."""
@@ -145,28 +145,38 @@ def _carried_text(allowed: Mapping[str, Setting]) -> str:
 
 
 # --------------------------------------------------------------------- the handler's thread
-_handed = threading.local()  # the handler's thread: the ticket its checks made, for its generate call
-
-
 @wrapt.decorator
 def validate_model_parameters(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """mlx_lm's checks, then the request's settings (:class:`RequestError`, a ValueError: mlx_lm answers 400), read
-    from the JSON body ``do_POST`` parsed into ``body`` before it called this, and the headers."""
-    _handed.ticket = None
+    from the JSON body ``do_POST`` parsed into ``body`` before it called this, and the headers; the ticket rides on
+    the handler (which a kept-alive connection reuses: each request replaces it)."""
+    compat.carry(instance, None)
     result = wrapped(*args, **kwargs)
     base = STATE.config
     if base is not None:
-        ticket = Ticket(settings_of(getattr(instance, "body", None), getattr(instance, "headers", None), base))
-        compat.carry(instance, ticket)
-        _handed.ticket = ticket
+        compat.carry(instance, Ticket(settings_of(getattr(instance, "body", None), getattr(instance, "headers", None),
+                                                  base)))
     return result
 
 
 @wrapt.decorator
+def handle_completion(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """``APIHandler.handle_completion(request, stop_words)``: the handler's ticket goes with ``request``, which the
+    handler hands to ``ResponseGenerator.generate`` with the generation arguments it builds here."""
+    request = args[0] if args else kwargs.get("request")
+    ticket = compat.carried(instance)
+    if ticket is not None and request is not None:
+        compat.carry(request, ticket)
+    return wrapped(*args, **kwargs)
+
+
+@wrapt.decorator
 def generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``ResponseGenerator.generate(request, generation_args, ...)``: the settings go with the arguments."""
-    ticket, _handed.ticket = getattr(_handed, "ticket", None), None
+    """``ResponseGenerator.generate(request, generation_args, ...)``: the request's ticket goes with the arguments,
+    which reach the generation thread (and, pickled, a distributed server's other ranks)."""
+    request = args[0] if args else kwargs.get("request")
     arguments = args[1] if len(args) > 1 else kwargs.get("generation_args")
+    ticket = compat.carried(request)
     if ticket is not None and arguments is not None:
         compat.carry(arguments, ticket)
     return wrapped(*args, **kwargs)
@@ -184,9 +194,6 @@ def with_usage(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> A
 
 
 # --------------------------------------------------------------------- the generation thread
-_served = threading.local()  # the generation thread: the ticket of the request it is serving
-
-
 @wrapt.decorator
 def is_batchable(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """mlx_lm's answer; a request whose settings are not the process's also needs batches of ours (which take any
@@ -206,12 +213,10 @@ def serve_single(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
     if ticket is None:
         return wrapped(*args, **kwargs)
     ticket.started = True
-    previous, _served.ticket = getattr(_served, "ticket", None), ticket
     try:
-        with serving(ticket.config):
+        with serving(ticket.config, ticket):
             return wrapped(*args, **kwargs)
     finally:
-        _served.ticket = previous
         ticket.finish()
 
 
@@ -236,7 +241,7 @@ def _keyed(wrapped: Callable, args: tuple, kwargs: dict, ticket: Ticket | None) 
 def fetch_nearest_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``LRUPromptCache.fetch_nearest_cache(model, tokens)``: only lists made under the settings of the request
     about to be served (one at a time: in force; batched: handed to the batch)."""
-    return _keyed(wrapped, args, dict(kwargs), None if getattr(_served, "ticket", None) is not None else to_batch())
+    return _keyed(wrapped, args, dict(kwargs), None if served() is not None else to_batch())
 
 
 @wrapt.decorator
@@ -246,11 +251,11 @@ def insert_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
     one: the request its list carries, once the list holds the whole prompt)."""
     caches = args[2] if len(args) > 2 else kwargs.get("prompt_cache")
     tokens = args[1] if len(args) > 1 else kwargs.get("tokens")
-    served = getattr(_served, "ticket", None)
-    batched = _batched_ticket(caches) if served is None else None
+    alone = served()
+    batched = _batched_ticket(caches) if alone is None else None
     # a batched request's whole prompt: the server also stores a list at the end of each segment of a prompt
     whole = batched is not None and tokens is not None and len(tokens) >= (batched.prompt_tokens or 0)
-    ticket = served or (batched if whole else None)
+    ticket = alone or (batched if whole else None)
     if ticket is not None and isinstance(caches, list):
         try:
             ticket.held = stats.held(caches)

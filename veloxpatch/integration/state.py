@@ -77,14 +77,21 @@ def in_force() -> VeloxConfig | None:
 
 
 @contextlib.contextmanager
-def serving(config: VeloxConfig) -> Iterator[None]:
+def serving(config: VeloxConfig, request: Any = None) -> Iterator[None]:
     """While one request is served on this thread, ``config`` is in force here (:func:`in_force`): the caches made,
-    the probe, the draft's caches and the prompt cache's key follow it. Other threads keep theirs."""
-    previous, _local.request = getattr(_local, "request", None), config
+    the probe, the draft's caches and the prompt cache's key follow it; ``request`` (a server request's ticket,
+    :mod:`.server`) is what :func:`served` answers here meanwhile. Other threads keep theirs."""
+    previous = getattr(_local, "request", None), getattr(_local, "served", None)
+    _local.request, _local.served = config, request
     try:
         yield
     finally:
-        _local.request = previous
+        _local.request, _local.served = previous
+
+
+def served() -> Any:
+    """The request :func:`serving` serves on this thread (None outside one, or where it named none)."""
+    return getattr(_local, "served", None)
 
 
 @contextlib.contextmanager
