@@ -159,14 +159,18 @@ def validate_model_parameters(wrapped: Callable, instance: Any, args: tuple, kwa
     return result
 
 
+def _hand_on(holder: Any, to: Any) -> None:
+    """The ticket ``holder`` carries (if any) goes with ``to`` (if any), the next of mlx_lm's objects of the request."""
+    ticket = compat.carried(holder)
+    if ticket is not None and to is not None:
+        compat.carry(to, ticket)
+
+
 @wrapt.decorator
 def handle_completion(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``APIHandler.handle_completion(request, stop_words)``: the handler's ticket goes with ``request``, which the
     handler hands to ``ResponseGenerator.generate`` with the generation arguments it builds here."""
-    request = args[0] if args else kwargs.get("request")
-    ticket = compat.carried(instance)
-    if ticket is not None and request is not None:
-        compat.carry(request, ticket)
+    _hand_on(instance, args[0] if args else kwargs.get("request"))
     return wrapped(*args, **kwargs)
 
 
@@ -174,11 +178,8 @@ def handle_completion(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
 def generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``ResponseGenerator.generate(request, generation_args, ...)``: the request's ticket goes with the arguments,
     which reach the generation thread (and, pickled, a distributed server's other ranks)."""
-    request = args[0] if args else kwargs.get("request")
-    arguments = args[1] if len(args) > 1 else kwargs.get("generation_args")
-    ticket = compat.carried(request)
-    if ticket is not None and arguments is not None:
-        compat.carry(arguments, ticket)
+    _hand_on(args[0] if args else kwargs.get("request"),
+             args[1] if len(args) > 1 else kwargs.get("generation_args"))
     return wrapped(*args, **kwargs)
 
 
