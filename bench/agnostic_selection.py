@@ -14,7 +14,8 @@ then rates every row of every layer's key heads, without the question:
 * ``bare``: ``repeat`` without the instruction, the context read again as it is (what ``VELOX_QUANT_KEEP`` reads:
   a model call has no tokenizer), and ``bare-chunked``: each 512-token chunk read again right after it is read
   (what a first version of ``VELOX_QUANT_KEEP`` did), and ``bare-trimmed``: the context read again in 2048-token
-  chunks, each trimmed away before the next is read (what ``VELOX_QUANT_KEEP`` does to bound the peak);
+  chunks, each trimmed away before the next is read (what ``VELOX_QUANT_KEEP`` does to bound the peak), and
+  ``bare-led``: the same, each chunk read after the ``LEAD`` tokens before it (trimmed with it);
 * ``expected``: the attention a query drawn from the last 128 queries' mean and per-channel variance is expected
   to pay it, times its value's norm (Expected Attention, Devoto et al., arXiv 2510.00636; RoPE not rotated forward);
   ``expected-rope``: the same from the queries' statistics before the rotation (each recorded query rotated back by
@@ -26,7 +27,8 @@ Each layer keeps its first 4 and last 32 rows and, of the rest, the best ``--kee
 the same number per head or (``head-wise``) one top-k over the layer's heads (AdaKV); with ``--pool W`` a row
 scores the best of its W neighbours (``pooled W``: a high row's neighbours kept with it). The question and reference
 answer are read on top, the dropped rows masked out per head (with ``--bits`` under 16 every row first quantized
-per channel in 64-token blocks and back, values per token, as ``quant`` holds them). Printed per variant: the
+per channel in 64-token blocks and back, values per token, as ``quant`` holds them; ``4/2``: keys at 4 bits, values
+at 2). Printed per variant: the
 mean KL of the next-token distributions from the full cache's over those tokens, and answers right (greedy, 64
 tokens or the eval's answer length if longer; runs before 2026-12-05 gave 32), with the bytes held as a share of
 the 16-bit full cache's. Two more options follow ``VELOX_QUANT_KEEP`` step by step: ``--score-bits 4`` (a list;
@@ -59,6 +61,7 @@ from veloxpatch.caches.selection import pool_rows
 from veloxpatch.eval import ruler
 
 SINK, RECENT, WINDOW, STATS = 4, 32, 64, 128
+LEAD = 256  # tokens ``bare-led`` reads again before each chunk but the first
 FUTURE = 512  # positions after the context whose queries ``expected-rope`` expects
 ANSWER = 64  # greedy tokens an answer may take at least: at 32 the full cache's own uuid answers scored wrong
 REPEAT = "\n\nRepeat the previous context exactly.\n"
@@ -144,7 +147,7 @@ def scores(model: Any, tokenizer: Any, attention: Attention, context: list[int],
         tail = _read_again(model, cache, attention, context[-STATS:])
         out["bare-chunked"] = [mx.concatenate([b, t[:, -STATS:]], axis=1) for b, t in zip(body, tail)]
     for spec in score_bits:
-        key_bits, value_bits = (int(b) for b in (spec.split("/") + [spec])[:2])
+        key_bits, value_bits = widths(spec)
         again = cache if spec == "16" else with_scheme(cache, lambda k: per_channel(k, key_bits),
                                                         lambda v: per_token(v, value_bits))
         named = "" if spec == "16" else f" from {spec}"
@@ -153,6 +156,8 @@ def scores(model: Any, tokenizer: Any, attention: Attention, context: list[int],
                 out[name + named] = _read_again(model, again, attention, prefix + context)
         if "bare-trimmed" in scorers:
             out["bare-trimmed" + named] = _read_again(model, again, attention, context, 2048)
+        if "bare-led" in scorers:
+            out["bare-led" + named] = _read_again(model, again, attention, context, 2048, LEAD)
     out["expected"] = [_expected(queries[i], c) for i, c in enumerate(cache)]
     if "expected-rope" in scorers:
         out["expected-rope"] = [_expected_rope(queries[i], c, _rope(model, i), len(context))
@@ -162,15 +167,17 @@ def scores(model: Any, tokenizer: Any, attention: Attention, context: list[int],
 
 
 def _read_again(model: Any, cache: list, attention: Attention, extra: list[int],
-                trimmed: int = 0) -> list[mx.array]:
+                trimmed: int = 0, lead: int = 0) -> list[mx.array]:
     """Per layer, the most attention each row gets while ``extra`` is read on top of the cache (then trimmed; with
-    ``trimmed``, in chunks of that many tokens, each trimmed before the next)."""
+    ``trimmed``, in chunks of that many tokens, each trimmed before the next, and read after the ``lead`` tokens
+    before it)."""
     attention.record, attention.found = "max", {}
     step = trimmed or len(extra)
     for start in range(0, len(extra), step):
-        read(model, cache, extra[start: start + step], 512)
+        chunk = extra[max(start - lead, 0): start + step]
+        read(model, cache, chunk, 512)
         for c in cache:
-            c.trim(len(extra[start: start + step]))
+            c.trim(len(chunk))
     attention.record = None
     return [attention.found[i] for i in range(len(cache))]
 
@@ -289,21 +296,33 @@ def requantized(keys: mx.array, keep: mx.array, bits: int) -> mx.array:
     return mx.array(out).astype(keys.dtype)
 
 
-def variant(model: Any, tokenizer: Any, attention: Attention, cache: list, keep: list | None, bits: int,
+def widths(spec: str) -> tuple[int, int]:
+    """``--bits``' entry as (key bits, value bits): ``4``, or keys/values as ``4/2``."""
+    key_bits, value_bits = (int(b) for b in (spec.split("/") + [spec])[:2])
+    return key_bits, value_bits
+
+
+def cost(spec: str) -> float:
+    """Bits an element of a row holds at ``spec``, its group's scale and bias counted (16: a dense row)."""
+    return sum(16 if b == 16 else b + 0.5 for b in widths(spec)) / 2
+
+
+def variant(model: Any, tokenizer: Any, attention: Attention, cache: list, keep: list | None, bits: str,
             example: ruler.Example, question: list[int], rest: list[int], reference: mx.array,
             held_bits: int = 0) -> tuple[float, bool]:
-    """(KL over ``rest``, answer right) with ``keep``'s rows (all: None) at ``bits`` per element (with
-    ``held_bits``, held at those first and the kept keys quantized to ``bits`` after)."""
+    """(KL over ``rest``, answer right) with ``keep``'s rows (all: None) at ``bits`` (:func:`widths`) per element
+    (with ``held_bits``, held at those first and the kept keys quantized to their bits after)."""
     copied = copy.deepcopy(cache)
-    if bits < 16:
+    key_bits, value_bits = widths(bits)
+    if cost(bits) < 16:
         twice = bool(held_bits) and keep is not None
         for i, c in enumerate(copied):
             k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
-            first = held_bits if twice else bits
-            c.keys, c.values = per_channel(k, first), per_token(per_token(v, first), bits)
+            c.keys = per_channel(k, held_bits if twice else key_bits)
+            c.values = per_token(per_token(v, held_bits if twice else value_bits), value_bits)
             if twice:
                 assert keep is not None
-                c.keys = requantized(c.keys, keep[i], bits)
+                c.keys = requantized(c.keys, keep[i], key_bits)
     attention.keep = keep
     _, kl = kl_after(model, copied, rest, reference)
     for c in copied:
@@ -357,16 +376,16 @@ def one_example(model: Any, tokenizer: Any, attention: Attention, task: str, see
                            args.score_bits.split(","))
     reference, _ = kl_after(model, copy.deepcopy(cache), rest, None)
     out = []
-    all_bits = list(map(int, args.bits.split(",")))
+    all_bits = args.bits.split(",")
     for bits in all_bits:
         for name, share, headwise, pool in _plans(found, args, bits, all_bits[0]):
             keep = None if name == "full" else [kept(s, share, headwise, pool) for s in found[name]]
-            for held_bits in map(int, args.held_bits.split(",")) if keep is not None and bits < 16 else [0]:
+            for held_bits in map(int, args.held_bits.split(",")) if keep is not None and cost(bits) < 16 else [0]:
                 kl, right = variant(model, tokenizer, attention, cache, keep, bits, example, question, rest,
                                     reference, held_bits)
                 label = name + (" head-wise" if headwise else "") + (f" pooled {pool}" if pool > 1 else "") + \
                     (f" held at {held_bits}" if held_bits else "")
-                held = share * (16 if bits == 16 else bits + 0.5) / 16
+                held = share * cost(bits) / 16
                 out.append({"task": task, "seed": seed, "scorer": label, "keep": share, "bits": bits,
                             "bytes": held, "kl": kl, "right": right})
                 print(f"{task} {seed}: {label} keep {share} at {bits} bits ({held:.3f} of the bytes): "
@@ -374,12 +393,12 @@ def one_example(model: Any, tokenizer: Any, attention: Attention, task: str, see
     return out
 
 
-def _plans(found: dict[str, list], args: argparse.Namespace, bits: int,
-           first: int) -> list[tuple[str, float, bool, int]]:
+def _plans(found: dict[str, list], args: argparse.Namespace, bits: str,
+           first: str) -> list[tuple[str, float, bool, int]]:
     """The variants at ``bits``: the full cache, then each scorer at each share of ``--keep`` (with
     ``--same-bytes`` a share of the first of ``--bits``, scaled to the bytes it holds there), both per head and
     head-wise (``--head-wise``: head-wise alone), at each ``--pool``."""
-    ratio = (first + 0.5) / (bits + 0.5) if args.same_bytes and bits < 16 else 1.0
+    ratio = cost(first) / cost(bits) if args.same_bytes and cost(bits) < 16 else 1.0
     layouts = (True,) if args.head_wise else (False, True)
     return [("full", 1.0, False, 0)] + [
         (name, round(min(float(share) * ratio, 1.0), 3), headwise, pool) for name in found

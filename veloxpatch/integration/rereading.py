@@ -7,13 +7,14 @@ not asked yet, cannot choose. A cache cannot run the model, but the model's own 
 top-level model's ``__call__`` is wrapped (once, undone by ``unpatch``). Over a list of our caches that ask for it,
 a prompt chunk of token ids is remembered and read as usual (its rows fold quantized, the keys at 8 bits until they
 are chosen: memory stays bounded while the prompt is read); the first decode-sized call after them (the prompt's
-last token, in ``generate_step``) first runs the model over the prompt again, a chunk at a time, each chunk's rows
-trimmed before the next, while the caches record the most attention each of their folded rows gets; then each head
-keeps its best-scored rows. The paper puts "Repeat the previous context" before the repeat; a model call has no
-tokenizer, so the prompt is read again as it is. Measured (``bench/agnostic_selection.py``, SmolLM2-135M, five RULER
-examples at 1k tokens): without the instruction the rows chosen answer as with it (mean KL 0.026 against 0.027 at
-half the rows); scored right after each 512-token chunk is read instead, as a first version did, they lose the
-needles (0.118, two right of five against three): the whole prompt must be read before its second reading.
+last token, in ``generate_step``) first runs the model over the prompt again, a chunk at a time (each after the
+:data:`LEAD` tokens before it), each chunk's rows trimmed before the next, while the caches record the most attention
+each of their folded rows gets; then each head keeps its best-scored rows. The paper puts "Repeat the previous
+context" before the repeat; a model call has no tokenizer, so the prompt is read again as it is. Measured
+(``bench/agnostic_selection.py``, SmolLM2-135M, five RULER examples at 1k tokens): without the instruction the rows
+chosen answer as with it (mean KL 0.026 against 0.027 at half the rows); scored right after each 512-token chunk is
+read instead, as a first version did, they lose the needles (0.118, two right of five against three): the whole
+prompt must be read before its second reading.
 
 In mlx_lm's batched generation (the server's batches) each sequence keeps its own caches (:mod:`..caches.batch`):
 its prompt chunks are its slice of each right-padded step, and at the first decode-sized step after them it is read
@@ -39,6 +40,12 @@ from ..log import model_type, once
 from ..registry import cache_class
 from .layer_io import Parameters, Wrapper, defined_call, wrap_call
 from .state import STATE, in_force
+
+LEAD = 256
+"""Tokens read again before each chunk of the second reading but the first (trimmed with it). A chunk read again
+cold, the one before it trimmed away, starts where the model is not repeating the prompt yet, and its first rows
+score as it finds its place: Qwen2.5-0.5B at 4k lost a uuid needle that way (``bench/agnostic_selection.py``,
+``bare-trimmed`` against ``bare-led``, docs/results.md)."""
 
 
 def prepare(model: Any, config: VeloxConfig) -> None:
@@ -125,16 +132,19 @@ def _asks(cache: Any) -> bool:
 
 def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kwargs: dict,
                 readers: list[Any]) -> None:
-    """Read the readers' unscored prompt again, a chunk at a time as it was read, each chunk's rows trimmed before
-    the next (each attends over the prompt read once, not over the second reading's other chunks); then the
-    readers keep their best rows. A failure is said (or raised under ``VELOX_STRICT``) and leaves every row."""
+    """Read the readers' unscored prompt again, a chunk at a time as it was read, each after the :data:`LEAD`
+    tokens before it and trimmed before the next (each attends over the prompt read once and its lead, not over
+    the second reading's other chunks); then the readers keep their best rows. A failure is said (or raised under
+    ``VELOX_STRICT``) and leaves every row."""
     chunks = readers[0].unscored
     offsets = [cache.offset for cache in readers]
     for cache in readers:
         cache.start_rereading()
-    read = False
+    read, lead = False, None
     try:
         for chunk in chunks:
+            chunk = chunk if lead is None else mx.concatenate([lead, chunk], axis=1)
+            lead = chunk[:, -LEAD:]
             again, named = _with_input(params, args, kwargs, chunk, readers)
             try:
                 wrapped(*again, **named)
