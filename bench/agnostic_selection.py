@@ -26,19 +26,17 @@ then rates every row of every layer's key heads, without the question:
 Each layer keeps its first 4 and last 32 rows and, of the rest, the best ``--keep`` share of the context, either
 the same number per head or (``head-wise``) one top-k over the layer's heads (AdaKV); with ``--pool W`` a row
 scores the best of its W neighbours (``pooled W``: a high row's neighbours kept with it). The question and reference
-answer are read on top, the dropped rows masked out per head (with ``--bits`` under 16 every row first quantized
-per channel in 64-token blocks and back, values per token, as ``quant`` holds them; ``4/2``: keys at 4 bits, values
-at 2). Printed per variant: the
-mean KL of the next-token distributions from the full cache's over those tokens, and answers right (greedy, 64
-tokens or the eval's answer length if longer; runs before 2026-12-05 gave 32), with the bytes held as a share of
-the 16-bit full cache's. Two more options follow ``VELOX_QUANT_KEEP`` step by step: ``--score-bits 4`` (a list;
-keys/values as ``8/4``) reads the context again over rows already at those bits (scorers named "... from 4"), and
-``--held-bits N`` (a list: each a variant) holds every row at N bits first and then quantizes each head's kept
-keys to ``--bits`` in blocks of the rows kept (``quant``'s fold rebuilt from them: ``--held-bits 4`` quantizes
-4-bit rows a second time). ``--head-wise`` leaves out the same number per head; ``--same-bytes`` reads
-``--keep`` at the first of ``--bits`` and keeps, at the others, the share holding the same bytes (fewer bits, more
-rows). With ``--out`` each example's rows are appended to ``rows.jsonl`` there as it finishes,
-and a rerun skips the examples it holds.
+answer are read on top, the dropped rows masked out per head (with ``--bits`` under 16 every row first quantized per
+channel in 64-token blocks and back, values per token, as ``quant`` holds them; ``4/2``: keys at 4 bits, values at 2).
+Printed per variant: the mean KL of the next-token distributions from the full cache's over those tokens, and answers
+right (greedy, 64 tokens or the eval's answer length if longer; runs before 2026-12-05 gave 32), with the bytes held
+as a share of the 16-bit full cache's. Two more options follow ``VELOX_QUANT_KEEP`` step by step: ``--score-bits 4``
+(a list; keys/values as ``8/4``) reads the context again over rows already at those bits (scorers named "... from 4"),
+and ``--held-bits N`` (a list: each a variant) holds every row at N bits first and then quantizes each head's kept
+keys to ``--bits`` in blocks of the rows kept (``quant``'s fold rebuilt from them: ``--held-bits 4`` quantizes 4-bit
+rows a second time). ``--head-wise`` leaves out the same number per head; ``--same-bytes`` reads ``--keep`` at the
+first of ``--bits`` and keeps, at the others, the share holding the same bytes (fewer bits, more rows). With ``--out``
+each example's rows are appended to ``rows.jsonl`` there as it finishes, and a rerun skips the examples it holds.
 """
 
 from __future__ import annotations

@@ -162,9 +162,10 @@ def _check_queued_request() -> str | None:
         def _await_response(self, queue: Any) -> Any:
             return queue.get()
 
-    cls = server.GenerationArguments
-    arguments = cls(**{f.name: None for f in dataclasses.fields(cls)})
-    request = object()
+    def blank(cls: type) -> Any:
+        return cls(**{f.name: None for f in dataclasses.fields(cls)})
+
+    arguments, request = blank(server.GenerationArguments), blank(server.CompletionRequest)
     try:
         inspect.unwrap(server.ResponseGenerator.generate)(StandIn(), request, arguments)
     except LookupError:
@@ -176,10 +177,9 @@ def _check_queued_request() -> str | None:
                f"not at [{ARGUMENTS_AT}]"
     carry(arguments, "probe")
     if carried(pickle.loads(pickle.dumps(arguments))) != "probe":
-        return f"{cls.__name__} does not keep an attribute through pickling"
-    fields = {f.name: None for f in dataclasses.fields(server.CompletionRequest)}
+        return f"{type(arguments).__name__} does not keep an attribute through pickling"
     try:
-        carry(server.CompletionRequest(**fields), "probe")
+        carry(request, "probe")
     except (AttributeError, TypeError) as error:
         return f"CompletionRequest cannot carry an attribute ({error})"
     return None
