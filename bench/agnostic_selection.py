@@ -23,20 +23,22 @@ then rates every row of every layer's key heads, without the question:
   the rotated covariances for the variance term), as the paper does;
 * ``keynorm``: a small key norm (Devoto et al., arXiv 2406.11430).
 
-Each layer keeps its first 4 and last 32 rows and, of the rest, the best ``--keep`` share of the context, either
-the same number per head or (``head-wise``) one top-k over the layer's heads (AdaKV); with ``--pool W`` a row
-scores the best of its W neighbours (``pooled W``: a high row's neighbours kept with it). The question and reference
-answer are read on top, the dropped rows masked out per head (with ``--bits`` under 16 every row first quantized per
-channel in 64-token blocks and back, values per token, as ``quant`` holds them; ``4/2``: keys at 4 bits, values at 2).
-Printed per variant: the mean KL of the next-token distributions from the full cache's over those tokens, and answers
-right (greedy, 64 tokens or the eval's answer length if longer; runs before 2026-12-05 gave 32), with the bytes held
-as a share of the 16-bit full cache's. Two more options follow ``VELOX_QUANT_KEEP`` step by step: ``--score-bits 4``
-(a list; keys/values as ``8/4``) reads the context again over rows already at those bits (scorers named "... from 4"),
-and ``--held-bits N`` (a list: each a variant) holds every row at N bits first and then quantizes each head's kept
-keys to ``--bits`` in blocks of the rows kept (``quant``'s fold rebuilt from them: ``--held-bits 4`` quantizes 4-bit
-rows a second time). ``--head-wise`` leaves out the same number per head; ``--same-bytes`` reads ``--keep`` at the
-first of ``--bits`` and keeps, at the others, the share holding the same bytes (fewer bits, more rows). With ``--out``
-each example's rows are appended to ``rows.jsonl`` there as it finishes, and a rerun skips the examples it holds.
+Each layer keeps its first 4 and last 32 rows and, of the rest, the best ``--keep`` share of the context, either the
+same number per head or (``head-wise``) one top-k over the layer's heads (AdaKV), or (``--model-wise``) one top-k over
+every layer's heads on the raw scores (KVzip's non-uniform budgets: layers keep different numbers); with ``--pool W``
+a row scores the best of its W neighbours (``pooled W``: a high row's neighbours kept with it). The question and
+reference answer are read on top, the dropped rows masked out per head (with ``--bits`` under 16 every row first
+quantized per channel in 64-token blocks and back, values per token, as ``quant`` holds them; ``4/2``: keys at 4 bits,
+values at 2). Printed per variant: the mean KL of the next-token distributions from the full cache's over those
+tokens, and answers right (greedy, 64 tokens or the eval's answer length if longer; runs before 2026-12-05 gave 32),
+with the bytes held as a share of the 16-bit full cache's. Two more options follow ``VELOX_QUANT_KEEP`` step by step:
+``--score-bits 4`` (a list; keys/values as ``8/4``) reads the context again over rows already at those bits (scorers
+named "... from 4"), and ``--held-bits N`` (a list: each a variant) holds every row at N bits first and then quantizes
+each head's kept keys to ``--bits`` in blocks of the rows kept (``quant``'s fold rebuilt from them: ``--held-bits 4``
+quantizes 4-bit rows a second time). ``--head-wise`` leaves out the same number per head; ``--same-bytes`` reads
+``--keep`` at the first of ``--bits`` and keeps, at the others, the share holding the same bytes (fewer bits, more
+rows). With ``--out`` each example's rows are appended to ``rows.jsonl`` there as it finishes, and a rerun skips the
+examples it holds.
 """
 
 from __future__ import annotations
@@ -252,7 +254,7 @@ def kept(score: mx.array, share: float, headwise: bool, pool: int = 0) -> mx.arr
     """(heads, rows) bool: the first and last rows, and the best of the rest (``share`` of all rows), each row
     scored as the best of its ``pool`` neighbours (``quant``'s ``VELOX_QUANT_POOL``; 0 or 1: alone)."""
     heads, rows = score.shape
-    middle = pool_rows(score[:, SINK: rows - RECENT].astype(mx.float32), max(pool, 1), "max")
+    middle = _middle(score, pool)
     per_head = max(int(share * rows) - SINK - RECENT, 0)
     if headwise:
         flat = middle / mx.maximum(middle.sum(axis=1, keepdims=True), 1e-30) if middle.min() >= 0 else middle
@@ -260,7 +262,28 @@ def kept(score: mx.array, share: float, headwise: bool, pool: int = 0) -> mx.arr
         chosen = flat >= cut
     else:
         chosen = middle >= (mx.sort(middle, axis=1)[:, -per_head:-per_head + 1] if per_head else mx.inf)
-    edge = mx.ones((heads, SINK), dtype=mx.bool_), mx.ones((heads, RECENT), dtype=mx.bool_)
+    return _edged(chosen)
+
+
+def kept_model_wise(scores: list[mx.array], share: float, pool: int = 0) -> list[mx.array]:
+    """Per layer, (heads, rows) bool: every layer's first and last rows, and of the rest the best by one top-k over
+    every layer's heads (KVzip's non-uniform budgets: its raw scores, so a layer that needs more rows takes them),
+    as many rows in all as :func:`kept` keeps."""
+    middles = [_middle(score, pool) for score in scores]
+    heads, rows = scores[0].shape
+    total = max(int(share * rows) - SINK - RECENT, 0) * heads * len(scores)
+    cut = mx.sort(mx.concatenate([m.reshape(-1) for m in middles]))[-total] if total else mx.inf
+    return [_edged(m >= cut) for m in middles]
+
+
+def _middle(score: mx.array, pool: int) -> mx.array:
+    """The scores of the rows between the first and the last (pooled over ``pool`` neighbours), float32."""
+    return pool_rows(score[:, SINK: score.shape[1] - RECENT].astype(mx.float32), max(pool, 1), "max")
+
+
+def _edged(chosen: mx.array) -> mx.array:
+    """The middle rows ``chosen``, with the first and last rows kept."""
+    edge = mx.ones((chosen.shape[0], SINK), dtype=mx.bool_), mx.ones((chosen.shape[0], RECENT), dtype=mx.bool_)
     return mx.concatenate([edge[0], chosen, edge[1]], axis=1)
 
 
@@ -340,6 +363,8 @@ def main() -> None:
     parser.add_argument("--pool", default="0", help="comma-separated: rows scored as the best of this many "
                         "neighbours (0: each row alone); each a variant")
     parser.add_argument("--head-wise", action="store_true", help="rows chosen head-wise only (as the shim does)")
+    parser.add_argument("--model-wise", action="store_true", help="also rows chosen by one top-k over every "
+                        "layer's heads, raw scores (KVzip's non-uniform budgets)")
     parser.add_argument("--same-bytes", action="store_true", help="--keep is a share at the first of --bits; at "
                         "the others, the share holding the same bytes")
     parser.add_argument("--seed", type=int, default=0, help="the first example (seeds SEED .. SEED+SAMPLES-1)")
@@ -376,13 +401,13 @@ def one_example(model: Any, tokenizer: Any, attention: Attention, task: str, see
     out = []
     all_bits = args.bits.split(",")
     for bits in all_bits:
-        for name, share, headwise, pool in _plans(found, args, bits, all_bits[0]):
-            keep = None if name == "full" else [kept(s, share, headwise, pool) for s in found[name]]
+        for name, share, layout, pool in _plans(found, args, bits, all_bits[0]):
+            keep = None if name == "full" else _chosen(found[name], share, layout, pool)
             for held_bits in map(int, args.held_bits.split(",")) if keep is not None and cost(bits) < 16 else [0]:
                 kl, right = variant(model, tokenizer, attention, cache, keep, bits, example, question, rest,
                                     reference, held_bits)
-                label = name + (" head-wise" if headwise else "") + (f" pooled {pool}" if pool > 1 else "") + \
-                    (f" held at {held_bits}" if held_bits else "")
+                label = name + ("" if layout == "per head" else f" {layout}") + \
+                    (f" pooled {pool}" if pool > 1 else "") + (f" held at {held_bits}" if held_bits else "")
                 held = share * cost(bits) / 16
                 out.append({"task": task, "seed": seed, "scorer": label, "keep": share, "bits": bits,
                             "bytes": held, "kl": kl, "right": right})
@@ -391,16 +416,24 @@ def one_example(model: Any, tokenizer: Any, attention: Attention, task: str, see
     return out
 
 
+def _chosen(scores: list[mx.array], share: float, layout: str, pool: int) -> list[mx.array]:
+    """Each layer's kept rows under ``layout``: the same number per head, head-wise, or model-wise."""
+    if layout == "model-wise":
+        return kept_model_wise(scores, share, pool)
+    return [kept(s, share, layout == "head-wise", pool) for s in scores]
+
+
 def _plans(found: dict[str, list], args: argparse.Namespace, bits: str,
-           first: str) -> list[tuple[str, float, bool, int]]:
+           first: str) -> list[tuple[str, float, str, int]]:
     """The variants at ``bits``: the full cache, then each scorer at each share of ``--keep`` (with
     ``--same-bytes`` a share of the first of ``--bits``, scaled to the bytes it holds there), both per head and
-    head-wise (``--head-wise``: head-wise alone), at each ``--pool``."""
+    head-wise (``--head-wise``: head-wise alone), and with ``--model-wise`` model-wise too, at each ``--pool``."""
     ratio = cost(first) / cost(bits) if args.same_bytes and cost(bits) < 16 else 1.0
-    layouts = (True,) if args.head_wise else (False, True)
-    return [("full", 1.0, False, 0)] + [
-        (name, round(min(float(share) * ratio, 1.0), 3), headwise, pool) for name in found
-        for share in args.keep.split(",") for headwise in layouts for pool in map(int, args.pool.split(","))]
+    layouts = ["head-wise"] if args.head_wise else ["per head", "head-wise"]
+    layouts += ["model-wise"] if args.model_wise else []
+    return [("full", 1.0, "per head", 0)] + [
+        (name, round(min(float(share) * ratio, 1.0), 3), layout, pool) for name in found
+        for share in args.keep.split(",") for layout in layouts for pool in map(int, args.pool.split(","))]
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -275,23 +275,35 @@ def test_an_eval_variant_keeps_a_share_of_the_bytes_as_one() -> None:
     assert all(isinstance(c.keep, BytesShare) and c.keep == 0.125 for c in caches)
 
 
-def kept_by_scores(peaked: int, seed: int = 1) -> tuple[QuantCache, np.ndarray]:
-    """A cache that read 300 random rows (keys and values alike), its 288 folded rows then kept at 40% as a second
-    reading would keep them by scores uniform in the first head and raised to the power ``peaked`` in the second
-    (1: the heads alike; 8: a few of the second's rows stand out, the rest far below the first head's); and the
-    scores, (heads, rows)."""
-    mx.random.seed(seed)
+def read_300(budgets: str = "layer") -> QuantCache:
+    """A cache that read 300 random rows (keys and values alike), 288 of them folded, to keep 40% of."""
     cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, mode="chunk"), bits=4, group=32, keep=Share(0.4),
-                       pool=1)  # the scores as given
+                       pool=1, budgets=budgets)  # the scores as given
     rows = mx.random.normal((1, 2, 300, 64))
     cache.read_prompt_chunk(mx.zeros((1, 300), mx.int32))
     keys, values = cache.update_and_fetch(rows, rows)
     cache.attend(mx.random.normal((1, 6, 300, 64)), keys, values, 0.125, "causal")
+    return cache
+
+
+def scored(caches: list[QuantCache], scores: list[mx.array]) -> None:
+    """The caches' rows chosen as after a second reading that left ``scores`` (one (1, heads, rows) per layer)."""
+    for cache, given in zip(caches, scores):
+        cache.start_rereading()
+        cache.scores = given  # as a second reading leaves them
+        cache.stop_rereading(True)
+    QuantCache.keep_chosen(caches)
+
+
+def kept_by_scores(peaked: int, seed: int = 1) -> tuple[QuantCache, np.ndarray]:
+    """:func:`read_300`'s rows kept by scores uniform in the first head and raised to the power ``peaked`` in the
+    second (1: the heads alike; 8: a few of the second's rows stand out, the rest far below the first head's); and
+    the scores, (heads, rows)."""
+    mx.random.seed(seed)
+    cache = read_300()
     uniform = mx.random.uniform(shape=(1, 2, 288))
     scores = mx.concatenate([uniform[:, :1], uniform[:, 1:] ** peaked], axis=1)
-    cache.start_rereading()
-    cache.scores = scores  # as a second reading leaves them
-    cache.stop_rereading(True)
+    scored([cache], [scores])
     return cache, np.array(scores[0])
 
 
@@ -311,6 +323,19 @@ def test_heads_keep_different_numbers_of_rows_their_best_normalized_and_the_laye
     assert keys.shape == (1, 2, 160, 64) and not mx.any(keys[0, 1, 64:]).item(), "zero rows at the holes"
     alike, _ = kept_by_scores(peaked=1)
     assert not _ragged(alike.folds[0]) and alike.held_rows(alike.folds[0]) == 128, "as many rows each: one array"
+
+
+def test_model_wise_budgets_give_the_rows_to_the_layer_scored_higher_and_keep_the_models_total() -> None:
+    mx.random.seed(2)
+    caches = [read_300("model"), read_300("model")]
+    uniform = mx.random.uniform(shape=(1, 2, 288))
+    scored(caches, [uniform, uniform * 0.1])  # every row of the first layer above most of the second's
+    counts = [[p.size for p in head_positions(c, c.folds[0])] for c in caches]
+    assert min(counts[0]) > max(counts[1]), counts
+    assert abs(sum(map(sum, counts)) - 2 * (2 * 4 + 0.4 * 2 * 284)) <= 64, "the two layers' shares in all"
+    alone = [read_300("layer"), read_300("layer")]
+    scored(alone, [uniform, uniform * 0.1])
+    assert [[p.size for p in head_positions(c, c.folds[0])] for c in alone] == [[128, 128]] * 2, "each its own"
 
 
 @pytest.mark.parametrize("peaked", [1, 8])

@@ -157,6 +157,7 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
     finally:
         for cache in readers:
             cache.stop_rereading(read)
+        type(readers[0]).keep_chosen(readers)
 
 
 def _with_input(params: Parameters, args: tuple, kwargs: dict, tokens: mx.array,

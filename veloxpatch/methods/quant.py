@@ -19,7 +19,8 @@ stops at about a fifth of the 16-bit bytes; an eighth needs fewer rows as well, 
 usual), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each folded row scores the
 most attention any query of its head group pays it; the layer keeps its best rows by one top-k over its heads
 (AdaKV's head-wise budgets: each head's scores over their sum first), each head in whole blocks, with the first
-``VELOX_SINK`` tokens and each row's two-byte position for trims. Every prompt is read twice, a chat's next turn too,
+``VELOX_SINK`` tokens and each row's two-byte position for trims. With ``VELOX_QUANT_BUDGETS=model`` one top-k runs
+over every layer's heads on the raw scores (KVzip's non-uniform budgets; :func:`model_cut`), as many rows in all. Every prompt is read twice, a chat's next turn too,
 and its rows are chosen with those still exact when it began: a chat holds its share turn after turn. Rows an answer
 folds as it is decoded are all kept.
 
@@ -36,7 +37,7 @@ Heads holding different numbers of rows make a *ragged* fold, one part per head 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import mlx.core as mx
@@ -50,11 +51,12 @@ from ..caches.store import Parts, decode, encode, take_rows
 from ..coordinators import members_of
 from ..log import once
 from ..registry import method
-from ..settings import Setting, int_choice, odd_kernel, one_of_text, percent
+from ..settings import Setting, choice, int_choice, odd_kernel, one_of_text, percent
 from ..stats import at_16_bits
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
+BUDGETS = ("layer", "model")  # VELOX_QUANT_BUDGETS: what one top-k of the rows to keep runs over
 
 HOLD_BITS = 8  # the keys of a prompt awaiting its second reading (module doc: why not at VELOX_QUANT_BITS)
 QUERY_BLOCK = 64  # queries of a second reading scored at once: bounds the (heads, group x block, rows) float32 logits
@@ -97,6 +99,11 @@ KNOBS = (
             "Quant, with VELOX_QUANT_KEEP: each row of a prompt scored as the best of this many neighbouring rows "
             "before the rows are chosen, so a kept row keeps the tokens around it (a number or a uuid spelled over "
             "a dozen tokens stays whole); 1 scores each row alone.", method="quant"),
+    Setting("VELOX_QUANT_BUDGETS", choice(BUDGETS), "layer", "one of " + ", ".join(BUDGETS),
+            "Quant, with VELOX_QUANT_KEEP: what one top-k of the rows to keep runs over. `layer`: each layer keeps "
+            "its share, spread over its heads (AdaKV: each head's scores over their sum); `model`: every layer's "
+            "heads at once, on the raw scores (KVzip's non-uniform budgets), so a layer whose rows the second "
+            "reading needs more keeps more, the model's total the same.", method="quant"),
 )
 
 
@@ -116,18 +123,20 @@ class QuantCache(CrossLayerCache):
                       "16-bit bytes)")  # said where VELOX_KV_MEMORY is refused
 
     def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float | str = 1.0,
-                 pool: int = 1) -> None:
+                 pool: int = 1, budgets: str = "layer") -> None:
         super().__init__(spec)
-        self.bits, self.group_size, self.pool = bits, group, pool
+        self.bits, self.group_size, self.pool, self.budgets = bits, group, pool, budgets
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
         self.rereading = False  # the model reads the prompt again: this cache scores its folded rows
         self.unscored: list[mx.array] = []  # the prompt chunks read since the last scoring (token ids)
         self.chosen_end = 0  # rows before this position were chosen by an earlier reading (or kept: every row)
         self.scores: mx.array | None = None  # (B, H, folded rows) the most attention the second reading paid
+        self.candidates: Candidates | None = None  # the prompt's rows to choose among, once read again
 
     def knob_values(self) -> dict[str, Any]:
         return {"bits": self.bits, "group": self.group_size,
-                "keep": str(self.keep) if isinstance(self.keep, BytesShare) else self.keep, "pool": self.pool}
+                "keep": str(self.keep) if isinstance(self.keep, BytesShare) else self.keep, "pool": self.pool,
+                "budgets": self.budgets}
 
     @property
     def wants_rereading(self) -> bool:
@@ -147,16 +156,27 @@ class QuantCache(CrossLayerCache):
         self.rereading, self.unscored, self.scores = True, [], None
 
     def stop_rereading(self, read: bool) -> None:
-        """The second reading is over and trimmed away; unless it failed midway (``read`` false), the layer keeps
-        its best-scored rows (:meth:`_keep_best`). Held keys then settle at ``VELOX_QUANT_BITS``."""
+        """The second reading is over and trimmed away; unless it failed midway (``read`` false), the prompt's rows
+        and their scores become :attr:`candidates`, which :meth:`keep_chosen` chooses among."""
         self.rereading = False
         scores, self.scores = self.scores, None
         rows = self.store.rows
         if self.store.capacity > rows:  # the room the second reading's rows took, given back
             self.store.keep(mx.broadcast_to(mx.arange(rows), (*self.store.row_positions().shape[:2], rows)), 0)
         if read and scores is not None and self.folds:
-            self._keep_best(scores)
-        self._settle()
+            self.candidates = self._candidates(scores)
+
+    @staticmethod
+    def keep_chosen(caches: list[QuantCache]) -> None:
+        """After :meth:`stop_rereading` of every layer of a sequence: each keeps its best-scored rows
+        (:meth:`_keep_best`), by its own share or (``VELOX_QUANT_BUDGETS=model``) by one cut over every layer's
+        rows (:func:`model_cut`); held keys then settle at ``VELOX_QUANT_BITS``."""
+        cut = model_cut([c.candidates for c in caches]) if caches and caches[0].budgets == "model" else None
+        for cache in caches:
+            found, cache.candidates = cache.candidates, None
+            if found is not None:
+                cache._keep_best(found, cut)
+            cache._settle()
 
     def folded_as(self) -> str | None:
         return f"at {self.bits} bits (keys per channel, values per token)"
@@ -177,31 +197,40 @@ class QuantCache(CrossLayerCache):
         bits = HOLD_BITS if self.unscored and self.bits < HOLD_BITS else self.bits
         return [(self._keys_encoded(keys, bits), self._values_encoded(values))], None
 
-    def _keep_best(self, scores: mx.array) -> None:
-        """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from its heads' best-scored rows and every
-        row an earlier reading chose or among the sinks, the kept keys quantized to ``VELOX_QUANT_BITS`` once. Each
-        head keeps :meth:`_head_counts` rows (several sequences, B > 1: the same number per head, so the fold stays
-        dense). A later turn's rows join the earlier fold at once, head by head, so a head may keep none of them and
-        a short turn costs its share of the bytes, not a block per head."""
+    def _candidates(self, scores: mx.array) -> Candidates:
+        """The last fold's rows (the prompt's) as :class:`Candidates`: those an earlier reading chose, the sinks
+        and the holes of a ragged fold are not fresh; the rest are scored (pooled) and ``share`` of them is due."""
         fold = self.folds[-1]
         positions = self.fold_positions(fold)
         held = positions.shape[-1]
         earlier = self.folded_rows() - held  # rows of earlier turns' folds, scored first
-        least = 0 if earlier else self.group_size  # the first fold holds a block per head
         real = positions >= 0  # not a hole (a ragged fold's shorter heads end in some)
         protected = real & ((positions < self.chosen_end) | (positions < self.sink))
         fresh = real & ~protected
         score = mx.where(fresh, scores[..., earlier: earlier + held].astype(mx.float32), 0)
         score = mx.where(fresh, pool_rows(score, self.pool, "max"), 0)
-        self.chosen_end = fold.end
         keys, values = self.unfold(fold)
         share = self._fresh_share(int(fresh.sum()), int(protected.sum()), keys.shape[-1], values.shape[-1])
+        return Candidates(positions, fresh, protected, score, share, earlier)
+
+    def _keep_best(self, found: Candidates, cut: float | None) -> None:
+        """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from its heads' best-scored rows and every
+        protected row, the kept keys quantized to ``VELOX_QUANT_BITS`` once. Each head keeps :meth:`_head_counts`
+        rows, or those scoring at least ``cut`` (several sequences, B > 1: the same number per head, so the fold
+        stays dense). A later turn's rows join the earlier fold at once, head by head, so a head may keep none of
+        them and a short turn costs its share of the bytes, not a block per head."""
+        fold, positions, fresh, protected = self.folds[-1], found.positions, found.fresh, found.protected
+        held, real = positions.shape[-1], positions >= 0
+        least = 0 if found.earlier else self.group_size  # the first fold holds a block per head
+        self.chosen_end = fold.end
+        keys, values = self.unfold(fold)
         if positions.shape[0] == 1:
-            normed = score / mx.maximum(score.sum(axis=-1, keepdims=True), 1e-30)
-            counts = self._head_counts(normed, fresh, protected, share, least)
+            normed = found.score / mx.maximum(found.score.sum(axis=-1, keepdims=True), 1e-30)
+            counts = self._head_counts(normed, fresh, protected, found.share, least) if cut is None else \
+                self._cut_counts(found, cut, least)
         else:
-            normed, count = score, int(fresh[0, 0].sum())
-            counts = [self._whole_blocks(held - count + share * count, held, least)] * positions.shape[1]
+            normed, count = found.score, int(fresh[0, 0].sum())
+            counts = [self._whole_blocks(held - count + found.share * count, held, least)] * positions.shape[1]
         if counts == _ints(real.sum(axis=-1).max(axis=0)):
             return  # every row stays (the keys settle at VELOX_QUANT_BITS later, as when nothing was read)
         priority = mx.where(protected, mx.inf, mx.where(fresh, normed, -mx.inf))
@@ -214,7 +243,7 @@ class QuantCache(CrossLayerCache):
             rows_k, rows_v = take_rows((keys[:, h: h + 1], values[:, h: h + 1]), chosen)
             heads.append((self._keys_encoded(rows_k, self.bits), self._values_encoded(rows_v),
                           _compact(mx.take_along_axis(positions[:, h: h + 1], chosen, axis=-1))))
-        if not earlier:
+        if not found.earlier:
             self.folds[-1] = _fold_of(fold.start, fold.end, cast(list[tuple[Any, ...]], heads), fold.group)
             return
         first = self.folds[-2]  # the earlier turns' one fold, at VELOX_QUANT_BITS (their keys settled, joined)
@@ -261,6 +290,14 @@ class QuantCache(CrossLayerCache):
         per_head = _ints(chosen.reshape(heads, -1).sum(axis=-1) + protected.reshape(heads, -1).sum(axis=-1))
         real = _ints((fresh | protected).reshape(heads, -1).sum(axis=-1))
         return [self._whole_blocks(n, rows, least) for n, rows in zip(per_head, real)]
+
+    def _cut_counts(self, found: Candidates, cut: float, least: int) -> list[int]:
+        """Rows each head of one sequence keeps under a model-wise ``cut``: its fresh rows scoring at least
+        ``cut`` and its protected rows, rounded to whole blocks, at least ``least``."""
+        heads = found.fresh.shape[1]
+        wanted = _ints(((found.fresh & (found.score >= cut)) | found.protected).reshape(heads, -1).sum(axis=-1))
+        real = _ints((found.fresh | found.protected).reshape(heads, -1).sum(axis=-1))
+        return [self._whole_blocks(n, rows, least) for n, rows in zip(wanted, real)]
 
     def _whole_blocks(self, wanted: float, held: int, least: int) -> int:
         """``wanted`` rows of a head rounded to whole blocks, at least ``least``, at most the ``held`` rows."""
@@ -494,6 +531,34 @@ class QuantCache(CrossLayerCache):
         self._exact_again(fold, rows if len(fold.own) == 2 else prefix, prefix)
         end = prefix if len(fold.own) == 3 else rows
         self.folds = [Fold(0, end, self._cut(fold.own, rows, self.held_rows(fold)), None, fold.group)] if rows else []
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """A layer's prompt rows once read again (the last fold's): each row's position, whether it is to be chosen
+    among (``fresh``) or kept anyway (``protected``: an earlier reading's, a sink), its score (0 where not fresh),
+    the share of the fresh rows the layer's own budget keeps, and the rows of earlier folds before them."""
+
+    positions: mx.array
+    fresh: mx.array
+    protected: mx.array
+    score: mx.array
+    share: float
+    earlier: int
+
+
+def model_cut(found: list[Candidates | None]) -> float | None:
+    """The score a fresh row must reach when every layer's rows of one sequence compete (KVzip's non-uniform
+    budgets): as many rows pass in all as the layers' own shares would keep. None (each layer by its own share)
+    where a layer has no candidates or holds several sequences."""
+    if not found or any(c is None or c.positions.shape[0] != 1 for c in found):
+        return None
+    layers = cast(list[Candidates], found)
+    total = sum(round(c.share * int(c.fresh.sum())) for c in layers)
+    flat = mx.concatenate([mx.where(c.fresh, c.score, -1).reshape(-1) for c in layers])
+    if total <= 0:
+        return mx.inf
+    return float(mx.sort(flat)[-min(total, flat.size)])
 
 
 def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tuple[mx.array, mx.array],
