@@ -27,9 +27,11 @@ from veloxpatch.settings import Share
 PROMPT = 100  # one prompt chunk: 92 rows older than the window, of which 64 (two blocks of 32) fold
 
 
-def quant_caches(model, keep: str, bits: int = 4, window: int = 8, pool: int = 7) -> list[QuantCache]:
+def quant_caches(model, keep: str, bits: int = 4, window: int = 8, pool: int = 7,
+                 budgets: str = "layer") -> list[QuantCache]:
     veloxpatch.patch(kv="quant", window=window, sink=4, compress="chunk",
-                     knobs={"quant_group": 32, "quant_bits": bits, "quant_keep": keep, "quant_pool": pool})
+                     knobs={"quant_group": 32, "quant_bits": bits, "quant_keep": keep, "quant_pool": pool,
+                            "quant_budgets": budgets})
     return make_prompt_cache(model)
 
 
@@ -219,6 +221,20 @@ def test_a_share_of_the_bytes_keeps_the_rows_that_make_each_layer_hold_it(tmp_pa
         assert abs(now - share) <= 1.5 * block, (held, share, block)
     loaded = assert_round_trip(str(tmp_path / "share.safetensors"), model, caches)
     assert all(isinstance(c.keep, BytesShare) and c.keep == share for c in loaded)
+
+
+def test_model_wise_budgets_hold_the_share_of_the_bytes_over_the_layers_not_in_each() -> None:
+    """``0.12x`` with ``VELOX_QUANT_BUDGETS=model``: the layers hold different shares (a layer the second reading
+    attends to more keeps more) and together 0.12 of the 16-bit bytes, within a block and a half per layer."""
+    model = lopsided(tiny("llama", layers=3))
+    caches = quant_caches(model, "0.12x", window=32, budgets="model")
+    greedy(model, random_tokens(1025, 9), caches, steps=1, chunk=256)
+    held = [stats.held([cache]) for cache in caches]
+    shares = [h["kv_bytes_16bit"] / h["dense_kv_bytes_16bit"] for h in held]
+    row = 32 * 4 / 8 + 16 * 4 / 32 * 2 + 2  # one row of one head, its scales and position
+    block = 32 * row / held[0]["dense_kv_bytes_16bit"]
+    assert max(shares) - min(shares) > 2 * block, shares
+    assert abs(sum(shares) / len(shares) - 0.12) <= 1.5 * block, shares
 
 
 def test_a_share_the_fixed_rows_spend_already_is_said(records) -> None:

@@ -16,13 +16,13 @@ multiplies it as held, by mlx's quantized matmul.
 Fewer rows too (``VELOX_QUANT_KEEP`` below 100%, or a share of the bytes such as ``0.125x``). Quantization alone
 stops at about a fifth of the 16-bit bytes; an eighth needs fewer rows as well, chosen before any question is asked
 (a document read once, asked many things). KVzip's score chooses them: once a prompt is read (its rows folded as
-usual), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each folded row scores the
-most attention any query of its head group pays it; the layer keeps its best rows by one top-k over its heads
-(AdaKV's head-wise budgets: each head's scores over their sum first), each head in whole blocks, with the first
-``VELOX_SINK`` tokens and each row's two-byte position for trims. With ``VELOX_QUANT_BUDGETS=model`` one top-k runs
-over every layer's heads on the raw scores (KVzip's non-uniform budgets; :func:`model_cut`), as many rows in all. Every prompt is read twice, a chat's next turn too,
-and its rows are chosen with those still exact when it began: a chat holds its share turn after turn. Rows an answer
-folds as it is decoded are all kept.
+usual), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each folded row scores the most
+attention any query of its head group pays it; the layer keeps its best rows by one top-k over its heads (AdaKV's
+head-wise budgets: each head's scores over their sum first), each head in whole blocks, with the first ``VELOX_SINK``
+tokens and each row's two-byte position for trims. With ``VELOX_QUANT_BUDGETS=model`` one top-k runs over every
+layer's heads on the raw scores (KVzip's non-uniform budgets; :func:`model_wise`), as many rows in all. Every prompt
+is read twice, a chat's next turn too, and its rows are chosen with those still exact when it began: a chat holds its
+share turn after turn. Rows an answer folds as it is decoded are all kept.
 
 Choices the measurements forced (docs/results.md, "Rows to drop before the question"): until the second reading the
 prompt's keys fold at ``HOLD_BITS`` and the kept keys are quantized to ``VELOX_QUANT_BITS`` once, from them (scores
@@ -170,12 +170,12 @@ class QuantCache(CrossLayerCache):
     def keep_chosen(caches: list[QuantCache]) -> None:
         """After :meth:`stop_rereading` of every layer of a sequence: each keeps its best-scored rows
         (:meth:`_keep_best`), by its own share or (``VELOX_QUANT_BUDGETS=model``) by one cut over every layer's
-        rows (:func:`model_cut`); held keys then settle at ``VELOX_QUANT_BITS``."""
-        cut = model_cut([c.candidates for c in caches]) if caches and caches[0].budgets == "model" else None
-        for cache in caches:
+        rows (:func:`model_wise`); held keys then settle at ``VELOX_QUANT_BITS``."""
+        chosen = model_wise([c.candidates for c in caches]) if caches and caches[0].budgets == "model" else None
+        for i, cache in enumerate(caches):
             found, cache.candidates = cache.candidates, None
             if found is not None:
-                cache._keep_best(found, cut)
+                cache._keep_best(found, None if chosen is None else chosen[i])
             cache._settle()
 
     def folded_as(self) -> str | None:
@@ -213,12 +213,13 @@ class QuantCache(CrossLayerCache):
         share = self._fresh_share(int(fresh.sum()), int(protected.sum()), keys.shape[-1], values.shape[-1])
         return Candidates(positions, fresh, protected, score, share, earlier)
 
-    def _keep_best(self, found: Candidates, cut: float | None) -> None:
+    def _keep_best(self, found: Candidates, picked: list[int] | None) -> None:
         """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from its heads' best-scored rows and every
         protected row, the kept keys quantized to ``VELOX_QUANT_BITS`` once. Each head keeps :meth:`_head_counts`
-        rows, or those scoring at least ``cut`` (several sequences, B > 1: the same number per head, so the fold
-        stays dense). A later turn's rows join the earlier fold at once, head by head, so a head may keep none of
-        them and a short turn costs its share of the bytes, not a block per head."""
+        rows, or its protected rows and the fresh rows ``picked`` for it, rounded to whole blocks (several sequences,
+        B > 1: the same number per head, so the fold stays dense). A later turn's rows join the earlier fold at once,
+        head by head, so a head may keep none of them and a short turn costs its share of the bytes, not a block per
+        head."""
         fold, positions, fresh, protected = self.folds[-1], found.positions, found.fresh, found.protected
         held, real = positions.shape[-1], positions >= 0
         least = 0 if found.earlier else self.group_size  # the first fold holds a block per head
@@ -226,8 +227,8 @@ class QuantCache(CrossLayerCache):
         keys, values = self.unfold(fold)
         if positions.shape[0] == 1:
             normed = found.score / mx.maximum(found.score.sum(axis=-1, keepdims=True), 1e-30)
-            counts = self._head_counts(normed, fresh, protected, found.share, least) if cut is None else \
-                self._cut_counts(found, cut, least)
+            counts = self._head_counts(normed, fresh, protected, found.share, least) if picked is None else \
+                self._picked_counts(found, picked, least)
         else:
             normed, count = found.score, int(fresh[0, 0].sum())
             counts = [self._whole_blocks(held - count + found.share * count, held, least)] * positions.shape[1]
@@ -291,13 +292,13 @@ class QuantCache(CrossLayerCache):
         real = _ints((fresh | protected).reshape(heads, -1).sum(axis=-1))
         return [self._whole_blocks(n, rows, least) for n, rows in zip(per_head, real)]
 
-    def _cut_counts(self, found: Candidates, cut: float, least: int) -> list[int]:
-        """Rows each head of one sequence keeps under a model-wise ``cut``: its fresh rows scoring at least
-        ``cut`` and its protected rows, rounded to whole blocks, at least ``least``."""
+    def _picked_counts(self, found: Candidates, picked: list[int], least: int) -> list[int]:
+        """Rows each head of one sequence keeps: the fresh rows ``picked`` for it and its protected rows, rounded
+        to whole blocks, at least ``least``."""
         heads = found.fresh.shape[1]
-        wanted = _ints(((found.fresh & (found.score >= cut)) | found.protected).reshape(heads, -1).sum(axis=-1))
+        protected = _ints(found.protected.reshape(heads, -1).sum(axis=-1))
         real = _ints((found.fresh | found.protected).reshape(heads, -1).sum(axis=-1))
-        return [self._whole_blocks(n, rows, least) for n, rows in zip(wanted, real)]
+        return [self._whole_blocks(n + p, rows, least) for n, p, rows in zip(picked, protected, real)]
 
     def _whole_blocks(self, wanted: float, held: int, least: int) -> int:
         """``wanted`` rows of a head rounded to whole blocks, at least ``least``, at most the ``held`` rows."""
@@ -547,18 +548,25 @@ class Candidates:
     earlier: int
 
 
-def model_cut(found: list[Candidates | None]) -> float | None:
-    """The score a fresh row must reach when every layer's rows of one sequence compete (KVzip's non-uniform
-    budgets): as many rows pass in all as the layers' own shares would keep. None (each layer by its own share)
-    where a layer has no candidates or holds several sequences."""
+def model_wise(found: list[Candidates | None]) -> list[list[int]] | None:
+    """Per layer, the fresh rows each head keeps when every layer's rows of one sequence compete (KVzip's
+    non-uniform budgets): one top-k of the raw scores over them all, as many rows in all as the layers' own shares
+    would keep (exactly: saturated scores tie). None (each layer by its own share) where a layer has no candidates
+    or holds several sequences."""
     if not found or any(c is None or c.positions.shape[0] != 1 for c in found):
         return None
     layers = cast(list[Candidates], found)
-    total = sum(round(c.share * int(c.fresh.sum())) for c in layers)
     flat = mx.concatenate([mx.where(c.fresh, c.score, -1).reshape(-1) for c in layers])
-    if total <= 0:
-        return mx.inf
-    return float(mx.sort(flat)[-min(total, flat.size)])
+    total = min(sum(round(c.share * int(c.fresh.sum())) for c in layers), flat.size)
+    picked = mx.zeros(flat.shape, mx.int32)
+    if total > 0:
+        picked = picked.at[mx.argpartition(-flat, kth=total - 1)[:total]].add(1)
+    out, at = [], 0
+    for c in layers:
+        heads, size = c.fresh.shape[1], c.fresh.size
+        out.append(_ints(picked[at: at + size].reshape(heads, -1).sum(axis=-1)))
+        at += size
+    return out
 
 
 def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tuple[mx.array, mx.array],
