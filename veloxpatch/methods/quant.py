@@ -169,7 +169,7 @@ class QuantCache(CrossLayerCache):
     @staticmethod
     def keep_chosen(caches: list[QuantCache]) -> None:
         """After :meth:`stop_rereading` of every layer of a sequence: each keeps its best-scored rows
-        (:meth:`_keep_best`), by its own share or (``VELOX_QUANT_BUDGETS=model``) by one cut over every layer's
+        (:meth:`_keep_best`), by its own share or (``VELOX_QUANT_BUDGETS=model``) by one top-k over every layer's
         rows (:func:`model_wise`); held keys then settle at ``VELOX_QUANT_BITS``."""
         chosen = model_wise([c.candidates for c in caches]) if caches and caches[0].budgets == "model" else None
         for i, cache in enumerate(caches):
