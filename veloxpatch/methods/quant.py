@@ -215,8 +215,8 @@ class QuantCache(CrossLayerCache):
 
     def _keep_best(self, found: Candidates, picked: list[int] | None) -> None:
         """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from its heads' best-scored rows and every
-        protected row, the kept keys quantized to ``VELOX_QUANT_BITS`` once. Each head keeps :meth:`_head_counts`
-        rows, or its protected rows and the fresh rows ``picked`` for it, rounded to whole blocks (several sequences,
+        protected row, the kept keys quantized to ``VELOX_QUANT_BITS`` once. Each head keeps its protected rows and the
+        fresh rows ``picked`` for it, or (None) those :func:`_head_picks` gives it, in whole blocks (several sequences,
         B > 1: the same number per head, so the fold stays dense). A later turn's rows join the earlier fold at once,
         head by head, so a head may keep none of them and a short turn costs its share of the bytes, not a block per
         head."""
@@ -227,8 +227,7 @@ class QuantCache(CrossLayerCache):
         keys, values = self.unfold(fold)
         if positions.shape[0] == 1:
             normed = found.score / mx.maximum(found.score.sum(axis=-1, keepdims=True), 1e-30)
-            counts = self._head_counts(normed, fresh, protected, found.share, least) if picked is None else \
-                self._picked_counts(found, picked, least)
+            counts = self._head_counts(found, _head_picks(normed, found) if picked is None else picked, least)
         else:
             normed, count = found.score, int(fresh[0, 0].sum())
             counts = [self._whole_blocks(held - count + found.share * count, held, least)] * positions.shape[1]
@@ -277,22 +276,7 @@ class QuantCache(CrossLayerCache):
                  "more)")
         return min(1.0, max(0.0, left / row / max(fresh, 1)))
 
-    def _head_counts(self, normed: mx.array, fresh: mx.array, protected: mx.array, share: float,
-                     least: int) -> list[int]:
-        """Rows each head of one sequence keeps (AdaKV): one top-k over every head's fresh rows of ``normed`` (each
-        head's scores over their sum, so a head that spreads its attention competes with one that spikes),
-        ``share`` of them in all; each head adds its protected rows, rounded to whole blocks, at least ``least``."""
-        heads = normed.shape[1]
-        flat = mx.where(fresh, normed, -1).reshape(-1)
-        total = min(round(share * int(fresh.sum())), flat.size)
-        chosen = mx.zeros(flat.shape, mx.int32)
-        if total > 0:
-            chosen = chosen.at[mx.argpartition(-flat, kth=total - 1)[:total]].add(1)
-        per_head = _ints(chosen.reshape(heads, -1).sum(axis=-1) + protected.reshape(heads, -1).sum(axis=-1))
-        real = _ints((fresh | protected).reshape(heads, -1).sum(axis=-1))
-        return [self._whole_blocks(n, rows, least) for n, rows in zip(per_head, real)]
-
-    def _picked_counts(self, found: Candidates, picked: list[int], least: int) -> list[int]:
+    def _head_counts(self, found: Candidates, picked: list[int], least: int) -> list[int]:
         """Rows each head of one sequence keeps: the fresh rows ``picked`` for it and its protected rows, rounded
         to whole blocks, at least ``least``."""
         heads = found.fresh.shape[1]
@@ -551,21 +535,32 @@ class Candidates:
 def model_wise(found: list[Candidates | None]) -> list[list[int]] | None:
     """Per layer, the fresh rows each head keeps when every layer's rows of one sequence compete (KVzip's
     non-uniform budgets): one top-k of the raw scores over them all, as many rows in all as the layers' own shares
-    would keep (exactly: saturated scores tie). None (each layer by its own share) where a layer has no candidates
-    or holds several sequences."""
+    would keep. None (each layer by its own share) where a layer has no candidates or holds several sequences."""
     if not found or any(c is None or c.positions.shape[0] != 1 for c in found):
         return None
     layers = cast(list[Candidates], found)
-    flat = mx.concatenate([mx.where(c.fresh, c.score, -1).reshape(-1) for c in layers])
-    total = min(sum(round(c.share * int(c.fresh.sum())) for c in layers), flat.size)
+    return _top_per_head([(c.fresh, c.score) for c in layers], sum(round(c.share * int(c.fresh.sum())) for c in layers))
+
+
+def _head_picks(normed: mx.array, found: Candidates) -> list[int]:
+    """The fresh rows each head of one sequence keeps by the layer's own share (AdaKV): one top-k over every head's
+    fresh rows of ``normed`` (each head's scores over their sum, so a head that spreads its attention competes with
+    one that spikes)."""
+    return _top_per_head([(found.fresh, normed)], round(found.share * int(found.fresh.sum())))[0]
+
+
+def _top_per_head(layers: list[tuple[mx.array, mx.array]], total: int) -> list[list[int]]:
+    """Per layer of (fresh, score) pairs (1, heads, rows), how many of each head's fresh rows are among the ``total``
+    best of them all: exactly ``total`` by one top-k (a threshold would keep every row tied at a saturated score)."""
+    flat = mx.concatenate([mx.where(fresh, score, -1).reshape(-1) for fresh, score in layers])
+    total = min(total, flat.size)
     picked = mx.zeros(flat.shape, mx.int32)
     if total > 0:
         picked = picked.at[mx.argpartition(-flat, kth=total - 1)[:total]].add(1)
     out, at = [], 0
-    for c in layers:
-        heads, size = c.fresh.shape[1], c.fresh.size
-        out.append(_ints(picked[at: at + size].reshape(heads, -1).sum(axis=-1)))
-        at += size
+    for fresh, _ in layers:
+        out.append(_ints(picked[at: at + fresh.size].reshape(fresh.shape[1], -1).sum(axis=-1)))
+        at += fresh.size
     return out
 
 
