@@ -271,9 +271,16 @@ def kept_model_wise(scores: list[mx.array], share: float, pool: int = 0) -> list
     as many rows in all as :func:`kept` keeps."""
     middles = [_middle(score, pool) for score in scores]
     heads, rows = scores[0].shape
-    total = max(int(share * rows) - SINK - RECENT, 0) * heads * len(scores)
-    cut = mx.sort(mx.concatenate([m.reshape(-1) for m in middles]))[-total] if total else mx.inf
-    return [_edged(m >= cut) for m in middles]
+    flat = mx.concatenate([m.reshape(-1) for m in middles])
+    total = min(max(int(share * rows) - SINK - RECENT, 0) * heads * len(scores), flat.size)
+    chosen = mx.zeros(flat.shape, mx.bool_)
+    if total:  # exactly ``total`` by one top-k: a threshold would keep every row tied at a saturated score
+        chosen = chosen.at[mx.argpartition(-flat, kth=total - 1)[:total]].add(True)
+    out, at = [], 0
+    for m in middles:
+        out.append(_edged(chosen[at: at + m.size].reshape(m.shape)))
+        at += m.size
+    return out
 
 
 def _middle(score: mx.array, pool: int) -> mx.array:
