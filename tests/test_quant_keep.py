@@ -252,26 +252,28 @@ def test_a_share_the_fixed_rows_spend_already_is_said(records) -> None:
 def test_the_process_holds_what_the_kept_rows_take_once_the_prompt_is_read_again() -> None:
     """Memory as mlx counts it (``mx.get_active_memory``), not only as the caches count it: after the second reading
     the process holds little more than the caches' bytes (nothing of the reading left: its scores, its rows, the
-    prompt's chunks), and far less than with every row kept."""
+    prompt's chunks, every layer's candidates under model-wise budgets), and far less than with every row kept."""
     model = tiny("llama", layers=2)
     prompt = random_tokens(2049, 4)
     mx.eval(model.parameters(), prompt)
     held = {}
     limit = mx.set_cache_limit(0)  # no freed buffer handed to a smaller array: what is held is what is asked for
-    for keep in ("100%", "0.125x"):
-        caches = quant_caches(model, keep, window=32)
+    for keep, budgets in (("100%", "layer"), ("0.125x", "layer"), ("0.125x", "model")):
+        caches = quant_caches(model, keep, window=32, budgets=budgets)
         gc.collect()
         mx.clear_cache()
         before = mx.get_active_memory()
         greedy(model, prompt, caches, steps=1, chunk=512)
         mx.eval([c.state for c in caches])
         gc.collect()
-        held[keep] = mx.get_active_memory() - before, sum(c.nbytes for c in caches)
+        held[keep, budgets] = mx.get_active_memory() - before, sum(c.nbytes for c in caches)
         del caches
     mx.set_cache_limit(limit)
-    (every, every_bytes), (kept, kept_bytes) = held["100%"], held["0.125x"]
-    assert every_bytes <= every <= every_bytes * 1.05 and kept_bytes <= kept <= kept_bytes * 1.05, held
-    assert kept < 0.5 * every, held
+    every, every_bytes = held["100%", "layer"]
+    assert every_bytes <= every <= every_bytes * 1.05, held
+    for budgets in ("layer", "model"):
+        kept, kept_bytes = held["0.125x", budgets]
+        assert kept_bytes <= kept <= kept_bytes * 1.05 and kept < 0.5 * every, (budgets, held)
 
 
 def test_a_share_of_the_bytes_every_row_fits_reads_each_prompt_once() -> None:
