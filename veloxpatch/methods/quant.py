@@ -171,7 +171,7 @@ class QuantCache(CrossLayerCache):
         """After :meth:`stop_rereading` of every layer of a sequence: each keeps its best-scored rows
         (:meth:`_keep_best`), by its own share or (``VELOX_QUANT_BUDGETS=model``) by one top-k over every layer's
         rows (:func:`model_wise`); held keys then settle at ``VELOX_QUANT_BITS``."""
-        chosen = model_wise([c.candidates for c in caches]) if caches and caches[0].budgets == "model" else None
+        chosen = model_wise(caches) if caches and caches[0].budgets == "model" else None
         for i, cache in enumerate(caches):
             found, cache.candidates = cache.candidates, None
             if found is not None:
@@ -222,15 +222,15 @@ class QuantCache(CrossLayerCache):
         head."""
         fold, positions, fresh, protected = self.folds[-1], found.positions, found.fresh, found.protected
         held, real = positions.shape[-1], positions >= 0
-        least = 0 if found.earlier else self.group_size  # the first fold holds a block per head
         self.chosen_end = fold.end
         keys, values = self.unfold(fold)
         if positions.shape[0] == 1:
-            normed = found.score / mx.maximum(found.score.sum(axis=-1, keepdims=True), 1e-30)
-            counts = self._head_counts(found, _head_picks(normed, found) if picked is None else picked, least)
+            normed = _normed(found)
+            counts = self._head_counts(found, _head_picks(normed, found) if picked is None else picked)
         else:
             normed, count = found.score, int(fresh[0, 0].sum())
-            counts = [self._whole_blocks(held - count + found.share * count, held, least)] * positions.shape[1]
+            kept = self._whole_blocks(held - count + found.share * count, held, self._least(found))
+            counts = [kept] * positions.shape[1]
         if counts == _ints(real.sum(axis=-1).max(axis=0)):
             return  # every row stays (the keys settle at VELOX_QUANT_BITS later, as when nothing was read)
         priority = mx.where(protected, mx.inf, mx.where(fresh, normed, -mx.inf))
@@ -276,13 +276,17 @@ class QuantCache(CrossLayerCache):
                  "more)")
         return min(1.0, max(0.0, left / row / max(fresh, 1)))
 
-    def _head_counts(self, found: Candidates, picked: list[int], least: int) -> list[int]:
+    def _head_counts(self, found: Candidates, picked: list[int]) -> list[int]:
         """Rows each head of one sequence keeps: the fresh rows ``picked`` for it and its protected rows, rounded
-        to whole blocks, at least ``least``."""
+        to whole blocks (at least one in the first fold)."""
         heads = found.fresh.shape[1]
         protected = _ints(found.protected.reshape(heads, -1).sum(axis=-1))
         real = _ints((found.fresh | found.protected).reshape(heads, -1).sum(axis=-1))
-        return [self._whole_blocks(n + p, rows, least) for n, p, rows in zip(picked, protected, real)]
+        return [self._whole_blocks(n + p, rows, self._least(found)) for n, p, rows in zip(picked, protected, real)]
+
+    def _least(self, found: Candidates) -> int:
+        """The fewest rows a head keeps: a block in the first fold (none where earlier turns' rows come first)."""
+        return 0 if found.earlier else self.group_size
 
     def _whole_blocks(self, wanted: float, held: int, least: int) -> int:
         """``wanted`` rows of a head rounded to whole blocks, at least ``least``, at most the ``held`` rows."""
@@ -532,14 +536,33 @@ class Candidates:
     earlier: int
 
 
-def model_wise(found: list[Candidates | None]) -> list[list[int]] | None:
+def model_wise(caches: list[QuantCache]) -> list[list[int]] | None:
     """Per layer, the fresh rows each head keeps when every layer's rows of one sequence compete (KVzip's
-    non-uniform budgets): one top-k of the raw scores over them all, as many rows in all as the layers' own shares
-    would keep. None (each layer by its own share) where a layer has no candidates or holds several sequences."""
+    non-uniform budgets): one top-k of the raw scores over them all, never more rows held in all than the layers'
+    own shares would hold. The top-k's size starts at the shares' fresh rows and shrinks while heads rounded up
+    to whole blocks (a head picked for few rows still holds a block in the first fold) hold more. None (each layer
+    by its own share) where a layer has no candidates or holds several sequences."""
+    found = [c.candidates for c in caches]
     if not found or any(c is None or c.positions.shape[0] != 1 for c in found):
         return None
     layers = cast(list[Candidates], found)
-    return _top_per_head([(c.fresh, c.score) for c in layers], sum(round(c.share * int(c.fresh.sum())) for c in layers))
+
+    def held(picks: list[list[int]]) -> int:
+        return sum(sum(cache._head_counts(c, p)) for cache, c, p in zip(caches, layers, picks))
+
+    most = held([_head_picks(_normed(c), c) for c in layers])  # what each layer would hold by its own share
+    total = sum(round(c.share * int(c.fresh.sum())) for c in layers)
+    picks = _top_per_head([(c.fresh, c.score) for c in layers], total)
+    while (over := held(picks) - most) > 0 and total > 0:
+        total = max(0, total - over)
+        picks = _top_per_head([(c.fresh, c.score) for c in layers], total)
+    return picks
+
+
+def _normed(found: Candidates) -> mx.array:
+    """Each head's scores over their sum (AdaKV), so a head that spreads its attention competes with one that
+    spikes."""
+    return found.score / mx.maximum(found.score.sum(axis=-1, keepdims=True), 1e-30)
 
 
 def _head_picks(normed: mx.array, found: Candidates) -> list[int]:
