@@ -571,6 +571,29 @@ def test_a_chat_of_short_turns_holds_its_share_of_the_bytes() -> None:
     assert all(last <= first for first, last in zip(shares[0], shares[-1])), shares
 
 
+def chat_shares(budgets: str) -> list[float]:
+    """The share of the 16-bit bytes three lopsided layers hold together after each of four short turns that follow
+    a document, at ``0.125x``."""
+    model = lopsided(tiny("llama", layers=3))
+    caches = quant_caches(model, "0.125x", window=32, budgets=budgets)
+    greedy(model, random_tokens(1025, 9), caches, steps=30, chunk=256)
+    shares = []
+    for turn in range(4):
+        greedy(model, random_tokens(60, 20 + turn), caches, steps=30, chunk=256)
+        held = [stats.held([cache]) for cache in caches]
+        shares.append(sum(h["kv_bytes_16bit"] for h in held) / sum(h["dense_kv_bytes_16bit"] for h in held))
+    return shares
+
+
+def test_a_chat_under_model_wise_budgets_holds_what_the_layers_own_shares_hold() -> None:
+    """With one top-k over every layer's rows a layer that kept more of the document has less room in a later turn
+    than its part: it gives the excess back to the others (the layers' room is pooled), so after every turn the
+    model holds what the layers by their own shares hold (0.146 down to 0.123 here, the window and the unfinished
+    block waiting to fold). Counting each layer's room from none up, it held 0.152 down to 0.143."""
+    model, layer = chat_shares("model"), chat_shares("layer")
+    assert all(m <= l + 0.004 for m, l in zip(model, layer)), (model, layer)
+
+
 def test_a_short_prompt_chunk_over_held_keys_attends_over_them_rebuilt() -> None:
     """A prompt chunk no longer than a decode step (a prompt's last chunk, a chat's next turn) over keys held at
     HOLD_BITS while the prompt awaits its second reading: attention over the rows rebuilt, not the quantized matmul

@@ -172,9 +172,13 @@ class QuantCache(CrossLayerCache):
         (:meth:`_keep_best`), by its own share or (``VELOX_QUANT_BUDGETS=model``) by one top-k over every layer's
         rows (:func:`model_wise`); held keys then settle at ``VELOX_QUANT_BITS``."""
         chosen = model_wise(caches) if caches and caches[0].budgets == "model" else None
+        if chosen is not None:
+            caches[0]._say_if_little([cast(Candidates, c.candidates) for c in caches])
         for i, cache in enumerate(caches):
             found, cache.candidates = cache.candidates, None
             if found is not None:
+                if chosen is None:
+                    cache._say_if_little([found])
                 cache._keep_best(found, None if chosen is None else chosen[i])
             cache._settle()
 
@@ -199,7 +203,7 @@ class QuantCache(CrossLayerCache):
 
     def _candidates(self, scores: mx.array) -> Candidates:
         """The last fold's rows (the prompt's) as :class:`Candidates`: those an earlier reading chose, the sinks
-        and the holes of a ragged fold are not fresh; the rest are scored (pooled) and ``share`` of them is due."""
+        and the holes of a ragged fold are not fresh; the rest are scored (pooled), ``wanted`` of them due."""
         fold = self.folds[-1]
         positions = self.fold_positions(fold)
         held = positions.shape[-1]
@@ -210,8 +214,8 @@ class QuantCache(CrossLayerCache):
         score = mx.where(fresh, scores[..., earlier: earlier + held].astype(mx.float32), 0)
         score = mx.where(fresh, pool_rows(score, self.pool, "max"), 0)
         keys, values = self.unfold(fold)
-        share = self._fresh_share(int(fresh.sum()), int(protected.sum()), keys.shape[-1], values.shape[-1])
-        return Candidates(positions, fresh, protected, score, share, earlier)
+        wanted, taken = self._wanted(int(fresh.sum()), int(protected.sum()), keys.shape[-1], values.shape[-1])
+        return Candidates(positions, fresh, protected, score, wanted, taken, earlier)
 
     def _keep_best(self, found: Candidates, picked: list[int] | None) -> None:
         """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from its heads' best-scored rows and every
@@ -250,14 +254,16 @@ class QuantCache(CrossLayerCache):
         joined = [a if b is None else self._head_joined(a, b) for a, b in zip(self._split(first), heads)]
         self.folds[-2:] = [_fold_of(first.start, fold.end, joined, fold.group)]
 
-    def _fresh_share(self, fresh: int, protected: int, key_dim: int, value_dim: int) -> float:
-        """The share of the prompt's ``fresh`` rows to keep: ``VELOX_QUANT_KEEP``'s share of the rows, or, for a share
-        of the bytes, as many as fit beside everything else the layer holds (earlier folds, the ``protected`` rows,
-        the exact rows and the store's next growth, counted as at 16 bits), each kept row at ``VELOX_QUANT_BITS``
-        with its scales and position. No room is reserved for the rows the answer and the next turn bring: that
-        cost answers (docs/results.md, "Follow-up")."""
+    def _wanted(self, fresh: int, protected: int, key_dim: int, value_dim: int) -> tuple[float, float]:
+        """How many of the prompt's ``fresh`` rows (of every head) the layer's budget keeps, and the share of the
+        16-bit bytes the rest takes. ``VELOX_QUANT_KEEP``'s share of the rows, or, for a share of the bytes, as many
+        as fit beside everything else the layer holds (earlier folds, the ``protected`` rows, the exact rows and the
+        store's next growth, counted as at 16 bits), each kept row at ``VELOX_QUANT_BITS`` with its scales and
+        position: fewer than none where the rest takes more (a layer that kept many rows of an earlier turn gives
+        them back under model-wise budgets). No room is reserved for the rows the answer and the next turn bring:
+        that cost answers (docs/results.md, "Follow-up")."""
         if not isinstance(self.keep, BytesShare):
-            return self.keep
+            return self.keep * fresh, 0.0
         batch, heads = self.store.row_positions().shape[:2]
         exact = batch * heads * (key_dim + value_dim) * 2  # one exact row of every head, at 16 bits
         full = self.offset * exact  # the full cache's 16-bit bytes for the tokens seen
@@ -267,14 +273,18 @@ class QuantCache(CrossLayerCache):
             + self.store_step * exact  # and the room for the next row
         scales = 4 * key_dim / self.group_size + 4 * value_dim / (self._value_group(value_dim) or 32)
         row = (key_dim + value_dim) * self.bits / 8 + (scales if self.bits < 16 else 0) + 2
-        left = target - besides - protected * row
-        if left < 0.05 * fresh * row:  # (a prompt of a few hundred tokens under a small share)
+        return (target - besides - protected * row) / row, (besides + protected * row) / full
+
+    def _say_if_little(self, found: list[Candidates]) -> None:
+        """Tell the user, once, when a share of the bytes leaves the prompt (of these layers) almost none of its rows
+        (a prompt of a few hundred tokens under a small share)."""
+        fresh = sum(c.count for c in found)
+        if isinstance(self.keep, BytesShare) and sum(c.wanted for c in found) < 0.05 * fresh:
             once(f"quant share {self.keep}", logging.WARNING,
                  f"VELOX_QUANT_KEEP={self.keep}: at {self.offset} tokens the exact window, the unfinished block and "
-                 f"earlier turns take {(besides + protected * row) / full:.2f} of the 16-bit bytes "
+                 f"earlier turns take {sum(c.taken for c in found) / len(found):.2f} of the 16-bit bytes "
                  "already, so the prompt keeps almost none of its rows (a larger share, or a longer prompt, keeps "
                  "more)")
-        return min(1.0, max(0.0, left / row / max(fresh, 1)))
 
     def _head_counts(self, found: Candidates, picked: list[int]) -> list[int]:
         """Rows each head of one sequence keeps: the fresh rows ``picked`` for it and its protected rows, rounded
@@ -526,22 +536,40 @@ class QuantCache(CrossLayerCache):
 class Candidates:
     """A layer's prompt rows once read again (the last fold's): each row's position, whether it is to be chosen
     among (``fresh``) or kept anyway (``protected``: an earlier reading's, a sink), its score (0 where not fresh),
-    the share of the fresh rows the layer's own budget keeps, and the rows of earlier folds before them."""
+    how many fresh rows the layer's own budget wants (below none or above all under a share of the bytes), the
+    share of the 16-bit bytes the layer's other rows take, and the rows of earlier folds before them."""
 
     positions: mx.array
     fresh: mx.array
     protected: mx.array
     score: mx.array
-    share: float
+    wanted: float
+    taken: float
     earlier: int
+
+    @property
+    def count(self) -> int:
+        """The fresh rows, of every head."""
+        return int(self.fresh.sum())
+
+    @property
+    def kept(self) -> int:
+        """The fresh rows the layer's own budget keeps."""
+        return round(min(max(self.wanted, 0.0), self.count))
+
+    @property
+    def share(self) -> float:
+        """The share of the fresh rows the layer's own budget keeps."""
+        return min(max(self.wanted, 0.0), self.count) / max(self.count, 1)
 
 
 def model_wise(caches: list[QuantCache]) -> list[list[int]] | None:
     """Per layer, the fresh rows each head keeps when every layer's rows of one sequence compete (KVzip's
-    non-uniform budgets): one top-k of the raw scores over them all, never more rows held in all than the layers'
-    own shares would hold. The top-k's size starts at the shares' fresh rows and shrinks while heads rounded up
-    to whole blocks (a head picked for few rows still holds a block in the first fold) hold more. None (each layer
-    by its own share) where a layer has no candidates or holds several sequences."""
+    non-uniform budgets): one top-k of the raw scores over them all, of as many rows as the layers' budgets want
+    together (under a share of the bytes, a layer whose earlier rows take more than its part gives the excess
+    back), shrunk while heads rounded up to whole blocks (a head picked for few rows still holds a block in the first
+    fold) would hold more than the layers by their own shares. None (each layer by its own share) where a layer has
+    no candidates or holds several sequences."""
     found = [c.candidates for c in caches]
     if not found or any(c is None or c.positions.shape[0] != 1 for c in found):
         return None
@@ -551,7 +579,7 @@ def model_wise(caches: list[QuantCache]) -> list[list[int]] | None:
         return sum(sum(cache._head_counts(c, p)) for cache, c, p in zip(caches, layers, picks))
 
     most = held([_head_picks(_normed(c), c) for c in layers])  # what each layer would hold by its own share
-    total = sum(round(c.share * int(c.fresh.sum())) for c in layers)
+    total = min(max(sum(round(c.wanted) for c in layers), 0), sum(c.count for c in layers))  # the layers' room pooled
     picks = _top_per_head([(c.fresh, c.score) for c in layers], total)
     while (over := held(picks) - most) > 0 and total > 0:
         total = max(0, total - over)
@@ -569,7 +597,7 @@ def _head_picks(normed: mx.array, found: Candidates) -> list[int]:
     """The fresh rows each head of one sequence keeps by the layer's own share (AdaKV): one top-k over every head's
     fresh rows of ``normed`` (each head's scores over their sum, so a head that spreads its attention competes with
     one that spikes)."""
-    return _top_per_head([(found.fresh, normed)], round(found.share * int(found.fresh.sum())))[0]
+    return _top_per_head([(found.fresh, normed)], found.kept)[0]
 
 
 def _top_per_head(layers: list[tuple[mx.array, mx.array]], total: int) -> list[list[int]]:
