@@ -591,7 +591,7 @@ def test_a_chat_under_model_wise_budgets_holds_what_the_layers_own_shares_hold()
     model holds what the layers by their own shares hold (0.146 down to 0.123 here, the window and the unfinished
     block waiting to fold). Counting each layer's room from none up, it held 0.152 down to 0.143."""
     model, layer = chat_shares("model"), chat_shares("layer")
-    assert all(m <= l + 0.004 for m, l in zip(model, layer)), (model, layer)
+    assert all(pooled <= own + 0.004 for pooled, own in zip(model, layer)), (model, layer)
 
 
 def test_a_short_prompt_chunk_over_held_keys_attends_over_them_rebuilt() -> None:
