@@ -12,14 +12,8 @@ from typing import Any
 
 from ._version import __version__
 
-_LAZY = {
-    "patch": "veloxpatch.integration",
-    "unpatch": "veloxpatch.integration",
-    "is_patched": "veloxpatch.integration",
-    "active_config": "veloxpatch.integration",
-    "VeloxConfig": "veloxpatch.config",
-    "ConfigError": "veloxpatch.config",
-}
+_LAZY = {**dict.fromkeys(("patch", "unpatch", "is_patched", "active_config"), "veloxpatch.integration"),
+         **dict.fromkeys(("VeloxConfig", "ConfigError"), "veloxpatch.config")}
 
 __all__ = ["__version__", *_LAZY]
 

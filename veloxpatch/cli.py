@@ -33,13 +33,11 @@ class AppCommand(click.Command):
     app's own ``-m``, as in ``llm -m MODEL``, as ours), so the arguments are cut there before click parses them."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        """Click's parsing, with a ``--`` put after ``-m MODULE``."""
-        return super().parse_args(ctx, app_arguments_apart(args, self._valued_options()))
-
-    def _valued_options(self) -> set[str]:
-        """The option names of this command that take a value (their next argument is not the app's)."""
-        return {name for param in self.params if isinstance(param, click.Option) and not param.is_flag
-                for name in param.opts if name != "-m"}
+        """Click's parsing, with a ``--`` put after ``-m MODULE``; the argument after one of our options that takes a
+        value is not the app's."""
+        valued = {name for param in self.params if isinstance(param, click.Option) and not param.is_flag
+                  for name in param.opts if name != "-m"}
+        return super().parse_args(ctx, app_arguments_apart(args, valued))
 
 
 def app_arguments_apart(args: list[str], valued: set[str]) -> list[str]:
@@ -49,10 +47,9 @@ def app_arguments_apart(args: list[str], valued: set[str]) -> list[str]:
         arg = args[i]
         if arg == "--" or not arg.startswith("-"):
             return args
-        if arg == "-m":
-            return args if i + 1 >= len(args) else [*args[:i + 2], "--", *args[i + 2:]]
-        if arg.startswith("-m") and not arg.startswith("--"):
-            return [*args[:i + 1], "--", *args[i + 1:]]
+        if arg.startswith("-m") and not arg.startswith("--"):  # -m MODULE, or -mMODULE
+            cut = i + 2 if arg == "-m" else i + 1
+            return args if cut > len(args) else [*args[:cut], "--", *args[cut:]]
         i += 2 if arg in valued else 1
     return args
 

@@ -230,10 +230,8 @@ def from_env(environ: Mapping[str, str] | None = None) -> LoadedConfig:
     knobs: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for s in all_settings():
-        raw = environ.get(s.name)
-        sources[s.name] = "default" if raw is None else f"environment ({s.name})"
-        value = s.convert(s.default if raw is None else raw)
-        (knobs if s.method else core)[s.key] = value
+        sources[s.name] = f"environment ({s.name})" if s.name in environ else "default"
+        (knobs if s.method else core)[s.key] = s.convert(environ.get(s.name, s.default))
     config = VeloxConfig(**core, knobs=knobs)
     return LoadedConfig(config, sources, unknown_names(environ) + idle_settings(config, sources))
 

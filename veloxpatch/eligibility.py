@@ -108,9 +108,7 @@ def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxC
     user's statistics (:mod:`veloxpatch.stats`)."""
     try:
         found = None if whole else _probe_prefix(model, caches, slots, config)
-        if found is None:
-            found = _probe_list(model, caches, slots, config, _plain_run(model, caches))
-        return found
+        return found or _probe_list(model, caches, slots, config, _plain_run(model, caches))
     except Exception as error:  # the builder says it (or raises under strict): the app runs on mlx_lm's caches
         return Verdict((), reason=f"the probe could not run the model ({type(error).__name__}: {error})",
                        **_raised(error))
@@ -188,13 +186,9 @@ def _layouts(plain: list[Any], run: _Run) -> tuple[SlotLayout, ...]:
     """Every slot's layout as mlx_lm's caches held it, with the bytes of one remembered query where our cache
     served the slot."""
     out = []
-    for i, cache in enumerate(plain):
-        layout = layout_of(cache)
-        queries = getattr(run.caches[i], "memory", None)
-        if queries is not None and queries.queries is not None:
-            q = queries.queries
-            layout = replace(layout, query_bytes=q.shape[1] * q.shape[3] * q.dtype.size)
-        out.append(layout)
+    for cache, served in zip(plain, run.caches):
+        layout, q = layout_of(cache), getattr(getattr(served, "memory", None), "queries", None)
+        out.append(layout if q is None else replace(layout, query_bytes=q.shape[1] * q.shape[3] * q.dtype.size))
     return tuple(out)
 
 

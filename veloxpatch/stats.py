@@ -78,9 +78,8 @@ def held(caches: list[Any]) -> dict[str, int]:
     found = dict.fromkeys(HELD, 0)
     for cache in caches:
         nbytes = int(getattr(cache, "nbytes", 0) or 0)
-        dense = getattr(cache, "dense_nbytes", None)
+        dense_bytes = int(getattr(cache, "dense_nbytes", lambda: nbytes)())  # mlx_lm's own slots: as they are
         offset = getattr(cache, "offset", None)
-        dense_bytes = nbytes if dense is None else int(dense())
         found["kv_bytes"] += nbytes
         found["dense_kv_bytes"] += dense_bytes
         arrays = [a for _, a in tree_flatten(getattr(cache, "state", ())) if isinstance(a, mx.array)]

@@ -82,17 +82,15 @@ def _join(generator: Any, arguments: dict[str, Any]) -> None:
              "a server request with settings of its own joins a batch (on caches made under its settings)")
     with serving(ticket.config) if ticket is not None else contextlib.nullcontext():
         lists = [copy.deepcopy(c) if c is not None else compat.new_sequence_caches(generator) for c in given]
-    if ticket is None and not any(ours(c) for c in lists) and not _holds_ours(generator):
-        arguments["caches"] = lists
-        return
-    lists = [_members(c) for c in lists]
-    new = [sum(len(part) for part in parts) for parts in segments]  # each sequence's tokens still to read
-    seen = arguments.get("all_tokens") or [[] for _ in segments]  # and those its cache has seen
-    for caches, n, tokens in zip(lists, new, seen):
-        start_generation(caches, generator.model, n)
-        _carry(caches, ticket, len(tokens) + n)
-    compat.replace_waiting_caches(generator, _members)
-    compat.replace_running_caches(generator, _split)
+    if ticket is not None or any(ours(c) for c in lists) or _holds_ours(generator):
+        lists = [_members(c) for c in lists]
+        seen = arguments.get("all_tokens") or [[] for _ in segments]  # the tokens each sequence's cache has seen
+        for caches, parts, tokens in zip(lists, segments, seen):
+            n = sum(len(part) for part in parts)  # and those it has still to read
+            start_generation(caches, generator.model, n)
+            _carry(caches, ticket, len(tokens) + n)
+        compat.replace_waiting_caches(generator, _members)
+        compat.replace_running_caches(generator, _split)
     arguments["caches"] = lists
 
 

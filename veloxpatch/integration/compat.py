@@ -20,7 +20,7 @@ import importlib
 import inspect
 import pickle
 from collections.abc import Callable
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -126,11 +126,6 @@ CARRIED = "_veloxpatch_request"
 generation arguments)."""
 
 
-def queued_arguments(request: tuple) -> Any:
-    """The generation arguments of a request as the generation thread got it (:data:`ARGUMENTS_AT`)."""
-    return request[ARGUMENTS_AT]
-
-
 def carry(holder: Any, value: Any) -> None:
     """Attach ``value`` to one of mlx_lm's per-request objects (:data:`CARRIED`)."""
     setattr(holder, CARRIED, value)
@@ -148,26 +143,19 @@ def _check_queued_request() -> str | None:
     server = _mlx_lm("server")
     queued: list[tuple] = []
 
-    class Requests:
-        def put(self, item: tuple) -> None:
-            queued.append(item)
-            item[0].put(LookupError("veloxpatch's layout check"))  # generate raises it: nothing waits
+    def put(item: tuple) -> None:
+        queued.append(item)
+        item[0].put(LookupError("veloxpatch's layout check"))  # generate raises it: nothing waits
 
-    class StandIn:
-        requests = Requests()
-
-        def generation_available(self) -> bool:
-            return True
-
-        def _await_response(self, queue: Any) -> Any:
-            return queue.get()
+    stand_in = SimpleNamespace(requests=SimpleNamespace(put=put), generation_available=lambda: True,
+                               _await_response=lambda queue: queue.get())
 
     def blank(cls: type) -> Any:
         return cls(**{f.name: None for f in dataclasses.fields(cls)})
 
     arguments, request = blank(server.GenerationArguments), blank(server.CompletionRequest)
     try:
-        inspect.unwrap(server.ResponseGenerator.generate)(StandIn(), request, arguments)
+        inspect.unwrap(server.ResponseGenerator.generate)(stand_in, request, arguments)
     except LookupError:
         pass
     if len(queued) != 1 or not isinstance(queued[0], tuple) or len(queued[0]) <= ARGUMENTS_AT:

@@ -145,11 +145,8 @@ def problem(feature: Feature, module: ModuleType) -> str | None:
             found = f"{target.name} has no readable signature ({error})"
         if found is not None:
             return f"{found} (mlx-lm {version.mlx_lm_version()})"
-    for name in feature.layouts:
-        found = compat.check(name)
-        if found is not None:
-            return f"{name} is not the layout veloxpatch knows ({found}; mlx-lm {version.mlx_lm_version()})"
-    return None
+    return next((f"{name} is not the layout veloxpatch knows ({found}; mlx-lm {version.mlx_lm_version()})"
+                 for name in feature.layouts if (found := compat.check(name)) is not None), None)
 
 
 def survey() -> dict[str, str | None]:

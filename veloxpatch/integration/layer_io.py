@@ -87,16 +87,8 @@ def install(model: Any) -> bool:
     """Capture layer inputs and outputs on ``model``'s classes (each wrapped once, undone by ``unpatch``);
     False, said once at INFO, when no attention module and decoder block can be found."""
     found = per_model(_FOUND, model, "layer io", lambda: hooked_classes(model))
-    if not found:
-        name = model_type(model)
-        once(f"layer io {name}", logging.INFO,
-             f"{name}: no attention module with a decoder block takes a `cache` argument; "
-             "methods that read layer inputs and outputs run without them")
-        return False
-    with STATE.lock:
-        for owner, wrapper in found.items():
-            wrap_call(owner, wrapper, "layer io")
-    return True
+    return wrap_calls(model, found, "layer io", "no attention module with a decoder block takes a `cache` argument; "
+                      "methods that read layer inputs and outputs run without them")
 
 
 def hooked_classes(model: Any) -> dict[type, Wrapper]:
@@ -108,8 +100,8 @@ def hooked_classes(model: Any) -> dict[type, Wrapper]:
     found: dict[type, Wrapper] = {}
     for name, block in block_of.items():
         if name not in enclosing and block is not None:
-            found.setdefault(takers[name][0], _attention_wrapper(takers[name][1]))
-            found.setdefault(takers[block][0], _block_wrapper(takers[block][1]))
+            found.setdefault(takers[name][0], partial(_attention, takers[name][1]))
+            found.setdefault(takers[block][0], partial(_block, takers[block][1]))
     return found
 
 
@@ -137,10 +129,18 @@ def _ancestors(name: str) -> Iterator[str]:
         yield name
 
 
-def wrap_call(owner: type, wrapper: Wrapper, purpose: str) -> None:
-    """Bind ``wrapper`` around ``owner.__call__`` once for ``purpose``, recorded for ``unpatch``."""
-    swap(f"{purpose} {owner.__module__}.{owner.__qualname__} at {id(owner):#x}", "__call__", vars(owner)["__call__"],
-         lambda original: wrapt.FunctionWrapper(original, wrapper), owner)
+def wrap_calls(model: Any, found: dict[type, Wrapper], purpose: str, without: str) -> bool:
+    """Bind each wrapper of ``found`` around its class's ``__call__`` once for ``purpose``, recorded for ``unpatch``;
+    False, said once at INFO with what runs ``without`` them, where ``found`` (of ``model``) is empty."""
+    if not found:
+        name = model_type(model)
+        once(f"{purpose} {name}", logging.INFO, f"{name}: {without}")
+        return False
+    with STATE.lock:
+        for owner, wrapper in found.items():
+            swap(f"{purpose} {owner.__module__}.{owner.__qualname__} at {id(owner):#x}", "__call__",
+                 vars(owner)["__call__"], partial(wrapt.FunctionWrapper, wrapper=wrapper), owner)
+    return True
 
 
 def _listener(params: Parameters, args: tuple, kwargs: dict) -> CompressedKVCache | SequenceBatch | None:
@@ -149,33 +149,27 @@ def _listener(params: Parameters, args: tuple, kwargs: dict) -> CompressedKVCach
     return cache if isinstance(cache, (CompressedKVCache, SequenceBatch)) and cache.wants_layer_io else None
 
 
-def _block_wrapper(params: Parameters) -> Wrapper:
-    """A decoder block's ``__call__``: its input (the residual stream) goes to the cache first."""
-
-    def block(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        cache = _listener(params, args, kwargs)
-        if cache is not None:
-            _tell(cache, "see_block_input", params.input(args, kwargs))
-        return wrapped(*args, **kwargs)
-
-    return block
+def _block(params: Parameters, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """A decoder block's ``__call__`` (the wrapper, with ``params`` bound): its input (the residual stream) goes to
+    the cache first."""
+    cache = _listener(params, args, kwargs)
+    if cache is not None:
+        _tell(cache, "see_block_input", params.input(args, kwargs))
+    return wrapped(*args, **kwargs)
 
 
-def _attention_wrapper(params: Parameters) -> Wrapper:
-    """An attention module's ``__call__``: before it runs, its input and the module itself go to the cache
-    (so the cache has them when it stores the step's rows); once it has run, its input and output."""
-
-    def attention(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        cache = _listener(params, args, kwargs)
-        if cache is not None:
-            _tell(cache, "see_attention_input", params.input(args, kwargs), instance)
-        output = wrapped(*args, **kwargs)
-        if cache is not None:
-            out = output[0] if isinstance(output, tuple) else output
-            _tell(cache, "see_attention", params.input(args, kwargs), out)
-        return output
-
-    return attention
+def _attention(params: Parameters, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """An attention module's ``__call__`` (the wrapper, with ``params`` bound): before it runs, its input and the
+    module itself go to the cache (so the cache has them when it stores the step's rows); once it has run, its input
+    and output."""
+    cache = _listener(params, args, kwargs)
+    if cache is not None:
+        _tell(cache, "see_attention_input", params.input(args, kwargs), instance)
+    output = wrapped(*args, **kwargs)
+    if cache is not None:
+        out = output[0] if isinstance(output, tuple) else output
+        _tell(cache, "see_attention", params.input(args, kwargs), out)
+    return output
 
 
 def _tell(cache: CompressedKVCache | SequenceBatch, hook: str, *args: Any) -> None:

@@ -57,13 +57,9 @@ def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
         STATE.config = config
         STATE.runtime = Runtime(batching=batched.batching_on, meta_apart=compat.meta_state_apart)  # for our caches
         _register_hooks()
-        try:
-            for name in features.MODULES:
-                if name in sys.modules and STATE.active:
-                    _apply(sys.modules[name])
-        except StrictError:  # nothing stays half-patched
-            unpatch()
-            raise
+        for name in features.MODULES:
+            if name in sys.modules and STATE.active:
+                _apply(sys.modules[name])
         if config.stats:
             _register_stats()
         return STATE.active
@@ -160,8 +156,7 @@ def _on_import(module: ModuleType) -> None:
             return
         try:
             _apply(module)
-        except StrictError:  # nothing stays half-patched
-            unpatch()
+        except StrictError:
             raise
         except Exception as error:
             fall_back(f"patching {module.__name__}", error, STATE.config)
@@ -170,14 +165,18 @@ def _on_import(module: ModuleType) -> None:
 def _apply(module: ModuleType) -> None:
     """Patch every feature ``module`` defines that the installed mlx_lm offers whole; decide each once per
     patch, and say each that is off (an essential one off unpatches everything)."""
-    for feature in (f for f in features.FEATURES if f.module == module.__name__):
-        if feature.name not in STATE.features:
-            STATE.features[feature.name] = features.problem(feature, module)
-        _said_off(feature, STATE.features[feature.name])  # each patch: a new config may use what is off
-        if not STATE.active:
-            return
-        if STATE.features[feature.name] is None:
-            _bind(feature, module)
+    try:
+        for feature in (f for f in features.FEATURES if f.module == module.__name__):
+            if feature.name not in STATE.features:
+                STATE.features[feature.name] = features.problem(feature, module)
+            _said_off(feature, STATE.features[feature.name])  # each patch: a new config may use what is off
+            if not STATE.active:
+                return
+            if STATE.features[feature.name] is None:
+                _bind(feature, module)
+    except StrictError:  # nothing stays half-patched
+        unpatch()
+        raise
 
 
 def _said_off(feature: Feature, problem: str | None) -> None:
@@ -230,11 +229,10 @@ def _print_stats() -> None:
     if config is None or not config.stats:
         return
     place = ranks.place()
+    rank, size = place or (0, 1)
+    print(stats.summary(config.kv, who=f" (rank {rank} of {size})" if place else ""), file=sys.stderr)
     if place is None:
-        print(stats.summary(config.kv), file=sys.stderr)
         return
-    rank, size = place
-    print(stats.summary(config.kv, who=f" (rank {rank} of {size})"), file=sys.stderr)
     numbers = stats.counts()
     total = ranks.summed(numbers)
     if rank == 0 and total is not None:

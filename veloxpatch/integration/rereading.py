@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -36,10 +37,10 @@ import mlx.core as mx
 from ..caches.batch import SequenceBatch
 from ..config import VeloxConfig
 from ..fallback import fall_back
-from ..log import model_type, once
+from ..log import once
 from ..registry import cache_class
-from .layer_io import Parameters, Wrapper, defined_call, wrap_call
-from .state import STATE, in_force
+from .layer_io import Parameters, defined_call, wrap_calls
+from .state import in_force
 
 LEAD = 256
 """Tokens read again before each chunk of the second reading but the first (trimmed with it). A chunk read again
@@ -57,34 +58,25 @@ def prepare(model: Any, config: VeloxConfig) -> None:
 def install(model: Any) -> None:
     """Wrap the class defining ``model``'s ``__call__`` (once); said once where it takes no ``cache``."""
     found = defined_call(type(model))
-    if found is None:
-        name = model_type(model)
-        once(f"rereading {name}", logging.INFO,
-             f"{name}: the model's call takes no `cache` argument; prompt chunks are read once and every row kept")
-        return
-    owner, params = found
-    with STATE.lock:
-        wrap_call(owner, _reading_twice(params), "rereading")
+    wrap_calls(model, {} if found is None else {found[0]: partial(_reading_twice, found[1])}, "rereading",
+               "the model's call takes no `cache` argument; prompt chunks are read once and every row kept")
 
 
-def _reading_twice(params: Parameters) -> Wrapper:
-    """The model's ``__call__``: a prompt chunk over caches that ask for it is read and remembered; the first
-    decode-sized call after a prompt first reads the whole prompt again for the caches' scores."""
-
-    def call(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        sequences = _readers(params, args, kwargs)
-        if not sequences:
-            return wrapped(*args, **kwargs)
-        for readers, tokens in sequences:
-            first, n = readers[0], tokens.shape[1]
-            if not first.schedule.decode_sized(n) or first.before_prompt_end(n):
-                for cache in readers:
-                    cache.read_prompt_chunk(tokens)
-            elif first.unscored:
-                _read_again(wrapped, params, args, kwargs, readers)
+def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """The model's ``__call__`` (the wrapper, with ``params`` bound): a prompt chunk over caches that ask for it is
+    read and remembered; the first decode-sized call after a prompt first reads the whole prompt again for the
+    caches' scores."""
+    sequences = _readers(params, args, kwargs)
+    if not sequences:
         return wrapped(*args, **kwargs)
-
-    return call
+    for readers, tokens in sequences:
+        first, n = readers[0], tokens.shape[1]
+        if not first.schedule.decode_sized(n) or first.before_prompt_end(n):
+            for cache in readers:
+                cache.read_prompt_chunk(tokens)
+        elif first.unscored:
+            _read_again(wrapped, params, args, kwargs, readers)
+    return wrapped(*args, **kwargs)
 
 
 def _readers(params: Parameters, args: tuple, kwargs: dict) -> list[tuple[list[Any], mx.array]]:

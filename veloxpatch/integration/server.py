@@ -210,7 +210,7 @@ def is_batchable(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
 def serve_single(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``_serve_single((queue, request, arguments), ...)`` with the request's settings in force on this thread."""
     request = args[0] if args else kwargs.get("request")
-    ticket = compat.carried(compat.queued_arguments(request)) if isinstance(request, tuple) else None
+    ticket = compat.carried(request[compat.ARGUMENTS_AT]) if isinstance(request, tuple) else None
     if ticket is None:
         return wrapped(*args, **kwargs)
     ticket.started = True
@@ -223,11 +223,8 @@ def serve_single(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
 
 def _batched_ticket(caches: Any) -> Ticket | None:
     """The ticket a batched request's list carries (:mod:`.batched`: on the first cache the batch held)."""
-    for cache in caches if isinstance(caches, list) else []:
-        ticket = compat.carried(cache)
-        if isinstance(ticket, Ticket):
-            return ticket
-    return None
+    tickets = (compat.carried(cache) for cache in (caches if isinstance(caches, list) else []))
+    return next((ticket for ticket in tickets if isinstance(ticket, Ticket)), None)
 
 
 def _keyed(wrapped: Callable, args: tuple, kwargs: dict, ticket: Ticket | None) -> Any:

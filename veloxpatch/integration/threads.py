@@ -54,13 +54,10 @@ def wait_gone(native: int | None) -> bool:
     if native is None:
         return True
     deadline = time.monotonic() + LIMIT_S
-    while True:
-        present = tasks()
-        if present is None:
-            time.sleep(FALLBACK_S)
-            return True
-        if native not in present:
-            return True
+    while (present := tasks()) is not None and native in present:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.001)
+    if present is None:
+        time.sleep(FALLBACK_S)
+    return True

@@ -182,11 +182,9 @@ def _draft_caches(arguments: dict[str, Any]) -> None:
         return
     first = len(model.layers)
     for i, cache in enumerate(caches[first:], start=first):
-        if not isinstance(cache, CompressedKVCache):
-            continue
-        if cache.empty():
+        if isinstance(cache, CompressedKVCache) and cache.empty():
             caches[i] = plain[i - first]
-        else:
+        elif isinstance(cache, CompressedKVCache):
             once("draft history", logging.INFO, "a draft cache that already holds rows stays compressed")
 
 

@@ -123,13 +123,6 @@ def _sentencepiece(metadata: dict[str, Any], types: list[int]) -> Any:
     return tokenizer
 
 
-def _token(metadata: dict[str, Any], key: str) -> str | None:
-    """The text of the token whose id is metadata ``key``, if the file names one."""
-    if key not in metadata:
-        return None
-    return metadata["tokenizer.ggml.tokens"][metadata[key].item()]
-
-
 def tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
     """tokenizer_config.json: the fast tokenizer class, special tokens, chat template."""
     config: dict[str, Any] = {
@@ -139,9 +132,9 @@ def tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
     }
     for field, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
                        ("pad_token", "padding")):
-        text = _token(metadata, f"tokenizer.ggml.{key}_token_id")
-        if text is not None:
-            config[field] = text
+        token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")  # the file may name none
+        if token_id is not None:
+            config[field] = metadata["tokenizer.ggml.tokens"][token_id.item()]
     context = f"{metadata.get('general.architecture')}.context_length"
     if context in metadata:
         config["model_max_length"] = metadata[context].item()
