@@ -369,7 +369,7 @@ def kept_rows(budgets: str, scales: list[float], seed: int) -> list[list[int]]:
 def test_model_wise_budgets_never_hold_more_rows_than_the_layers_own_shares(scales: list[float], seed: int) -> None:
     """Layers scored far below the others get few rows, but a head still holds a whole block in the first fold:
     the top-k shrinks until the model holds no more rows than each layer by its own share would (it held up to 6%
-    more before: SmolLM2's chat at 0.125x held 1.09x per layer's bytes)."""
+    more here before)."""
     model, layer = kept_rows("model", scales, seed), kept_rows("layer", scales, seed)
     assert sum(map(sum, model)) <= sum(map(sum, layer)), (model, layer)
     assert min(model[0]) > max(model[-1]), "still the layer scored higher keeps more"

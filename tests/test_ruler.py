@@ -234,8 +234,7 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
     monkeypatch.setattr(ruler, "conversation",
                         lambda *args: conversations.append(conversation(*args)) or conversations[-1])
     variant = harness.variants(["snapkv"], [0.25])[-1]
-    reading = sharing.Reading()
-    harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128), {}, reading)
+    sample = harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128), {})
     (first, start, answer), (second, held, _) = turns
     cached, full = first + answer, tok.encode(conversations[1])  # [0]: the first turn's, the prompt
     common = 0
@@ -243,7 +242,7 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
         common += 1
     assert start == 0 and first == tok.encode(item.prompt)
     assert held == common and second == full[common:] and held >= len(first) - 1
-    assert reading.peak > 0, "reading both turns' prompts took memory"
+    assert sample.read_peak_bytes and sample.read_peak_bytes > 0, "reading both turns' prompts took memory"
 
 
 def equal_bytes_eval(model_dir: Path, out: Path, question: str, budgets: str, methods: str) -> list[dict]:

@@ -51,7 +51,7 @@ def plain(model: Any, tokens: mx.array, variant: Variant, budget: int, step: int
 
 def check_exact(model: Any, tokens: mx.array, variant: Variant, budgets: tuple[int, ...], step: int = STEP) -> str:
     """The harness's path for ``variant`` (the mode the rule and the check give it) equals the plain path."""
-    mode = sharing.mode(model, variant)
+    mode = sharing.modes(model, [variant])[variant]
     if mode == sharing.PLAIN:
         return mode
     got = list(sharing.run(model, tokens, [sharing.Request(variant, b, mode) for b in budgets], DECODE, step))

@@ -159,19 +159,21 @@ class Journal:
 
 
 def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec, quant: dict[str, Any],
-                 reading: sharing.Reading, budget: int | None = None) -> tuple[float, int, float | None]:
+                 budget: int | None = None) -> Sample:
     """Greedy answer under the variant's caches, on its own prefill (a follow-up's every turn on one cache list,
-    :func:`chat`): (1.0 if the last answer is right else 0.0, KV bytes at the end, and those bytes as a 16-bit
-    model holds them where ``spec.equal_bytes``). ``quant`` is the variant's kv_bits arguments for mlx_lm (empty
-    unless it is the quantized one)."""
+    :func:`chat`): 1.0 if the last answer is right else 0.0, KV bytes at the end, peak memory since the caches were
+    built (as :func:`asked_after` measures it: not the equal-bytes calibration or the probe before), and the KV bytes
+    as a 16-bit model holds them where ``spec.equal_bytes``. ``quant`` is the variant's kv_bits arguments for mlx_lm
+    (empty unless it is the quantized one)."""
     tokens, steps = _prompt(tokenizer, item)
     caches = variant.caches(model, tokens.size, budget=budget)
+    reading = sharing.fresh_reading()
     if isinstance(item, ruler.Example) and item.turns:
         out = chat(model, tokenizer, caches, item, spec, quant, reading)[-1]
     else:
         out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, reading, **quant)]
     kv16 = _held_16_bit(caches, variant) if spec.equal_bytes else None
-    return _right(tokenizer, out, item), sum(c.nbytes for c in caches), kv16
+    return Sample(_right(tokenizer, out, item), sharing.kv_bytes(caches), mx.get_peak_memory(), reading.peak, kv16)
 
 
 def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spec: EvalSpec,
@@ -200,18 +202,10 @@ def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spe
 
 def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit: int, spec: EvalSpec,
           quant: dict[str, Any], reading: sharing.Reading) -> list[int]:
-    """One chat turn through mlx_lm's ``generate_step`` (as the shim patches it): greedy tokens up to the end of
-    the turn, which is fed to the caches as a chat's next turn finds it, or ``limit`` tokens."""
-    from mlx_lm.generate import generate_step  # the patched one, as mlx_lm chat calls it
-
-    out: list[int] = []
-    for token, _ in generate_step(tokens, model, max_tokens=limit, prompt_cache=caches,
-                                  prefill_step_size=spec.prefill_step, prompt_progress_callback=reading.progress,
-                                  **quant):
-        out.append(int(token))  # an int already (``y.item()``), whatever mlx_lm's annotation says
-        if out[-1] in tokenizer.eos_token_ids:
-            break
-    return out
+    """One chat turn through mlx_lm's ``generate_step`` as the shim patches it (as mlx_lm chat calls it): greedy
+    tokens up to the end of the turn or ``limit`` tokens."""
+    return [t for t, _ in sharing.whole(model, tokens, caches, limit, spec.prefill_step, reading,
+                                        stop=tokenizer.eos_token_ids, **quant)]
 
 
 def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, spec: EvalSpec,
@@ -225,15 +219,12 @@ def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, sp
     plain, requests = _split(model, chosen, shared, budgets, tokens.size)
     out: dict[Variant, Sample] = {}
     for variant in plain:
-        reading = sharing.fresh_reading()
-        value, nbytes, kv16 = conversation(model, tokenizer, variant, item, spec,
-                                           variant.generate_kwargs(KVLayout.of(model)), reading,
-                                           budgets(variant, tokens.size))
-        out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak, kv16)
-    for result in sharing.run(model, tokens, requests, steps, spec.prefill_step):
-        kv16 = _held_16_bit(result.caches, result.request.variant) if spec.equal_bytes else None
-        out[result.request.variant] = Sample(_right(tokenizer, result.tokens, item), result.kv_bytes,
-                                             result.peak_bytes, result.read_peak_bytes, kv16)
+        out[variant] = conversation(model, tokenizer, variant, item, spec, variant.generate_kwargs(KVLayout.of(model)),
+                                    budgets(variant, tokens.size))
+    for r in sharing.run(model, tokens, requests, steps, spec.prefill_step):
+        kv16 = _held_16_bit(r.caches, r.request.variant) if spec.equal_bytes else None
+        out[r.request.variant] = Sample(_right(tokenizer, r.tokens, item), r.kv_bytes, r.peak_bytes,
+                                        r.read_peak_bytes, kv16)
     return {v: out[v] for v in chosen}
 
 
@@ -284,8 +275,9 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
     question = mx.array(tokenizer.encode(item.question, add_special_tokens=False))
     steps = _steps(tokenizer, item)
 
-    def ask(caches: list[Any], quant: dict[str, Any], kv: float, peak: float, read: float, kv16: float) -> Sample:
+    def ask(variant: Variant, caches: list[Any], quant: dict[str, Any], kv: float, peak: float, read: float) -> Sample:
         """The question as the next turn on ``caches``, which hold the context as it left them."""
+        kv16 = _held_16_bit(caches, variant)
         answer = _turn(model, tokenizer, question, caches, steps, spec, quant, sharing.Reading())
         return Sample(_right(tokenizer, answer, item), kv, max(peak, mx.get_peak_memory()), read, kv16)
 
@@ -296,11 +288,9 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
         caches = variant.caches(model, context.size, budget=budgets(variant, context.size))
         reading = sharing.fresh_reading()
         sharing.whole(model, context, caches, 0, spec.prefill_step, reading, **quant)
-        out[variant] = ask(caches, quant, sharing.kv_bytes(caches), mx.get_peak_memory(), reading.peak,
-                           _held_16_bit(caches, variant))
-    for result in sharing.run(model, context, requests, 0, spec.prefill_step):
-        out[result.request.variant] = ask(result.caches, {}, result.kv_bytes, result.peak_bytes,
-                                          result.read_peak_bytes, _held_16_bit(result.caches, result.request.variant))
+        out[variant] = ask(variant, caches, quant, sharing.kv_bytes(caches), mx.get_peak_memory(), reading.peak)
+    for r in sharing.run(model, context, requests, 0, spec.prefill_step):
+        out[r.request.variant] = ask(r.request.variant, r.caches, {}, r.kv_bytes, r.peak_bytes, r.read_peak_bytes)
     return {v: out[v] for v in chosen}
 
 

@@ -54,10 +54,8 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """A fixed-width text table of ``columns`` (numbers formatted compactly)."""
     cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
+    lines = [list(columns), ["-" * w for w in widths], *cells]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(line, widths)) for line in lines)
 
 
 def markdown(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:

@@ -24,7 +24,6 @@ Tasks and how an answer is scored (greedy output, case-insensitive):
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 import uuid
@@ -34,6 +33,7 @@ from functools import lru_cache
 from typing import Any
 
 from .tasks import SPLITS, TokenizerOrLenFn, _fit, _insert_at_depth, _len_fn, excerpt, random_key
+from .tasks import split_of as path_split
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "trip", "followup")
 # RULER's synthetic tasks under its own names (its two QA tasks need data sets that are not on PyPI); niah_single_2 and
@@ -87,7 +87,7 @@ class Example:
 
 def split_of(topic: str) -> str:
     """Stable split of a documentation topic by its name, independent of dict order and Python build."""
-    return "heldout" if int(hashlib.sha1(topic.encode()).hexdigest(), 16) % HELDOUT_MOD == 0 else "train"
+    return path_split(topic, HELDOUT_MOD)
 
 
 @lru_cache(maxsize=2)

@@ -35,8 +35,8 @@ from __future__ import annotations
 import copy
 import weakref
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -79,7 +79,7 @@ class Result:
     kv_bytes: int
     peak_bytes: int
     read_peak_bytes: int
-    shared: bool = field(default=True)  # False: it ran plain
+    shared: bool = True  # False: it ran plain
 
 
 class Reading:
@@ -156,17 +156,21 @@ def prefill(model: Any, tokens: mx.array, caches: list[Any], step: int) -> list[
 
 
 def whole(model: Any, tokens: mx.array, caches: list[Any], max_tokens: int, step: int, reading: Reading | None = None,
-          raw: bool = False, **quant: Any) -> list[tuple[int, mx.array]]:
+          raw: bool = False, stop: Collection[int] = (), **quant: Any) -> list[tuple[int, mx.array]]:
     """Greedy tokens (ids, as ``generate_step`` yields them whatever its annotation says, and log-probabilities)
     by mlx_lm's ``generate_step`` as the shim patches it, ``reading`` told when the prompt is read; ``raw``:
-    unwrapped, to decode from the last prompt token of a prefill (no new generation starts there)."""
+    unwrapped, to decode from the last prompt token of a prefill (no new generation starts there); up to the
+    first token in ``stop`` (an end of turn, which is fed to the caches as a chat's next turn finds it)."""
     from mlx_lm.generate import generate_step
 
     run = getattr(generate_step, "__wrapped__", generate_step) if raw else generate_step
-    progress = reading.progress if reading is not None else None
-    return [(int(token), logprobs) for token, logprobs in run(
-        tokens, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=step,
-        prompt_progress_callback=progress, **quant)]
+    out: list[tuple[int, mx.array]] = []
+    for token, logprobs in run(tokens, model, max_tokens=max_tokens, prompt_cache=caches, prefill_step_size=step,
+                               prompt_progress_callback=reading.progress if reading is not None else None, **quant):
+        out.append((int(token), logprobs))
+        if out[-1][0] in stop:
+            break
+    return out
 
 
 # ----------------------------------------------------------------------------- moving a prefill
@@ -199,14 +203,6 @@ def transplant(source: list[Any], target: list[Any]) -> list[Any] | None:
     return out
 
 
-def at_budget(caches: list[Any], budget: int, copied: bool) -> list[Any]:
-    """``caches`` (a copy if ``copied``, coordinator included) with every member of ours at ``budget`` rows."""
-    out = copy.deepcopy(caches) if copied else caches
-    for cache in ours(out):
-        cache.budget = Budget(tokens=budget)
-    return out
-
-
 def untouched(caches: list[Any], base: list[Any], chunks: list[int]) -> bool:
     """Whether every prompt chunk was a prefill chunk both for the prefill into ``base`` and for a plain run
     with ``caches``: longer than any decode headroom their caches can have (the headroom for a budget no prompt
@@ -217,10 +213,8 @@ def untouched(caches: list[Any], base: list[Any], chunks: list[int]) -> bool:
 def kv_bytes(caches: list[Any], dense: bool = False) -> int:
     """KV bytes of a list as the harness reports them; ``dense``: our never-evicting caches counted as
     mlx_lm's ``KVCache`` would hold the same rows (the same capacity steps; no positions, no queries)."""
-    if not dense:
-        return sum(c.nbytes for c in caches)
-    rows = sum(a.nbytes for c in ours(caches) for a in rows_arrays(c))
-    return rows + sum(c.nbytes for c in caches if not isinstance(c, CompressedKVCache))
+    return sum(sum(a.nbytes for a in rows_arrays(c)) if dense and isinstance(c, CompressedKVCache) else c.nbytes
+               for c in caches)
 
 
 def rows_arrays(cache: CompressedKVCache) -> list[mx.array]:
@@ -256,15 +250,14 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
     prefill_peak = mx.get_peak_memory()
     last = tokens[-1:]
     for i, r in enumerate(members):
-        final = i == len(members) - 1
         v = r.variant
         caches: list[Any] | None
-        if v.method == "full":
-            caches = at_budget(base, HUGE, copied=not final)
-        elif r.mode == SHARED:
+        if r.mode == SHARED and v.method != "full":
             caches = transplant(base, v.caches(model, tokens.size, budget=r.budget))
-        else:
-            caches = at_budget(base, r.budget, copied=not final)
+        else:  # the base itself for the last member, else a copy (coordinator included), at the member's budget
+            caches = copy.deepcopy(base) if i < len(members) - 1 else base
+            for cache in ours(caches):
+                cache.budget = Budget(tokens=HUGE if v.method == "full" else r.budget)
         held = kv_bytes(base) if caches is not base else 0  # kept for the next members, not this run's own
         if caches is None or (v.method != "full" and not untouched(caches, base, chunks)):
             yield _plain(model, tokens, r, max_tokens, step, held)
@@ -314,11 +307,6 @@ def plan(model: Any, chosen: list[Variant]) -> dict[Variant, str]:
     sizes = Counter(group(v) for v in chosen if candidate(v) != PLAIN)
     found = modes(model, [v for v in chosen if candidate(v) != PLAIN and sizes[group(v)] > 1])
     return {v: found.get(v, PLAIN) for v in chosen}
-
-
-def mode(model: Any, variant: Variant) -> str:
-    """:func:`modes` of one variant."""
-    return modes(model, [variant])[variant]
 
 
 def _check(model: Any, todo: dict[tuple[Any, ...], Variant]) -> dict[tuple[Any, ...], str]:

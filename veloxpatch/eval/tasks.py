@@ -62,10 +62,9 @@ def _len_fn(tok: TokenizerOrLenFn) -> LenFn:
     return tok
 
 
-def split_of(rel_path: str) -> str:
-    """Stable split assignment from the file's path inside stdlib (independent of file order and machine)."""
-    h = int(hashlib.sha1(rel_path.encode()).hexdigest(), 16)
-    return "heldout" if h % HELDOUT_MOD == 0 else "train"
+def split_of(rel_path: str, mod: int = HELDOUT_MOD) -> str:
+    """Stable split of a path inside stdlib by its hash, one in ``mod`` held out (independent of file order)."""
+    return "heldout" if int(hashlib.sha1(rel_path.encode()).hexdigest(), 16) % mod == 0 else "train"
 
 
 @lru_cache(maxsize=2)
@@ -98,12 +97,9 @@ def excerpt(text: str, n_chars: int, rng: random.Random) -> str:
     """Whole lines of ``text``, about ``n_chars`` characters, from a random line on (shared by every haystack)."""
     if n_chars <= 0:
         return ""
-    start = rng.randrange(0, max(1, len(text) - n_chars - 1))
-    nl = text.find("\n", start)
-    start = 0 if nl < 0 else nl + 1
+    start = text.find("\n", rng.randrange(0, max(1, len(text) - n_chars - 1))) + 1  # no newline after it: 0
     chunk = text[start:start + n_chars]
-    cut = chunk.rfind("\n")
-    return chunk[:cut + 1] if cut >= 0 else ""
+    return chunk[:chunk.rfind("\n") + 1]
 
 
 def random_key(rng: random.Random, n_digits: int) -> str:
@@ -113,9 +109,7 @@ def random_key(rng: random.Random, n_digits: int) -> str:
 
 def _insert_at_depth(text: str, needle: str, depth: float) -> str:
     """Insert ``needle`` at the line boundary nearest to fraction ``depth`` of ``text``."""
-    pos = int(len(text) * depth)
-    nl = text.rfind("\n", 0, pos)
-    pos = 0 if nl < 0 else nl + 1
+    pos = text.rfind("\n", 0, int(len(text) * depth)) + 1  # 0 before the first line boundary
     return text[:pos] + needle + text[pos:]
 
 

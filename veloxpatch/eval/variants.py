@@ -16,6 +16,7 @@ only where given, so journals written before it stay valid.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -87,13 +88,9 @@ def identity(label: str, knobs: dict[str, Any] | None) -> str:
 def line_identity(label: str, knobs: dict[str, Any] | None) -> str:
     """:func:`identity` of a journal line: a knob its method gained after the line was written counts at its default
     (a new knob's default keeps what the method did before), so the line still matches the variant it measured."""
-    if knobs is None:
-        return identity(label, None)
-    try:
-        current = Variant.of(label.split("@")[0]).knob_values()
-    except ValueError:  # a method or knob that is no more: the line matches nothing it could mean now
-        return identity(label, knobs)
-    return identity(label, {**{k: v for k, v in current.items() if k not in knobs}, **knobs})
+    with contextlib.suppress(ValueError):  # a method or knob that is no more: the line matches nothing now
+        knobs = None if knobs is None else {**Variant.of(label.split("@")[0]).knob_values(), **knobs}
+    return identity(label, knobs)
 
 
 def split_specs(text: str) -> list[str]:
