@@ -223,9 +223,10 @@ def test_a_share_of_the_bytes_keeps_the_rows_that_make_each_layer_hold_it(tmp_pa
     assert all(isinstance(c.keep, BytesShare) and c.keep == share for c in loaded)
 
 
-def test_model_wise_budgets_hold_the_share_of_the_bytes_over_the_layers_not_in_each() -> None:
+def test_model_wise_budgets_hold_the_share_of_the_bytes_over_the_layers_not_in_each(tmp_path) -> None:
     """``0.12x`` with ``VELOX_QUANT_BUDGETS=model``: the layers hold different shares (a layer the second reading
-    attends to more keeps more) and together 0.12 of the 16-bit bytes, within a block and a half per layer."""
+    attends to more keeps more) and together 0.12 of the 16-bit bytes, within a block and a half per layer; saved
+    and loaded (``save_prompt_cache``), they hold the same rows and answer the same."""
     model = lopsided(tiny("llama", layers=3))
     caches = quant_caches(model, "0.12x", window=32, budgets="model")
     greedy(model, random_tokens(1025, 9), caches, steps=1, chunk=256)
@@ -235,6 +236,8 @@ def test_model_wise_budgets_hold_the_share_of_the_bytes_over_the_layers_not_in_e
     block = 32 * row / held[0]["dense_kv_bytes_16bit"]
     assert max(shares) - min(shares) > 2 * block, shares
     assert abs(sum(shares) / len(shares) - 0.12) <= 1.5 * block, shares
+    loaded = assert_round_trip(str(tmp_path / "model-wise.safetensors"), model, caches)
+    assert [c.budgets for c in loaded] == ["model"] * 3
 
 
 def test_a_share_the_fixed_rows_spend_already_is_said(records) -> None:
