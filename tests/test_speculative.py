@@ -79,3 +79,19 @@ def test_the_draft_can_keep_mlx_lms_own_cache(models) -> None:
     main, drafts = caches[: len(model.layers)], caches[len(model.layers) :]
     assert all(type(c).__name__ == "SnapKVCache" and c.evicted for c in main)
     assert all(type(c).__name__ == "KVCache" and c.offset == main[0].offset for c in drafts)
+
+
+@pytest.mark.parametrize("budgets", ["layer", "model"])
+def test_rows_chosen_by_a_second_reading_survive_the_rewinds(models, budgets: str) -> None:
+    """Quant keeping half the prompt's rows (each prompt read twice, the rows chosen by its own layer's share or by
+    one top-k over every layer's) under speculative decoding: main and draft lists each read their prompt again
+    (no witness: a list with a cache not ours is read once), every offset is the tokens seen through the rewinds
+    (the prompt and the answer but its last token, as mlx_lm's own caches end), rows were dropped, and the passkey
+    is still found."""
+    out, caches = speculate(models, kv="quant", window=16, knobs={"quant_keep": "50%", "quant_budgets": budgets})
+    layers, seen = len(models[0].layers), len(models[3]) + NEW_TOKENS - 1
+    assert len(out) == NEW_TOKENS and all(type(c).__name__ == "QuantCache" for c in caches)
+    assert [c.offset for c in caches] == [seen] * len(caches), "no drift after rewinds"
+    for part in (caches[:layers], caches[layers:]):
+        assert sum(c.size() for c in part) < 0.75 * seen * layers, [c.size() for c in part]
+    assert tasks.is_correct(models[2].decode([r.token for r in out]), models[4])
