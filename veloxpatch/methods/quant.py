@@ -20,7 +20,8 @@ usual), the model reads it a second time (:mod:`veloxpatch.integration.rereading
 attention any query of its head group pays it; the layer keeps its best rows by one top-k over its heads (AdaKV's
 head-wise budgets: each head's scores over their sum first), each head in whole blocks, with the first ``VELOX_SINK``
 tokens and each row's two-byte position for trims. With ``VELOX_QUANT_BUDGETS=model`` one top-k runs over every
-layer's heads on the raw scores (KVzip's non-uniform budgets; :func:`model_wise`), as many rows in all. Every prompt
+layer's heads on the raw scores (KVzip's non-uniform budgets; :func:`model_wise`), as many rows in all (under a
+share of the bytes the layers' room pooled), never more held than the layers by their own shares. Every prompt
 is read twice, a chat's next turn too, and its rows are chosen with those still exact when it began: a chat holds its
 share turn after turn. Rows an answer folds as it is decoded are all kept.
 
