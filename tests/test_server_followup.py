@@ -1,6 +1,6 @@
 """A chat of several turns through the real ``mlx_lm server`` on SmolLM2-135M-Instruct, SnapKV with its defaults
 at 25% and Quant keeping half the rows (chosen by a second reading of each prompt, in the server's batches; by
-each layer's share and by one top-k over every layer's rows): the
+one top-k over every layer's rows, and by each layer's share): the
 document and a first question, a second question about another fact, then the first again.
 
 Each turn after the first reuses the cache the last one left (the server's prompt-cache reuse) and reads only what
@@ -29,8 +29,8 @@ SEEDS = (0, 1, 2)
 SETTINGS = {  # the settings, and the cache class the eval's chat must have run on
     "snapkv": ({"VELOX_KV": "snapkv", "VELOX_BUDGET": "25%"}, "SnapKVCache"),
     "quant-keep": ({"VELOX_KV": "quant", "VELOX_QUANT_KEEP": "50%"}, "QuantCache"),
-    "quant-keep-model-wise": ({"VELOX_KV": "quant", "VELOX_QUANT_KEEP": "50%", "VELOX_QUANT_BUDGETS": "model"},
-                              "QuantCache"),
+    "quant-keep-per-layer": ({"VELOX_KV": "quant", "VELOX_QUANT_KEEP": "50%", "VELOX_QUANT_BUDGETS": "layer"},
+                             "QuantCache"),
 }
 
 CHAT_APP = """

@@ -17,11 +17,12 @@ Fewer rows too (``VELOX_QUANT_KEEP`` below 100%, or a share of the bytes such as
 stops at about a fifth of the 16-bit bytes; an eighth needs fewer rows as well, chosen before any question is asked
 (a document read once, asked many things). KVzip's score chooses them: once a prompt is read (its rows folded as
 usual), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each folded row scores the most
-attention any query of its head group pays it; the layer keeps its best rows by one top-k over its heads (AdaKV's
-head-wise budgets: each head's scores over their sum first), each head in whole blocks, with the first ``VELOX_SINK``
-tokens and each row's two-byte position for trims. With ``VELOX_QUANT_BUDGETS=model`` one top-k runs over every
-layer's heads on the raw scores (KVzip's non-uniform budgets; :func:`model_wise`), as many rows in all (under a
-share of the bytes the layers' room pooled), never more held than the layers by their own shares. Every prompt
+attention any query of its head group pays it; one top-k over every layer's heads on the raw scores keeps the best
+(KVzip's non-uniform budgets; :func:`model_wise`), as many rows in all as the layers' shares (under a share of the
+bytes the layers' room pooled), never more held than the layers by their own shares; each head keeps its rows in
+whole blocks, with the first ``VELOX_SINK`` tokens and each row's two-byte position for trims. With
+``VELOX_QUANT_BUDGETS=layer`` each layer keeps its own share by one top-k over its heads (AdaKV's head-wise budgets:
+each head's scores over their sum first): it lost answers model-wise kept (docs/results.md). Every prompt
 is read twice, a chat's next turn too, and its rows are chosen with those still exact when it began: a chat holds its
 share turn after turn. Rows an answer folds as it is decoded are all kept.
 
@@ -100,11 +101,12 @@ KNOBS = (
             "Quant, with VELOX_QUANT_KEEP: each row of a prompt scored as the best of this many neighbouring rows "
             "before the rows are chosen, so a kept row keeps the tokens around it (a number or a uuid spelled over "
             "a dozen tokens stays whole); 1 scores each row alone.", method="quant"),
-    Setting("VELOX_QUANT_BUDGETS", choice(BUDGETS), "layer", "one of " + ", ".join(BUDGETS),
-            "Quant, with VELOX_QUANT_KEEP: what one top-k of the rows to keep runs over. `layer`: each layer keeps "
-            "its share, spread over its heads (AdaKV: each head's scores over their sum); `model`: every layer's "
+    Setting("VELOX_QUANT_BUDGETS", choice(BUDGETS), "model", "one of " + ", ".join(BUDGETS),
+            "Quant, with VELOX_QUANT_KEEP: what one top-k of the rows to keep runs over. `model`: every layer's "
             "heads at once, on the raw scores (KVzip's non-uniform budgets), so a layer whose rows the second "
-            "reading needs more keeps more, the model's total the same.", method="quant"),
+            "reading needs more keeps more, the model's total the same; `layer`: each layer keeps its share, "
+            "spread over its heads (AdaKV: each head's scores over their sum), as before 2026-12-06.",
+            method="quant"),
 )
 
 
@@ -124,7 +126,7 @@ class QuantCache(CrossLayerCache):
                       "16-bit bytes)")  # said where VELOX_KV_MEMORY is refused
 
     def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float | str = 1.0,
-                 pool: int = 1, budgets: str = "layer") -> None:
+                 pool: int = 1, budgets: str = "model") -> None:
         super().__init__(spec)
         self.bits, self.group_size, self.pool, self.budgets = bits, group, pool, budgets
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
