@@ -108,7 +108,7 @@ def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxC
     user's statistics (:mod:`veloxpatch.stats`)."""
     try:
         found = None if whole else _probe_prefix(model, caches, slots, config)
-        return found or _probe_list(model, caches, slots, config, _plain_run(model, caches))
+        return found if found is not None else _probe_list(model, caches, slots, config, _plain_run(model, caches))
     except Exception as error:  # the builder says it (or raises under strict): the app runs on mlx_lm's caches
         return Verdict((), reason=f"the probe could not run the model ({type(error).__name__}: {error})",
                        **_raised(error))

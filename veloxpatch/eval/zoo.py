@@ -188,7 +188,7 @@ def deep_config(model_type: str, times: int = 3) -> dict[str, Any]:
     def deeper(value: Any, key: str) -> Any:
         if isinstance(value, dict):
             return {k: deeper(v, k) for k, v in value.items()}
-        if key in DEPTH_KEYS and value == layers or isinstance(value, list) and len(value) == layers:
+        if (key in DEPTH_KEYS and value == layers) or (isinstance(value, list) and len(value) == layers):
             return value * times
         if isinstance(value, list) and value and all(type(i) is int and 0 <= i < layers for i in value):
             return [i + layers * r for r in range(times) for i in value]

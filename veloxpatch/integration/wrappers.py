@@ -182,9 +182,11 @@ def _draft_caches(arguments: dict[str, Any]) -> None:
         return
     first = len(model.layers)
     for i, cache in enumerate(caches[first:], start=first):
-        if isinstance(cache, CompressedKVCache) and cache.empty():
+        if not isinstance(cache, CompressedKVCache):
+            continue
+        if cache.empty():
             caches[i] = plain[i - first]
-        elif isinstance(cache, CompressedKVCache):
+        else:
             once("draft history", logging.INFO, "a draft cache that already holds rows stays compressed")
 
 

@@ -217,8 +217,9 @@ class QuantCache(CrossLayerCache):
         score = mx.where(fresh, scores[..., earlier: earlier + held].astype(mx.float32), 0)
         score = mx.where(fresh, pool_rows(score, self.pool, "max"), 0)
         keys, values = self.unfold(fold)
-        wanted, taken = self._wanted(int(fresh.sum()), int(protected.sum()), keys.shape[-1], values.shape[-1])
-        return Candidates(positions, fresh, protected, score, wanted, taken, earlier)
+        count = int(fresh.sum())
+        wanted, taken = self._wanted(count, int(protected.sum()), keys.shape[-1], values.shape[-1])
+        return Candidates(positions, fresh, protected, score, count, wanted, taken, earlier)
 
     def _keep_best(self, found: Candidates, picked: list[int] | None) -> None:
         """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from its heads' best-scored rows and every
@@ -537,23 +538,20 @@ class QuantCache(CrossLayerCache):
 
 @dataclass(frozen=True)
 class Candidates:
-    """A layer's prompt rows once read again (the last fold's): each row's position, whether it is to be chosen
-    among (``fresh``) or kept anyway (``protected``: an earlier reading's, a sink), its score (0 where not fresh),
-    how many fresh rows the layer's own budget wants (below none or above all under a share of the bytes), the
-    share of the 16-bit bytes the layer's other rows take, and the rows of earlier folds before them."""
+    """A layer's prompt rows once read again (the last fold's): each row's position, whether it is to be chosen among
+    (``fresh``) or kept anyway (``protected``: an earlier reading's, a sink), its score (0 where not fresh), the
+    fresh rows of every head (``count``), how many of them the layer's own budget wants (below none or above all
+    under a share of the bytes), the share of the 16-bit bytes the layer's other rows take, and the rows of earlier
+    folds before them."""
 
     positions: mx.array
     fresh: mx.array
     protected: mx.array
     score: mx.array
+    count: int
     wanted: float
     taken: float
     earlier: int
-
-    @property
-    def count(self) -> int:
-        """The fresh rows, of every head."""
-        return int(self.fresh.sum())
 
     @property
     def kept(self) -> int:
@@ -598,8 +596,7 @@ def _normed(found: Candidates) -> mx.array:
 
 def _head_picks(normed: mx.array, found: Candidates) -> list[int]:
     """The fresh rows each head of one sequence keeps by the layer's own share (AdaKV): one top-k over every head's
-    fresh rows of ``normed`` (each head's scores over their sum, so a head that spreads its attention competes with
-    one that spikes)."""
+    fresh rows of ``normed`` (:func:`_normed`)."""
     return _top_per_head([(found.fresh, normed)], found.kept)[0]
 
 
