@@ -3,7 +3,7 @@ keys per channel at low bits on top (the bytes ``quant`` would hold for the rows
 
     python bench/agnostic_selection.py --model FOLDER [--context 4096] [--tasks niah_single_2,niah_multikey_3,vt]
         [--samples 1] [--seed 0] [--keep 0.5,0.35] [--bits 16,4] [--scorers window,repeat,expected,keynorm]
-        [--pool 0,7] [--out FOLDER]
+        [--pool 0,7] [--model-wise] [--floor 0.5] [--out FOLDER]
 
 For each RULER example the full cache reads the context (the question left out, the field's protocol). Each scorer
 then rates every row of every layer's key heads, without the question:
@@ -25,7 +25,8 @@ then rates every row of every layer's key heads, without the question:
 
 Each layer keeps its first 4 and last 32 rows and, of the rest, the best ``--keep`` share of the context, either the
 same number per head or (``head-wise``) one top-k over the layer's heads (AdaKV), or (``--model-wise``) one top-k over
-every layer's heads on the raw scores (KVzip's non-uniform budgets: layers keep different numbers); with ``--pool W``
+every layer's heads on the raw scores (KVzip's non-uniform budgets: layers keep different numbers), or (``--floor F``,
+``floored F``) that after each layer's head-wise top-k took the share F of its rows; with ``--pool W``
 a row scores the best of its W neighbours (``pooled W``: a high row's neighbours kept with it). The question and
 reference answer are read on top, the dropped rows masked out per head (with ``--bits`` under 16 every row first
 quantized per channel in 64-token blocks and back, values per token, as ``quant`` holds them; ``4/2``: keys at 4 bits,
@@ -265,16 +266,22 @@ def kept(score: mx.array, share: float, headwise: bool, pool: int = 0) -> mx.arr
     return _edged(chosen)
 
 
-def kept_model_wise(scores: list[mx.array], share: float, pool: int = 0) -> list[mx.array]:
+def kept_model_wise(scores: list[mx.array], share: float, pool: int = 0, floor: float = 0.0) -> list[mx.array]:
     """Per layer, (heads, rows) bool: every layer's first and last rows, and of the rest the best by one top-k over
     every layer's heads (KVzip's non-uniform budgets: its raw scores, so a layer that needs more rows takes them),
-    as many rows in all as :func:`kept` keeps."""
+    as many rows in all as :func:`kept` keeps; with ``floor``, that share of each layer's rows chosen first by the
+    layer's own head-wise top-k (a layer the model-wise top-k would starve keeps some)."""
     middles = [_middle(score, pool) for score in scores]
     heads, rows = scores[0].shape
     flat = mx.concatenate([m.reshape(-1) for m in middles])
     total = min(max(int(share * rows) - SINK - RECENT, 0) * heads * len(scores), flat.size)
     chosen = mx.zeros(flat.shape, mx.bool_)
-    if total:  # exactly ``total`` by one top-k: a threshold would keep every row tied at a saturated score
+    if floor:
+        chosen = mx.concatenate([kept(s, share * floor, True, pool)[:, SINK: rows - RECENT].reshape(-1)
+                                 for s in scores])
+        total -= int(chosen.sum())
+        flat = mx.where(chosen, -mx.inf, flat)
+    if total > 0:  # exactly ``total`` by one top-k: a threshold would keep every row tied at a saturated score
         chosen = chosen.at[mx.argpartition(-flat, kth=total - 1)[:total]].add(True)
     out, at = [], 0
     for m in middles:
@@ -372,6 +379,8 @@ def main() -> None:
     parser.add_argument("--head-wise", action="store_true", help="rows chosen head-wise only (as the shim does)")
     parser.add_argument("--model-wise", action="store_true", help="also rows chosen by one top-k over every "
                         "layer's heads, raw scores (KVzip's non-uniform budgets)")
+    parser.add_argument("--floor", default="", help="comma-separated shares: also rows chosen model-wise after "
+                        "each layer's head-wise top-k took that share of its rows (layout 'floored F')")
     parser.add_argument("--same-bytes", action="store_true", help="--keep is a share at the first of --bits; at "
                         "the others, the share holding the same bytes")
     parser.add_argument("--seed", type=int, default=0, help="the first example (seeds SEED .. SEED+SAMPLES-1)")
@@ -427,6 +436,8 @@ def _chosen(scores: list[mx.array], share: float, layout: str, pool: int) -> lis
     """Each layer's kept rows under ``layout``: the same number per head, head-wise, or model-wise."""
     if layout == "model-wise":
         return kept_model_wise(scores, share, pool)
+    if layout.startswith("floored "):
+        return kept_model_wise(scores, share, pool, float(layout.split()[1]))
     return [kept(s, share, layout == "head-wise", pool) for s in scores]
 
 
@@ -438,6 +449,7 @@ def _plans(found: dict[str, list], args: argparse.Namespace, bits: str,
     ratio = cost(first) / cost(bits) if args.same_bytes and cost(bits) < 16 else 1.0
     layouts = ["head-wise"] if args.head_wise else ["per head", "head-wise"]
     layouts += ["model-wise"] if args.model_wise else []
+    layouts += [f"floored {f}" for f in args.floor.split(",") if f]
     return [("full", 1.0, "per head", 0)] + [
         (name, round(min(float(share) * ratio, 1.0), 3), layout, pool) for name in found
         for share in args.keep.split(",") for layout in layouts for pool in map(int, args.pool.split(","))]

@@ -21,7 +21,7 @@ from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.eval.variants import Variant
 from veloxpatch.integration import rereading
-from veloxpatch.methods.quant import HOLD_BITS, BytesShare, QuantCache, _ragged
+from veloxpatch.methods.quant import HOLD_BITS, BytesShare, QuantCache, _ragged, _top_per_head
 from veloxpatch.settings import Share
 
 PROMPT = 100  # one prompt chunk: 92 rows older than the window, of which 64 (two blocks of 32) fold
@@ -296,10 +296,10 @@ def test_an_eval_variant_keeps_a_share_of_the_bytes_as_one() -> None:
     assert all(isinstance(c.keep, BytesShare) and c.keep == 0.125 for c in caches)
 
 
-def read_300(budgets: str = "layer") -> QuantCache:
+def read_300(budgets: str = "layer", floor: float = 0.0) -> QuantCache:
     """A cache that read 300 random rows (keys and values alike), 288 of them folded, to keep 40% of."""
     cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, mode="chunk"), bits=4, group=32, keep=Share(0.4),
-                       pool=1, budgets=budgets)  # the scores as given
+                       pool=1, budgets=budgets, floor=floor)  # the scores as given
     rows = mx.random.normal((1, 2, 300, 64))
     cache.read_prompt_chunk(mx.zeros((1, 300), mx.int32))
     keys, values = cache.update_and_fetch(rows, rows)
@@ -359,10 +359,10 @@ def test_model_wise_budgets_give_the_rows_to_the_layer_scored_higher_and_keep_th
     assert [[p.size for p in head_positions(c, c.folds[0])] for c in alone] == [[128, 128]] * 2, "each its own"
 
 
-def kept_rows(budgets: str, scales: list[float], seed: int) -> list[list[int]]:
+def kept_rows(budgets: str, scales: list[float], seed: int, floor: float = 0.0) -> list[list[int]]:
     """Rows each head keeps in layers of :func:`read_300` scored uniformly times each layer's scale."""
     mx.random.seed(seed)
-    caches = [read_300(budgets) for _ in scales]
+    caches = [read_300(budgets, floor) for _ in scales]
     scored(caches, [mx.random.uniform(shape=(1, 2, 288)) * s for s in scales])
     return [[p.size for p in head_positions(c, c.folds[0])] for c in caches]
 
@@ -376,6 +376,39 @@ def test_model_wise_budgets_never_hold_more_rows_than_the_layers_own_shares(scal
     model, layer = kept_rows("model", scales, seed), kept_rows("layer", scales, seed)
     assert sum(map(sum, model)) <= sum(map(sum, layer)), (model, layer)
     assert min(model[0]) > max(model[-1]), "still the layer scored higher keeps more"
+
+
+def test_a_floor_keeps_each_layer_part_of_its_own_share_under_model_wise_budgets() -> None:
+    """``VELOX_QUANT_FLOOR``: a layer scored far below the others keeps half its own share (in whole blocks) where
+    the model-wise top-k alone leaves it a block per head; all of its share keeps what per layer keeps; the model
+    never holds more than per layer."""
+    scales = [1, 0.01]
+    layer, alone = kept_rows("layer", scales, 3), kept_rows("model", scales, 3)
+    half, whole = kept_rows("model", scales, 3, floor=0.5), kept_rows("model", scales, 3, floor=1.0)
+    assert whole == layer and alone[1] == [32, 32] and layer[1] == [128, 128], (whole, layer, alone)
+    assert min(half[1]) >= 64 and min(half[0]) > max(layer[0]), half
+    assert sum(map(sum, half)) <= sum(map(sum, layer))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_top_k_after_a_floor_is_the_best_of_the_rows_each_head_left(seed: int) -> None:
+    """The reference rule: each head's best ``taken`` rows out, then the ``total`` best of what is left, counted
+    per head (fresh rows only)."""
+    rng = np.random.default_rng(seed)
+    layers = [(rng.random((1, 3, 50)) > 0.2, rng.random((1, 3, 50))) for _ in range(2)]
+    taken = [list(rng.integers(0, 10, 3)) for _ in layers]
+    left = []
+    for (fresh, score), drop in zip(layers, taken):
+        ranked = np.where(fresh, score, -1)[0]
+        order = np.argsort(-ranked, axis=-1)
+        out = ranked.copy()
+        for head, k in enumerate(drop):
+            out[head, order[head, :k]] = -1
+        left.append(out)
+    cut = np.sort(np.concatenate([x.ravel() for x in left]))[-40]
+    expected = [[int((x[h] >= cut).sum()) for h in range(3)] for x in left]
+    got = _top_per_head([(mx.array(f), mx.array(s)) for f, s in layers], 40, [[int(t) for t in d] for d in taken])
+    assert got == expected
 
 
 @pytest.mark.parametrize("peaked", [1, 8])

@@ -22,7 +22,9 @@ attention any query of its head group pays it; one top-k over every layer's head
 bytes the layers' room pooled), never more held than the layers by their own shares; each head keeps its rows in
 whole blocks, with the first ``VELOX_SINK`` tokens and each row's two-byte position for trims. With
 ``VELOX_QUANT_BUDGETS=layer`` each layer keeps its own share by one top-k over its heads (AdaKV's head-wise budgets:
-each head's scores over their sum first): it lost answers model-wise kept (docs/results.md). Every prompt
+each head's scores over their sum first): it lost answers model-wise kept (docs/results.md);
+``VELOX_QUANT_FLOOR`` lets each layer keep part of its own share that way first, the model-wise top-k sharing out
+the rest. Every prompt
 is read twice, a chat's next turn too, and its rows are chosen with those still exact when it began: a chat holds its
 share turn after turn. Rows an answer folds as it is decoded are all kept.
 
@@ -53,7 +55,7 @@ from ..caches.store import Parts, decode, encode, take_rows
 from ..coordinators import members_of
 from ..log import once
 from ..registry import method
-from ..settings import Setting, choice, int_choice, odd_kernel, one_of_text, percent
+from ..settings import Setting, choice, int_choice, number_range, odd_kernel, one_of_text, percent
 from ..stats import at_16_bits
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, in the model's dtype
@@ -107,6 +109,11 @@ KNOBS = (
             "reading needs more keeps more, the model's total the same; `layer`: each layer keeps its share, "
             "spread over its heads (AdaKV: each head's scores over their sum), as before 2026-12-06.",
             method="quant"),
+    Setting("VELOX_QUANT_FLOOR", number_range(0, 1), "0", "a number in [0, 1]",
+            "Quant, with VELOX_QUANT_BUDGETS=model: the share of each layer's own rows it keeps by its own top-k "
+            "(as `layer` would) before one top-k over every layer's heads shares out the rest, so no layer is "
+            "starved of the rows a question about several facts needs; 0: the model-wise top-k alone.",
+            method="quant"),
 )
 
 
@@ -126,9 +133,9 @@ class QuantCache(CrossLayerCache):
                       "16-bit bytes)")  # said where VELOX_KV_MEMORY is refused
 
     def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float | str = 1.0,
-                 pool: int = 1, budgets: str = "model") -> None:
+                 pool: int = 1, budgets: str = "model", floor: float = 0.0) -> None:
         super().__init__(spec)
-        self.bits, self.group_size, self.pool, self.budgets = bits, group, pool, budgets
+        self.bits, self.group_size, self.pool, self.budgets, self.floor = bits, group, pool, budgets, floor
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
         self.rereading = False  # the model reads the prompt again: this cache scores its folded rows
         self.unscored: list[mx.array] = []  # the prompt chunks read since the last scoring (token ids)
@@ -139,7 +146,7 @@ class QuantCache(CrossLayerCache):
     def knob_values(self) -> dict[str, Any]:
         return {"bits": self.bits, "group": self.group_size,
                 "keep": str(self.keep) if isinstance(self.keep, BytesShare) else self.keep, "pool": self.pool,
-                "budgets": self.budgets}
+                "budgets": self.budgets, "floor": self.floor}
 
     @property
     def wants_rereading(self) -> bool:
@@ -569,8 +576,9 @@ def model_wise(caches: list[QuantCache]) -> list[list[int]] | None:
     non-uniform budgets): one top-k of the raw scores over them all, of as many rows as the layers' budgets want
     together (under a share of the bytes, a layer whose earlier rows take more than its part gives the excess
     back), shrunk while heads rounded up to whole blocks (a head picked for few rows still holds a block in the first
-    fold) would hold more than the layers by their own shares. None (each layer by its own share) where a layer has
-    no candidates or holds several sequences."""
+    fold) would hold more than the layers by their own shares. With ``VELOX_QUANT_FLOOR``, each layer first keeps
+    that share of its own rows by its own top-k, and the top-k over them all shares out the rest. None (each layer
+    by its own share) where a layer has no candidates or holds several sequences."""
     found = [c.candidates for c in caches]
     if not found or any(c is None or c.positions.shape[0] != 1 for c in found):
         return None
@@ -579,12 +587,19 @@ def model_wise(caches: list[QuantCache]) -> list[list[int]] | None:
     def held(picks: list[list[int]]) -> int:
         return sum(sum(cache._head_counts(c, p)) for cache, c, p in zip(caches, layers, picks))
 
+    def top(total: int) -> list[list[int]]:  # the floor, and the rest by one top-k over the rows it left
+        rest = _top_per_head([(c.fresh, c.score) for c in layers], total, floors)
+        return [[a + b for a, b in zip(f, r)] for f, r in zip(floors, rest)]
+
     most = held([_head_picks(_normed(c), c) for c in layers])  # what each layer would hold by its own share
+    floor = caches[0].floor
+    floors = [_top_per_head([(c.fresh, _normed(c))], round(floor * c.kept))[0] for c in layers]
     total = min(max(sum(round(c.wanted) for c in layers), 0), sum(c.count for c in layers))  # the layers' room pooled
-    picks = _top_per_head([(c.fresh, c.score) for c in layers], total)
+    total = max(total - sum(map(sum, floors)), 0)
+    picks = top(total)
     while (over := held(picks) - most) > 0 and total > 0:
         total = max(0, total - over)
-        picks = _top_per_head([(c.fresh, c.score) for c in layers], total)
+        picks = top(total)
     return picks
 
 
@@ -600,10 +615,13 @@ def _head_picks(normed: mx.array, found: Candidates) -> list[int]:
     return _top_per_head([(found.fresh, normed)], found.kept)[0]
 
 
-def _top_per_head(layers: list[tuple[mx.array, mx.array]], total: int) -> list[list[int]]:
+def _top_per_head(layers: list[tuple[mx.array, mx.array]], total: int,
+                  taken: list[list[int]] | None = None) -> list[list[int]]:
     """Per layer of (fresh, score) pairs (1, heads, rows), how many of each head's fresh rows are among the ``total``
-    best of them all: exactly ``total`` by one top-k (a threshold would keep every row tied at a saturated score)."""
-    flat = mx.concatenate([mx.where(fresh, score, -1).reshape(-1) for fresh, score in layers])
+    best of them all: exactly ``total`` by one top-k (a threshold would keep every row tied at a saturated score).
+    With ``taken`` (per layer, per head), each head's best that many rows are chosen already and left out."""
+    flat = mx.concatenate([_unless_taken(mx.where(fresh, score, -1), None if taken is None else taken[i]).reshape(-1)
+                           for i, (fresh, score) in enumerate(layers)])
     total = min(total, flat.size)
     picked = mx.zeros(flat.shape, mx.int32)
     if total > 0:
@@ -613,6 +631,14 @@ def _top_per_head(layers: list[tuple[mx.array, mx.array]], total: int) -> list[l
         out.append(_ints(picked[at: at + fresh.size].reshape(fresh.shape[1], -1).sum(axis=-1)))
         at += fresh.size
     return out
+
+
+def _unless_taken(scores: mx.array, taken: list[int] | None) -> mx.array:
+    """``scores`` (1, heads, rows) with each head's best ``taken[head]`` rows set below every fresh row's."""
+    if taken is None or not any(taken):
+        return scores
+    rank = mx.argsort(mx.argsort(-scores, axis=-1), axis=-1)
+    return mx.where(rank >= mx.array(taken)[None, :, None], scores, -1)
 
 
 def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tuple[mx.array, mx.array],
