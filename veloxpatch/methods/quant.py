@@ -18,13 +18,13 @@ stops at about a fifth of the 16-bit bytes; an eighth needs fewer rows as well, 
 (a document read once, asked many things). KVzip's score chooses them: once a prompt is read (its rows folded as
 usual), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each folded row scores the most
 attention any query of its head group pays it; one top-k over every layer's heads on the raw scores keeps the best
-(KVzip's non-uniform budgets; :func:`model_wise`), as many rows in all as the layers' shares (under a share of the
+(KVzip's non-uniform budgets; :func:`model_wise`) after each layer took half its own share by its own top-k
+(``VELOX_QUANT_FLOOR``), as many rows in all as the layers' shares (under a share of the
 bytes the layers' room pooled), never more held than the layers by their own shares; each head keeps its rows in
 whole blocks, with the first ``VELOX_SINK`` tokens and each row's two-byte position for trims. With
 ``VELOX_QUANT_BUDGETS=layer`` each layer keeps its own share by one top-k over its heads (AdaKV's head-wise budgets:
-each head's scores over their sum first): it lost answers model-wise kept (docs/results.md);
-``VELOX_QUANT_FLOOR`` lets each layer keep part of its own share that way first, the model-wise top-k sharing out
-the rest. Every prompt
+each head's scores over their sum first): it lost answers model-wise kept, and the model-wise top-k alone
+(``VELOX_QUANT_FLOOR=0``) lost queries of several keys the floor answers (docs/results.md). Every prompt
 is read twice, a chat's next turn too, and its rows are chosen with those still exact when it began: a chat holds its
 share turn after turn. Rows an answer folds as it is decoded are all kept.
 
@@ -109,10 +109,11 @@ KNOBS = (
             "reading needs more keeps more, the model's total the same; `layer`: each layer keeps its share, "
             "spread over its heads (AdaKV: each head's scores over their sum), as before 2026-12-06.",
             method="quant"),
-    Setting("VELOX_QUANT_FLOOR", number_range(0, 1), "0", "a number in [0, 1]",
+    Setting("VELOX_QUANT_FLOOR", number_range(0, 1), "0.5", "a number in [0, 1]",
             "Quant, with VELOX_QUANT_BUDGETS=model: the share of each layer's own rows it keeps by its own top-k "
             "(as `layer` would) before one top-k over every layer's heads shares out the rest, so no layer is "
-            "starved of the rows a question about several facts needs; 0: the model-wise top-k alone.",
+            "starved of the rows a question about several facts needs; 0: the model-wise top-k alone, which lost "
+            "queries of several keys the floor answers (docs/results.md).",
             method="quant"),
 )
 
@@ -133,7 +134,7 @@ class QuantCache(CrossLayerCache):
                       "16-bit bytes)")  # said where VELOX_KV_MEMORY is refused
 
     def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float | str = 1.0,
-                 pool: int = 1, budgets: str = "model", floor: float = 0.0) -> None:
+                 pool: int = 1, budgets: str = "model", floor: float = 0.5) -> None:
         super().__init__(spec)
         self.bits, self.group_size, self.pool, self.budgets, self.floor = bits, group, pool, budgets, floor
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
@@ -577,7 +578,8 @@ def model_wise(caches: list[QuantCache]) -> list[list[int]] | None:
     together (under a share of the bytes, a layer whose earlier rows take more than its part gives the excess
     back), shrunk while heads rounded up to whole blocks (a head picked for few rows still holds a block in the first
     fold) would hold more than the layers by their own shares. With ``VELOX_QUANT_FLOOR``, each layer first keeps
-    that share of its own rows by its own top-k, and the top-k over them all shares out the rest. None (each layer
+    that share of its own rows by its own top-k (of its own rows scaled to the pooled room, so the floors never
+    take more than the room), and the top-k over them all shares out the rest. None (each layer
     by its own share) where a layer has no candidates or holds several sequences."""
     found = [c.candidates for c in caches]
     if not found or any(c is None or c.positions.shape[0] != 1 for c in found):
@@ -592,9 +594,9 @@ def model_wise(caches: list[QuantCache]) -> list[list[int]] | None:
         return [[a + b for a, b in zip(f, r)] for f, r in zip(floors, rest)]
 
     most = held([_head_picks(_normed(c), c) for c in layers])  # what each layer would hold by its own share
-    floor = caches[0].floor
-    floors = [_top_per_head([(c.fresh, _normed(c))], round(floor * c.kept))[0] for c in layers]
     total = min(max(sum(round(c.wanted) for c in layers), 0), sum(c.count for c in layers))  # the layers' room pooled
+    part = caches[0].floor * total / max(sum(c.kept for c in layers), 1)  # of each layer's own: below the pooled room
+    floors = [_top_per_head([(c.fresh, _normed(c))], round(part * c.kept))[0] for c in layers]
     total = max(total - sum(map(sum, floors)), 0)
     picks = top(total)
     while (over := held(picks) - most) > 0 and total > 0:
