@@ -18,7 +18,7 @@ stops at about a fifth of the 16-bit bytes; an eighth needs fewer rows as well, 
 (a document read once, asked many things). KVzip's score chooses them: once a prompt is read (its rows folded as
 usual), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each folded row scores the most
 attention any query of its head group pays it; one top-k over every layer's heads on the raw scores keeps the best
-(KVzip's non-uniform budgets; :func:`model_wise`) after each layer took half its own share by its own top-k
+(KVzip's non-uniform budgets; :func:`model_wise`) after each layer took a quarter of its own share by its own top-k
 (``VELOX_QUANT_FLOOR``), as many rows in all as the layers' shares (under a share of the
 bytes the layers' room pooled), never more held than the layers by their own shares; each head keeps its rows in
 whole blocks, with the first ``VELOX_SINK`` tokens and each row's two-byte position for trims. With
@@ -109,7 +109,7 @@ KNOBS = (
             "reading needs more keeps more, the model's total the same; `layer`: each layer keeps its share, "
             "spread over its heads (AdaKV: each head's scores over their sum), as before 2026-12-06.",
             method="quant"),
-    Setting("VELOX_QUANT_FLOOR", number_range(0, 1), "0.5", "a number in [0, 1]",
+    Setting("VELOX_QUANT_FLOOR", number_range(0, 1), "0.25", "a number in [0, 1]",
             "Quant, with VELOX_QUANT_BUDGETS=model: the share of each layer's own rows it keeps by its own top-k "
             "(as `layer` would) before one top-k over every layer's heads shares out the rest, so no layer is "
             "starved of the rows a question about several facts needs; 0: the model-wise top-k alone, which lost "
@@ -134,7 +134,7 @@ class QuantCache(CrossLayerCache):
                       "16-bit bytes)")  # said where VELOX_KV_MEMORY is refused
 
     def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float | str = 1.0,
-                 pool: int = 1, budgets: str = "model", floor: float = 0.5) -> None:
+                 pool: int = 1, budgets: str = "model", floor: float = 0.25) -> None:
         super().__init__(spec)
         self.bits, self.group_size, self.pool, self.budgets, self.floor = bits, group, pool, budgets, floor
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
