@@ -21,7 +21,7 @@ from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.eval.variants import Variant
 from veloxpatch.integration import rereading
-from veloxpatch.methods.quant import HOLD_BITS, BytesShare, QuantCache, _ragged, _top_per_head
+from veloxpatch.methods.quant import HOLD_BITS, BytesShare, QuantCache, _ragged, _top_per_head, _unless_taken
 from veloxpatch.settings import Share
 
 PROMPT = 100  # one prompt chunk: 92 rows older than the window, of which 64 (two blocks of 32) fold
@@ -407,7 +407,8 @@ def test_the_top_k_after_a_floor_is_the_best_of_the_rows_each_head_left(seed: in
         left.append(out)
     cut = np.sort(np.concatenate([x.ravel() for x in left]))[-40]
     expected = [[int((x[h] >= cut).sum()) for h in range(3)] for x in left]
-    got = _top_per_head([(mx.array(f), mx.array(s)) for f, s in layers], 40, [[int(t) for t in d] for d in taken])
+    got = _top_per_head([(mx.array(f), _unless_taken(mx.array(f), mx.array(s), [int(t) for t in d]))
+                         for (f, s), d in zip(layers, taken)], 40)
     assert got == expected
 
 

@@ -590,13 +590,15 @@ def model_wise(caches: list[QuantCache]) -> list[list[int]] | None:
         return sum(sum(cache._head_counts(c, p)) for cache, c, p in zip(caches, layers, picks))
 
     def top(total: int) -> list[list[int]]:  # the floor, and the rest by one top-k over the rows it left
-        rest = _top_per_head([(c.fresh, c.score) for c in layers], total, floors)
+        rest = _top_per_head(left, total)
         return [[a + b for a, b in zip(f, r)] for f, r in zip(floors, rest)]
 
-    most = held([_head_picks(_normed(c), c) for c in layers])  # what each layer would hold by its own share
+    normed = [_normed(c) for c in layers]
+    most = held([_head_picks(n, c) for n, c in zip(normed, layers)])  # what each layer would hold by its own share
     total = min(max(sum(round(c.wanted) for c in layers), 0), sum(c.count for c in layers))  # the layers' room pooled
     part = caches[0].floor * total / max(sum(c.kept for c in layers), 1)  # of each layer's own: below the pooled room
-    floors = [_top_per_head([(c.fresh, _normed(c))], round(part * c.kept))[0] for c in layers]
+    floors = [_top_per_head([(c.fresh, n)], round(part * c.kept))[0] for n, c in zip(normed, layers)]
+    left = [(c.fresh, _unless_taken(c.fresh, c.score, f)) for c, f in zip(layers, floors)]  # ranked once, not per try
     total = max(total - sum(map(sum, floors)), 0)
     picks = top(total)
     while (over := held(picks) - most) > 0 and total > 0:
@@ -617,13 +619,10 @@ def _head_picks(normed: mx.array, found: Candidates) -> list[int]:
     return _top_per_head([(found.fresh, normed)], found.kept)[0]
 
 
-def _top_per_head(layers: list[tuple[mx.array, mx.array]], total: int,
-                  taken: list[list[int]] | None = None) -> list[list[int]]:
+def _top_per_head(layers: list[tuple[mx.array, mx.array]], total: int) -> list[list[int]]:
     """Per layer of (fresh, score) pairs (1, heads, rows), how many of each head's fresh rows are among the ``total``
-    best of them all: exactly ``total`` by one top-k (a threshold would keep every row tied at a saturated score).
-    With ``taken`` (per layer, per head), each head's best that many rows are chosen already and left out."""
-    flat = mx.concatenate([_unless_taken(mx.where(fresh, score, -1), None if taken is None else taken[i]).reshape(-1)
-                           for i, (fresh, score) in enumerate(layers)])
+    best of them all: exactly ``total`` by one top-k (a threshold would keep every row tied at a saturated score)."""
+    flat = mx.concatenate([mx.where(fresh, score, -1).reshape(-1) for fresh, score in layers])
     total = min(total, flat.size)
     picked = mx.zeros(flat.shape, mx.int32)
     if total > 0:
@@ -635,12 +634,13 @@ def _top_per_head(layers: list[tuple[mx.array, mx.array]], total: int,
     return out
 
 
-def _unless_taken(scores: mx.array, taken: list[int] | None) -> mx.array:
-    """``scores`` (1, heads, rows) with each head's best ``taken[head]`` rows set below every fresh row's."""
-    if taken is None or not any(taken):
-        return scores
-    rank = mx.argsort(mx.argsort(-scores, axis=-1), axis=-1)
-    return mx.where(rank >= mx.array(taken)[None, :, None], scores, -1)
+def _unless_taken(fresh: mx.array, score: mx.array, taken: list[int]) -> mx.array:
+    """``score`` (1, heads, rows) with each head's best ``taken[head]`` fresh rows set below every fresh row's (to
+    :func:`_top_per_head` they are not fresh: chosen already)."""
+    if not any(taken):
+        return score
+    rank = mx.argsort(mx.argsort(-mx.where(fresh, score, -1), axis=-1), axis=-1)
+    return mx.where(rank >= mx.array(taken)[None, :, None], score, -1)
 
 
 def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tuple[mx.array, mx.array],
