@@ -168,14 +168,17 @@ def test_a_long_chunk_attends_in_blocks_of_queries_with_the_same_output() -> Non
                 got = blocks.attention(queries, keys, values, 0.2, mask, sink)
             finally:
                 blocks.SCORE_BYTES = saved
-            assert mx.array_equal(want, got).item(), (type(mask).__name__, sink is None)
+            # a causal block without sinks is numpy's on the CPU (caches/scored_attention.py): float32 rounding
+            exact = not (isinstance(mask, str) and sink is None)
+            same = mx.array_equal(want, got) if exact else mx.allclose(want, got, rtol=1e-5, atol=1e-6)
+            assert same.item(), (type(mask).__name__, sink is None)
 
 
 def test_slots_left_to_mlx_lm_attend_their_prompt_chunks_in_blocks_with_the_same_logits(monkeypatch) -> None:
     """A sliding-window slot stays mlx_lm's; with a method on (on the CPU) its prompt chunks attend in blocks of
     queries as ours do, and the rows past its window are freed after the chunk (:mod:`veloxpatch.caches.window`):
-    the same logits, bit for bit, through later chunks and decoding, and a decode step, or a run with no method,
-    as before."""
+    the same logits (to float32 rounding) through later chunks and decoding, and a decode step, or a run with no
+    method, as before."""
     from veloxpatch.caches import blocks
     from veloxpatch.integration import wrappers
 
@@ -211,7 +214,8 @@ def test_slots_left_to_mlx_lm_attend_their_prompt_chunks_in_blocks_with_the_same
     assert sorted(calls)[-4:] == [(199, True), (199, True), (200, True), (200, True)], calls
     assert not any(blocked for n, blocked in calls if n == 1)
     assert held and max(held) == model.args.sliding_window, held  # what no later step sees is freed, not kept
-    assert all(mx.array_equal(a, b).item() for a, b in zip(expected, got))
+    # the blocks are numpy's on the CPU (caches/scored_attention.py): the logits agree to float32 rounding
+    assert all(mx.allclose(a, b, rtol=1e-4, atol=1e-4).item() for a, b in zip(expected, got))
 
 
 def test_a_tier_holds_what_it_reports_after_decoding() -> None:

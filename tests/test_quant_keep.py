@@ -511,7 +511,9 @@ def test_a_second_prompt_holds_its_own_keys_and_keeps_every_earlier_row() -> Non
         (fold,) = cache.folds
         positions = cache.fold_positions(fold)
         assert key_bits(cache) == [4]
-        assert mx.array_equal(positions[..., : earlier.shape[-1]], earlier).item(), "every earlier row stays"
+        for had, has in zip(np.asarray(earlier)[0], np.asarray(positions)[0]):  # head by head, padding aside
+            had = had[had >= 0]
+            assert (has[: had.size] == had).all(), "every earlier row stays, first in its head"
         assert int((positions >= 202).sum(axis=-1).max()) < 160 - 8, "the new prompt's rows were chosen"
 
 

@@ -2,7 +2,10 @@
 
 On the CPU a step holds a (query heads x chunk x rows) float32 score matrix: for a 512-token chunk over 8k tokens
 on SmolLM2-135M, 151 MB per layer. Queries are independent, so a block at a time, each evaluated before the next,
-gives the same output with at most ``SCORE_BYTES`` of scores alive.
+gives the same output with at most ``SCORE_BYTES`` of scores alive (a block's least is ``MIN_BLOCK`` queries).
+
+On the CPU a causal block's softmax is numpy's (:func:`.scored_attention.causal_on_host`): mlx's scalar ``exp``
+is most of a long chunk's attention there, and numpy's is vectorized (docs/results.md, "Prefill").
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+
+from .scored_attention import causal_on_host
 
 # the most scores one block of queries may hold: mlx's CPU attention keeps about three arrays of that size alive
 # (docs/results.md, "While a prompt is read")
@@ -25,6 +30,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     block = max(MIN_BLOCK, SCORE_BYTES // max(1, 4 * b * heads * rows))
     if block >= n:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    if isinstance(mask, str) and sinks is None and mx.default_device() == mx.cpu:
+        return causal_on_host(queries, keys, values, scale, block)
     parts = []
     for start in range(0, n, block):
         stop = min(n, start + block)

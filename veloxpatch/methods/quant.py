@@ -49,6 +49,7 @@ from mlx.utils import tree_flatten
 
 from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
+from ..caches.scored_attention import scored_attention
 from ..caches.selection import pool_rows
 from ..caches.spec import CacheSpec
 from ..caches.store import Parts, decode, encode, take_rows
@@ -63,7 +64,6 @@ GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per 
 BUDGETS = ("layer", "model")  # VELOX_QUANT_BUDGETS: what one top-k of the rows to keep runs over
 
 HOLD_BITS = 8  # the keys of a prompt awaiting its second reading (module doc: why not at VELOX_QUANT_BITS)
-QUERY_BLOCK = 64  # queries of a second reading scored at once: bounds the (heads, group x block, rows) float32 logits
 
 
 class BytesShare(float):
@@ -440,27 +440,16 @@ class QuantCache(CrossLayerCache):
         return out
 
     def _scored_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-        """Attention of the second reading's ``queries`` over every row, a block of queries at a time; each folded
-        row scores the most attention any query of its head group pays it over the whole reading. The rows before
-        the chunk and the chunk's own (causal) are multiplied apart under one softmax (:func:`_two_part_attention`),
-        so the long part needs no mask."""
+        """Attention of the second reading's ``queries`` over every row (:func:`scored_attention`); each folded row
+        scores the most attention any query of its head group pays it over the whole reading."""
         b, heads_q, n, dim = queries.shape
-        heads, rows = keys.shape[1], keys.shape[2]
-        past, folded = rows - n, self.folded_rows()
+        heads = keys.shape[1]
+        past = keys.shape[2] - n
         q = (queries * scale).reshape(b, heads, heads_q // heads, n, dim)
-        earlier = (keys[:, :, None, :past].swapaxes(-1, -2), values[:, :, None, :past])
         real = (self._key_positions() >= 0)[:, :, None, None, :past] if self.has_holes() else None
-        outs, best = [], mx.zeros((b, heads, folded), mx.float32) if self.scores is None else self.scores
-        for at in range(0, n, QUERY_BLOCK):
-            block = q[..., at : at + QUERY_BLOCK, :]
-            stop = past + at + block.shape[3]
-            own = (keys[:, :, None, past:stop].swapaxes(-1, -2), values[:, :, None, past:stop])
-            out, probs = _two_part_attention(block, earlier, own, real)
-            best = mx.maximum(best, probs[..., :folded].max(axis=(2, 3)))
-            outs.append(out.astype(values.dtype))
-            mx.eval(outs[-1], best)
-        self.scores = best
-        return mx.concatenate(outs, axis=3).reshape(b, heads_q, n, -1)
+        best = mx.zeros((b, heads, self.folded_rows()), mx.float32) if self.scores is None else self.scores
+        out, self.scores = scored_attention(q, keys, values, real, best)
+        return out.reshape(b, heads_q, n, -1)
 
     def _times(self, x: mx.array, parts: Parts, group: int | None) -> mx.array:
         """``x`` times the matrix ``parts`` holds quantized along its last axis."""
@@ -641,26 +630,6 @@ def _unless_taken(fresh: mx.array, score: mx.array, taken: list[int]) -> mx.arra
         return score
     rank = mx.argsort(mx.argsort(-mx.where(fresh, score, -1), axis=-1), axis=-1)
     return mx.where(rank >= mx.array(taken)[None, :, None], score, -1)
-
-
-def _two_part_attention(q: mx.array, earlier: tuple[mx.array, mx.array], own: tuple[mx.array, mx.array],
-                        real: mx.array | None) -> tuple[mx.array, mx.array]:
-    """A block of scaled queries ``q`` (B, h, group, m, d) over the rows before the chunk (``earlier``: keys
-    transposed, values; all seen but the holes) and the chunk's own up to the block's last query (causal), under
-    one float32 softmax: the output, and the probabilities over the earlier rows."""
-    m, seen = q.shape[3], own[0].shape[-1]
-    first = (q @ earlier[0]).astype(mx.float32)
-    if real is not None:
-        first = mx.where(real, first, -mx.inf)
-    causal = mx.arange(seen)[None] <= (seen - m + mx.arange(m))[:, None]
-    second = mx.where(causal, (q @ own[0]).astype(mx.float32), -mx.inf)
-    top = second.max(axis=-1, keepdims=True)  # finite: each query sees itself
-    if first.shape[-1]:
-        top = mx.maximum(top, first.max(axis=-1, keepdims=True))
-    first, second = mx.exp(first - top), mx.exp(second - top)
-    total = first.sum(axis=-1, keepdims=True) + second.sum(axis=-1, keepdims=True)
-    out = (first.astype(earlier[1].dtype) @ earlier[1] + second.astype(own[1].dtype) @ own[1]) / total
-    return out, first / total
 
 
 def _ragged(fold: Fold) -> bool:

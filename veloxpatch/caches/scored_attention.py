@@ -1,0 +1,121 @@
+"""Attention that also scores the rows it reads: a prompt's second reading (KVzip's rule, ``methods/quant.py``)
+needs each query's output, to go on through the model, and the most attention any query pays each earlier row.
+
+Queries go a block at a time (:data:`QUERY_BLOCK`): a block's float32 logits over every row are what a second
+reading holds beyond the model's own activations.
+
+On mlx's CPU backend the cost of such a block is its exponentials, not its matmuls: mlx's ``exp`` is scalar
+(18M float32 values in 233 ms here, numpy's vectorized one in 17 ms; docs/results.md, "Prefill"), so there mlx
+multiplies a block's logits and numpy (which mlx_lm depends on too) takes its softmax in place, in that buffer of
+mlx's (read and written without a copy: mlx's memory count holds it), then multiplies the values. On a GPU, mlx
+computes the whole block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+QUERY_BLOCK = 64  # queries scored at once: bounds a block's (heads, group x block, rows) float32 logits
+
+
+def scored_attention(q: mx.array, keys: mx.array, values: mx.array, real: mx.array | None,
+                     best: mx.array) -> tuple[mx.array, mx.array]:
+    """Scaled queries ``q`` (B, heads, group, n, dim) of a chunk whose rows are the last n of ``keys`` and
+    ``values`` (B, heads, rows, dim), over every row before them and their own up to each query; ``real``
+    (B, heads, 1, 1, rows - n) marks the earlier rows that are not holes (None: all are); ``best`` (B, heads,
+    scored) the scores so far of the first ``scored`` rows. The output (B, heads, group, n, dim, in ``values``'
+    dtype) and ``best`` raised by the most attention each scored row got from a query of its head group."""
+    if mx.default_device() != mx.cpu:
+        return _blocks(mx, _block, q, keys, values, real, best)
+    on_host = (np.asarray(real) if real is not None else None, np.asarray(_float32(best)))
+    out, found = _blocks(np, _host_block, _float32(q), _float32(keys), np.asarray(_float32(values)), *on_host)
+    return mx.array(out).astype(values.dtype), mx.array(found)
+
+
+def causal_on_host(queries: mx.array, keys: mx.array, values: mx.array, scale: float, size: int) -> mx.array:
+    """Causal attention (the last rows the queries' own) by numpy's blocks of ``size`` queries, for a prompt
+    chunk's attention on the CPU (``caches/blocks.py``): what a second reading does without the scores."""
+    b, heads_q, n, dim = queries.shape
+    heads = keys.shape[1]
+    q = _float32((queries * scale).reshape(b, heads, heads_q // heads, n, dim))
+    out, _ = _blocks(np, _host_block, q, _float32(keys), np.asarray(_float32(values)), None,
+                     np.zeros((b, heads, 0), np.float32), size)
+    return mx.array(out).astype(values.dtype).reshape(b, heads_q, n, -1)
+
+
+def _blocks(xp: Any, attention: Callable[..., tuple[Any, Any]], q: mx.array, keys: mx.array, values: Any,
+            real: Any, best: Any, size: int = QUERY_BLOCK) -> tuple[Any, Any]:
+    """:func:`scored_attention` ``size`` queries at a time, each block by ``attention`` (mlx's or numpy's, ``xp``;
+    ``values``, ``real`` and ``best`` that library's arrays): the output and the scores (none where ``best`` has
+    no column)."""
+    n = q.shape[3]
+    past = keys.shape[2] - n
+    outs = []
+    for at in range(0, n, size):
+        block = q[..., at: at + size, :]
+        out, probs = attention(block, keys, values, past, past + at + block.shape[3], real, best.shape[-1])
+        if best.shape[-1]:
+            best = xp.maximum(best, probs.max(axis=(2, 3)))
+        if xp is mx:
+            out = out.astype(values.dtype)
+            mx.eval(out, best)  # a block's float32 logits go before the next block's
+        outs.append(out)
+    return xp.concatenate(outs, axis=3), best
+
+
+def _float32(x: mx.array) -> mx.array:
+    """``x`` in float32 (numpy has no bfloat16), evaluated for numpy to read."""
+    x = x if x.dtype == mx.float32 else x.astype(mx.float32)
+    mx.eval(x)
+    return x
+
+
+def _block(q: mx.array, keys: mx.array, values: mx.array, past: int, stop: int, real: mx.array | None,
+           scored: int) -> tuple[mx.array, mx.array]:
+    """A block of scaled queries ``q`` (B, h, group, m, d) over the rows before the chunk (all seen but the holes)
+    and the chunk's own up to the block's last query (causal, ``past`` to ``stop``), by mlx under one float32
+    softmax, the two parts multiplied apart (the long one needs no mask): the output, and the probabilities over
+    the first ``scored`` rows."""
+    m = q.shape[3]
+    earlier = (keys[:, :, None, :past].swapaxes(-1, -2), values[:, :, None, :past])
+    own = (keys[:, :, None, past:stop].swapaxes(-1, -2), values[:, :, None, past:stop])
+    first = (q @ earlier[0]).astype(mx.float32)
+    if real is not None:
+        first = mx.where(real, first, -mx.inf)
+    second = mx.where(_causal(mx, m, stop - past), (q @ own[0]).astype(mx.float32), -mx.inf)
+    top = second.max(axis=-1, keepdims=True)  # finite: each query sees itself
+    if first.shape[-1]:
+        top = mx.maximum(top, first.max(axis=-1, keepdims=True))
+    first, second = mx.exp(first - top), mx.exp(second - top)
+    total = first.sum(axis=-1, keepdims=True) + second.sum(axis=-1, keepdims=True)
+    out = (first.astype(earlier[1].dtype) @ earlier[1] + second.astype(own[1].dtype) @ own[1]) / total
+    return out, first[..., :scored] / total
+
+
+def _host_block(q: mx.array, keys: mx.array, values: np.ndarray, past: int, stop: int, real: np.ndarray | None,
+                scored: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_block` on the CPU: the logits over every row the block sees by mlx's matmul (a buffer of mlx's,
+    so that its memory counts as mlx's), the softmax in place over that buffer by numpy, then its product with
+    the values; float32 throughout."""
+    b, heads, group, m, dim = q.shape
+    logits = q.reshape(b, heads, group * m, dim) @ keys[:, :, :stop].swapaxes(-1, -2)
+    mx.eval(logits)
+    probs = np.asarray(logits).reshape(b, heads, group, m, stop)  # mlx's buffer, written in place
+    if real is not None:
+        np.copyto(probs[..., :past], -np.inf, where=~real)
+    probs[..., past:][..., ~_causal(np, m, stop - past)] = -np.inf
+    top = probs.max(axis=-1, keepdims=True)  # finite: each query sees itself
+    np.exp(np.subtract(probs, top, out=probs), out=probs)
+    total = probs.sum(axis=-1, keepdims=True)
+    out = (probs @ values[:, :, None, :stop]) / total
+    scores = probs[..., :scored]
+    return out, np.divide(scores, total, out=scores)
+
+
+def _causal(xp: Any, m: int, seen: int) -> Any:
+    """(m, seen): which of the chunk's ``seen`` rows so far each of the block's last ``m`` queries sees."""
+    return xp.arange(seen)[None] <= (seen - m + xp.arange(m))[:, None]
