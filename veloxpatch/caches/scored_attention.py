@@ -5,9 +5,9 @@ Queries go a block at a time (:data:`QUERY_BLOCK`): a block's float32 logits ove
 reading holds beyond the model's own activations.
 
 On mlx's CPU backend the cost of such a block is its exponentials, not its matmuls: mlx's ``exp`` is scalar
-(18M float32 values in 233 ms here, numpy's vectorized one in 17 ms; docs/results.md, "Prefill"), so there mlx
-multiplies a block's logits and numpy (which mlx_lm depends on too) takes its softmax in place, in that buffer of
-mlx's (read and written without a copy: mlx's memory count holds it), then multiplies the values. On a GPU, mlx
+(18M float32 values in 251 ms here, numpy's vectorized one in 15 ms: `bench/cpu_softmax.py`), so there mlx
+multiplies a block's logits, numpy (which mlx_lm depends on too) takes their softmax in place, in that buffer of
+mlx's (read and written without a copy: mlx's memory count holds it), and mlx multiplies it by the values. On a GPU, mlx
 computes the whole block.
 """
 
@@ -32,7 +32,7 @@ def scored_attention(q: mx.array, keys: mx.array, values: mx.array, real: mx.arr
     if mx.default_device() != mx.cpu:
         return _blocks(mx, _block, q, keys, values, real, best)
     on_host = (np.asarray(real) if real is not None else None, np.asarray(_float32(best)))
-    out, found = _blocks(np, _host_block, _float32(q), _float32(keys), np.asarray(_float32(values)), *on_host)
+    out, found = _blocks(np, _host_block, _float32(q), _float32(keys), _float32(values), *on_host)
     return mx.array(out).astype(values.dtype), mx.array(found)
 
 
@@ -42,16 +42,16 @@ def causal_on_host(queries: mx.array, keys: mx.array, values: mx.array, scale: f
     b, heads_q, n, dim = queries.shape
     heads = keys.shape[1]
     q = _float32((queries * scale).reshape(b, heads, heads_q // heads, n, dim))
-    out, _ = _blocks(np, _host_block, q, _float32(keys), np.asarray(_float32(values)), None,
-                     np.zeros((b, heads, 0), np.float32), size)
+    out, _ = _blocks(np, _host_block, q, _float32(keys), _float32(values), None, np.zeros((b, heads, 0), np.float32),
+                     size)
     return mx.array(out).astype(values.dtype).reshape(b, heads_q, n, -1)
 
 
-def _blocks(xp: Any, attention: Callable[..., tuple[Any, Any]], q: mx.array, keys: mx.array, values: Any,
+def _blocks(xp: Any, attention: Callable[..., tuple[Any, Any]], q: mx.array, keys: mx.array, values: mx.array,
             real: Any, best: Any, size: int = QUERY_BLOCK) -> tuple[Any, Any]:
-    """:func:`scored_attention` ``size`` queries at a time, each block by ``attention`` (mlx's or numpy's, ``xp``;
-    ``values``, ``real`` and ``best`` that library's arrays): the output and the scores (none where ``best`` has
-    no column)."""
+    """:func:`scored_attention` ``size`` queries at a time, each block by ``attention`` (mlx's, or the CPU's with
+    ``xp`` numpy: ``real`` and ``best`` numpy's arrays, and the output): the output and the scores (none where
+    ``best`` has no column)."""
     n = q.shape[3]
     past = keys.shape[2] - n
     outs = []
@@ -96,11 +96,11 @@ def _block(q: mx.array, keys: mx.array, values: mx.array, past: int, stop: int, 
     return out, first[..., :scored] / total
 
 
-def _host_block(q: mx.array, keys: mx.array, values: np.ndarray, past: int, stop: int, real: np.ndarray | None,
+def _host_block(q: mx.array, keys: mx.array, values: mx.array, past: int, stop: int, real: np.ndarray | None,
                 scored: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_block` on the CPU: the logits over every row the block sees by mlx's matmul (a buffer of mlx's,
-    so that its memory counts as mlx's), the softmax in place over that buffer by numpy, then its product with
-    the values; float32 throughout."""
+    """:func:`_block` on the CPU, float32: mlx multiplies the logits over every row the block sees into a buffer
+    of its own (so its memory counts as mlx's), numpy takes their softmax in place in that buffer, then mlx
+    multiplies it by the values (numpy multiplying would bring a second BLAS, slower here)."""
     b, heads, group, m, dim = q.shape
     logits = q.reshape(b, heads, group * m, dim) @ keys[:, :, :stop].swapaxes(-1, -2)
     mx.eval(logits)
@@ -111,9 +111,10 @@ def _host_block(q: mx.array, keys: mx.array, values: np.ndarray, past: int, stop
     top = probs.max(axis=-1, keepdims=True)  # finite: each query sees itself
     np.exp(np.subtract(probs, top, out=probs), out=probs)
     total = probs.sum(axis=-1, keepdims=True)
-    out = (probs @ values[:, :, None, :stop]) / total
+    out = (logits.reshape(b, heads, group, m, stop) @ values[:, :, None, :stop]) / mx.array(total)
+    mx.eval(out)  # before the scores are normalized in the same buffer
     scores = probs[..., :scored]
-    return out, np.divide(scores, total, out=scores)
+    return np.asarray(out), np.divide(scores, total, out=scores)
 
 
 def _causal(xp: Any, m: int, seen: int) -> Any:
