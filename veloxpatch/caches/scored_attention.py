@@ -5,7 +5,7 @@ Queries go a block at a time (:data:`QUERY_BLOCK`): a block's float32 logits ove
 reading holds beyond the model's own activations.
 
 On mlx's CPU backend the cost of such a block is its exponentials, not its matmuls: mlx's ``exp`` is scalar
-(18M float32 values in 251 ms here, numpy's vectorized one in 15 ms: `bench/cpu_softmax.py`), so there mlx
+(18M float32 values in 262 ms here, numpy's vectorized one in 15 ms: `bench/cpu_softmax.py`), so there mlx
 multiplies a block's logits, numpy (which mlx_lm depends on too) takes their softmax in place, in that buffer of
 mlx's (read and written without a copy: mlx's memory count holds it), and mlx multiplies it by the values. On a GPU, mlx
 computes the whole block.
@@ -30,9 +30,9 @@ def scored_attention(q: mx.array, keys: mx.array, values: mx.array, real: mx.arr
     scored) the scores so far of the first ``scored`` rows. The output (B, heads, group, n, dim, in ``values``'
     dtype) and ``best`` raised by the most attention each scored row got from a query of its head group."""
     if mx.default_device() != mx.cpu:
-        return _blocks(mx, _block, q, keys, values, real, best)
+        return _blocks(mx, _block, q, keys, values, real, best, QUERY_BLOCK)
     on_host = (np.asarray(real) if real is not None else None, np.asarray(_float32(best)))
-    out, found = _blocks(np, _host_block, _float32(q), _float32(keys), _float32(values), *on_host)
+    out, found = _blocks(np, _host_block, _float32(q), _float32(keys), _float32(values), *on_host, QUERY_BLOCK)
     return mx.array(out).astype(values.dtype), mx.array(found)
 
 
@@ -48,7 +48,7 @@ def causal_on_host(queries: mx.array, keys: mx.array, values: mx.array, scale: f
 
 
 def _blocks(xp: Any, attention: Callable[..., tuple[Any, Any]], q: mx.array, keys: mx.array, values: mx.array,
-            real: Any, best: Any, size: int = QUERY_BLOCK) -> tuple[Any, Any]:
+            real: Any, best: Any, size: int) -> tuple[Any, Any]:
     """:func:`scored_attention` ``size`` queries at a time, each block by ``attention`` (mlx's, or the CPU's with
     ``xp`` numpy: ``real`` and ``best`` numpy's arrays, and the output): the output and the scores (none where
     ``best`` has no column)."""
@@ -68,7 +68,8 @@ def _blocks(xp: Any, attention: Callable[..., tuple[Any, Any]], q: mx.array, key
 
 
 def _float32(x: mx.array) -> mx.array:
-    """``x`` in float32 (numpy has no bfloat16), evaluated for numpy to read."""
+    """``x`` in float32, evaluated: the logits numpy takes the softmax of are as wide as the queries and keys (numpy
+    has no bfloat16), and the scores numpy raises are read as they are."""
     x = x if x.dtype == mx.float32 else x.astype(mx.float32)
     mx.eval(x)
     return x
