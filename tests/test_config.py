@@ -54,8 +54,8 @@ def test_unknown_names_get_the_closest_valid_name() -> None:
 def test_a_tier_given_to_a_method_that_drops_no_row_is_said_to_do_nothing(method: str) -> None:
     warnings = from_env({"VELOX_KV": method, "VELOX_TIER": "4"}).warnings
     assert warnings == [f"VELOX_TIER=4 does nothing with VELOX_KV={method}: it keeps the rows a method drops, and "
-                        f"{method} drops none (it keeps every token in a form of its own); it is for chunkkv, h2o, "
-                        "pyramidkv, snapkv, squeeze, streamingllm, tova"]
+                        f"{method} drops none (it keeps every token in a form of its own); it is for chunkkv, "
+                        "expected_attention, h2o, pyramidkv, snapkv, squeeze, streamingllm, tova"]
     assert from_env({"VELOX_KV": method}).warnings == [], "the default says nothing"
     assert from_env({"VELOX_KV": "snapkv", "VELOX_TIER": "4"}).warnings == []
 

@@ -84,7 +84,8 @@ def test_shared_bench_matches_the_plain_bench(model_dir: Path) -> None:
         assert plain[i].prefill == "plain" and len(m.tokens) == 6
     how = {m.label: m.prefill for m in shared.values()}
     assert how == {"vanilla@ctx=48": "plain", "vanilla": "own", "rotating": "own",
-                   **{k: "own" for k in ("h2o", "minicache", "quant", "squeeze", "tova", "xkv", "xquant")},
+                   **{k: "own" for k in ("expected_attention", "h2o", "minicache", "quant", "squeeze", "tova", "xkv",
+                                           "xquant")},
                    **{k: "shared:snapkv" for k in ("chunkkv", "pyramidkv", "snapkv", "streamingllm")}}
     # 199 = 3 x 64 + 7: a chunk short enough to be a decode step, so the shared methods run plain
     rows = run_bench(model, BenchSpec([200], 48, ["snapkv", "h2o"], new_tokens=3, repeats=1, prefill_step=64))

@@ -11,8 +11,8 @@ from veloxpatch.caches.evicting import EvictingCache
 from veloxpatch.registry import METHODS, cache_class, knob_settings, method, policies
 from veloxpatch.settings import Setting, int_range
 
-BUILTIN = {"chunkkv", "h2o", "minicache", "pyramidkv", "quant", "snapkv", "squeeze", "streamingllm", "tova", "xkv",
-           "xquant"}
+BUILTIN = {"chunkkv", "expected_attention", "h2o", "minicache", "pyramidkv", "quant", "snapkv", "squeeze",
+           "streamingllm", "tova", "xkv", "xquant"}
 
 
 @pytest.fixture
