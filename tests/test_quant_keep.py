@@ -141,8 +141,9 @@ def test_keeping_every_row_reads_each_prompt_chunk_once(monkeypatch) -> None:
 
     monkeypatch.setattr(QuantCache, "update_and_fetch", counted)
     prompt = random_tokens(101, 5)
-    led = 20 + min(rereading.LEAD, 80)  # read again, the second chunk comes after the first's last tokens
-    for keep, reads in (("100%", [80, 80, 20, 20]), ("40%", [80, 80, 20, 20, 80, 80, led, led])):
+    lead = min(rereading.LEAD, 80)  # read again, the second chunk comes after the first's last tokens, by a call
+    again = [80, 80, lead, lead, 20, 20]  # of their own (a call's activations no more than its chunk's)
+    for keep, reads in (("100%", [80, 80, 20, 20]), ("40%", [80, 80, 20, 20, *again])):
         caches = quant_caches(model, keep)
         calls.clear()  # (building the caches probed the model)
         greedy(model, prompt, caches, steps=2, chunk=80)  # 80 tokens, then 20 (as short as a decode step may be)

@@ -125,8 +125,9 @@ def _asks(cache: Any) -> bool:
 def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kwargs: dict,
                 readers: list[Any]) -> None:
     """Read the readers' unscored prompt again, a chunk at a time as it was read, each after the :data:`LEAD`
-    tokens before it and trimmed before the next (each attends over the prompt read once and its lead, not over
-    the second reading's other chunks); then the readers keep their best rows. A failure is said (or raised under
+    tokens before it (read by a call of their own just before it, the same attention as one call over both) and
+    trimmed before the next (each attends over the prompt read once and its lead, not over the second reading's
+    other chunks); then the readers keep their best rows. A failure is said (or raised under
     ``VELOX_STRICT``) and leaves every row."""
     chunks = readers[0].unscored
     offsets = [cache.offset for cache in readers]
@@ -135,11 +136,11 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
     read, lead = False, None
     try:
         for chunk in chunks:
-            chunk = chunk if lead is None else mx.concatenate([lead, chunk], axis=1)
-            lead = chunk[:, -LEAD:]
-            again, named = _with_input(params, args, kwargs, chunk, readers)
+            pieces, lead = ([chunk] if lead is None else [lead, chunk]), _lead(lead, chunk)
             try:
-                wrapped(*again, **named)
+                for piece in pieces:  # the lead in a call of its own: no more activations than the chunk's
+                    again, named = _with_input(params, args, kwargs, piece, readers)
+                    wrapped(*again, **named)
             finally:  # the second reading's rows go, whether it finished or not
                 for cache, offset in zip(readers, offsets):
                     cache.trim(cache.offset - offset)
@@ -150,6 +151,11 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
         for cache in readers:
             cache.stop_rereading(read)
         type(readers[0]).keep_chosen(readers)
+
+
+def _lead(lead: mx.array | None, chunk: mx.array) -> mx.array:
+    """The last :data:`LEAD` tokens read before the next chunk (this chunk's, and its lead's where it is shorter)."""
+    return (chunk if lead is None else mx.concatenate([lead, chunk], axis=1))[:, -LEAD:]
 
 
 def _with_input(params: Parameters, args: tuple, kwargs: dict, tokens: mx.array,
