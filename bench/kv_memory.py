@@ -8,9 +8,10 @@ under it, measured by what the process holds (``mx.get_active_memory``) over the
 
 For vanilla mlx_lm, for SnapKV under the target (``end`` and ``chunk`` mode, with and without a 4-bit tier) and for
 ``quant`` (every row at 4 bits, or an eighth of the bytes: ``quant[keep=0.125x]``, whose second reading of the prompt
-runs with the prompt's last token, so its peak counts here), one niah_single prompt of ``--context`` tokens through mlx_lm's ``generate_step`` (32 new tokens): the memory held after
-the answer and the peak while the prompt was read, both over the loaded model, the caches' ``nbytes``, and whether
-the answer was right. Prints a Markdown table (and writes it with its JSON to ``--out``).
+runs with the prompt's last token, so its peak counts here), one niah_single prompt of ``--context`` tokens
+through mlx_lm's ``generate_step`` (32 new tokens): the memory held after the answer and the peak while the prompt
+was read, both over the loaded model, the caches' ``nbytes``, and whether the answer was right. Prints a Markdown
+table (and writes it with its JSON to ``--out``).
 """
 
 from __future__ import annotations
