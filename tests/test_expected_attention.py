@@ -12,7 +12,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from conftest import feed, random_rows, softmax
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget
-from veloxpatch.methods.expected_attention import ExpectedAttentionCache, expected_logits, rotations
+from veloxpatch.methods.expected_attention import ExpectedAttentionCache, expected_logits, mean_ahead, rotations
 
 DIM, BASE, SCALE = 8, 100.0, 0.35
 ROPES = {
@@ -37,6 +37,23 @@ def test_rotations_are_the_modules_own_maps(kind: str) -> None:
     maps = rotations(rope, 7, 5, DIM)
     ours = mx.einsum("bhic,icj->bhij", x, maps)
     assert np.allclose(np.array(ours), np.array(rope(x, offset=7)), atol=1e-5)
+
+
+def dynamic_ntk() -> nn.Module:
+    """A module whose frequencies move with the position past its 32 positions (a rotation by ``a + b`` is then not
+    one by ``a`` then one by ``b``)."""
+    return initialize_rope(DIM, BASE, False, {"rope_type": "dynamic", "factor": 4.0}, 32)
+
+
+@pytest.mark.parametrize("kind", [*sorted(ROPES), "dynamic"])
+@pytest.mark.parametrize("end", [8, 40])
+def test_the_mean_map_ahead_from_positions_zero_on_is_every_maps_mean(kind: str, end: int) -> None:
+    """With the mean map of positions 0 .. future - 1 given, the mean map ahead of ``end`` is still the mean of the
+    module's own maps there: composed where rotations compose, every map where they do not (dynamic NTK past 32)."""
+    rope = dynamic_ntk() if kind == "dynamic" else ROPES[kind]()
+    base = rotations(rope, 0, 16, DIM).mean(axis=0)
+    direct = rotations(rope, end, 16, DIM).mean(axis=0)
+    assert np.allclose(np.array(mean_ahead(rope, end, 16, DIM, base)), np.array(direct), atol=1e-5)
 
 
 def rotate(x: np.ndarray, position: int) -> np.ndarray:
@@ -64,8 +81,10 @@ def reference_logits(queries: np.ndarray, keys: np.ndarray, end: int, future: in
 @pytest.mark.parametrize("seed", range(4))
 def test_expected_logits_follow_the_closed_form(seed: int) -> None:
     keys, queries = random_rows(seed, 2, 2, 2, 40, DIM)
-    ours = expected_logits(mx.array(queries[:, :, -6:]), mx.array(keys), nn.RoPE(DIM, base=BASE), 40, 16, SCALE)
-    assert np.allclose(np.array(ours), reference_logits(queries[:, :, -6:], keys, 40, 16), atol=1e-4)
+    rope, want = nn.RoPE(DIM, base=BASE), reference_logits(queries[:, :, -6:], keys, 40, 16)
+    for base in (None, rotations(rope, 0, 16, DIM).mean(axis=0)):
+        ours = expected_logits(mx.array(queries[:, :, -6:]), mx.array(keys), rope, 40, 16, SCALE, base)
+        assert np.allclose(np.array(ours), want, atol=1e-4)
 
 
 def test_without_a_rotary_module_the_statistics_stay_unrotated() -> None:

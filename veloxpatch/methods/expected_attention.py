@@ -47,10 +47,27 @@ def rotations(rope: Any, first: int, count: int, width: int) -> mx.array:
     return rope(identity, offset=first)[0].swapaxes(0, 1)
 
 
-def expected_logits(queries: mx.array, keys: mx.array, rope: Any, end: int, future: int, scale: float) -> mx.array:
+def mean_ahead(rope: Any, end: int, future: int, width: int, base: mx.array | None = None) -> mx.array:
+    """The mean of the module's maps at positions ``end`` .. ``end + future - 1``. With ``base``, the mean map of
+    positions ``0`` .. ``future - 1``, it is the map at ``end`` times ``base`` (a rotation by ``end + t`` is one by
+    ``end`` then one by ``t``; a scaled module's gain divided out once), two maps instead of ``future``: taken where
+    that composition holds at the window's far end, else (a module whose frequencies move with the position, as
+    dynamic NTK's) the mean of every map."""
+    if base is not None:
+        first = rotations(rope, end, 1, width)[0]
+        gain = mx.sqrt((first * first).sum(axis=-1, keepdims=True))  # each input channel's gain (1 unscaled)
+        far = rotations(rope, end + future - 1, 1, width)[0]
+        if mx.allclose(first @ rotations(rope, future - 1, 1, width)[0] / gain, far, atol=1e-4).item():
+            return first @ base / gain
+    return rotations(rope, end, future, width).mean(axis=0)
+
+
+def expected_logits(queries: mx.array, keys: mx.array, rope: Any, end: int, future: int, scale: float,
+                    base: mx.array | None = None) -> mx.array:
     """The logits a future query is expected to give each row, (B, kv_heads, group, rows): ``queries`` (B, q_heads,
     n, d) at positions ``end - n`` .. ``end - 1`` rotated back, their mean and per-channel variance taken, then
-    rotated by the mean map over the next ``future`` positions (``rope`` None: not rotated)."""
+    rotated by the mean map over the next ``future`` positions (``rope`` None: not rotated; ``base``: see
+    :func:`mean_ahead`)."""
     b, hq, n, d = queries.shape
     q = queries.astype(mx.float32)
     ahead = mx.eye(d, dtype=mx.float32)
@@ -58,7 +75,7 @@ def expected_logits(queries: mx.array, keys: mx.array, rope: Any, end: int, futu
         back = rotations(rope, end - n, n, d)  # (n, d, d): q_rotated = q_plain @ back[i]
         gain = (back[0] * back[0]).sum(axis=-1)  # each channel's squared gain (a scaled rotation's, else 1)
         q = mx.einsum("bhic,ijc->bhij", q, back) / gain
-        ahead = rotations(rope, end, future, d).mean(axis=0)
+        ahead = mean_ahead(rope, end, future, d, base)
     mean, var = q.mean(axis=2), q.var(axis=2)  # (B, q_heads, d)
     hkv = keys.shape[1]
     seen = keys.astype(mx.float32) @ ahead.T  # (B, kv_heads, rows, d): each row's key in the plain query's frame
@@ -71,6 +88,7 @@ class ExpectedAttention(Policy):
 
     def __init__(self, future: int = 512) -> None:
         self.future = future
+        self.base: mx.array | None = None  # the rotary module's mean map over positions 0 .. future - 1, once
 
     def knob_values(self) -> dict[str, object]:
         return {"future": self.future}
@@ -81,28 +99,29 @@ class ExpectedAttention(Policy):
         memory = cache.memory
         if memory.queries is None or memory.queries.shape[-1] != keys.shape[-1]:
             return positions.astype(mx.float32)
-        logits = _expected(cache, keys, self.future, scale)
+        logits = self.expected(cache, keys, scale)
         logits = mx.where((positions >= 0)[:, :, None], logits, -mx.inf)
         _, values = cache.store.fetch()
         norms = mx.linalg.norm(values.astype(mx.float32), axis=-1)
         return mx.softmax(logits, axis=-1).mean(axis=2) * norms
 
-
-def _expected(cache: EvictingCache, keys: mx.array, future: int, scale: float) -> mx.array:
-    """:func:`expected_logits` rotated by the layer's rotary module where the cache has seen its attention module and
-    that has one the identity goes through; else unrotated (said once)."""
-    memory = cache.memory
-    assert memory.queries is not None, "scored with remembered queries"
-    module = getattr(cache, "module", None)
-    rope = getattr(None if module is None else module(), "rope", None)
-    if rope is not None:
-        try:
-            return expected_logits(memory.queries, keys, rope, memory.end, future, scale)
-        except Exception as error:  # a rotary module whose call this does not fit (a model's own signature)
-            name = type(rope).__name__
-            once(f"expected_attention {name}", logging.INFO, f"expected_attention: the rotary module {name} does "
-                 f"not take the identity ({error!r}); the query statistics stay unrotated")
-    return expected_logits(memory.queries, keys, None, memory.end, future, scale)
+    def expected(self, cache: EvictingCache, keys: mx.array, scale: float) -> mx.array:
+        """:func:`expected_logits` rotated by the layer's rotary module where the cache has seen its attention module
+        and that has one the identity goes through; else unrotated (said once)."""
+        memory = cache.memory
+        assert memory.queries is not None, "scored with remembered queries"
+        module = getattr(cache, "module", None)
+        rope = getattr(None if module is None else module(), "rope", None)
+        if rope is not None:
+            try:
+                if self.base is None:
+                    self.base = rotations(rope, 0, self.future, keys.shape[-1]).mean(axis=0)
+                return expected_logits(memory.queries, keys, rope, memory.end, self.future, scale, self.base)
+            except Exception as error:  # a rotary module whose call this does not fit (a model's own signature)
+                name = type(rope).__name__
+                once(f"expected_attention {name}", logging.INFO, f"expected_attention: the rotary module {name} "
+                     f"does not take the identity ({error!r}); the query statistics stay unrotated")
+        return expected_logits(memory.queries, keys, None, memory.end, self.future, scale)
 
 
 @method("expected_attention", "Attention expected from future queries (their statistics, rotated ahead), times the "
