@@ -133,21 +133,29 @@ def test_rows_are_scored_by_the_second_reading_and_each_head_keeps_its_best(monk
 def test_keeping_every_row_reads_each_prompt_chunk_once(monkeypatch) -> None:
     model = tiny("llama", layers=2)
     calls: list[int] = []
+    stored: list[int] = []
     update = QuantCache.update_and_fetch
 
     def counted(self, keys, values):
         calls.append(keys.shape[2])
-        return update(self, keys, values)
+        before = self.store.rows
+        out = update(self, keys, values)
+        stored.append(self.store.rows - before)
+        assert out[0].shape[2] == self.size() + (keys.shape[2] if self.passing else 0), "every row, and the step's"
+        return out
 
     monkeypatch.setattr(QuantCache, "update_and_fetch", counted)
     prompt = random_tokens(101, 5)
     lead = min(rereading.LEAD, 80)  # read again, the second chunk comes after the first's last tokens, by a call
     again = [80, 80, lead, lead, 20, 20]  # of their own (a call's activations no more than its chunk's)
+    kept = [80, 80, 20, 20, 0, 0, lead, lead, 0, 0]  # a chunk read again is not stored, its lead is (then trimmed)
     for keep, reads in (("100%", [80, 80, 20, 20]), ("40%", [80, 80, 20, 20, *again])):
         caches = quant_caches(model, keep)
         calls.clear()  # (building the caches probed the model)
+        stored.clear()
         greedy(model, prompt, caches, steps=2, chunk=80)  # 80 tokens, then 20 (as short as a decode step may be)
         assert calls[: len(reads)] == reads, f"{keep}: two layers, each chunk once, or twice (then led)"
+        assert stored[: len(reads)] == kept[: len(reads)], f"{keep}: the rows each call stored"
         assert set(calls[len(reads) :]) == {1}, "then the prompt's last token and decode steps"
 
 

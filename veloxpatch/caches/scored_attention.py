@@ -60,6 +60,7 @@ def _blocks(xp: Any, attention: Callable[..., tuple[Any, Any]], q: mx.array, key
         out, probs = attention(block, keys, values, past, past + at + block.shape[3], real, best.shape[-1])
         if best.shape[-1]:
             best = xp.maximum(best, probs.max(axis=(2, 3)))
+        del probs  # on the CPU a view of the block's logits buffer: freed before the next block's
         if xp is mx:
             out = out.astype(values.dtype)
             mx.eval(out, best)  # a block's float32 logits go before the next block's

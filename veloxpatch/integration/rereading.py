@@ -8,8 +8,9 @@ top-level model's ``__call__`` is wrapped (once, undone by ``unpatch``). Over a 
 a prompt chunk of token ids is remembered and read as usual (its rows fold quantized, the keys at 8 bits until they
 are chosen: memory stays bounded while the prompt is read); the first decode-sized call after them (the prompt's
 last token, in ``generate_step``) first runs the model over the prompt again, a chunk at a time (each after the
-:data:`LEAD` tokens before it), each chunk's rows trimmed before the next, while the caches record the most attention
-each of their folded rows gets; then each head keeps its best-scored rows. The paper puts "Repeat the previous
+:data:`LEAD` tokens before it, whose rows are trimmed after it; the chunk's own are attended over, not stored),
+while the caches record the most attention each of their folded rows gets; then each head keeps its best-scored
+rows. The paper puts "Repeat the previous
 context" before the repeat; a model call has no tokenizer, so the prompt is read again as it is. Measured
 (``bench/agnostic_selection.py``, SmolLM2-135M, five RULER examples at 1k tokens): without the instruction the rows
 chosen answer as with it (mean KL 0.026 against 0.027 at half the rows); scored right after each 512-token chunk is
@@ -125,10 +126,10 @@ def _asks(cache: Any) -> bool:
 def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kwargs: dict,
                 readers: list[Any]) -> None:
     """Read the readers' unscored prompt again, a chunk at a time as it was read, each after the :data:`LEAD`
-    tokens before it (read by a call of their own just before it, the same attention as one call over both) and
-    trimmed before the next (each attends over the prompt read once and its lead, not over the second reading's
-    other chunks); then the readers keep their best rows. A failure is said (or raised under
-    ``VELOX_STRICT``) and leaves every row."""
+    tokens before it (read by a call of their own just before it, the same attention as one call over both; its
+    rows trimmed after the chunk, whose own rows are not stored: each chunk attends over the prompt read once and
+    its lead, not over the second reading's other chunks); then the readers keep their best rows. A failure is said
+    (or raised under ``VELOX_STRICT``) and leaves every row."""
     chunks = readers[0].unscored
     offsets = [cache.offset for cache in readers]
     for cache in readers:
@@ -139,10 +140,13 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
             pieces, lead = ([chunk] if lead is None else [lead, chunk]), _lead(lead, chunk)
             try:
                 for piece in pieces:  # the lead in a call of its own: no more activations than the chunk's
+                    for cache in readers:  # the lead's rows stored for the chunk, the chunk's attended only
+                        cache.passing = piece is chunk
                     again, named = _with_input(params, args, kwargs, piece, readers)
                     wrapped(*again, **named)
             finally:  # the second reading's rows go, whether it finished or not
                 for cache, offset in zip(readers, offsets):
+                    cache.passing = False
                     cache.trim(cache.offset - offset)
         read = True
     except Exception as error:  # the host app must keep running
