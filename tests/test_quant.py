@@ -3,6 +3,8 @@ why per channel, saving, trimming into a block, and batches."""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
@@ -12,6 +14,7 @@ import veloxpatch
 from conftest import assert_a_rejected_draft_leaves_no_trace, assert_round_trip, drain, greedy, random_tokens, tiny
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget
+from veloxpatch.eval.random_model import build, config_for
 from veloxpatch.methods.quant import QuantCache
 
 
@@ -125,3 +128,25 @@ def test_keys_the_model_changed_after_the_store_are_attended_as_given() -> None:
     queries = mx.random.normal((1, 6, 1, 64))
     expected = cache._attention(queries, changed, values, 0.125, None, None)
     assert mx.allclose(cache.attend(queries, changed, values, 0.125, None), expected, atol=1e-5)
+
+
+def test_a_prompt_chunks_exact_rows_go_as_each_layer_folds_them() -> None:
+    """Memory as mlx counts it: a long prompt chunk's exact rows leave each layer as it folds them, not when the
+    model's step is evaluated, so reading it peaks well under what every layer's exact rows of it take together."""
+    model = build(config_for("llama", num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=4,
+                             head_dim=64), 0)
+    prompt = random_tokens(1024, 3)
+    mx.eval(model.parameters(), prompt)
+    veloxpatch.patch(kv="quant", window=8, compress="chunk")
+    caches = make_prompt_cache(model)
+    limit = mx.set_cache_limit(0)  # no freed buffer handed to a smaller array: what is held is what is asked for
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(model(prompt[None], cache=caches), [c.state for c in caches])
+    peak = mx.get_peak_memory() - before
+    mx.set_cache_limit(limit)
+    every_layers_rows = 16 * 2 * 4 * 1024 * 64 * 4  # layers x (keys, values) x heads x tokens x dim, float32
+    assert all(c.folds for c in caches), "the chunk folded in every layer"
+    assert peak < 0.5 * every_layers_rows, (peak, every_layers_rows)
