@@ -141,7 +141,7 @@ def test_keeping_every_row_reads_each_prompt_chunk_once(monkeypatch) -> None:
         before = self.store.rows
         out = update(self, keys, values)
         stored.append(self.store.rows - before)
-        assert out[0].shape[2] == self.size() + (keys.shape[2] if self.passing else 0), "every row, and the step's"
+        assert out[0].shape[2] == self.size() + (0 if self.storing else keys.shape[2]), "every row, and the step's"
         return out
 
     monkeypatch.setattr(QuantCache, "update_and_fetch", counted)

@@ -141,12 +141,12 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
             try:
                 for piece in pieces:  # the lead in a call of its own: no more activations than the chunk's
                     for cache in readers:  # the lead's rows stored for the chunk, the chunk's attended only
-                        cache.passing = piece is chunk
+                        cache.store_next_rows(piece is not chunk)
                     again, named = _with_input(params, args, kwargs, piece, readers)
                     wrapped(*again, **named)
             finally:  # the second reading's rows go, whether it finished or not
                 for cache, offset in zip(readers, offsets):
-                    cache.passing = False
+                    cache.store_next_rows(True)
                     cache.trim(cache.offset - offset)
         read = True
     except Exception as error:  # the host app must keep running

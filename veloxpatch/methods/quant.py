@@ -139,7 +139,7 @@ class QuantCache(CrossLayerCache):
         self.bits, self.group_size, self.pool, self.budgets, self.floor = bits, group, pool, budgets, floor
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
         self.rereading = False  # the model reads the prompt again: this cache scores its folded rows
-        self.passing = False  # a chunk of that reading is read: attended over, not stored (:meth:`update_and_fetch`)
+        self.storing = True  # False while a chunk of that reading is read: attended over, not stored
         self.unscored: list[mx.array] = []  # the prompt chunks read since the last scoring (token ids)
         self.chosen_end = 0  # rows before this position were chosen by an earlier reading (or kept: every row)
         self.scores: mx.array | None = None  # (B, H, folded rows) the most attention the second reading paid
@@ -159,14 +159,19 @@ class QuantCache(CrossLayerCache):
         return self.keep < 1
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """As every cache of folds; a chunk of the second reading (:attr:`passing`) is returned after the rows held
-        and not stored: it would be trimmed right after, and stored, every layer's rows of it would be alive at
-        once at the end of the model's call (48 MiB of a 2048-token chunk of Qwen2.5-0.5B in float32)."""
-        if not self.passing:
+        """As every cache of folds; a chunk of the second reading (:meth:`store_next_rows` false) is returned after
+        the rows held and not stored: it would be trimmed right after, and stored, every layer's rows of it would be
+        alive at once at the end of the model's call (48 MiB of a 2048-token chunk of Qwen2.5-0.5B in float32)."""
+        if self.storing:
             return super().update_and_fetch(keys, values)
         held_keys, held_values = self.rows()
         return (mx.concatenate([held_keys, keys.astype(held_keys.dtype)], axis=2),
                 mx.concatenate([held_values, values.astype(held_values.dtype)], axis=2))
+
+    def store_next_rows(self, store: bool) -> None:
+        """Whether the next calls' rows are stored: not those of a chunk of the second reading, only attended over
+        (its lead's are, trimmed after it)."""
+        self.storing = store
 
     def read_prompt_chunk(self, tokens: mx.array) -> None:
         """A prompt chunk is about to be read; it is read again before the next decode step."""
