@@ -268,8 +268,8 @@ class CrossLayerCache(CompressedKVCache):
         index = mx.broadcast_to(mx.arange(first, rows), (*self.store.row_positions().shape[:2], rows - first))
         self.store.keep(index, 0)
         # evaluated now: left lazy, the fold and the compacted store would keep every layer's exact rows of a prompt
-        # chunk alive until the step ends (SmolLM2 at 4k in 2048-token steps under quant: a read peak of 174.7 MiB,
-        # 106.9 evaluated here)
+        # chunk alive until the step ends (SmolLM2 at 4k in 2048-token steps under quant: a read peak of 177.0 MiB,
+        # 105.6 evaluated here; bench/kv_memory.py)
         mx.eval([part for part in (owns[at], shared) if part is not None])
         self.store.materialize()
 
