@@ -11,11 +11,10 @@ last token, in ``generate_step``) first runs the model over the prompt again, a 
 :data:`LEAD` tokens before it, whose rows are trimmed after it; the chunk's own are attended over, not stored),
 while the caches record the most attention each of their folded rows gets; then each head keeps its best-scored
 rows. The paper puts "Repeat the previous context" before the repeat; a model call has no tokenizer, so the prompt
-is read again as it is. Measured
-(``bench/agnostic_selection.py``, SmolLM2-135M, five RULER examples at 1k tokens): without the instruction the rows
-chosen answer as with it (mean KL 0.026 against 0.027 at half the rows); scored right after each 512-token chunk is
-read instead, as a first version did, they lose the needles (0.118, two right of five against three): the whole
-prompt must be read before its second reading.
+is read again as it is. Measured (``bench/agnostic_selection.py``, SmolLM2-135M, five RULER examples at 1k
+tokens): without the instruction the rows chosen answer as with it (mean KL 0.026 against 0.027 at half the rows);
+scored right after each 512-token chunk is read instead, as a first version did, they lose the needles (0.118, two
+right of five against three): the whole prompt must be read before its second reading.
 
 In mlx_lm's batched generation (the server's batches) each sequence keeps its own caches (:mod:`..caches.batch`):
 its prompt chunks are its slice of each right-padded step, and at the first decode-sized step after them it is read
