@@ -46,7 +46,7 @@ def inputs(past: int, n: int, dtype: mx.Dtype, holes: bool) -> tuple[mx.array, .
     (90, 40, mx.float16, True),
 ])
 def test_the_output_and_scores_are_a_plain_softmaxs_on_either_backend(past, n, dtype, holes, monkeypatch) -> None:
-    monkeypatch.setattr(scoring, "QUERY_BLOCK", 64)
+    monkeypatch.setattr(scoring, "QUERY_BLOCK", 64)  # two blocks of queries where n > 64
     q, keys, values, real, best = inputs(past, n, dtype, holes)
     want_out, want_best = reference(q, keys, values, real, best)
     tolerance = 1e-5 if dtype == mx.float32 else 2e-3
@@ -79,3 +79,23 @@ def test_a_long_prompt_chunks_attention_on_the_cpu_is_mlxs_own(dtype, monkeypatc
     tolerance = 1e-5 if dtype == mx.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)),
                                atol=tolerance)
+
+
+def test_a_long_prompts_blocks_take_fewer_queries_so_their_scores_stay_bounded() -> None:
+    """Memory as mlx counts it: over 16k rows a block of 64 queries of 14 heads would hold 59 MB of float32 logits;
+    blocks of fewer queries keep the second reading's extra memory near :data:`SCORE_BYTES` (the scores as wanted)."""
+    mx.random.seed(5)
+    q = mx.random.normal((1, 2, 7, 96, 64)) * 0.1
+    keys, values = (mx.random.normal((1, 2, 16384, 64)) for _ in range(2))
+    best = mx.zeros((1, 2, 16288))
+    mx.eval(q, keys, values, best)
+    assert scoring.block_size(q, 16384) == scoring.MIN_QUERIES + 2  # 16 MiB / (4 x 14 x 16384): 18 queries
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    out, scores = scoring.scored_attention(q, keys, values, None, best)
+    mx.eval(out, scores)
+    extra = mx.get_peak_memory() - before
+    assert extra < scoring.SCORE_BYTES + 20 * 2**20, extra  # a block's logits, the inputs in float32 on the host
+    want_out, want_best = reference(q, keys, values, None, best)
+    np.testing.assert_allclose(np.asarray(out), want_out, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(scores), want_best, atol=1e-5)

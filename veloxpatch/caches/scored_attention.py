@@ -1,8 +1,8 @@
 """Attention that also scores the rows it reads: a prompt's second reading (KVzip's rule, ``methods/quant.py``)
 needs each query's output, to go on through the model, and the most attention any query pays each earlier row.
 
-Queries go a block at a time (:data:`QUERY_BLOCK`): a block's float32 logits over every row are what a second
-reading holds beyond the model's own activations.
+Queries go a block at a time (:func:`block_size`): a block's float32 logits over every row are what a second
+reading holds beyond the model's own activations, so a longer prompt's blocks take fewer queries.
 
 On mlx's CPU backend the cost of such a block is its exponentials, not its matmuls: mlx's ``exp`` is scalar
 (18M float32 values in 262 ms here, numpy's vectorized one in 15 ms: `bench/cpu_softmax.py`), so there mlx
@@ -19,7 +19,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-QUERY_BLOCK = 64  # queries scored at once: bounds a block's (heads, group x block, rows) float32 logits
+QUERY_BLOCK = 64  # the most queries scored at once (fewer blocks: fewer calls)
+SCORE_BYTES = 16 * 2**20  # the most a block's float32 logits take while QUERY_BLOCK queries or more remain to give
+MIN_QUERIES = 16  # the fewest queries of a block, however many rows (fewer would cost more in calls than they save)
+
+
+def block_size(q: mx.array, rows: int) -> int:
+    """Queries per block for scaled queries ``q`` (B, heads, group, n, dim) over ``rows`` rows: :data:`QUERY_BLOCK`
+    while their float32 logits fit :data:`SCORE_BYTES` (Qwen2.5-0.5B's 14 heads up to 4.6k rows), fewer beyond."""
+    b, heads, group = q.shape[:3]
+    return max(MIN_QUERIES, min(QUERY_BLOCK, SCORE_BYTES // (4 * b * heads * group * rows)))
 
 
 def scored_attention(q: mx.array, keys: mx.array, values: mx.array, real: mx.array | None,
@@ -29,10 +38,11 @@ def scored_attention(q: mx.array, keys: mx.array, values: mx.array, real: mx.arr
     (B, heads, 1, 1, rows - n) marks the earlier rows that are not holes (None: all are); ``best`` (B, heads,
     scored) the scores so far of the first ``scored`` rows. The output (B, heads, group, n, dim, in ``values``'
     dtype) and ``best`` raised by the most attention each scored row got from a query of its head group."""
+    size = block_size(q, keys.shape[2])
     if mx.default_device() != mx.cpu:
-        return _blocks(mx, _block, q, keys, values, real, best, QUERY_BLOCK)
+        return _blocks(mx, _block, q, keys, values, real, best, size)
     on_host = (np.asarray(real) if real is not None else None, np.asarray(_float32(best)))
-    out, found = _blocks(np, _host_block, _float32(q), _float32(keys), _float32(values), *on_host, QUERY_BLOCK)
+    out, found = _blocks(np, _host_block, _float32(q), _float32(keys), _float32(values), *on_host, size)
     return mx.array(out).astype(values.dtype), mx.array(found)
 
 
