@@ -20,13 +20,13 @@ import mlx.core as mx
 import numpy as np
 
 QUERY_BLOCK = 64  # the most queries scored at once (fewer blocks: fewer calls)
-SCORE_BYTES = 16 * 2**20  # the most a block's float32 logits take while QUERY_BLOCK queries or more remain to give
+SCORE_BYTES = 24 * 2**20  # the most a block's float32 logits take while QUERY_BLOCK queries or more remain to give
 MIN_QUERIES = 16  # the fewest queries of a block, however many rows (fewer would cost more in calls than they save)
 
 
 def block_size(q: mx.array, rows: int) -> int:
     """Queries per block for scaled queries ``q`` (B, heads, group, n, dim) over ``rows`` rows: :data:`QUERY_BLOCK`
-    while their float32 logits fit :data:`SCORE_BYTES` (Qwen2.5-0.5B's 14 heads up to 4.6k rows), fewer beyond."""
+    while their float32 logits fit :data:`SCORE_BYTES` (Qwen2.5-0.5B's 14 heads up to 7k rows), fewer beyond."""
     b, heads, group = q.shape[:3]
     return max(MIN_QUERIES, min(QUERY_BLOCK, SCORE_BYTES // (4 * b * heads * group * rows)))
 
