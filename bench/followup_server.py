@@ -63,7 +63,7 @@ def main() -> None:
                         help="another setting of the compressing server (a method knob), repeatable")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    extra = dict(item.split("=", 1) for item in args.set)
+    extra = serving.env_settings(args.set)
     tokenizer = load_tokenizer(Path(args.model))
     ours = {"VELOX_KV": args.kv, "VELOX_BUDGET": args.budget, "VELOX_COMPRESS": args.compress,
             "VELOX_TIER": args.tier, **extra}

@@ -14,7 +14,7 @@ batched one (both kept in ``result.json``); the batched answers' ``usage.velox``
     python bench/server_batch.py --model "$(veloxpatch fetch-model smollm2 | tail -1)" --context 2048 \\
         --concurrency 8 --rounds 3 --kv snapkv --budget 512 --out docs/results/smollm2-server-batch-2k
 
-``--setting VELOX_NAME=VALUE`` adds a setting to the compressing servers (``VELOX_QUANT_KEEP=0.125x``, say).
+``--set VELOX_NAME=VALUE`` adds a setting to the compressing servers (``VELOX_QUANT_KEEP=0.125x``, say).
 
 Writes ``result.json`` and prints a markdown table (requests per second, their ratio, the KV held per sequence).
 """
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--kv", default="snapkv")
     parser.add_argument("--budget", default="512")
     parser.add_argument("--prompt-cache-size", help="the timed servers' (default: mlx_lm's)")
-    parser.add_argument("--setting", action="append", default=[], metavar="VELOX_NAME=VALUE",
+    parser.add_argument("--set", action="append", default=[], metavar="VELOX_NAME=VALUE",
                         help="a setting more for the compressing servers (repeatable), e.g. VELOX_QUANT_KEEP=0.125x")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -93,7 +93,8 @@ def main() -> None:
     tokenizer = load_tokenizer(Path(args.model))
     args.out.mkdir(parents=True, exist_ok=True)
     plain_env = {"VELOX_KV": "none", "VELOX_FLOAT32": "on"}
-    ours_env = {"VELOX_KV": args.kv, "VELOX_BUDGET": args.budget, "VELOX_FLOAT32": "on", **settings(args.setting)}
+    ours_env = {"VELOX_KV": args.kv, "VELOX_BUDGET": args.budget, "VELOX_FLOAT32": "on",
+                **serving.env_settings(args.set)}
     logs = Path(tempfile.mkdtemp(prefix="server-batch-"))
     times: dict[str, list[float]] = {"plain": [], "ours": []}
     batched: list[tuple[str, dict]] = []
@@ -118,15 +119,6 @@ def main() -> None:
     result = summary(args, times, batched, singles)
     (args.out / "result.json").write_text(json.dumps(result, indent=1))
     print(table(result))
-
-
-def settings(given: list[str]) -> dict[str, str]:
-    """``--setting`` values as environment variables; one that is not ``VELOX_NAME=VALUE`` is refused by name."""
-    pairs = [text.partition("=") for text in given]
-    bad = [text for text, (name, sign, _) in zip(given, pairs) if not (name.startswith("VELOX_") and sign)]
-    if bad:
-        raise SystemExit(f"--setting {bad[0]!r}: expected VELOX_NAME=VALUE, e.g. VELOX_QUANT_KEEP=0.125x")
-    return {name: value for name, _, value in pairs}
 
 
 def summary(args: argparse.Namespace, times: dict[str, list[float]], batched: list[tuple[str, dict]],

@@ -147,3 +147,13 @@ def test_eval_seed_picks_the_held_out_examples() -> None:
     got = examples("passkey", chars, 200, EvalSpec(samples=2, seed=1000))
     assert got == [tasks.passkey_example(chars, 200, s, "heldout") for s in (1000, 1001)]
     assert got[0] != tasks.passkey_example(chars, 200, 0, "heldout")
+
+
+def test_a_benchs_server_settings_are_velox_names_with_values() -> None:
+    """``--set VELOX_NAME=VALUE`` of the server benches: a value may hold ``=``; another form is refused by name."""
+    from veloxpatch.eval.serving import env_settings
+
+    assert env_settings(["VELOX_QUANT_KEEP=0.125x", "VELOX_X=a=b"]) == {"VELOX_QUANT_KEEP": "0.125x", "VELOX_X": "a=b"}
+    for bad in ("VELOX_QUANT_KEEP", "QUANT_KEEP=1"):
+        with pytest.raises(SystemExit, match=f"--set '{bad}'"):
+            env_settings(["VELOX_WINDOW=8", bad])

@@ -54,6 +54,16 @@ def wait_healthy(url: str, server: subprocess.Popen, log: Path, limit: float = 9
     raise RuntimeError(f"the server did not come up in {limit:.0f} s:\n{log.read_text()}")
 
 
+def env_settings(given: list[str]) -> dict[str, str]:
+    """A bench's ``--set VELOX_NAME=VALUE`` options (settings of the compressing server) as environment variables;
+    one of another form is refused by name."""
+    pairs = [text.partition("=") for text in given]
+    bad = [text for text, (name, sign, _) in zip(given, pairs) if not (name.startswith("VELOX_") and sign)]
+    if bad:
+        raise SystemExit(f"--set {bad[0]!r}: expected VELOX_NAME=VALUE, e.g. VELOX_QUANT_KEEP=0.125x")
+    return {name: value for name, _, value in pairs}
+
+
 @contextlib.contextmanager
 def running(command: list[str], log: Path, env: dict[str, str]) -> Iterator[str]:
     """Start ``command`` plus ``--host 127.0.0.1 --port P`` with environment ``env``, its output to ``log``; yield
