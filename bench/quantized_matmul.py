@@ -14,6 +14,10 @@ against dequantizing first and against the dense products, at 2, 3, 4 and 8 bits
 Last, the same two products at 4 bits over Qwen2.5-0.5B's 2 KV heads at 8192 rows, with 1, 3 and 7 query rows per
 KV head (a decode step's GQA group: 7 on Qwen2.5-0.5B, 3 on SmolLM2): whether the quantized matmul's cost grows
 with the rows multiplied (it unpacks the keys again for each) where the dense product's barely does.
+
+And by dtype: the same two products at 4 bits (Qwen2.5-0.5B's 2 KV heads, 7 query rows each, 4096 rows) with the
+queries and scales in float32, float16 and bfloat16, as given and cast to float32 around the product (what ``quant``
+does on the CPU for a half-precision model since 2026-12-06), against the dense product in that dtype.
 """
 
 from __future__ import annotations
@@ -84,7 +88,31 @@ def group_rows() -> None:
               f"({direct / dense:.1f}x dense)")
 
 
+def by_dtype() -> None:
+    """``quant``'s two decode-step products at 4 bits per dtype, as given and as float32 (module doc)."""
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        queries, keys_t, values = (mx.random.normal(shape).astype(dtype)
+                                   for shape in ((1, 2, 7, 64), (1, 2, 64, 4096), (1, 2, 4096, 64)))
+        weights = mx.softmax(queries @ keys_t, axis=-1)
+        k, v = mx.quantize(keys_t, group_size=64, bits=4), mx.quantize(values, group_size=64, bits=4)
+        mx.eval(k, v, weights)
+
+        def product(x: mx.array, parts: tuple[mx.array, ...], wide: bool) -> mx.array:
+            packed, scales, biases = parts
+            if wide:
+                x, scales, biases = (a.astype(mx.float32) for a in (x, scales, biases))
+            out = mx.quantized_matmul(x, packed, scales, biases, transpose=False, group_size=64, bits=4)
+            return out.astype(dtype)
+
+        dense = median_seconds(lambda: (queries @ keys_t, weights @ values))
+        given = median_seconds(lambda: (product(queries, k, False), product(weights, v, False)))
+        wide = median_seconds(lambda: (product(queries, k, True), product(weights, v, True)))
+        print(f"{dtype}: dense {dense * 1e3:7.2f} ms, quantized matmul as given {given * 1e3:7.2f} ms "
+              f"({given / dense:.1f}x dense), as float32 {wide * 1e3:7.2f} ms ({wide / dense:.1f}x dense)")
+
+
 if __name__ == "__main__":
     main()
     decode_step()
     group_rows()
+    by_dtype()

@@ -120,6 +120,24 @@ def test_a_decode_step_over_the_held_fold_equals_attention_over_the_rebuilt_rows
     assert not cache._held_usable(mx.random.normal((1, 6, 100, 64)), "causal", None), "a prompt chunk does not"
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_a_half_precision_step_multiplies_the_fold_in_float32_on_the_cpu(dtype: mx.Dtype, monkeypatch) -> None:
+    """mlx's CPU quantized matmul is 10-100x slower in half precision (bench/quantized_matmul.py): the fold's
+    products run in float32 there, and the step's output keeps the model's dtype and equals the rebuilt rows'."""
+    mx.random.seed(9)
+    cache = folded(4, mx.random.normal((1, 2, 300, 64)).astype(dtype), window=8, group=32)
+    keys, values = cache.update_and_fetch(*(mx.random.normal((1, 2, 1, 64)).astype(dtype) for _ in range(2)))
+    queries = mx.random.normal((1, 6, 1, 64)).astype(dtype)
+    seen: list[mx.Dtype] = []
+    product = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda x, *a, **k: seen.append(x.dtype) or product(x, *a, **k))
+    held = cache.attend_held(queries, 0.125)
+    assert held is not None and held.dtype == dtype
+    assert seen == [mx.float32, mx.float32], "both products (keys, values) as float32 on the CPU"
+    rebuilt = cache._attention(queries, keys, values, 0.125, None, None)
+    assert mx.allclose(held.astype(mx.float32), rebuilt.astype(mx.float32), atol=2e-2)
+
+
 def test_keys_the_model_changed_after_the_store_are_attended_as_given() -> None:
     mx.random.seed(5)
     cache = folded(4, mx.random.normal((1, 2, 300, 64)), window=8, group=32)

@@ -54,6 +54,7 @@ from ..caches.selection import pool_rows
 from ..caches.spec import CacheSpec
 from ..caches.store import Parts, decode, encode, take_rows
 from ..coordinators import members_of
+from ..cpu import cpu_backend
 from ..log import once
 from ..registry import method
 from ..settings import Setting, choice, int_choice, number_range, odd_kernel, one_of_text, percent
@@ -61,6 +62,7 @@ from ..stats import at_16_bits
 
 BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, in the model's dtype
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
+HALF = (mx.float16, mx.bfloat16)  # multiplied as float32 on the CPU (:meth:`QuantCache._times`)
 BUDGETS = ("layer", "model")  # VELOX_QUANT_BUDGETS: what one top-k of the rows to keep runs over
 
 HOLD_BITS = 8  # the keys of a prompt awaiting its second reading (module doc: why not at VELOX_QUANT_BITS)
@@ -468,9 +470,15 @@ class QuantCache(CrossLayerCache):
         return out.reshape(b, heads_q, n, -1)
 
     def _times(self, x: mx.array, parts: Parts, group: int | None) -> mx.array:
-        """``x`` times the matrix ``parts`` holds quantized along its last axis."""
+        """``x`` times the matrix ``parts`` holds quantized along its last axis. On the CPU backend a float16 or
+        bfloat16 product runs in float32, cast back: mlx's CPU kernel is 10-100x slower in half precision
+        (``bench/quantized_matmul.py``, last table), while the casts cost a copy of ``x`` and of the scales."""
         packed, scales, biases = parts
-        return mx.quantized_matmul(x, packed, scales, biases, transpose=False, group_size=group, bits=self.bits)
+        dtype = x.dtype
+        if dtype in HALF and cpu_backend():
+            x, scales, biases = (a.astype(mx.float32) for a in (x, scales, biases))
+        out = mx.quantized_matmul(x, packed, scales, biases, transpose=False, group_size=group, bits=self.bits)
+        return out.astype(dtype)
 
     # ----------------------------------------------------------------- the formats
     def _keys_encoded(self, keys: mx.array, bits: int) -> Parts:
