@@ -133,8 +133,9 @@ def test_demo_runs_vanilla_then_compressed(model_dir: Path) -> None:
     assert [r["run"] for r in rows] == ["vanilla", "snapkv@40"] and answer.isdigit()
     # 40 rows, their decode headroom and remembered queries, and the default tier (3 budgets' bytes at 8 bits)
     assert rows[1]["kv_MiB"] < 0.4 * rows[0]["kv_MiB"], "the second run really is compressed"
-    result = CliRunner().invoke(main, ["demo", "--model", str(model_dir), "--context", "300", "--budget", "40"])
+    result = CliRunner().invoke(main, ["demo", "--model", str(model_dir), "--context", "300"])
     assert result.exit_code == 0 and "passkey prompt" in result.output, result.output
+    assert "\nquant " in result.output and "quant@" not in result.output, "the default, without a budget it ignores"
 
 
 def test_eval_seed_picks_the_held_out_examples() -> None:

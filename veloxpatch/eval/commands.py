@@ -17,6 +17,7 @@ import veloxpatch
 from .. import cpu
 from ..assets import model_path
 from ..config import COMPRESS_MODES
+from ..registry import METHODS, cache_class
 from ..settings import ConfigError
 from . import report, tasks
 from .bench import LARGE_RANDOM, PEAK_NOTE, BenchSpec, run_bench
@@ -245,7 +246,8 @@ def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, se
 
     prompt, answer = tasks.passkey_example(tokenizer, context, seed, "heldout")
     rows = []
-    for name, settings in (("vanilla", {"kv": "none"}), (f"{kv}@{budget}", {"kv": kv, "budget": budget})):
+    label = f"{kv}@{budget}" if kv not in METHODS or cache_class(kv).uses_budget else kv  # quant keeps every token
+    for name, settings in (("vanilla", {"kv": "none"}), (label, {"kv": kv, "budget": budget})):
         veloxpatch.patch(**settings)
         cache = mlx_cache.make_prompt_cache(model)  # what generate would make; kept here to read its bytes
         mx.clear_cache()
@@ -265,8 +267,9 @@ def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, se
 
 @click.command("demo")
 @click.option("--model", default=None, help="mlx_lm model folder [default: the shipped model]")
-@click.option("--kv", default="snapkv", show_default=True, help="Method for the compressed run.")
-@click.option("--budget", default="25%", show_default=True, help="VELOX_BUDGET for the compressed run.")
+@click.option("--kv", default="quant", show_default=True, help="Method for the compressed run.")
+@click.option("--budget", default="25%", show_default=True,
+              help="VELOX_BUDGET for the compressed run (a method keeping every token, as quant, has none).")
 @click.option("--context", default=1024, show_default=True, help="Prompt length in tokens.")
 @click.option("--seed", default=0, show_default=True, help="Held-out passkey example.")
 def demo_command(model, kv, budget, context, seed) -> None:

@@ -54,7 +54,6 @@ from ..caches.selection import pool_rows
 from ..caches.spec import CacheSpec
 from ..caches.store import Parts, decode, encode, take_rows
 from ..coordinators import members_of
-from ..cpu import cpu_backend
 from ..log import once
 from ..registry import method
 from ..settings import Setting, choice, int_choice, number_range, odd_kernel, one_of_text, percent
@@ -475,7 +474,7 @@ class QuantCache(CrossLayerCache):
         (``bench/quantized_matmul.py``, last table), while the casts cost a copy of ``x`` and of the scales."""
         packed, scales, biases = parts
         dtype = x.dtype
-        if dtype in HALF and cpu_backend():
+        if dtype in HALF and mx.default_device() == mx.cpu:
             x, scales, biases = (a.astype(mx.float32) for a in (x, scales, biases))
         out = mx.quantized_matmul(x, packed, scales, biases, transpose=False, group_size=group, bits=self.bits)
         return out.astype(dtype)
