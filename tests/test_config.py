@@ -60,6 +60,18 @@ def test_a_tier_given_to_a_method_that_drops_no_row_is_said_to_do_nothing(method
     assert from_env({"VELOX_KV": "snapkv", "VELOX_TIER": "4"}).warnings == []
 
 
+def test_patch_takes_a_methods_knobs_by_key_and_names_an_unknown_setting() -> None:
+    import veloxpatch
+
+    given = VeloxConfig().replace(kv="quant", quant_keep="0.125x", budget="25%")
+    assert given == from_env({"VELOX_KV": "quant", "VELOX_QUANT_KEEP": "0.125x", "VELOX_BUDGET": "25%"}).config
+    assert given.replace(quant_bits=3).knobs["quant_keep"] == given.knobs["quant_keep"], "other knobs kept"
+    with pytest.raises(ConfigError, match="unknown setting 'quant_kep': did you mean quant_keep"):
+        veloxpatch.patch(kv="quant", quant_kep="0.125x")
+    with pytest.raises(ConfigError, match="VELOX_QUANT_KEEP='all' is not allowed"):
+        veloxpatch.patch(kv="quant", quant_keep="all")
+
+
 def test_python_form_matches_the_environment_form() -> None:
     env = {"VELOX_KV": "snapkv", "VELOX_BUDGET": "25%", "VELOX_SNAPKV_POOL": "max", "VELOX_STATS": "yes"}
     loaded = from_env(env)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .registry import METHODS, knob_settings
@@ -210,8 +210,18 @@ class VeloxConfig:
         return {s.name: to_text(self.knobs[s.key] if s.method else getattr(self, s.key)) for s in all_settings()}
 
     def replace(self, **changes: Any) -> VeloxConfig:
-        """A copy with some fields changed (validated again)."""
-        return replace(self, **changes)
+        """A copy with some settings changed, validated again: core settings by name (``budget="25%"``), a method's
+        knobs by key as well (``quant_keep="0.125x"``, or in ``knobs``); an unknown name is a ConfigError."""
+        knob_keys = {s.key for s in all_settings() if s.method}
+        knobs = {**self.knobs, **changes.pop("knobs", {})}
+        knobs.update({key: changes.pop(key) for key in list(changes) if key in knob_keys})
+        core = {f.name for f in fields(self)} - {"knobs"}
+        for name in sorted(set(changes) - core):
+            close = difflib.get_close_matches(name, sorted(core | knob_keys), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ConfigError(f"unknown setting {name!r}: {hint}the settings are {', '.join(sorted(core))}, and the "
+                              f"methods' knobs {', '.join(sorted(knob_keys))} (`veloxpatch info`)")
+        return replace(self, **changes, knobs=knobs)
 
 
 @dataclass

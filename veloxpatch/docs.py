@@ -23,7 +23,8 @@ COMMANDS = {"settings": "python -m veloxpatch.docs settings > docs/settings.md",
 
 HOW_GIVEN = """\
 Every setting can be given as an environment variable, as a launcher option (`VELOX_SNAPKV_KERNEL` is
-`--snapkv-kernel`), or as a field of `VeloxConfig` (core settings by name, method knobs in \
+`--snapkv-kernel`), as a keyword of `veloxpatch.patch` (`patch(kv="snapkv", snapkv_kernel=7)`: every setting by \
+its name in lower case without `VELOX_`), or as a field of `VeloxConfig` (core settings by name, method knobs in \
 `knobs={"snapkv_kernel": 7}`).
 A bad value stops the launcher with exit status 2 and a message naming the setting, the value and what is allowed. An
 unknown `VELOX_*` name gets a warning with the closest valid name."""

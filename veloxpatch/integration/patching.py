@@ -39,13 +39,14 @@ from .state import STATE, swap
 def patch(config: VeloxConfig | None = None, **settings: Any) -> bool:
     """Switch compressed caches (and ``VELOX_FLOAT32``) on for mlx_lm; True if mlx_lm is (or will be) patched.
 
-    ``config`` or keyword settings (``patch(kv="snapkv", budget="25%")``); neither means the ``VELOX_*``
-    environment. Calling it again only swaps the config. mlx-lm older than :data:`.version.OLDEST` passes through
-    with a warning, a newer one than the newest tested is patched with a warning, and each feature only where mlx_lm
-    offers it whole: under ``strict`` each of these is a :class:`StrictError` instead, and nothing stays patched.
+    ``config`` or keyword settings (``patch(kv="snapkv", budget="25%")``, a method's knobs by key too:
+    ``patch(kv="quant", quant_keep="0.125x")``); neither means the ``VELOX_*`` environment. Calling it again only
+    swaps the config. mlx-lm older than :data:`.version.OLDEST` passes through with a warning, a newer one than the
+    newest tested is patched with a warning, and each feature only where mlx_lm offers it whole: under ``strict`` each
+    of these is a :class:`StrictError` instead, and nothing stays patched.
     """
     if config is None:
-        config = VeloxConfig(**settings) if settings else from_env().config
+        config = VeloxConfig().replace(**settings) if settings else from_env().config
     elif settings:
         config = config.replace(**settings)
     configure_logging(config.log)
