@@ -1,6 +1,6 @@
 """The yardstick's tables: RULER at 4k, question after, every variant at equal bytes (Markdown on stdout).
 
-    python bench/yardstick.py docs/results/qwen2.5-0.5b-ruler-4k-after [--per-task]
+    python bench/yardstick.py docs/results/qwen2.5-0.5b-ruler-4k-after [more folders] [--per-task]
 
 Reads the samples journal ``veloxpatch eval --question after --equal-bytes`` writes as it goes, so a run still going
 (or stopped and resumed later) is tabled from what it has measured. Only examples every variant finished count (a run
@@ -10,13 +10,16 @@ its share is its KV bytes once the context was read, counted as a 16-bit model h
 averaged over the examples that measured it ("n/a" where none did: an eval with the question inside wrote none
 before 2026-12-05). ``--per-task`` adds one column per task; ``--variant NAME`` (repeatable) tables only
 the variants named as the table names them, and then counts every example those finished (a run that changed its
-variants part way has more of them).
+variants part way has more of them). Several folders (runs of the same model and protocol, one variant measured in
+one, others in another) are tabled as one journal; an example two of them measured for the same variant counts once,
+the first folder's, and where their answers differ it says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,13 +29,22 @@ from veloxpatch.registry import METHODS, cache_class
 Key = tuple[str, int]  # (task, seed)
 
 
-def load(folder: Path) -> dict[str, dict[Key, dict]]:
-    """Per variant label, its samples by (task, seed), from ``eval.samples.jsonl`` (the last line of a repeat)."""
+def load(*folders: Path) -> dict[str, dict[Key, dict]]:
+    """Per variant label, its samples by (task, seed), from each folder's ``eval.samples.jsonl`` (the last line of a
+    repeat within a folder, the first folder's across them)."""
     out: dict[str, dict[Key, dict]] = defaultdict(dict)
-    for line in (folder / "eval.samples.jsonl").read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            out[_name(row["label"])][row["task"], row["seed"]] = row
+    for folder in folders:
+        found: dict[str, dict[Key, dict]] = defaultdict(dict)
+        for line in (folder / "eval.samples.jsonl").read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                found[_name(row["label"])][row["task"], row["seed"]] = row
+        for name, by_key in found.items():
+            for key, row in by_key.items():
+                kept = out[name].setdefault(key, row)
+                if kept["value"] != row["value"]:
+                    print(f"note: {name} on {key} answered {kept['value']} in one folder and {row['value']} in "
+                          f"{folder}; the first is tabled", file=sys.stderr)
     return out
 
 
@@ -82,15 +94,18 @@ def _order(label: str) -> tuple[float, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", type=Path)
+    parser.add_argument("folders", type=Path, nargs="+")
     parser.add_argument("--per-task", action="store_true")
     parser.add_argument("--variant", action="append", help="a variant to table, as the table names it (repeatable)")
     args = parser.parse_args()
-    samples = load(args.folder)
+    samples = load(*args.folders)
     if args.variant:
         samples = {name: by_key for name, by_key in samples.items() if name in {"full", *args.variant}}
-    table = rows(samples, args.per_task)
     keys = complete(samples)
+    if not keys:
+        counts = ", ".join(f"{name} {len(by_key)}" for name, by_key in sorted(samples.items()))
+        sys.exit(f"no example every variant finished (examples per variant: {counts}); name fewer with --variant")
+    table = rows(samples, args.per_task)
     per_task: dict[str, int] = defaultdict(int)
     for task, _ in keys:
         per_task[task] += 1

@@ -60,3 +60,18 @@ def test_examples_without_16_bit_bytes_are_tabled_with_no_share(tmp_path: Path) 
     (tmp_path / "eval.samples.jsonl").write_text("\n".join(lines[:2]) + "\n")
     rows = {r["variant"]: r for r in script.rows(script.load(tmp_path), per_task=False)}
     assert rows["snapkv@0.25"]["bytes (16-bit share)"] == "n/a"
+
+
+def test_folders_table_as_one_journal_the_first_answer_kept_and_a_difference_said(tmp_path: Path, capsys) -> None:
+    first, second = tmp_path / "one", tmp_path / "two"
+    first.mkdir(), second.mkdir()
+    (first / "eval.samples.jsonl").write_text("\n".join([
+        sample("a", 0, "full", 1.0, 100.0), sample("a", 0, "snapkv@0.25", 0.0, 25.0)]) + "\n")
+    (second / "eval.samples.jsonl").write_text("\n".join([
+        sample("a", 0, "full", 0.0, 100.0), sample("b", 0, "full", 1.0, 100.0),
+        sample("b", 0, "snapkv@0.25", 1.0, 25.0)]) + "\n")
+    script = load_script()
+    samples = script.load(first, second)
+    assert script.complete(samples) == {("a", 0), ("b", 0)}
+    assert samples["full"]["a", 0]["value"] == 1.0, "the first folder's answer"
+    assert "full on ('a', 0) answered 1.0 in one folder and 0.0" in capsys.readouterr().err
