@@ -270,8 +270,7 @@ class CrossLayerCache(CompressedKVCache):
         # evaluated now: left lazy, the fold and the compacted store would keep every layer's exact rows of a prompt
         # chunk alive until the step ends (SmolLM2 at 4k in 2048-token steps under quant: a read peak of 177.0 MiB,
         # 105.6 evaluated here; bench/kv_memory.py)
-        mx.eval([part for part in (owns[at], shared) if part is not None])
-        self.store.materialize()
+        self.store.materialize(*[part for part in (owns[at], shared) if part is not None])
 
     def _relink(self) -> None:
         """After loading, use the shared part an earlier member of the same fold holds, so the group holds it once

@@ -251,10 +251,10 @@ class RowStore:
             out.positions = mx.array(self.positions)
         return out
 
-    def materialize(self) -> None:
-        """Evaluate the held arrays now, so that what they were computed from (the larger buffer a compaction took
-        rows of) is freed now rather than when the model's step is evaluated."""
-        mx.eval([part for part in (self.keys, self.values, self.positions) if part is not None])
+    def materialize(self, *also: Any) -> None:
+        """Evaluate the held arrays now (with ``also``, in the same evaluation), so that what they were computed from
+        (the larger buffer a compaction took rows of) is freed now rather than when the model's step is evaluated."""
+        mx.eval([part for part in (self.keys, self.values, self.positions) if part is not None], *also)
 
     def tie(self, dependency: mx.array) -> None:
         """Make the stored rows depend on ``dependency``, so evaluating the state evaluates it too."""
