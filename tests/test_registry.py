@@ -36,13 +36,13 @@ def test_a_class_offered_as_a_policy_must_have_one(forget: list[str]) -> None:
     with pytest.raises(ValueError, match="already registered"):
         method("snapkv", "test")(type("AgainCache", (EvictingCache,), {}))
     with pytest.raises(ValueError, match="must be VELOX_NAMED_"):
-        method("named", "test", (Setting("VELOX_OTHER_X", int, "1", "an integer", "x", method="named"),))(
+        method("named", "test", (Setting("VELOX_OTHER_X", int, "1", "an integer", "x"),))(
             type("NamedCache", (EvictingCache,), {}))
     assert not {"foldy", "named"} & set(METHODS)
 
 
 def test_knobs_reach_a_method_through_every_method_it_is_built_on(forget: list[str]) -> None:
-    knob = Setting("VELOX_LAYERED_DEPTH", int_range(1, 9), "2", "an integer in [1, 9]", "test", method="layered")
+    knob = Setting("VELOX_LAYERED_DEPTH", int_range(1, 9), "2", "an integer in [1, 9]", "test")  # marked layered's
     forget += ["layered", "outer"]
     method("layered", "test: built on pyramidkv", (knob,), composes=("pyramidkv",))(
         type("LayeredCache", (EvictingCache,), {"policy_class": cache_class("snapkv").policy_class}))

@@ -18,7 +18,7 @@ import importlib.util
 import pkgutil
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from .log import log
@@ -129,16 +129,18 @@ METHODS = MethodTable()
 def method(name: str, description: str, knobs: tuple[Setting, ...] = (), *,
            composes: tuple[str, ...] | Callable[[Mapping[str, Any]], tuple[str, ...]] = (),
            policy: bool = False) -> Callable[[C], C]:
-    """Class decorator: register a cache class as method ``name`` with its knobs (``VELOX_<NAME>_*``)."""
+    """Class decorator: register a cache class as method ``name`` with its knobs (``VELOX_<NAME>_*``, each then
+    marked as the method's)."""
 
     def register(cls: C) -> C:
         for knob in knobs:
-            if not knob.name.startswith(f"{PREFIX}{name.upper()}_") or knob.method != name:
-                raise ValueError(f"knob {knob.name} of {name} must be {PREFIX}{name.upper()}_* with method={name!r}")
+            if not knob.name.startswith(f"{PREFIX}{name.upper()}_"):
+                raise ValueError(f"knob {knob.name} of {name} must be {PREFIX}{name.upper()}_*")
         if policy and getattr(cls, "policy_class", None) is None:
             raise ValueError(f"method {name!r} is offered as a policy (policy=True) but its class has no policy_class")
         setattr(cls, "method", name)  # any class: a typed ``cls.method = name`` would need it declared on C
-        METHODS.add(MethodInfo(name, description, tuple(knobs), cls, composes, policy))
+        owned = tuple(replace(knob, method=name) for knob in knobs)  # each knob says whose it is
+        METHODS.add(MethodInfo(name, description, owned, cls, composes, policy))
         return cls
 
     return register

@@ -35,10 +35,10 @@ from ..settings import Setting, int_range
 
 KNOBS = (
     Setting("VELOX_CHUNKKV_CHUNK", int_range(1, 1024), "10", "an integer in [1, 1024]",
-            "ChunkKV: tokens per chunk; chunks are kept or evicted whole.", method="chunkkv"),
+            "ChunkKV: tokens per chunk; chunks are kept or evicted whole."),
     Setting("VELOX_CHUNKKV_REUSE", int_range(1, 1024), "1", "an integer in [1, 1024]",
             "ChunkKV: layers per index-reuse block; the block's first layer chooses the positions all of "
-            "them keep (1: every layer chooses).", method="chunkkv"),
+            "them keep (1: every layer chooses)."),
 )
 
 HOLE_LAST = 2**30

@@ -35,8 +35,7 @@ from ..settings import Setting, int_range
 
 KNOBS = (
     Setting("VELOX_EXPECTED_ATTENTION_FUTURE", int_range(1, 8192), "512", "an integer in [1, 8192]",
-            "Expected Attention: how many positions after the newest token the expected query is averaged over.",
-            method="expected_attention"),
+            "Expected Attention: how many positions after the newest token the expected query is averaged over."),
 )
 
 

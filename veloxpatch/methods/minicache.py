@@ -56,14 +56,13 @@ TINY = 1e-30  # a zero row has no direction: it divides by this and rebuilds as 
 KNOBS = (
     Setting("VELOX_MINICACHE_START", number_range(0, 1), "0.5", "a number in [0, 1]",
             "MiniCache: share of the list's layers below the first merged pair (the paper's 0.5: pairs from half "
-            "depth on; 0: every layer pairs; 1: none).", method="minicache"),
+            "depth on; 0: every layer pairs; 1: none)."),
     Setting("VELOX_MINICACHE_T", number_range(0, 1), "0.6", "a number in [0, 1]",
             "MiniCache: SLERP interpolation of a pair's directions, from the first layer's (0) to the second's (1); "
-            "the paper's 0.6.", method="minicache"),
+            "the paper's 0.6."),
     Setting("VELOX_MINICACHE_GAMMA", number_range(0, 1), "0.05", "a number in [0, 1]",
             "MiniCache: token retention: tokens whose angular distance across the pair lies in the top gamma of the "
-            "fold's range stay exact in both layers (the paper's 0.05; 0: every token merges; 1: none does).",
-            method="minicache"),
+            "fold's range stay exact in both layers (the paper's 0.05; 0: every token merges; 1: none does)."),
 )
 
 

@@ -27,8 +27,7 @@ from ..settings import Setting, number_range
 
 KNOBS = (
     Setting("VELOX_PYRAMIDKV_BETA", number_range(1), "20", "a number >= 1",
-            "PyramidKV: the top layer keeps 1/beta of the mean budget above sink + window (1: uniform).",
-            method="pyramidkv"),
+            "PyramidKV: the top layer keeps 1/beta of the mean budget above sink + window (1: uniform)."),
 )
 
 

@@ -87,10 +87,10 @@ def keep_share(text: str) -> float:
 
 KNOBS = (
     Setting("VELOX_QUANT_BITS", int_choice(BITS), "4", one_of_text(BITS),
-            "Quant: bits per element of every key and value older than the window.", method="quant"),
+            "Quant: bits per element of every key and value older than the window."),
     Setting("VELOX_QUANT_GROUP", int_choice(GROUPS), "64", one_of_text(GROUPS),
             "Quant: tokens per block whose key channels share a scale and bias (and a value row's elements per "
-            "group, or the largest of 32, 64 and 128 dividing the head dimension).", method="quant"),
+            "group, or the largest of 32, 64 and 128 dividing the head dimension)."),
     Setting("VELOX_QUANT_KEEP", keep_share, "100%",
             "a percentage in (0, 100] of the rows, or a multiple in (0, 1] of the full cache's 16-bit bytes (`0.125x`)",
             "Quant: share of a prompt's quantized rows each layer keeps once the prompt is read: those the model "
@@ -98,24 +98,21 @@ KNOBS = (
             "heads (the first VELOX_SINK tokens always stay); below 100% every prompt is read twice. Or a share of "
             "memory: `0.125x` keeps as many as make each layer hold an eighth of what the full cache would hold at "
             "16 bits for the tokens it has seen (every byte counted); a share every row fits at VELOX_QUANT_BITS "
-            "keeps them all. Experimental: measured on a few examples only (docs/results.md).",
-            method="quant"),
+            "keeps them all. Experimental: measured on a few examples only (docs/results.md)."),
     Setting("VELOX_QUANT_POOL", odd_kernel, "1", "an odd integer in [1, 63]",
             "Quant, with VELOX_QUANT_KEEP: each row of a prompt scored as the best of this many neighbouring rows "
             "before the rows are chosen, so a kept row keeps the tokens around it (a number or a uuid spelled over "
-            "a dozen tokens stays whole); 1 scores each row alone.", method="quant"),
+            "a dozen tokens stays whole); 1 scores each row alone."),
     Setting("VELOX_QUANT_BUDGETS", choice(BUDGETS), "model", "one of " + ", ".join(BUDGETS),
             "Quant, with VELOX_QUANT_KEEP: what one top-k of the rows to keep runs over. `model`: every layer's "
             "heads at once, on the raw scores (KVzip's non-uniform budgets), so a layer whose rows the second "
             "reading needs more keeps more, the model's total the same; `layer`: each layer keeps its share, "
-            "spread over its heads (AdaKV: each head's scores over their sum), as before 2026-12-06.",
-            method="quant"),
+            "spread over its heads (AdaKV: each head's scores over their sum), as before 2026-12-06."),
     Setting("VELOX_QUANT_FLOOR", number_range(0, 1), "0.25", "a number in [0, 1]",
             "Quant, with VELOX_QUANT_BUDGETS=model: the share of each layer's own rows it keeps by its own top-k "
             "(as `layer` would) before one top-k over every layer's heads shares out the rest, so no layer is "
             "starved of the rows a question about several facts needs; 0: the model-wise top-k alone, which lost "
-            "queries of several keys the floor answers (docs/results.md).",
-            method="quant"),
+            "queries of several keys the floor answers (docs/results.md)."),
 )
 
 

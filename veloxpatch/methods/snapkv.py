@@ -25,9 +25,9 @@ from ..settings import Setting, choice, odd_kernel
 KNOBS = (
     Setting("VELOX_SNAPKV_KERNEL", odd_kernel, "31", "an odd integer in [1, 63]",
             "SnapKV (and pyramidkv, squeeze with the snapkv policy): width of the pooling over neighbouring "
-            "rows' scores.", method="snapkv"),
+            "rows' scores."),
     Setting("VELOX_SNAPKV_POOL", choice(("avg", "max")), "avg", "one of avg, max",
-            "SnapKV: how scores are pooled over the kernel (average or maximum).", method="snapkv"),
+            "SnapKV: how scores are pooled over the kernel (average or maximum)."),
 )
 
 

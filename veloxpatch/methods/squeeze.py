@@ -54,14 +54,13 @@ GROUPS = 3  # the paper's k-means clusters
 
 KNOBS = (
     Setting("VELOX_SQUEEZE_POLICY", choice(policies), "snapkv", lambda: "one of " + ", ".join(policies()),
-            "SqueezeAttention: the method that picks the rows inside each layer.", method="squeeze"),
+            "SqueezeAttention: the method that picks the rows inside each layer."),
     Setting("VELOX_SQUEEZE_STRENGTH", number_range(0, 1), "0.5", "a number in [0, 1]",
             "SqueezeAttention: the part of its budget above sink + window that the least important group of "
-            "layers gives to the others (the paper's 1 - p; 0: uniform).", method="squeeze"),
+            "layers gives to the others (the paper's 1 - p; 0: uniform)."),
     Setting("VELOX_SQUEEZE_SIGNAL", choice(SIGNALS), "cosine", "one of " + ", ".join(SIGNALS),
             "SqueezeAttention: how a layer's importance is measured: `cosine` (the paper's: how much self-attention "
-            "changes the hidden state) or `entropy` (how widely its attention spreads over the rows).",
-            method="squeeze"),
+            "changes the hidden state) or `entropy` (how widely its attention spreads over the rows)."),
 )
 
 

@@ -44,16 +44,14 @@ def _rank(text: str) -> str:
 
 KNOBS = (
     Setting("VELOX_XKV_GROUP", int_range(1, 64), "4", "an integer in [1, 64]",
-            "xKV: consecutive full-attention layers whose rows share one token basis.", method="xkv"),
+            "xKV: consecutive full-attention layers whose rows share one token basis."),
     Setting("VELOX_XKV_RANK", _rank, "auto", "auto, an integer >= 1 or a percentage in (0, 100]",
             "xKV: rank of a group's basis: `auto` folds into the bytes VELOX_BUDGET allows (its share of the "
-            "tokens seen), else dimensions or a share of the group's width (layers x kv heads x head dim).",
-            method="xkv"),
+            "tokens seen), else dimensions or a share of the group's width (layers x kv heads x head dim)."),
     Setting("VELOX_XKV_ENERGY", number_range(0, 1, above=True), "1", "a number in (0, 1]",
-            "xKV: lower the rank to keep just this share of the squared singular values (1: the rank alone).",
-            method="xkv"),
+            "xKV: lower the rank to keep just this share of the squared singular values (1: the rank alone)."),
     Setting("VELOX_XKV_MAX_CTX", int_range(1, None), "65536", "an integer >= 1",
-            "xKV: most tokens one fold may factorize; a longer one is an error.", method="xkv"),
+            "xKV: most tokens one fold may factorize; a longer one is an error."),
 )
 
 

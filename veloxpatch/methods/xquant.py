@@ -72,18 +72,17 @@ LATENT_MODES = ("auto", "on", "off")
 KNOBS = (
     Setting("VELOX_XQUANT_BITS", int_choice(BITS), "4", one_of_text(BITS),
             "XQuant: bits per element of the cached layer input X (mlx's affine quantization; 16 keeps X "
-            "unquantized).", method="xquant"),
+            "unquantized)."),
     Setting("VELOX_XQUANT_GROUP", int_choice(GROUPS), "64", one_of_text(GROUPS),
-            "XQuant: elements of X per quantization group (one scale and bias each).", method="xquant"),
+            "XQuant: elements of X per quantization group (one scale and bias each)."),
     Setting("VELOX_XQUANT_CL", int_range(1, 64), "4", "an integer in [1, 64]",
-            "XQuant-CL: consecutive layers whose first keeps X and the others their delta from it (1: off).",
-            method="xquant"),
+            "XQuant-CL: consecutive layers whose first keeps X and the others their delta from it (1: off)."),
     Setting("VELOX_XQUANT_CL_BITS", int_choice(BITS), "3", one_of_text(BITS),
-            "XQuant-CL: bits per element of a layer's delta from its group's first layer.", method="xquant"),
+            "XQuant-CL: bits per element of a layer's delta from its group's first layer."),
     Setting("VELOX_XQUANT_LATENT", choice(LATENT_MODES), "auto", "one of " + ", ".join(LATENT_MODES),
             "XQuant: cache the paper's GQA latent (X on the singular vectors of W_k and W_v) instead of X: `auto` "
             "where it is narrower than X (grouped-query attention), `on` always, `off` never; XQuant-CL does not "
-            "apply to latents.", method="xquant"),
+            "apply to latents."),
 )
 
 
