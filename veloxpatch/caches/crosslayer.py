@@ -161,10 +161,7 @@ class CrossLayerCache(CompressedKVCache):
 
     def rows(self) -> tuple[mx.array, mx.array]:
         """Every row attention runs over: the folds' rebuilt rows, then the exact ones."""
-        return self._with_folds(*self.store.fetch())
-
-    def _with_folds(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The folds' rebuilt rows followed by the exact rows ``keys``/``values``."""
+        keys, values = self.store.fetch()
         if not self.folded_rows():
             return keys, values
         rebuilt = [self.unfold(fold) for fold in self.folds]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
+from dataclasses import fields, is_dataclass
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -28,7 +29,8 @@ from .tier import Tier
 class Policy(ABC):
     """Which rows an evicting cache keeps, and nothing else. One policy serves one cache, and a copy of the cache takes
     a shallow copy, so a policy replaces its state rather than changing it in place; per-row state is a row column of
-    the store (:attr:`row_columns`). A method offered as a policy takes all its knobs in its policy's constructor."""
+    the store (:attr:`row_columns`). A method offered as a policy takes all its knobs in its policy's constructor
+    (a dataclass's fields, :meth:`knob_values`)."""
 
     uses_queries: ClassVar[bool] = True  # the scores read the model's real queries
     remembers: ClassVar[int | None] = None  # recent queries its cache remembers (:mod:`.queries`); None: the window
@@ -36,8 +38,8 @@ class Policy(ABC):
     row_columns: ClassVar[tuple[str, ...]] = ()  # float32 per-row state, by name: row columns of the store
 
     def knob_values(self) -> dict[str, Any]:
-        """The policy's knobs, saved with its cache."""
-        return {}
+        """The policy's knobs, saved with its cache: a dataclass policy's constructor fields (its knobs)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init} if is_dataclass(self) else {}
 
     @abstractmethod
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:

@@ -109,7 +109,8 @@ class RowStore:
         """Physical bytes held, spare capacity included."""
         if self.keys is None or self.values is None or self.positions is None:
             return 0
-        return sum(p.nbytes for p in (*self.keys, *self.values, self.positions, *self._held_columns()))
+        columns = [c for c in self.columns.values() if c is not None]
+        return sum(p.nbytes for p in (*self.keys, *self.values, self.positions, *columns))
 
     # ----------------------------------------------------------------- row columns
     def column(self, name: str, rows: int | None = None) -> mx.array:
@@ -132,9 +133,6 @@ class RowStore:
         if index is None:
             return {name: self.column(name) for name in self.columns}
         return {name: mx.take_along_axis(self.column(name), index, axis=-1) for name in self.columns}
-
-    def _held_columns(self) -> list[mx.array]:
-        return [c for c in self.columns.values() if c is not None]
 
     # ----------------------------------------------------------------- writing
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:

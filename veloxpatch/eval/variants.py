@@ -94,14 +94,9 @@ def line_identity(label: str, knobs: dict[str, Any] | None) -> str:
 
 
 def split_specs(text: str) -> list[str]:
-    """``"snapkv,snapkv[kernel=15,pool=max],full"`` -> its items: commas inside brackets do not split."""
-    items, depth, start = [], 0, 0
-    for i, char in enumerate(text + ","):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            items.append(text[start:i].strip())
-            start = i + 1
-    return [item for item in items if item]
+    """``"snapkv,snapkv[kernel=15,pool=max],full"`` -> its items: a comma before a ``]`` with no ``[`` between
+    (inside brackets) does not split."""
+    return [item.strip() for item in re.split(r",(?![^\[]*\])", text) if item.strip()]
 
 
 def _settings(method: str, given: dict[str, str]) -> dict[str, Setting]:

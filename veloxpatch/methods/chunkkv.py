@@ -24,6 +24,7 @@ Where this deviates from the paper, and why:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -81,15 +82,12 @@ class ChunkKVIndexReuseCoordinator(Coordinator):
         return self.latest(self.topic(layer, block, what))
 
 
+@dataclass(eq=False)
 class ChunkKV(Policy):
     """Keeps the chunks of consecutive tokens the recent queries attend to most (leaders choosing for their block)."""
 
-    def __init__(self, chunk: int = 10, reuse: int = 1) -> None:
-        self.chunk = chunk
-        self.reuse = reuse
-
-    def knob_values(self) -> dict[str, object]:
-        return {"chunk": self.chunk, "reuse": self.reuse}
+    chunk: int = 10
+    reuse: int = 1
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         """Window attention per row; protected rows score nothing (module doc)."""

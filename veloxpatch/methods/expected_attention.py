@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -82,15 +83,12 @@ def expected_logits(queries: mx.array, keys: mx.array, rope: Any, end: int, futu
     return scale * (mean @ seen.swapaxes(-1, -2)) + 0.5 * scale * scale * (var @ (seen * seen).swapaxes(-1, -2))
 
 
+@dataclass(eq=False)
 class ExpectedAttention(Policy):
     """Ranks rows by the attention the next queries are expected to pay them, times their value's norm."""
 
-    def __init__(self, future: int = 512) -> None:
-        self.future = future
-        self.base: mx.array | None = None  # the rotary module's mean map over positions 0 .. future - 1, once
-
-    def knob_values(self) -> dict[str, object]:
-        return {"future": self.future}
+    future: int = 512
+    base: mx.array | None = field(default=None, init=False)  # the rotary module's mean map over 0 .. future - 1
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         """Expected attention over the stored rows (holes none), averaged over each KV head's query heads, times the

@@ -31,6 +31,7 @@ Where this deviates from the paper, and why:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -88,6 +89,7 @@ def _blocks(queries: mx.array, keys: mx.array, values: mx.array | None, scale: f
     return outs, total
 
 
+@dataclass(eq=False)
 class H2O(Policy):
     """Ranks rows by the attention they have accumulated: the store's row column ``mass`` (float32; shorter than
     the rows until the newest are accounted)."""
@@ -96,8 +98,7 @@ class H2O(Policy):
     logs_queries = True  # decode queries wait in the cache's log until they pass the largest headroom
     row_columns = ("mass",)
 
-    def __init__(self) -> None:
-        self.credited = False  # this step's queries were accounted with its attention (:meth:`credit`)
+    credited: bool = field(default=False, init=False)  # this step's queries were accounted with its attention
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         self.catch_up(cache)

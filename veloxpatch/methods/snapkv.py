@@ -15,6 +15,8 @@ paper's setting back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from ..caches.evicting import EvictingCache, Policy
@@ -31,15 +33,12 @@ KNOBS = (
 )
 
 
+@dataclass(eq=False)
 class SnapKV(Policy):
     """Ranks rows by the pooled attention the recent window of queries pays them."""
 
-    def __init__(self, kernel: int = 31, pool: str = "avg") -> None:
-        self.kernel = kernel
-        self.pool = pool
-
-    def knob_values(self) -> dict[str, object]:
-        return {"kernel": self.kernel, "pool": self.pool}
+    kernel: int = 31
+    pool: str = "avg"
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
         """Pooled attention of the window over the prefix. Protected rows (kept anyway) score zero before pooling,
