@@ -215,7 +215,7 @@ def test_a_saved_cache_loads_back_with_its_mass(tmp_path) -> None:
     cache = H2OCache(CacheSpec(Budget(tokens=24), 2, 4, mode="chunk"))
     keys, queries = random_rows(6, 1, 2, 2, 43)
     list(feed(cache, keys, queries, [40, 1, 1, 1]))
-    assert cache.log.queued, "the decode steps' queries wait for the next compression"
+    assert cache.log.queries is not None, "the decode steps' queries wait for the next compression"
     path = str(tmp_path / "prompt.safetensors")
     save_prompt_cache(path, [cache])
     veloxpatch.patch(kv="h2o")  # mlx_lm finds the class to load by name in its cache module

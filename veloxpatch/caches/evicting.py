@@ -19,7 +19,7 @@ from ..config import TierSize
 from .allocation import layer_budgets
 from .base import CompressedKVCache
 from .masks import marked
-from .queries import QueryLog
+from .queries import QueryMemory
 from .schedule import Schedule
 from .selection import best_rows, protected
 from .spec import CacheSpec
@@ -34,7 +34,7 @@ class Policy(ABC):
 
     uses_queries: ClassVar[bool] = True  # the scores read the model's real queries
     remembers: ClassVar[int | None] = None  # recent queries its cache remembers (:mod:`.queries`); None: the window
-    logs_queries: ClassVar[bool] = False  # it queues queries in the cache's log (:class:`.queries.QueryLog`)
+    logs_queries: ClassVar[bool] = False  # it queues queries in the cache's log (every query, :data:`.queries.EVERY`)
     row_columns: ClassVar[tuple[str, ...]] = ()  # float32 per-row state, by name: row columns of the store
 
     def knob_values(self) -> dict[str, Any]:
@@ -135,7 +135,7 @@ class EvictingCache(CompressedKVCache):
         super().__init__(spec)
         self.policy = self.make_policy(**knobs)
         self.store.columns = dict.fromkeys(self.policy.row_columns)
-        self.log = QueryLog()  # queries the policy has not accounted yet (``logs_queries``)
+        self.log = QueryMemory()  # queries the policy has not accounted yet (``logs_queries``)
         self.tier = Tier(spec.tier) if spec.tier else None  # where dropped rows go (VELOX_TIER), or None: lost
         self.tier_size = spec.tier_size  # the most rows the tier holds (VELOX_TIER_SIZE)
         self.memory_plan = spec.memory_plan  # VELOX_KV_MEMORY as rows per layer, or None

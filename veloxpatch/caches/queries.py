@@ -1,7 +1,8 @@
 """Query memory: the most recent real queries of a layer, and the attention they pay its rows.
 
 Query-aware methods score rows by what the latest queries attend to (SnapKV's window, TOVA's newest query); the
-tokens seen when the newest attended are kept too, so a row stored after them is never counted as seen.
+tokens seen when the newest attended are kept too, so a row stored after them is never counted as seen. A memory of
+every query (:data:`EVERY`) queues those a policy has not accounted yet (H2O's log).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .masks import visible
+
+EVERY = 1 << 30  # a length to remember: every query until the memory is taken
 
 
 class QueryMemory:
@@ -56,40 +59,3 @@ class QueryMemory:
         logits = mx.where(visible(positions, w, self.end)[:, :, None], logits, -mx.inf)
         return mx.softmax(logits, axis=-1).sum(axis=(2, 3))
 
-
-class QueryLog:
-    """Queries a policy has not accounted yet (H2O's), of the tokens ending at ``end``."""
-
-    def __init__(self) -> None:
-        self.queued: list[mx.array] = []  # replaced, never changed in place: a copy of the cache shares the old one
-        self.end = 0
-
-    @property
-    def count(self) -> int:
-        return sum(q.shape[2] for q in self.queued)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(q.nbytes for q in self.queued)
-
-    def add(self, queries: mx.array, end: int) -> None:
-        """Queue ``queries`` (B, query_heads, n, head_dim), the newest having attended after ``end`` tokens."""
-        self.queued = [*self.queued, queries]
-        self.end = end
-
-    def take(self) -> mx.array | None:
-        """Every queued query, oldest first, in one array (None: none); the log is empty after."""
-        if not self.queued:
-            return None
-        queries = self.queued[0] if len(self.queued) == 1 else mx.concatenate(self.queued, axis=2)
-        self.queued = []
-        return queries
-
-    def trim(self, offset: int) -> None:
-        """Forget the queries of tokens at ``offset`` or later (a trim back to that prefix)."""
-        drop = self.end - offset
-        if drop > 0 and self.queued:
-            queries = mx.concatenate(self.queued, axis=2)
-            left = queries.shape[2] - drop
-            self.queued = [queries[..., :left, :]] if left > 0 else []
-        self.end = min(self.end, offset)

@@ -38,6 +38,7 @@ import mlx.core as mx
 
 from ..caches import masks
 from ..caches.evicting import EvictingCache, Policy
+from ..caches.queries import EVERY, QueryMemory
 from ..coordinators import members_of
 from ..registry import method
 
@@ -111,8 +112,9 @@ class H2O(Policy):
             self.credited = False
             cache.log.end = cache.offset
             return
-        cache.log.add(queries, cache.offset)
-        if cache.log.count > cache.headroom(cache.target()):
+        cache.log.remember(queries, cache.offset, EVERY)
+        assert cache.log.queries is not None, "remembered"
+        if cache.log.queries.shape[2] > cache.headroom(cache.target()):
             self.catch_up(cache)
 
     def credit(self, cache: EvictingCache, mass: mx.array) -> None:
@@ -122,11 +124,12 @@ class H2O(Policy):
 
     def catch_up(self, cache: EvictingCache) -> None:
         """Add the queued queries' attention to the mass, in one pass, over the rows they saw."""
-        queries = cache.log.take()
+        queries, end = cache.log.queries, cache.log.end
         if queries is None:
             return
+        cache.log = QueryMemory(None, end)
         keys, _ = cache.store.fetch()
-        first = cache.log.end - queries.shape[2]
+        first = end - queries.shape[2]
         mass = received_mass(queries, keys, cache.scale, cache.store.row_positions(), first)
         cache.store.set_column("mass", cache.store.column("mass", keys.shape[2]) + mass)
 
