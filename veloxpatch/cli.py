@@ -143,22 +143,6 @@ def methods(as_json: bool) -> None:
             click.echo(f"{'':<{width}}    {k['name']} ({k['option']}, default {k['default']}): {k['doc']}")
 
 
-def invalid_settings(env: dict[str, str]) -> list[str]:
-    """Every problem with the ``VELOX_*`` values in ``env`` (not only the first)."""
-    errors = []
-    for s in all_settings():
-        try:
-            s.convert(env.get(s.name, s.default))
-        except ConfigError as error:
-            errors.append(str(error))
-    if not errors:
-        try:
-            from_env(env)
-        except ConfigError as error:  # rules across settings, e.g. budget vs sink + window
-            errors.append(str(error))
-    return errors
-
-
 @main.command()
 @click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False), metavar="PATH",
               help="Also say, per method, whether this model's caches are compressed, and if not why.")
@@ -171,11 +155,11 @@ def info(model_path: str | None) -> None:
     mlx_version = mx.__version__  # type: ignore[attr-defined]  # there at run time; mlx.core's stubs omit it
     click.echo(f"mlx {mlx_version}  mlx-lm {found} ({version.describe(found)})  backend {mx.default_device()}")
     _features(found)
-    errors = invalid_settings(dict(os.environ))
-    if errors:
-        click.echo("\n  ".join(["invalid configuration:", *errors]))
-        raise SystemExit(2)
-    loaded = from_env()
+    try:
+        loaded = from_env()
+    except ConfigError as error:  # every bad value, one a line
+        click.echo("\n  ".join(["invalid configuration:", *str(error).splitlines()]))
+        raise SystemExit(2) from None
     config = loaded.config
     click.echo("settings:")
     for s in all_settings():

@@ -234,14 +234,21 @@ class LoadedConfig:
 
 
 def from_env(environ: Mapping[str, str] | None = None) -> LoadedConfig:
-    """Read and validate every ``VELOX_*`` variable; raise :class:`ConfigError` on a bad value."""
+    """Read and validate every ``VELOX_*`` variable; raise :class:`ConfigError` naming every bad value, one a line
+    (then the rules across settings, such as the budget against sink + window)."""
     environ = os.environ if environ is None else environ
     core: dict[str, Any] = {}
     knobs: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    errors = []
     for s in all_settings():
         sources[s.name] = f"environment ({s.name})" if s.name in environ else "default"
-        (knobs if s.method else core)[s.key] = s.convert(environ.get(s.name, s.default))
+        try:
+            (knobs if s.method else core)[s.key] = s.convert(environ.get(s.name, s.default))
+        except ConfigError as error:
+            errors.append(str(error))
+    if errors:
+        raise ConfigError("\n".join(errors))
     config = VeloxConfig(**core, knobs=knobs)
     return LoadedConfig(config, sources, unknown_names(environ) + idle_settings(config, sources))
 
