@@ -149,7 +149,7 @@ def test_what_a_prompt_leaves_sends_each_method_to_its_prefill() -> None:
     assert shared == {"chunkkv", "pyramidkv", "snapkv", "streamingllm"}
     assert {name for name in METHODS if sharing.candidate(Variant(name)) == sharing.OWN} == set(METHODS) - shared
     assert sharing.candidate(Variant("rotating", 0.5)) == sharing.PLAIN == sharing.candidate(Variant("quantized", 0.5))
-    assert sharing.source_method() == "snapkv"
+    assert sharing.PROMPT_STATE[sharing.SOURCE] == "window", "the source leaves what every shareable method takes"
 
 
 # ----------------------------------------------------------------------------- knobs

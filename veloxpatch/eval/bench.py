@@ -174,7 +174,7 @@ def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
         for case in own[:1]:
             yield from _group(model, prompt, case[3].caches(model, context, spec.compress), [case], sharing.OWN, spec)
         if shared:
-            source = Variant(sharing.source_method())
+            source = Variant(sharing.SOURCE)
             base = source.caches(model, context, spec.compress, budget=sharing.HUGE)
             yield from _group(model, prompt, base, shared, f"{sharing.SHARED}:{source.method}", spec)
             del base

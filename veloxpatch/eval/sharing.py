@@ -43,6 +43,7 @@ import mlx.core as mx
 
 from veloxpatch.caches import CompressedKVCache
 from veloxpatch.config import Budget
+from veloxpatch.integration.wrappers import ours
 from veloxpatch.log import log
 from veloxpatch.registry import METHODS
 
@@ -52,6 +53,7 @@ HUGE = 1 << 30  # a budget no prompt reaches: the cache never evicts
 # What reading a prompt leaves in a method's caches besides state of its own: its rows and offset, and for a method
 # scoring by the prompt's last queries their remembered window. Any other method (a plugin's too) prefills alone.
 PROMPT_STATE = {"streamingllm": "rows", "snapkv": "window", "pyramidkv": "window", "chunkkv": "window"}
+SOURCE = "snapkv"  # the shared prefill's method: its prompt leaves its rows and the window of queries for any to take
 SHARED, OWN, PLAIN = "shared", "own", "plain"
 # the check: a prompt of 1 + 2 chunks longer than any default headroom (64), budgets that evict (headroom 8 and
 # 9), enough decode steps for a compression after the prompt's
@@ -105,19 +107,6 @@ def fresh_reading() -> Reading:
     mx.clear_cache()
     mx.reset_peak_memory()
     return Reading()
-
-
-def ours(caches: list[Any]) -> list[CompressedKVCache]:
-    return [c for c in caches if isinstance(c, CompressedKVCache)]
-
-
-def source_method() -> str:
-    """The method whose prefill the shared variants start from: one whose prompt leaves its rows and the window
-    of queries (so every shareable method can take over); snapkv when it qualifies."""
-    fit = [m for m in sorted(METHODS) if PROMPT_STATE.get(m) == "window"]
-    if not fit:
-        raise RuntimeError("no registered method can be a shared prefill's source")
-    return "snapkv" if "snapkv" in fit else fit[0]
 
 
 def candidate(variant: Variant) -> str:
@@ -235,7 +224,7 @@ def run(model: Any, tokens: mx.array, requests: list[Request], max_tokens: int, 
         if r.mode in (SHARED, OWN):
             groups.setdefault(SHARED if r.mode == SHARED else (r.variant.method, r.variant.knobs), []).append(r)
     for key, members in sorted(groups.items(), key=lambda group: group[0] != SHARED):
-        base = Variant(source_method()) if key == SHARED else members[0].variant
+        base = Variant(SOURCE) if key == SHARED else members[0].variant
         members = sorted(members, key=lambda r: r.variant.method == "full")
         yield from _group(model, tokens, base.caches(model, tokens.size, budget=HUGE), members, max_tokens, step)
 
