@@ -7,7 +7,8 @@ under it, measured by what the process holds (``mx.get_active_memory``) over the
 ``--target off`` measures the read peaks of the modes at ``--budget`` alone.
 
 For vanilla mlx_lm, for SnapKV under the target (``end`` and ``chunk`` mode, with and without a 4-bit tier) and for
-``quant`` (every row at 4 bits, or an eighth of the bytes: ``quant[keep=0.125x]``, whose second reading of the prompt
+Expected Attention and H2O (``chunk`` mode), ``quant`` (every row at 4 bits, or an eighth of the bytes:
+``quant[keep=0.125x]``, whose second reading of the prompt
 runs with the prompt's last token, so its peak counts here), one niah_single prompt of ``--context`` tokens
 through mlx_lm's ``generate_step`` (32 new tokens): the memory held after the answer and the peak while the prompt
 was read, both over the loaded model, the caches' ``nbytes``, and whether the answer was right. Prints a Markdown
@@ -37,6 +38,8 @@ VARIANTS = {
     "snapkv end, tier 4": {"kv": "snapkv", "compress": "end", "tier": "4"},
     "snapkv chunk, tier 4": {"kv": "snapkv", "compress": "chunk", "tier": "4"},
     "snapkv chunk, tier 8": {"kv": "snapkv", "compress": "chunk", "tier": "8"},
+    "expected_attention chunk": {"kv": "expected_attention", "compress": "chunk"},
+    "h2o chunk": {"kv": "h2o", "compress": "chunk"},
     "quant": {"kv": "quant"},
     "quant, keep 0.125x": {"kv": "quant", "knobs": {"quant_keep": "0.125x"}},
 }

@@ -192,7 +192,7 @@ def test_a_long_chunk_is_accounted_in_blocks_of_queries_within_their_memory(monk
     positions = mx.broadcast_to(mx.arange(1024, dtype=mx.int32), (1, 2, 1024))
     args = (mx.array(queries), mx.array(keys), SCALE, positions, 0)
     whole = received_mass(*args)
-    monkeypatch.setattr("veloxpatch.methods.h2o.BLOCK_ELEMENTS", 1 << 18)  # 1 MB: 32 queries of 8 heads
+    monkeypatch.setattr("veloxpatch.methods.h2o.SCORE_BYTES", 1 << 20)  # 1 MB: 32 queries of 8 heads
     mx.eval(whole)
     mx.reset_peak_memory()
     before = mx.get_active_memory()
