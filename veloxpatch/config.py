@@ -216,11 +216,12 @@ class VeloxConfig:
         knobs = {**self.knobs, **changes.pop("knobs", {})}
         knobs.update({key: changes.pop(key) for key in list(changes) if key in knob_keys})
         core = {f.name for f in fields(self)} - {"knobs"}
-        for name in sorted(set(changes) - core):
-            close = difflib.get_close_matches(name, sorted(core | knob_keys), n=1, cutoff=0.6)
+        unknown = sorted(set(changes) - core)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(core | knob_keys), n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}? " if close else ""
-            raise ConfigError(f"unknown setting {name!r}: {hint}the settings are {', '.join(sorted(core))}, and the "
-                              f"methods' knobs {', '.join(sorted(knob_keys))} (`veloxpatch info`)")
+            raise ConfigError(f"unknown setting {unknown[0]!r}: {hint}the settings are {', '.join(sorted(core))}, and "
+                              f"the methods' knobs {', '.join(sorted(knob_keys))} (`veloxpatch info`)")
         return replace(self, **changes, knobs=knobs)
 
 
