@@ -658,3 +658,59 @@ def test_a_short_prompt_chunk_over_held_keys_attends_over_them_rebuilt() -> None
         reference = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask="causal")
         assert mx.allclose(out, reference, atol=1e-5).item()
         assert key_bits(cache) == [HOLD_BITS]
+
+
+# --------------------------------------------------------------------- VELOX_QUANT_SCORE=expected
+def expected_reference(queries: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> np.ndarray:
+    """Expected Attention's rule without rotation, by numpy: per KV head, the queries' mean and per-channel variance
+    over the last ones, each row's logit ``scale * mu.k + scale**2 / 2 * var.k**2``, a softmax over the rows, the
+    mean over the head's query heads, times the value's norm. (H, rows)"""
+    hq, heads = queries.shape[1], keys.shape[1]
+    out = []
+    for h in range(heads):
+        group = queries[0, h * hq // heads: (h + 1) * hq // heads]  # (group, n, d)
+        mean, var = group.mean(axis=1), group.var(axis=1)
+        logits = scale * mean @ keys[0, h].T + 0.5 * scale ** 2 * var @ (keys[0, h] ** 2).T
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        out.append(probs.mean(axis=0) * np.linalg.norm(values[0, h], axis=-1))
+    return np.stack(out)
+
+
+def test_expected_scores_are_expected_attentions_rule_over_the_folded_rows(monkeypatch) -> None:
+    mx.random.seed(21)
+    cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, mode="chunk"), bits=4, group=32, keep=0.5,
+                       score="expected")
+    cache.read_prompt_chunk(mx.zeros((1, PROMPT), mx.int32))
+    keys, values = mx.random.normal((1, 2, PROMPT, 64)), mx.random.normal((1, 2, PROMPT, 64))
+    queries = mx.random.normal((1, 6, PROMPT, 64))
+    k, v = cache.update_and_fetch(keys, values)
+    cache.attend(queries, k, v, 0.125, mask="causal")
+    recorded: list[mx.array] = []
+    stop = QuantCache.stop_rereading
+    monkeypatch.setattr(QuantCache, "stop_rereading",
+                        lambda self, read: (recorded.append(self.scores), stop(self, read)))
+    (fold,) = cache.folds
+    held_keys, held_values = (np.array(a) for a in cache.unfold(fold))  # as held (8 bits until chosen)
+    cache.score_by_expectation(None)  # no rotary module: the statistics unrotated
+    want = expected_reference(np.array(queries[:, :, -8:]), held_keys, held_values, 0.125)
+    assert np.allclose(np.array(recorded[0][0]), want, atol=1e-5), "the window's queries, Expected Attention's rule"
+    assert cache.memory.queries is None, "the queries go with the choice"
+    assert cache.candidates is not None and cache.unscored == []
+
+
+def test_expected_scoring_reads_each_prompt_once_and_keeps_fewer_rows(monkeypatch) -> None:
+    model = tiny("llama", layers=2)
+    prompt = random_tokens(PROMPT + 1, 6)
+    scored: list[int] = []
+    score = QuantCache.score_by_expectation
+    monkeypatch.setattr(QuantCache, "score_by_expectation",
+                        lambda self, module: (scored.append(self.layer), score(self, module)))
+    monkeypatch.setattr(QuantCache, "start_rereading", lambda self: pytest.fail("no second reading"))
+    veloxpatch.patch(kv="quant", window=8, sink=4, quant_group=32, quant_keep="50%", quant_score="expected")
+    caches = make_prompt_cache(model)
+    assert rereading.attention_modules(model)[0] is model.layers[0].self_attn, "each layer's, for its rotary module"
+    tokens = greedy(model, prompt, caches, steps=3, chunk=PROMPT)
+    assert len(tokens) == 3 and scored == [0, 1], "each layer scored its rows once, when the prompt was read"
+    assert all(c.held_rows(c.folds[0]) < c.folds[0].end for c in caches), "the heads hold fewer rows than folded"
+    veloxpatch.unpatch()

@@ -20,6 +20,10 @@ In mlx_lm's batched generation (the server's batches) each sequence keeps its ow
 its prompt chunks are its slice of each right-padded step, and at the first decode-sized step after them it is read
 again alone, over its own caches, before the batch's step runs; the other sequences wait for it.
 
+With ``VELOX_QUANT_SCORE=expected`` the same call chooses the rows without reading the prompt again: each cache
+scores them from the prompt's last queries with its layer's attention module (:func:`attention_modules`: its
+rotary embedding), found here because this wrapper sees the model.
+
 Where it cannot be done the prompt is read once and every row kept, said once: a list holding any cache that is not
 one of ours asking for it (a sliding-window slot of mlx_lm's, whose rows cannot be trimmed), or input embeddings
 instead of token ids. The cost is the paper's: each prompt is read twice.
@@ -74,6 +78,8 @@ def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: An
         if not first.schedule.decode_sized(n) or first.before_prompt_end(n):
             for cache in readers:
                 cache.read_prompt_chunk(tokens)
+        elif first.unscored and first.score == "expected":
+            _choose_by_expectation(instance, readers)
         elif first.unscored:
             _read_again(wrapped, params, args, kwargs, readers)
     return wrapped(*args, **kwargs)
@@ -154,6 +160,29 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
         for cache in readers:
             cache.stop_rereading(read)
         type(readers[0]).keep_chosen(readers)
+
+
+def _choose_by_expectation(model: Any, readers: list[Any]) -> None:
+    """``VELOX_QUANT_SCORE=expected``: the readers score their rows from the prompt's last queries, each with its
+    layer's attention module (its rotary embedding; found by :func:`attention_modules`), no second reading; then they
+    keep their best rows. A failure is said (or raised under ``VELOX_STRICT``) and leaves every row."""
+    modules = attention_modules(model)
+    try:
+        for cache in readers:
+            cache.score_by_expectation(modules[cache.layer] if cache.layer < len(modules) else None)
+    except Exception as error:  # the host app must keep running
+        fall_back("scoring a prompt's rows by expected attention", error, in_force(), instead="its rows are all kept")
+        for cache in readers:
+            cache.stop_rereading(False)
+    type(readers[0]).keep_chosen(readers)
+
+
+def attention_modules(model: Any) -> list[Any]:
+    """Each layer's attention module (the child of a ``model.layers`` block holding a ``rope``; None where none
+    does): where a cache of the layer finds its rotary embedding without hooking every layer's call."""
+    names = ("self_attn", "attention", "attn")
+    return [next((getattr(layer, n) for n in names if hasattr(getattr(layer, n, None), "rope")), None)
+            for layer in getattr(model, "layers", [])]
 
 
 def _lead(lead: mx.array | None, chunk: mx.array) -> mx.array:

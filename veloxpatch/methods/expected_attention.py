@@ -102,9 +102,10 @@ class ExpectedAttention(Policy):
         norms = mx.linalg.norm(values.astype(mx.float32), axis=-1)
         return mx.softmax(logits, axis=-1).mean(axis=2) * norms
 
-    def expected(self, cache: EvictingCache, keys: mx.array, scale: float) -> mx.array:
+    def expected(self, cache: Any, keys: mx.array, scale: float) -> mx.array:
         """:func:`expected_logits` rotated by the layer's rotary module where the cache has seen its attention module
-        and that has one the identity goes through; else unrotated (said once)."""
+        and that has one the identity goes through; else unrotated (said once). ``cache``: any with remembered
+        queries (``memory``) and ``module`` (a reference to its attention module, or None): ``quant`` uses it too."""
         memory = cache.memory
         assert memory.queries is not None, "scored with remembered queries"
         module = getattr(cache, "module", None)

@@ -24,9 +24,12 @@ bytes the layers' room pooled), never more held than the layers by their own sha
 whole blocks, with the first ``VELOX_SINK`` tokens and each row's two-byte position for trims. With
 ``VELOX_QUANT_BUDGETS=layer`` each layer keeps its own share by one top-k over its heads (AdaKV's head-wise budgets:
 each head's scores over their sum first): it lost answers model-wise kept, and the model-wise top-k alone
-(``VELOX_QUANT_FLOOR=0``) lost queries of several keys the floor answers (docs/results.md). Every prompt
-is read twice, a chat's next turn too, and its rows are chosen with those still exact when it began: a chat holds its
-share turn after turn. Rows an answer folds as it is decoded are all kept.
+(``VELOX_QUANT_FLOOR=0``) lost queries of several keys the floor answers (docs/results.md). With
+``VELOX_QUANT_SCORE=expected`` Expected Attention's score (the prompt's last queries' statistics, rotated ahead)
+chooses instead, without a second reading (the same budgets, the same ragged folds; not measured on the yardstick
+yet). Each prompt, a chat's next turn too, is scored once it is read (by default read twice), its rows chosen with
+those still exact when it began: a chat holds its share turn after turn. Rows an answer folds as it is decoded are
+all kept.
 
 Choices the measurements forced (docs/results.md, "Rows to drop before the question"): until the second reading the
 prompt's keys fold at ``HOLD_BITS`` and the kept keys are quantized to ``VELOX_QUANT_BITS`` once, from them (scores
@@ -41,6 +44,7 @@ Heads holding different numbers of rows make a *ragged* fold, one part per head 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -49,13 +53,14 @@ from mlx.utils import tree_flatten
 
 from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
+from ..caches.queries import QueryMemory
 from ..caches.scored_attention import scored_attention
 from ..caches.selection import pool_rows
 from ..caches.spec import CacheSpec
 from ..caches.store import Parts, decode, encode, take_rows
 from ..coordinators import members_of
 from ..log import once
-from ..registry import method
+from ..registry import cache_class, method
 from ..settings import Setting, choice, int_choice, number_range, odd_kernel, one_of_text, percent
 from ..stats import at_16_bits
 
@@ -63,6 +68,7 @@ BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, i
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
 HALF = (mx.float16, mx.bfloat16)  # multiplied as float32 on the CPU (:meth:`QuantCache._times`)
 BUDGETS = ("layer", "model")  # VELOX_QUANT_BUDGETS: what one top-k of the rows to keep runs over
+SCORES = ("repeat", "expected")  # VELOX_QUANT_SCORE: how the rows to keep are scored
 
 HOLD_BITS = 8  # the keys of a prompt awaiting its second reading (module doc: why not at VELOX_QUANT_BITS)
 
@@ -113,6 +119,11 @@ KNOBS = (
             "(as `layer` would) before one top-k over every layer's heads shares out the rest, so no layer is "
             "starved of the rows a question about several facts needs; 0: the model-wise top-k alone, which lost "
             "queries of several keys the floor answers (docs/results.md)."),
+    Setting("VELOX_QUANT_SCORE", choice(SCORES), "repeat", "one of " + ", ".join(SCORES),
+            "Quant, with VELOX_QUANT_KEEP: how a prompt's rows are scored: `repeat`, the most attention they get "
+            "while the model reads the prompt a second time (KVzip); `expected`, the attention queries to come are "
+            "expected to pay them, times the value's norm (Expected Attention, from the prompt's last VELOX_WINDOW "
+            "queries), without a second reading. Experimental: `expected` is not measured on the yardstick yet."),
 )
 
 
@@ -132,21 +143,25 @@ class QuantCache(CrossLayerCache):
                       "16-bit bytes)")  # said where VELOX_KV_MEMORY is refused
 
     def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float | str = 1.0,
-                 pool: int = 1, budgets: str = "model", floor: float = 0.25) -> None:
+                 pool: int = 1, budgets: str = "model", floor: float = 0.25, score: str = "repeat") -> None:
         super().__init__(spec)
         self.bits, self.group_size, self.pool, self.budgets, self.floor = bits, group, pool, budgets, floor
+        self.score = score
+        self.expectation: Any = None  # ``score=expected``: Expected Attention's policy (its rotary maps, once)
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
         self.rereading = False  # the model reads the prompt again: this cache scores its folded rows
         self.storing = True  # False while a chunk of that reading is read: attended over, not stored
         self.unscored: list[mx.array] = []  # the prompt chunks read since the last scoring (token ids)
         self.chosen_end = 0  # rows before this position were chosen by an earlier reading (or kept: every row)
         self.scores: mx.array | None = None  # (B, H, folded rows) the most attention the second reading paid
+        self.scale = 1.0  # the attention's scale, seen at each prompt chunk (``score=expected``)
+        self.module: weakref.ref | None = None  # the layer's attention module, while ``score=expected`` chooses
         self.candidates: Candidates | None = None  # the prompt's rows to choose among, once read again
 
     def knob_values(self) -> dict[str, Any]:
         return {"bits": self.bits, "group": self.group_size,
                 "keep": str(self.keep) if isinstance(self.keep, BytesShare) else self.keep, "pool": self.pool,
-                "budgets": self.budgets, "floor": self.floor}
+                "budgets": self.budgets, "floor": self.floor, "score": self.score}
 
     @property
     def wants_rereading(self) -> bool:
@@ -190,6 +205,28 @@ class QuantCache(CrossLayerCache):
             self.store.keep(mx.broadcast_to(mx.arange(rows), (*self.store.row_positions().shape[:2], rows)), 0)
         if read and scores is not None and self.folds:
             self.candidates = self._candidates(scores)
+
+    def score_by_expectation(self, module: Any) -> None:
+        """Instead of a second reading (``VELOX_QUANT_SCORE=expected``): every folded row scored by the attention the
+        queries to come are expected to pay it (:meth:`.ExpectedAttention.expected` over the prompt's last queries,
+        rotated by ``module``'s rotary embedding where it has one), averaged over each KV head's query heads, times
+        the value's norm; then the rows become :attr:`candidates` as after a second reading. The remembered queries
+        go with the choice (they would otherwise count in the share of the bytes)."""
+        self._fold_if_due(1)
+        self.unscored = []
+        if self.memory.queries is None or not self.folds:
+            self.stop_rereading(False)
+            return
+        self.module = None if module is None else weakref.ref(module)
+        if self.expectation is None:  # by id: a method does not import another's module
+            self.expectation = cache_class("expected_attention").policy_class()
+        keys, values = (mx.concatenate(list(parts), axis=2) for parts in zip(*(self.unfold(f) for f in self.folds)))
+        positions = mx.concatenate([self.fold_positions(f) for f in self.folds], axis=-1)
+        logits = mx.where((positions >= 0)[:, :, None], self.expectation.expected(self, keys, self.scale), -mx.inf)
+        norms = mx.linalg.norm(values.astype(mx.float32), axis=-1)
+        self.scores = mx.softmax(logits, axis=-1).mean(axis=2) * norms
+        self.memory = QueryMemory()
+        self.stop_rereading(True)
 
     @staticmethod
     def keep_chosen(caches: list[QuantCache]) -> None:
@@ -447,6 +484,9 @@ class QuantCache(CrossLayerCache):
         if not self.rereading or sinks is not None:
             if not self.unscored and self.schedule.decode_sized(queries.shape[2]):
                 self._settle()  # a prompt's held keys whose second reading did not come (a saved cache, say)
+            elif self.unscored and self.score == "expected":  # the statistics the choice reads (and its scale)
+                self.memory.remember(queries, self.offset, self.window)
+                self.scale = scale
             return super().attend(queries, keys, values, scale, mask, sinks)
         self.handed = None
         out = self._scored_attention(queries, keys, values, scale)
