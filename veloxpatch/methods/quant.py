@@ -27,9 +27,9 @@ each head's scores over their sum first): it lost answers model-wise kept, and t
 (``VELOX_QUANT_FLOOR=0``) lost queries of several keys the floor answers (docs/results.md). With
 ``VELOX_QUANT_SCORE=expected`` Expected Attention's score (the prompt's last queries' statistics, rotated ahead)
 chooses instead, without a second reading (the same budgets, the same ragged folds); asked after the context it lost
-nearly every needle the second reading keeps (docs/results.md, the yardstick), so it stays off. Each prompt, a chat's next turn too, is scored once it is read (by default read twice), its rows chosen with
-those still exact when it began: a chat holds its share turn after turn. Rows an answer folds as it is decoded are
-all kept.
+nearly every needle the second reading keeps (docs/results.md, the yardstick), so it stays off. Each prompt, a chat's
+next turn too, is scored once it is read (by default read twice), its rows chosen with those still exact when it
+began: a chat holds its share turn after turn. Rows an answer folds as it is decoded are all kept.
 
 Choices the measurements forced (docs/results.md, "Rows to drop before the question"): until the second reading the
 prompt's keys fold at ``HOLD_BITS`` and the kept keys are quantized to ``VELOX_QUANT_BITS`` once, from them (scores
