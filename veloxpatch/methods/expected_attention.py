@@ -96,9 +96,13 @@ class ExpectedAttention(Policy):
         memory = cache.memory
         if memory.queries is None or memory.queries.shape[-1] != keys.shape[-1]:
             return positions.astype(mx.float32)
-        logits = self.expected(cache, keys, scale)
-        logits = mx.where((positions >= 0)[:, :, None], logits, -mx.inf)
-        _, values = cache.store.fetch()
+        return self.rank(cache, keys, cache.store.fetch()[1], positions, scale)
+
+    def rank(self, cache: Any, keys: mx.array, values: mx.array, positions: mx.array, scale: float) -> mx.array:
+        """The score of rows ``keys``/``values`` at ``positions`` (-1: a hole, scored nothing) from ``cache``'s
+        remembered queries (:meth:`expected`): this policy's, and ``quant``'s rows to keep under
+        ``VELOX_QUANT_SCORE=expected``."""
+        logits = mx.where((positions >= 0)[:, :, None], self.expected(cache, keys, scale), -mx.inf)
         norms = mx.linalg.norm(values.astype(mx.float32), axis=-1)
         return mx.softmax(logits, axis=-1).mean(axis=2) * norms
 

@@ -209,7 +209,7 @@ class QuantCache(CrossLayerCache):
 
     def score_by_expectation(self, module: Any) -> None:
         """Instead of a second reading (``VELOX_QUANT_SCORE=expected``): every folded row scored by the attention the
-        queries to come are expected to pay it (:meth:`.ExpectedAttention.expected` over the prompt's last queries,
+        queries to come are expected to pay it (:meth:`.ExpectedAttention.rank` over the prompt's last queries,
         rotated by ``module``'s rotary embedding where it has one), averaged over each KV head's query heads, times
         the value's norm; then the rows become :attr:`candidates` as after a second reading. The remembered queries
         go with the choice (they would otherwise count in the share of the bytes)."""
@@ -221,11 +221,9 @@ class QuantCache(CrossLayerCache):
         self.module = None if module is None else weakref.ref(module)
         if self.expectation is None:  # by id: a method does not import another's module
             self.expectation = cache_class("expected_attention").policy_class()
-        keys, values = (mx.concatenate(list(parts), axis=2) for parts in zip(*(self.unfold(f) for f in self.folds)))
-        positions = mx.concatenate([self.fold_positions(f) for f in self.folds], axis=-1)
-        logits = mx.where((positions >= 0)[:, :, None], self.expectation.expected(self, keys, self.scale), -mx.inf)
-        norms = mx.linalg.norm(values.astype(mx.float32), axis=-1)
-        self.scores = mx.softmax(logits, axis=-1).mean(axis=2) * norms
+        folded = self.folded_rows()
+        keys, values = (rows[..., :folded, :] for rows in self.rows())
+        self.scores = self.expectation.rank(self, keys, values, self._key_positions()[..., :folded], self.scale)
         self.memory = QueryMemory()
         self.stop_rereading(True)
 
