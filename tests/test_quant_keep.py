@@ -692,7 +692,7 @@ def test_expected_scores_are_expected_attentions_rule_over_the_folded_rows(monke
                         lambda self, read: (recorded.append(self.scores), stop(self, read)))
     (fold,) = cache.folds
     held_keys, held_values = (np.array(a) for a in cache.unfold(fold))  # as held (8 bits until chosen)
-    cache.score_by_expectation(None)  # no rotary module: the statistics unrotated
+    cache.score_by_queries(None)  # no rotary module: the statistics unrotated
     want = expected_reference(np.array(queries[:, :, -8:]), held_keys, held_values, 0.125)
     assert np.allclose(np.array(recorded[0][0]), want, atol=1e-5), "the window's queries, Expected Attention's rule"
     assert cache.memory.queries is None, "the queries go with the choice"
@@ -703,8 +703,8 @@ def test_expected_scoring_reads_each_prompt_once_and_keeps_fewer_rows(monkeypatc
     model = tiny("llama", layers=2)
     prompt = random_tokens(PROMPT + 1, 6)
     scored: list[int] = []
-    score = QuantCache.score_by_expectation
-    monkeypatch.setattr(QuantCache, "score_by_expectation",
+    score = QuantCache.score_by_queries
+    monkeypatch.setattr(QuantCache, "score_by_queries",
                         lambda self, module: (scored.append(self.layer), score(self, module)))
     monkeypatch.setattr(QuantCache, "start_rereading", lambda self: pytest.fail("no second reading"))
     veloxpatch.patch(kv="quant", window=8, sink=4, quant_group=32, quant_keep="50%", quant_score="expected")
@@ -714,3 +714,62 @@ def test_expected_scoring_reads_each_prompt_once_and_keeps_fewer_rows(monkeypatc
     assert len(tokens) == 3 and scored == [0, 1], "each layer scored its rows once, when the prompt was read"
     assert all(c.held_rows(c.folds[0]) < c.folds[0].end for c in caches), "the heads hold fewer rows than folded"
     veloxpatch.unpatch()
+
+
+# --------------------------------------------------------------------- VELOX_QUANT_SCORE=snapkv
+def snapkv_reference(queries: np.ndarray, keys: np.ndarray, sink: int, kernel: int) -> np.ndarray:
+    """SnapKV's rule by numpy over one sequence's held rows (in position order, the window's queries the last
+    ones): per KV head, each window query's softmax over the rows it sees (none after it), summed over the window and
+    the head's query heads, the sinks zeroed, then a same-size moving average of ``kernel`` rows (zeros past the
+    ends). (H, rows)"""
+    hq, n, heads, rows = queries.shape[1], queries.shape[2], keys.shape[1], keys.shape[2]
+    future = np.arange(rows)[None] > (rows - n + np.arange(n))[:, None]  # (n, rows)
+    out = []
+    for h in range(heads):
+        logits = queries[0, h * hq // heads: (h + 1) * hq // heads] @ keys[0, h].T  # (group, n, rows)
+        logits = np.where(future, -np.inf, logits)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        summed = (probs / probs.sum(axis=-1, keepdims=True)).sum(axis=(0, 1))
+        summed[:sink] = 0
+        padded = np.pad(summed, kernel // 2)
+        out.append(np.array([padded[i: i + kernel].mean() for i in range(rows)]))
+    return np.stack(out)
+
+
+def test_snapkv_scores_are_snapkvs_rule_over_the_held_rows(monkeypatch) -> None:
+    mx.random.seed(22)
+    cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, sink=4, mode="chunk"), bits=4, group=32, keep=0.5,
+                       score="snapkv")
+    cache.read_prompt_chunk(mx.zeros((1, PROMPT), mx.int32))
+    keys, values = mx.random.normal((1, 2, PROMPT, 64)), mx.random.normal((1, 2, PROMPT, 64))
+    queries = mx.random.normal((1, 6, PROMPT, 64))
+    k, v = cache.update_and_fetch(keys, values)
+    cache.attend(queries, k, v, 0.125, mask="causal")
+    recorded: list[mx.array] = []
+    stop = QuantCache.stop_rereading
+    monkeypatch.setattr(QuantCache, "stop_rereading",
+                        lambda self, read: (recorded.append(self.scores), stop(self, read)))
+    held = np.array(cache.rows()[0])  # the folded keys as held (8 bits until chosen), then the exact rows
+    folded = cache.folded_rows()
+    cache.score_by_queries(None)
+    want = snapkv_reference(np.array(queries[:, :, -8:]) * 0.125, held, 4, 31)[:, :folded]
+    assert recorded[0].shape == (1, 2, folded)
+    assert np.allclose(np.array(recorded[0][0]), want, atol=1e-5), "the window's attention, pooled, sinks zeroed"
+    assert cache.memory.queries is None and cache.candidates is not None
+
+
+def test_snapkv_scoring_at_16_bits_evicts_by_head_without_quantizing(monkeypatch) -> None:
+    model = tiny("llama", layers=2)
+    prompt = random_tokens(4 * PROMPT + 1, 7)  # 12 blocks of 32 fold: room for the heads' counts to differ
+    monkeypatch.setattr(QuantCache, "start_rereading", lambda self: pytest.fail("no second reading"))
+    veloxpatch.patch(kv="quant", window=8, sink=4, quant_group=32, quant_bits=16, quant_keep="40%",
+                     quant_score="snapkv", quant_budgets="layer")
+    caches = make_prompt_cache(model)
+    tokens = greedy(model, prompt, caches, steps=3, chunk=4 * PROMPT)
+    veloxpatch.unpatch()
+    assert len(tokens) == 3
+    for cache in caches:
+        (fold,) = cache.folds
+        counts = [int((p >= 0).sum()) for p in cache.fold_positions(fold)[0]]
+        assert sum(counts) < 2 * fold.end and len(set(counts)) > 1, "fewer rows, heads holding different numbers"
+        assert all(part.dtype == mx.float32 for part in cache.unfold(fold)), "held unquantized"

@@ -20,9 +20,9 @@ In mlx_lm's batched generation (the server's batches) each sequence keeps its ow
 its prompt chunks are its slice of each right-padded step, and at the first decode-sized step after them it is read
 again alone, over its own caches, before the batch's step runs; the other sequences wait for it.
 
-With ``VELOX_QUANT_SCORE=expected`` the same call chooses the rows without reading the prompt again: each cache
-scores them from the prompt's last queries with its layer's attention module (:func:`attention_modules`: its
-rotary embedding), found here because this wrapper sees the model.
+With ``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv`` the same call chooses the rows without reading the prompt
+again: each cache scores them from the prompt's last queries, with its layer's attention module
+(:func:`attention_modules`: its rotary embedding) found here because this wrapper sees the model.
 
 Where it cannot be done the prompt is read once and every row kept, said once: a list holding any cache that is not
 one of ours asking for it (a sliding-window slot of mlx_lm's, whose rows cannot be trimmed), or input embeddings
@@ -78,8 +78,8 @@ def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: An
         if not first.schedule.decode_sized(n) or first.before_prompt_end(n):
             for cache in readers:
                 cache.read_prompt_chunk(tokens)
-        elif first.unscored and first.score == "expected":
-            _choose_by_expectation(instance, readers)
+        elif first.unscored and first.score != "repeat":
+            _choose_by_queries(instance, readers)
         elif first.unscored:
             _read_again(wrapped, params, args, kwargs, readers)
     return wrapped(*args, **kwargs)
@@ -162,16 +162,17 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
         type(readers[0]).keep_chosen(readers)
 
 
-def _choose_by_expectation(model: Any, readers: list[Any]) -> None:
-    """``VELOX_QUANT_SCORE=expected``: the readers score their rows from the prompt's last queries, each with its
-    layer's attention module (its rotary embedding; found by :func:`attention_modules`), no second reading; then they
-    keep their best rows. A failure is said (or raised under ``VELOX_STRICT``) and leaves every row."""
+def _choose_by_queries(model: Any, readers: list[Any]) -> None:
+    """``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv``: the readers score their rows from the prompt's last queries,
+    each with its layer's attention module (its rotary embedding, which Expected Attention's statistics need; found by
+    :func:`attention_modules`), no second reading; then they keep their best rows. A failure is said (or raised under
+    ``VELOX_STRICT``) and leaves every row."""
     modules = attention_modules(model)
     try:
         for cache in readers:
-            cache.score_by_expectation(modules[cache.layer] if cache.layer < len(modules) else None)
+            cache.score_by_queries(modules[cache.layer] if cache.layer < len(modules) else None)
     except Exception as error:  # the host app must keep running
-        fall_back("scoring a prompt's rows by expected attention", error, in_force(), instead="its rows are all kept")
+        fall_back(f"scoring a prompt's rows by {readers[0].score}", error, in_force(), instead="its rows are all kept")
         for cache in readers:
             cache.stop_rereading(False)
     type(readers[0]).keep_chosen(readers)

@@ -27,7 +27,9 @@ each head's scores over their sum first): it lost answers model-wise kept, and t
 (``VELOX_QUANT_FLOOR=0``) lost queries of several keys the floor answers (docs/results.md). With
 ``VELOX_QUANT_SCORE=expected`` Expected Attention's score (the prompt's last queries' statistics, rotated ahead)
 chooses instead, without a second reading (the same budgets, the same ragged folds); asked after the context it lost
-nearly every needle the second reading keeps (docs/results.md, the yardstick), so it stays off. Each prompt, a chat's
+nearly every needle the second reading keeps (docs/results.md, the yardstick), so it stays off. ``snapkv``: SnapKV's
+score (the attention the prompt's last queries paid, pooled), the paper's rule with AdaKV's head-wise budgets, for a
+prompt that ends with its question; with ``VELOX_QUANT_BITS=16`` it evicts without quantizing. Each prompt, a chat's
 next turn too, is scored once it is read (by default read twice), its rows chosen with those still exact when it
 began: a chat holds its share turn after turn. Rows an answer folds as it is decoded are all kept.
 
@@ -68,7 +70,7 @@ BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, i
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
 HALF = (mx.float16, mx.bfloat16)  # multiplied as float32 on the CPU (:meth:`QuantCache._times`)
 BUDGETS = ("layer", "model")  # VELOX_QUANT_BUDGETS: what one top-k of the rows to keep runs over
-SCORES = ("repeat", "expected")  # VELOX_QUANT_SCORE: how the rows to keep are scored
+SCORES = ("repeat", "expected", "snapkv")  # VELOX_QUANT_SCORE: how the rows to keep are scored
 
 HOLD_BITS = 8  # the keys of a prompt awaiting its second reading (module doc: why not at VELOX_QUANT_BITS)
 
@@ -123,8 +125,9 @@ KNOBS = (
             "Quant, with VELOX_QUANT_KEEP: how a prompt's rows are scored: `repeat`, the most attention they get "
             "while the model reads the prompt a second time (KVzip); `expected`, the attention queries to come are "
             "expected to pay them, times the value's norm (Expected Attention, from the prompt's last VELOX_WINDOW "
-            "queries), without a second reading. Experimental: asked after the context, `expected` kept 1 of the full "
-            "cache's 12 needles on Qwen2.5-0.5B at 4k where `repeat` kept 12 (docs/results.md)."),
+            "queries), without a second reading; `snapkv`, the attention those queries paid them, pooled (SnapKV: "
+            "for a prompt that ends with its question). Experimental: asked after the context, `expected` kept 1 of "
+            "the full cache's 12 needles on Qwen2.5-0.5B at 4k where `repeat` kept 12 (docs/results.md)."),
 )
 
 
@@ -207,25 +210,37 @@ class QuantCache(CrossLayerCache):
         if read and scores is not None and self.folds:
             self.candidates = self._candidates(scores)
 
-    def score_by_expectation(self, module: Any) -> None:
-        """Instead of a second reading (``VELOX_QUANT_SCORE=expected``): every folded row scored by the attention the
-        queries to come are expected to pay it (:meth:`.ExpectedAttention.rank` over the prompt's last queries,
-        rotated by ``module``'s rotary embedding where it has one), averaged over each KV head's query heads, times
-        the value's norm; then the rows become :attr:`candidates` as after a second reading. The remembered queries
-        go with the choice (they would otherwise count in the share of the bytes)."""
+    def score_by_queries(self, module: Any) -> None:
+        """Instead of a second reading (``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv``): every folded row scored
+        from the prompt's last ``VELOX_WINDOW`` queries (:meth:`_query_scores`), then the rows become
+        :attr:`candidates` as after a second reading. The remembered queries go with the choice (they would otherwise
+        count in the share of the bytes)."""
         self._fold_if_due(1)
         self.unscored = []
         if self.memory.queries is None or not self.folds:
             self.stop_rereading(False)
             return
         self.module = None if module is None else weakref.ref(module)
-        if self.expectation is None:  # by id: a method does not import another's module
-            self.expectation = cache_class("expected_attention").policy_class()
-        folded = self.folded_rows()
-        keys, values = (rows[..., :folded, :] for rows in self.rows())
-        self.scores = self.expectation.rank(self, keys, values, self._key_positions()[..., :folded], self.scale)
+        self.scores = self._query_scores()
         self.memory = QueryMemory()
         self.stop_rereading(True)
+
+    def _query_scores(self) -> mx.array:
+        """(B, H, folded rows): ``expected``, the attention the queries to come are expected to pay each row
+        (:meth:`.ExpectedAttention.rank`, the statistics rotated by the layer's rotary embedding where
+        :attr:`module` has one), averaged over each KV head's query heads, times the value's norm; ``snapkv``, the
+        attention the remembered queries paid it, over every row held, summed over them and the head's query heads,
+        pooled (:meth:`.SnapKV.rank`). The policies by id: a method does not import another's module."""
+        folded = self.folded_rows()
+        keys, values = self.rows()
+        positions = self._key_positions()
+        if self.score == "snapkv":
+            window = cache_class("snapkv").policy_class()
+            return window.rank(self.memory, keys, positions, self.scale, positions < self.sink)[..., :folded]
+        if self.expectation is None:
+            self.expectation = cache_class("expected_attention").policy_class()
+        return self.expectation.rank(self, keys[..., :folded, :], values[..., :folded, :], positions[..., :folded],
+                                     self.scale)
 
     @staticmethod
     def keep_chosen(caches: list[QuantCache]) -> None:
@@ -483,7 +498,7 @@ class QuantCache(CrossLayerCache):
         if not self.rereading or sinks is not None:
             if not self.unscored and self.schedule.decode_sized(queries.shape[2]):
                 self._settle()  # a prompt's held keys whose second reading did not come (a saved cache, say)
-            elif self.unscored and self.score == "expected":  # the statistics the choice reads (and its scale)
+            elif self.unscored and self.score != "repeat":  # the queries the choice reads (and their scale)
                 self.memory.remember(queries, self.offset, self.window)
                 self.scale = scale
             return super().attend(queries, keys, values, scale, mask, sinks)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..caches.evicting import EvictingCache, Policy
+from ..caches.queries import QueryMemory
 from ..caches.selection import pool_rows
 from ..registry import method
 from ..settings import Setting, choice, odd_kernel
@@ -41,10 +42,15 @@ class SnapKV(Policy):
     pool: str = "avg"
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        """Pooled attention of the window over the prefix. Protected rows (kept anyway) score zero before pooling,
-        so the window's attention to itself does not spill into the rows just before it."""
-        scores = cache.memory.attention(keys, positions, scale)
-        scores = mx.where(cache.protected(positions), 0.0, scores)
+        """Pooled attention of the window over the prefix (:meth:`rank`)."""
+        return self.rank(cache.memory, keys, positions, scale, cache.protected(positions))
+
+    def rank(self, memory: QueryMemory, keys: mx.array, positions: mx.array, scale: float,
+             kept_anyway: mx.array) -> mx.array:
+        """The attention ``memory``'s queries pay rows ``keys`` at ``positions``, pooled: this policy's score, and
+        ``quant``'s under ``VELOX_QUANT_SCORE=snapkv``. Rows ``kept_anyway`` score zero before pooling, so the
+        window's attention to itself does not spill into the rows just before it."""
+        scores = mx.where(kept_anyway, 0.0, memory.attention(keys, positions, scale))
         return pool_rows(scores, self.kernel, self.pool)
 
 
