@@ -677,10 +677,12 @@ def expected_reference(queries: np.ndarray, keys: np.ndarray, values: np.ndarray
     return np.stack(out)
 
 
-def test_expected_scores_are_expected_attentions_rule_over_the_folded_rows(monkeypatch) -> None:
-    mx.random.seed(21)
-    cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, mode="chunk"), bits=4, group=32, keep=0.5,
-                       score="expected")
+def one_prompt_read(score: str, monkeypatch, seed: int) -> tuple[QuantCache, mx.array, list[mx.array]]:
+    """A cache (window 8, sink 4, blocks of 32, keeping half) that read one random prompt chunk of ``PROMPT`` rows
+    scored by ``score``, its queries, and the list its scores go to when it stops choosing (recorded)."""
+    mx.random.seed(seed)
+    cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, sink=4, mode="chunk"), bits=4, group=32, keep=0.5,
+                       score=score)
     cache.read_prompt_chunk(mx.zeros((1, PROMPT), mx.int32))
     keys, values = mx.random.normal((1, 2, PROMPT, 64)), mx.random.normal((1, 2, PROMPT, 64))
     queries = mx.random.normal((1, 6, PROMPT, 64))
@@ -690,6 +692,11 @@ def test_expected_scores_are_expected_attentions_rule_over_the_folded_rows(monke
     stop = QuantCache.stop_rereading
     monkeypatch.setattr(QuantCache, "stop_rereading",
                         lambda self, read: (recorded.append(self.scores), stop(self, read)))
+    return cache, queries, recorded
+
+
+def test_expected_scores_are_expected_attentions_rule_over_the_folded_rows(monkeypatch) -> None:
+    cache, queries, recorded = one_prompt_read("expected", monkeypatch, 21)
     (fold,) = cache.folds
     held_keys, held_values = (np.array(a) for a in cache.unfold(fold))  # as held (8 bits until chosen)
     cache.score_by_queries(None)  # no rotary module: the statistics unrotated
@@ -737,18 +744,7 @@ def snapkv_reference(queries: np.ndarray, keys: np.ndarray, sink: int, kernel: i
 
 
 def test_snapkv_scores_are_snapkvs_rule_over_the_held_rows(monkeypatch) -> None:
-    mx.random.seed(22)
-    cache = QuantCache(CacheSpec(Budget(tokens=64), window=8, sink=4, mode="chunk"), bits=4, group=32, keep=0.5,
-                       score="snapkv")
-    cache.read_prompt_chunk(mx.zeros((1, PROMPT), mx.int32))
-    keys, values = mx.random.normal((1, 2, PROMPT, 64)), mx.random.normal((1, 2, PROMPT, 64))
-    queries = mx.random.normal((1, 6, PROMPT, 64))
-    k, v = cache.update_and_fetch(keys, values)
-    cache.attend(queries, k, v, 0.125, mask="causal")
-    recorded: list[mx.array] = []
-    stop = QuantCache.stop_rereading
-    monkeypatch.setattr(QuantCache, "stop_rereading",
-                        lambda self, read: (recorded.append(self.scores), stop(self, read)))
+    cache, queries, recorded = one_prompt_read("snapkv", monkeypatch, 22)
     held = np.array(cache.rows()[0])  # the folded keys as held (8 bits until chosen), then the exact rows
     folded = cache.folded_rows()
     cache.score_by_queries(None)
