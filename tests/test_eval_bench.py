@@ -138,6 +138,24 @@ def test_demo_runs_vanilla_then_compressed(model_dir: Path) -> None:
     assert "\nquant " in result.output and "quant@" not in result.output, "the default, without a budget it ignores"
 
 
+def test_demo_takes_knobs_from_the_spec_and_the_environment(model_dir: Path, monkeypatch) -> None:
+    from mlx_lm import load
+
+    model, tokenizer = load(str(model_dir))
+    four = demo_rows(model, tokenizer, "quant", "25%", context=300, seed=1)[0][1]["kv_MiB"]
+    rows, _ = demo_rows(model, tokenizer, "quant[bits=16]", "25%", context=300, seed=1)
+    assert rows[1]["run"] == "quant[bits=16]" and rows[1]["kv_MiB"] > 2 * four, "the rows at 16 bits, not 4"
+    monkeypatch.setenv("VELOX_QUANT_BITS", "16")
+    assert demo_rows(model, tokenizer, "quant", "25%", context=300, seed=1)[0][1]["kv_MiB"] == rows[1]["kv_MiB"]
+    monkeypatch.setenv("VELOX_QUANT_BITS", "9")
+    result = CliRunner().invoke(main, ["demo", "--model", str(model_dir), "--context", "300"])
+    assert result.exit_code != 0 and "VELOX_QUANT_BITS='9' is not allowed" in result.output, result.output
+    monkeypatch.delenv("VELOX_QUANT_BITS")
+    for kv, said in (("quant[kep=3]", "kep is not a knob of quant"), ("full", "'full' is not a method")):
+        result = CliRunner().invoke(main, ["demo", "--model", str(model_dir), "--kv", kv])
+        assert result.exit_code == 2 and said in result.output, result.output
+
+
 def test_eval_seed_picks_the_held_out_examples() -> None:
     from veloxpatch.eval import tasks
     from veloxpatch.eval.harness import EvalSpec, examples

@@ -16,14 +16,14 @@ import veloxpatch
 
 from .. import cpu
 from ..assets import model_path
-from ..config import COMPRESS_MODES
+from ..config import COMPRESS_MODES, from_env
 from ..registry import METHODS, cache_class
 from ..settings import ConfigError
 from . import report, tasks
 from .bench import LARGE_RANDOM, PEAK_NOTE, BenchSpec, run_bench
 from .harness import ALL_TASKS, TASKS, Cell, EvalSpec, Journal, run_eval
 from .random_model import build, config_for
-from .variants import known_methods, parse_spec, split_specs
+from .variants import Variant, known_methods, parse_spec, split_specs
 
 EVAL_COLUMNS = ("task", "context", "label", "result", "kv_bytes", "peak_bytes", "read_peak_bytes")
 BENCH_COLUMNS = ("context", "variant", "budget", "prefill_s", "decode_tok_s", "decode_vs_vanilla",
@@ -238,6 +238,14 @@ def bench_command(model, random_model, contexts, budget, methods, new_tokens, re
     click.echo(PEAK_NOTE)
 
 
+def demo_variant(kv: str) -> Variant:
+    """The method (and knobs) ``--kv`` names; a ValueError naming what is wrong otherwise."""
+    variant = Variant.of(kv)
+    if variant.method not in METHODS:
+        raise ValueError(f"{kv!r} is not a method of veloxpatch ({', '.join(sorted(METHODS))})")
+    return variant
+
+
 def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, seed: int) -> tuple[list[dict], str]:
     """One held-out passkey question under mlx_lm's stream_generate, vanilla then compressed."""
     import mlx.core as mx
@@ -246,9 +254,10 @@ def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, se
 
     prompt, answer = tasks.passkey_example(tokenizer, context, seed, "heldout")
     rows = []
-    label = f"{kv}@{budget}" if kv not in METHODS or cache_class(kv).uses_budget else kv  # quant keeps every token
-    for name, settings in (("vanilla", {"kv": "none"}), (label, {"kv": kv, "budget": budget})):
-        veloxpatch.patch(**settings)
+    variant, environment = demo_variant(kv), from_env().config
+    label = f"{kv}@{budget}" if cache_class(variant.method).uses_budget else kv  # quant keeps every token
+    for name, settings in (("vanilla", {"kv": "none"}), (label, variant.settings(budget, unset={}))):
+        veloxpatch.patch(environment.replace(**settings))
         cache = mlx_cache.make_prompt_cache(model)  # what generate would make; kept here to read its bytes
         mx.clear_cache()
         mx.reset_peak_memory()
@@ -267,13 +276,23 @@ def demo_rows(model: Any, tokenizer: Any, kv: str, budget: str, context: int, se
 
 @click.command("demo")
 @click.option("--model", default=None, help="mlx_lm model folder [default: the shipped model]")
-@click.option("--kv", default="quant", show_default=True, help="Method for the compressed run.")
+@click.option("--kv", default="quant", show_default=True,
+              help="Method for the compressed run, with knobs as --methods names them (`quant[keep=0.125x]`); "
+                   "VELOX_* settings in the environment apply to both runs.")
 @click.option("--budget", default="25%", show_default=True,
               help="VELOX_BUDGET for the compressed run (a method keeping every token, as quant, has none).")
 @click.option("--context", default=1024, show_default=True, help="Prompt length in tokens.")
 @click.option("--seed", default=0, show_default=True, help="Held-out passkey example.")
 def demo_command(model, kv, budget, context, seed) -> None:
     """A long-context question under plain mlx_lm, vanilla then compressed, side by side."""
+    try:
+        demo_variant(kv)
+    except ValueError as error:  # before the model loads
+        raise click.BadParameter(str(error), param_hint="--kv") from None
+    try:
+        from_env()
+    except ConfigError as error:
+        raise click.ClickException(str(error)) from None
     loaded, tokenizer, _ = load_model(model)
     rows, answer = demo_rows(loaded, tokenizer, kv, budget, context, seed)
     click.echo(f"question: {rows[0]['prompt_tokens']}-token passkey prompt; expected answer {answer!r}")

@@ -198,12 +198,14 @@ class Variant:
     def label(self) -> str:
         return "full" if self.method == "full" else f"{self.name}@{self.share:g}"
 
-    def settings(self, budget: int, compress: str | None = None) -> dict[str, Any]:
-        """``veloxpatch.patch`` keyword arguments for this registry method at ``budget`` rows."""
+    def settings(self, budget: int | str, compress: str | None = None,
+                 unset: dict[str, str] = BASELINE) -> dict[str, Any]:
+        """``veloxpatch.patch`` keyword arguments for this registry method at ``budget`` (rows, or a setting's
+        text), ``unset`` giving the general settings it does not set (the comparisons' baseline by default)."""
         extra = {} if compress is None else {"compress": compress}
         settings = _settings(self.method, {k: str(v) for k, v in self.knobs})
         knobs = {settings[k].key: v for k, v in self.knobs if k not in GENERAL}
-        general = {**BASELINE, **{k: v for k, v in self.knobs if k in GENERAL}}
+        general = {**unset, **{k: v for k, v in self.knobs if k in GENERAL}}
         return {"kv": self.method, "budget": budget, "knobs": knobs, **general, **extra}
 
     def caches(self, model: Any, context: int, compress: str | None = None, budget: int | None = None) -> list[Any]:
