@@ -2,16 +2,18 @@
 cache and compressed, each chat sent turn after turn as a client sends it (the server reusing its prompt cache).
 
     python bench/followup_server.py --model M [--context 1024] [--samples 10] [--budget 25%] [--kv snapkv]
-                                    [--compress end|chunk] [--tier BITS] [--set VELOX_QUANT_KEEP=30% ...] --out DIR
+                                    [--compress end|chunk] [--tier BITS] [--set VELOX_QUANT_KEEP=30% ...] [--facts 3]
+                                    --out DIR
 
 Three turns per chat (``ruler.followup`` and ``ruler.ask_first_again``): a document's first question, a second about
-another fact, then the first again. Each chat runs on a server of its own (``veloxpatch run -m mlx_lm server``),
-unpatched and with ``VELOX_KV``/``VELOX_BUDGET``: a shared server would start the next chat from this one's cache
-trimmed back to the chat template. Every chat is appended to ``DIR/chats.jsonl`` as it ends, and a rerun skips those
-there; the table (``DIR/table.md``) counts each turn right when its answer has the number asked and not the other,
-and gives the median KV bytes the server said it held after the last turn (``usage.velox.kv_bytes``; mlx_lm's own
-bytes for the full cache, from the same field) and their share of the full cache's (``dense_kv_bytes``), also as a
-16-bit model would hold both (``kv_bytes_16bit``, ``dense_kv_bytes_16bit``: this CPU runs float32).
+another fact, then the first again; with ``--facts 3`` three facts, one asked a turn. Each chat runs on a server of
+its own (``veloxpatch run -m mlx_lm server``), unpatched and with ``VELOX_KV``/``VELOX_BUDGET``: a shared server
+would start the next chat from this one's cache trimmed back to the chat template. Every chat is appended to
+``DIR/chats.jsonl`` as it ends, and a rerun skips those there; the table (``DIR/table.md``) counts each turn right
+when its answer has the number asked and none of the others, and gives the median KV bytes the server said it held
+after the last turn (``usage.velox.kv_bytes``; mlx_lm's own bytes for the full cache, from the same field) and their
+share of the full cache's (``dense_kv_bytes``), also as a 16-bit model would hold both (``kv_bytes_16bit``,
+``dense_kv_bytes_16bit``: this CPU runs float32).
 """
 
 from __future__ import annotations
@@ -31,9 +33,19 @@ from veloxpatch.eval import harness, ruler, serving
 from veloxpatch.eval.report import wilson
 
 
-def turn_examples(ex: ruler.Example) -> list[ruler.Example]:
-    """``ex`` (three turns) scored per turn: turns 1 and 3 want the first number, turn 2 the second."""
-    return [ex, replace(ex, wanted=ex.unwanted, unwanted=ex.wanted), ex]
+def chat_example(tokenizer, context: int, seed: int, facts: int) -> ruler.Example:
+    """The chat of three turns: two facts, the first asked again last (``ruler.ask_first_again``), or three."""
+    ex = ruler.followup(tokenizer, context, seed, facts=facts)
+    return ruler.ask_first_again(ex) if facts == 2 else ex
+
+
+def turn_examples(ex: ruler.Example, facts: int) -> list[ruler.Example]:
+    """``ex`` (three turns) scored per turn, each wanting its number and none of the others: with two facts turns 1
+    and 3 want the first number, turn 2 the second; with three, turn i the i-th."""
+    if facts == 2:
+        return [ex, replace(ex, wanted=ex.unwanted, unwanted=ex.wanted), ex]
+    numbers = (*ex.unwanted, *ex.wanted)
+    return [replace(ex, wanted=(n,), unwanted=tuple(m for m in numbers if m != n)) for n in numbers]
 
 
 TIMEOUT_S = 1800  # a request's first turn on this CPU: a 2k-token prompt read twice by Qwen2.5-0.5B passed 120 s
@@ -61,6 +73,8 @@ def main() -> None:
     parser.add_argument("--tier", default="off", help="VELOX_TIER: off, or the bits of the tier dropped rows go to")
     parser.add_argument("--set", action="append", default=[], metavar="VELOX_NAME=VALUE",
                         help="another setting of the compressing server (a method knob), repeatable")
+    parser.add_argument("--facts", type=int, choices=[2, 3], default=2,
+                        help="2: a fact, another, the first again; 3: three facts, one a turn")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     extra = serving.env_settings(args.set)
@@ -75,21 +89,23 @@ def main() -> None:
     journal = args.out / "chats.jsonl"
     args.out.mkdir(parents=True, exist_ok=True)
     done = [json.loads(line) for line in journal.read_text().splitlines()] if journal.exists() else []
+    done = [r for r in done if r.get("facts", 2) == args.facts]  # a journal of the other chat is left alone
     seen = {(r["variant"], r["seed"], r["context"]) for r in done}
     for seed in range(args.samples):
-        ex = ruler.ask_first_again(ruler.followup(tokenizer, args.context, seed))
+        ex = chat_example(tokenizer, args.context, seed, args.facts)
         for name, env in variants.items():
             if (name, seed, args.context) in seen:
                 continue
             answers, usage = run_chat(args.model, tokenizer, ex, env)
-            row = {"variant": name, "seed": seed, "context": args.context, "answers": answers, "usage": usage,
-                   "right": [ruler.score(a, t) for a, t in zip(answers, turn_examples(ex))]}
+            row = {"variant": name, "seed": seed, "context": args.context, "facts": args.facts, "answers": answers,
+                   "usage": usage, "right": [ruler.score(a, t) for a, t in zip(answers, turn_examples(ex, args.facts))]}
             done.append(row)
             with journal.open("a") as handle:
                 handle.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
+    third = "the first again" if args.facts == 2 else "a third fact"
     lines = [f"**followup through `mlx_lm server`, {args.context} tokens, three turns, n={args.samples}**", "",
-             "| variant | turn 1 | turn 2 (follow-up) | turn 3 (the first again) | KV after (MiB) | share of full "
+             f"| variant | turn 1 | turn 2 (follow-up) | turn 3 ({third}) | KV after (MiB) | share of full "
              "| share at 16 bits |", "|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["variant"] for r in done):  # every variant the journal holds, in the order run
         rows = [r for r in done if r["variant"] == name and r["context"] == args.context and r["seed"] < args.samples]

@@ -213,6 +213,18 @@ def test_a_followup_asks_the_other_number_in_a_conversation_that_starts_with_the
     assert ruler.score(f" {ex.wanted[0]}.", ex) and not ruler.score(f" {ex.wanted[0]}, {ex.unwanted[0]}", ex)
 
 
+def test_a_followup_of_three_facts_asks_each_in_its_turn(tokenizer: Any) -> None:
+    ex = ruler.followup(tokenizer, 1024, seed=2, facts=3)
+    words = [message.split("magic number for ")[1].split()[0] for message, _ in ex.turns]
+    numbers = (*ex.unwanted, *ex.wanted)
+    assert len(set(words)) == 3 and len(set(numbers)) == 3 and ex.answer == numbers[2]
+    for word, number in zip(words, numbers):
+        assert ex.prompt.count(f"numbers for {word} is: {number}.") == 1, "each fact once in the document"
+    conversation = ruler.conversation(tokenizer, ex.turns, [f" {numbers[0]}.", f" {numbers[1]}."])
+    assert conversation.startswith(ex.prompt) and conversation.endswith(ex.turns[2][1])
+    assert ruler.followup(tokenizer, 1024, seed=2) == ruler.followup(tokenizer, 1024, seed=2, facts=2), "two: as ever"
+
+
 def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path, monkeypatch) -> None:
     """As the server's prompt-cache reuse: the caches keep the longest prefix of the new conversation's tokens
     they hold, and only the rest is read."""

@@ -346,17 +346,19 @@ def trip(tokenizer: Any, context: int, seed: int, split: str = "heldout", stops:
     return Example(prompt, ", ".join(cities), tuple(cities), ordered=True, question_at=at)
 
 
-def followup(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
-    """Two words' magic numbers at random depths; turn 1 asks the first, turn 2 (after the first answer) the second."""
+def followup(tokenizer: Any, context: int, seed: int, split: str = "heldout", facts: int = 2) -> Example:
+    """``facts`` words' magic numbers at random depths; turn 1 asks the first, each next turn (after the answers
+    before it) the next word's. ``wanted`` is the last turn's number, ``unwanted`` the others in turn order."""
     rng = random.Random(f"followup/{split}/{seed}")
-    words = rng.sample(WORDS, 2)
+    words = rng.sample(WORDS, facts)
     numbers = [random_key(rng, 7) for _ in words]
-    depths = _depths(rng, 2)
-    rng.shuffle(depths)  # either number may come first in the text
+    depths = _depths(rng, facts)
+    rng.shuffle(depths)  # any number may come first in the text
     turns = tuple(_asked("number", w) for w in words)
     prompt, message, _ = _build(tokenizer, context, f"{rng.random()}", _needles(words, numbers, depths), *turns[0],
                                 docs_hay(split))
-    return Example(prompt, numbers[1], (numbers[1],), (numbers[0],), turns=((message, turns[0][1]), turns[1]))
+    return Example(prompt, numbers[-1], (numbers[-1],), tuple(numbers[:-1]),
+                   turns=((message, turns[0][1]), *turns[1:]))
 
 
 def ask_first_again(ex: Example) -> Example:
