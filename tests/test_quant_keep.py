@@ -449,13 +449,15 @@ def test_every_row_stays_while_the_prompt_is_read_and_the_share_after_it() -> No
         assert abs(sum(counts) - 2 * (4 + 0.35 * 732)) <= 32, "the layer's: 4 sinks and 35% of 732 per head"
 
 
-def test_batched_sequences_keep_the_rows_each_keeps_alone() -> None:
-    """mlx_lm's BatchGenerator (the server's batches): each sequence is read again alone at its first decode step
-    and keeps the rows it keeps under generate_step, so it generates the same tokens; sequences of unequal length
-    (right-padded steps), one of them still reading while the other decodes."""
+@pytest.mark.parametrize("score", ["repeat", "snapkv"])
+def test_batched_sequences_keep_the_rows_each_keeps_alone(score: str) -> None:
+    """mlx_lm's BatchGenerator (the server's batches): each sequence is read again alone (or scored by its own last
+    queries) at its first decode step and keeps the rows it keeps under generate_step, so it generates the same
+    tokens; sequences of unequal length (right-padded steps), one of them still reading while the other decodes."""
     model = tiny("llama", layers=2)
     prompts = [random_tokens(n, seed).tolist() for n, seed in ((190, 1), (340, 2))]
-    settings = dict(kv="quant", window=4, compress="chunk", knobs={"quant_group": 32, "quant_keep": "40%"})
+    settings = dict(kv="quant", window=4, compress="chunk",
+                    knobs={"quant_group": 32, "quant_keep": "40%", "quant_score": score})
     veloxpatch.patch(**settings)
     alone, kept = [], []
     for prompt in prompts:
