@@ -726,11 +726,11 @@ def test_expected_scoring_reads_each_prompt_once_and_keeps_fewer_rows(monkeypatc
 
 
 # --------------------------------------------------------------------- VELOX_QUANT_SCORE=snapkv
-def snapkv_reference(queries: np.ndarray, keys: np.ndarray, sink: int, kernel: int) -> np.ndarray:
+def snapkv_reference(queries: np.ndarray, keys: np.ndarray, sink: int, folded: int, kernel: int) -> np.ndarray:
     """SnapKV's rule by numpy over one sequence's held rows (in position order, the window's queries the last
     ones): per KV head, each window query's softmax over the rows it sees (none after it), summed over the window and
-    the head's query heads, the sinks zeroed, then a same-size moving average of ``kernel`` rows (zeros past the
-    ends). (H, rows)"""
+    the head's query heads, the sinks and the rows from ``folded`` on (exact, kept anyway) zeroed, then a same-size
+    moving average of ``kernel`` rows (zeros past the ends). (H, rows)"""
     hq, n, heads, rows = queries.shape[1], queries.shape[2], keys.shape[1], keys.shape[2]
     future = np.arange(rows)[None] > (rows - n + np.arange(n))[:, None]  # (n, rows)
     out = []
@@ -739,7 +739,7 @@ def snapkv_reference(queries: np.ndarray, keys: np.ndarray, sink: int, kernel: i
         logits = np.where(future, -np.inf, logits)
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         summed = (probs / probs.sum(axis=-1, keepdims=True)).sum(axis=(0, 1))
-        summed[:sink] = 0
+        summed[:sink] = summed[folded:] = 0
         padded = np.pad(summed, kernel // 2)
         out.append(np.array([padded[i: i + kernel].mean() for i in range(rows)]))
     return np.stack(out)
@@ -750,7 +750,7 @@ def test_snapkv_scores_are_snapkvs_rule_over_the_held_rows(monkeypatch) -> None:
     held = np.array(cache.rows()[0])  # the folded keys as held (8 bits until chosen), then the exact rows
     folded = cache.folded_rows()
     cache.score_by_queries(None)
-    want = snapkv_reference(np.array(queries[:, :, -8:]) * 0.125, held, 4, 31)[:, :folded]
+    want = snapkv_reference(np.array(queries[:, :, -8:]) * 0.125, held, 4, folded, 31)[:, :folded]
     assert recorded[0].shape == (1, 2, folded)
     assert np.allclose(np.array(recorded[0][0]), want, atol=1e-5), "the window's attention, pooled, sinks zeroed"
     assert cache.memory.queries is None and cache.candidates is not None

@@ -230,13 +230,15 @@ class QuantCache(CrossLayerCache):
         (:meth:`.ExpectedAttention.rank`, the statistics rotated by the layer's rotary embedding where
         :attr:`module` has one), averaged over each KV head's query heads, times the value's norm; ``snapkv``, the
         attention the remembered queries paid it, over every row held, summed over them and the head's query heads,
-        pooled (:meth:`.SnapKV.rank`). The policies by id: a method does not import another's module."""
+        pooled (:meth:`.SnapKV.rank`) with the sinks and exact rows at zero, as SnapKV's protected rows. The
+        policies by id: a method does not import another's module."""
         folded = self.folded_rows()
         keys, values = self.rows()
         positions = self._key_positions()
-        if self.score == "snapkv":
+        if self.score == "snapkv":  # the sinks and the exact rows are kept anyway: scored zero before pooling
+            exact = mx.arange(positions.shape[-1]) >= folded
             window = cache_class("snapkv").policy_class()
-            return window.rank(self.memory, keys, positions, self.scale, positions < self.sink)[..., :folded]
+            return window.rank(self.memory, keys, positions, self.scale, exact | (positions < self.sink))[..., :folded]
         if self.expectation is None:
             self.expectation = cache_class("expected_attention").policy_class()
         return self.expectation.rank(self, keys[..., :folded, :], values[..., :folded, :], positions[..., :folded],
