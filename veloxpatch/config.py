@@ -54,7 +54,8 @@ def _method(text: str) -> str:
 
 
 CORE_SETTINGS: tuple[Setting, ...] = (
-    Setting("VELOX_KV", _method, "none", lambda: "one of " + ", ".join(["none", *sorted(METHODS)]),
+    Setting("VELOX_KV", _method, "none", lambda: "one of " + ", ".join(["none", *sorted(METHODS)])
+            + " (a method's knobs are settings of their own: VELOX_QUANT_KEEP, --quant-keep)",
             "KV-cache compression method; unset or `none` passes every cache through."),
     Setting("VELOX_BUDGET", Budget.parse, "1024", "an integer >= 1 or a percentage in (0, 100]",
             "KV rows kept per layer: tokens (`1024`) or a share of the tokens seen (`25%`)."),
