@@ -11,6 +11,11 @@ Deviation: the pooling kernel defaults to 31 rows, not the paper's 7. Tokenizers
 digit per token (SmolLM2's, Qwen's) split a fact over a dozen rows; a narrow kernel keeps its best digits
 and drops the rest (docs/results.md, "Methods compared: SmolLM2-135M"). ``VELOX_SNAPKV_KERNEL=7`` gives the
 paper's setting back.
+
+Head-wise budgets (AdaKV: one top-k over a layer's heads) are not here: this cache holds every head's rows in one
+array, so a head keeping more would make every head hold as many. ``VELOX_KV=quant`` with ``VELOX_QUANT_SCORE=snapkv``
+chooses by this rule with head-wise (or model-wise) budgets and holds each head's rows apart, quantized or, at
+``VELOX_QUANT_BITS=16``, not (docs/results.md, "Head-wise budgets for SnapKV's rule").
 """
 
 from __future__ import annotations
