@@ -153,14 +153,14 @@ class QuantCache(CrossLayerCache):
         super().__init__(spec)
         self.bits, self.group_size, self.pool, self.budgets, self.floor = bits, group, pool, budgets, floor
         self.score = score
-        self.expectation: Any = None  # ``score=expected``: Expected Attention's policy (its rotary maps, once)
+        self.scorer: Any = None  # ``score`` expected or snapkv: that method's policy, built once (its rotary maps)
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
         self.rereading = False  # the model reads the prompt again: this cache scores its folded rows
         self.storing = True  # False while a chunk of that reading is read: attended over, not stored
         self.unscored: list[mx.array] = []  # the prompt chunks read since the last scoring (token ids)
         self.chosen_end = 0  # rows before this position were chosen by an earlier reading (or kept: every row)
         self.scores: mx.array | None = None  # (B, H, folded rows) the most attention the second reading paid
-        self.scale = 1.0  # the attention's scale, seen at each prompt chunk (``score=expected``)
+        self.scale = 1.0  # the attention's scale, seen at each prompt chunk (``score`` expected or snapkv)
         self.module: weakref.ref | None = None  # the layer's attention module, while ``score=expected`` chooses
         self.candidates: Candidates | None = None  # the prompt's rows to choose among, once read again
 
@@ -234,17 +234,17 @@ class QuantCache(CrossLayerCache):
         attention the remembered queries paid it, over every row held, summed over them and the head's query heads,
         pooled (:meth:`.SnapKV.rank`) with the sinks and exact rows at zero, as SnapKV's protected rows. The
         policies by id: a method does not import another's module."""
+        if self.scorer is None:
+            self.scorer = cache_class("snapkv" if self.score == "snapkv" else "expected_attention").policy_class()
         folded = self.folded_rows()
         keys, values = self.rows()
         positions = self._key_positions()
         if self.score == "snapkv":  # the sinks and the exact rows are kept anyway: scored zero before pooling
             exact = mx.arange(positions.shape[-1]) >= folded
-            window = cache_class("snapkv").policy_class()
-            return window.rank(self.memory, keys, positions, self.scale, exact | (positions < self.sink))[..., :folded]
-        if self.expectation is None:
-            self.expectation = cache_class("expected_attention").policy_class()
-        return self.expectation.rank(self, keys[..., :folded, :], values[..., :folded, :], positions[..., :folded],
-                                     self.scale)
+            return self.scorer.rank(self.memory, keys, positions, self.scale, exact | (positions < self.sink))[
+                ..., :folded]
+        return self.scorer.rank(self, keys[..., :folded, :], values[..., :folded, :], positions[..., :folded],
+                                self.scale)
 
     @staticmethod
     def keep_chosen(caches: list[QuantCache]) -> None:
