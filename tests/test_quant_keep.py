@@ -21,6 +21,7 @@ from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.eval.variants import Variant
 from veloxpatch.integration import rereading
+from veloxpatch.methods import quant
 from veloxpatch.methods.quant import HOLD_BITS, BytesShare, QuantCache, _ragged, _top_per_head, _unless_taken
 from veloxpatch.settings import Share
 
@@ -771,3 +772,50 @@ def test_snapkv_scoring_at_16_bits_evicts_by_head_without_quantizing(monkeypatch
         counts = [int((p >= 0).sum()) for p in cache.fold_positions(fold)[0]]
         assert sum(counts) < 2 * fold.end and len(set(counts)) > 1, "fewer rows, heads holding different numbers"
         assert all(part.dtype == mx.float32 for part in cache.unfold(fold)), "held unquantized"
+
+
+# --------------------------------------------------------------------- VELOX_QUANT_SCORE=heads
+def rating_model(monkeypatch):
+    """A random llama under ``score=heads`` (model-wise budgets, no floor), heads rated from 64 fresh rows on."""
+    monkeypatch.setattr(quant, "CALIBRATION_ROWS", 64)
+    veloxpatch.patch(kv="quant", window=8, sink=4, quant_group=32, quant_keep="40%", quant_score="heads",
+                     quant_floor=0.0)
+    return tiny("llama", layers=2)
+
+
+def test_the_first_prompt_long_enough_is_read_twice_and_rates_the_heads_by_their_rows_mean_score(monkeypatch) -> None:
+    model = rating_model(monkeypatch)
+    recorded: list[mx.array] = []
+    stop = QuantCache.stop_rereading
+    monkeypatch.setattr(QuantCache, "stop_rereading",
+                        lambda self, read: (recorded.append(self.scores), stop(self, read)))
+    greedy(model, random_tokens(PROMPT + 1, 8), make_prompt_cache(model), steps=2, chunk=PROMPT)
+    assert len(recorded) == 2 and id(model) not in rereading._ratings, "60 fresh rows a head: too few to rate"
+    recorded.clear()
+    greedy(model, random_tokens(4 * PROMPT + 1, 9), make_prompt_cache(model), steps=2, chunk=4 * PROMPT)
+    rated = rereading._ratings[id(model)]
+    veloxpatch.unpatch()
+    assert sorted(rated) == [0, 1] and len(recorded) == 2
+    for layer, scores in enumerate(recorded):  # the first fold: every row's position its index, the sinks not fresh
+        want = np.array(scores[0, :, 4:]).mean(axis=-1)
+        assert rated[layer].shape == (2,) and np.allclose(np.array(rated[layer]), want, rtol=1e-5)
+
+
+def test_later_prompts_keep_the_best_rated_heads_rows_without_a_second_reading(monkeypatch) -> None:
+    model = rating_model(monkeypatch)
+    greedy(model, random_tokens(4 * PROMPT + 1, 9), make_prompt_cache(model), steps=2, chunk=4 * PROMPT)
+    rated = rereading._ratings[id(model)]
+    monkeypatch.setattr(QuantCache, "start_rereading", lambda self: pytest.fail("no second reading"))
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(4 * PROMPT + 1, 10), caches, steps=2, chunk=4 * PROMPT)
+    veloxpatch.unpatch()
+    held: dict[float, np.ndarray] = {}  # each head's fresh positions held, by its rating
+    for cache in caches:
+        (fold,) = cache.folds
+        for head, positions in enumerate(np.array(cache.fold_positions(fold)[0])):
+            held[float(rated[cache.layer][head])] = np.sort(positions[positions >= 4])
+    counts = [len(held[r]) for r in sorted(held, reverse=True)]
+    end = caches[0].folds[0].end
+    assert counts == sorted(counts, reverse=True) and counts[0] == end - 4 > counts[-1], "the best heads keep all"
+    for positions in held.values():
+        assert np.array_equal(positions, np.arange(end - len(positions), end)), "a head kept in part keeps its newest"

@@ -32,6 +32,7 @@ instead of token ids. The cost is the paper's: each prompt is read twice.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -66,6 +67,9 @@ def install(model: Any) -> None:
                "the model's call takes no `cache` argument; prompt chunks are read once and every row kept")
 
 
+_ratings: dict[int, dict[int, mx.array]] = {}  # ``score=heads``: per model (by id, while it lives), per layer (H,)
+
+
 def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     """The model's ``__call__`` (the wrapper, with ``params`` bound): a prompt chunk over caches that ask for it is
     read and remembered; the first decode-sized call after a prompt first reads the whole prompt again for the
@@ -78,10 +82,14 @@ def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: An
         if not first.schedule.decode_sized(n) or first.before_prompt_end(n):
             for cache in readers:
                 cache.read_prompt_chunk(tokens)
-        elif first.unscored and first.score != "repeat":
+        elif first.unscored and first.score in ("expected", "snapkv"):
             _choose_by_queries(instance, readers)
+        elif first.unscored and first.score == "heads" and (rated := _ratings.get(id(instance))) is not None:
+            _choose_by_heads(rated, readers)
         elif first.unscored:
             _read_again(wrapped, params, args, kwargs, readers)
+            if first.score == "heads":
+                _rate(instance, readers)
     return wrapped(*args, **kwargs)
 
 
@@ -165,17 +173,40 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
 def _choose_by_queries(model: Any, readers: list[Any]) -> None:
     """``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv``: the readers score their rows from the prompt's last queries,
     each with its layer's attention module (its rotary embedding, which Expected Attention's statistics need; found by
-    :func:`attention_modules`), no second reading; then they keep their best rows. A failure is said (or raised under
-    ``VELOX_STRICT``) and leaves every row."""
+    :func:`attention_modules`), no second reading."""
     modules = attention_modules(model)
+    _choose_unread(readers, lambda cache: cache.score_by_queries(
+        modules[cache.layer] if cache.layer < len(modules) else None))
+
+
+def _choose_by_heads(rated: dict[int, mx.array], readers: list[Any]) -> None:
+    """``score=heads`` once the model's heads are rated: each reader scores its rows by its heads' ratings, no
+    second reading (a layer the ratings do not know, of another cache list of the model, keeps every row)."""
+    _choose_unread(readers, lambda cache: cache.score_by_heads(rated.get(cache.layer)))
+
+
+def _choose_unread(readers: list[Any], score: Callable[[Any], None]) -> None:
+    """Each reader's rows scored by ``score(cache)`` without a second reading, then the best kept. A failure is said
+    (or raised under ``VELOX_STRICT``) and leaves every row."""
     try:
         for cache in readers:
-            cache.score_by_queries(modules[cache.layer] if cache.layer < len(modules) else None)
+            score(cache)
     except Exception as error:  # the host app must keep running
         fall_back(f"scoring a prompt's rows by {readers[0].score}", error, in_force(), instead="its rows are all kept")
         for cache in readers:
             cache.stop_rereading(False)
     type(readers[0]).keep_chosen(readers)
+
+
+def _rate(model: Any, readers: list[Any]) -> None:
+    """``score=heads``: the heads' ratings of the prompt just read again, kept for ``model`` while it lives, where
+    every layer rated its heads (a prompt too short to rate them leaves the next one to)."""
+    rated = {cache.layer: cache.rated for cache in readers}
+    if id(model) not in _ratings and all(r is not None for r in rated.values()):
+        _ratings[id(model)] = rated
+        weakref.finalize(model, _ratings.pop, id(model), None)
+        once("quant heads rated", logging.INFO, "VELOX_QUANT_SCORE=heads: the heads are rated from this prompt's "
+             "second reading; later prompts are chosen by them without one")
 
 
 def attention_modules(model: Any) -> list[Any]:

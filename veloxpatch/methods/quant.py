@@ -29,9 +29,13 @@ each head's scores over their sum first): it lost answers model-wise kept, and t
 chooses instead, without a second reading (the same budgets, the same ragged folds); asked after the context it lost
 nearly every needle the second reading keeps (docs/results.md, the yardstick), so it stays off. ``snapkv``: SnapKV's
 score (the attention the prompt's last queries paid, pooled), the paper's rule with AdaKV's head-wise budgets, for a
-prompt that ends with its question; with ``VELOX_QUANT_BITS=16`` it evicts without quantizing. Each prompt, a chat's
-next turn too, is scored once it is read (by default read twice), its rows chosen with those still exact when it
-began: a chat holds its share turn after turn. Rows an answer folds as it is decoded are all kept.
+prompt that ends with its question; with ``VELOX_QUANT_BITS=16`` it evicts without quantizing. ``heads``:
+KVzip's context-independent form (heads rated once per model, as DuoAttention sorts retrieval from streaming heads):
+the first prompt of a model with :data:`CALIBRATION_ROWS` rows of every head is read twice, and each KV head rated by
+its rows' mean score (the paper takes the maximum over the rows); every later prompt is read once, each row scoring
+its head's rating (a newer row a hair more), so the model-wise top-k keeps the best heads' rows whole. Each prompt, a
+chat's next turn too, is scored once it is read (by default read twice), its rows chosen with those still exact
+when it began: a chat holds its share turn after turn. Rows an answer folds as it is decoded are all kept.
 
 Choices the measurements forced (docs/results.md, "Rows to drop before the question"): until the second reading the
 prompt's keys fold at ``HOLD_BITS`` and the kept keys are quantized to ``VELOX_QUANT_BITS`` once, from them (scores
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -70,7 +75,8 @@ BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, i
 GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
 HALF = (mx.float16, mx.bfloat16)  # multiplied as float32 on the CPU (:meth:`QuantCache._times`)
 BUDGETS = ("layer", "model")  # VELOX_QUANT_BUDGETS: what one top-k of the rows to keep runs over
-SCORES = ("repeat", "expected", "snapkv")  # VELOX_QUANT_SCORE: how the rows to keep are scored
+SCORES = ("repeat", "expected", "snapkv", "heads")  # VELOX_QUANT_SCORE: how the rows to keep are scored
+CALIBRATION_ROWS = 512  # the fewest rows of every head a second reading scores to rate the heads (``score=heads``)
 
 HOLD_BITS = 8  # the keys of a prompt awaiting its second reading (module doc: why not at VELOX_QUANT_BITS)
 
@@ -128,8 +134,11 @@ KNOBS = (
             "while the model reads the prompt a second time (KVzip); `expected`, the attention queries to come are "
             "expected to pay them, times the value's norm (Expected Attention, from the prompt's last VELOX_WINDOW "
             "queries), without a second reading; `snapkv`, the attention those queries paid them, pooled (SnapKV: "
-            "for a prompt that ends with its question). Experimental: asked after the context, `expected` kept 1 of "
-            "the full cache's 12 needles on Qwen2.5-0.5B at 4k where `repeat` kept 12 (docs/results.md)."),
+            "for a prompt that ends with its question); `heads`, KVzip's context-independent form: the first prompt "
+            "of a model long enough is read twice, as `repeat`, and rates each KV head by its rows' mean score; "
+            "every later prompt is read once, the best-rated heads keeping their rows. Experimental: asked after the "
+            "context, `expected` kept 1 of the full cache's 12 needles on Qwen2.5-0.5B at 4k where `repeat` kept 12 "
+            "(docs/results.md)."),
 )
 
 
@@ -163,6 +172,7 @@ class QuantCache(CrossLayerCache):
         self.scale = 1.0  # the attention's scale, seen at each prompt chunk (``score`` expected or snapkv)
         self.module: weakref.ref | None = None  # the layer's attention module, while ``score=expected`` chooses
         self.candidates: Candidates | None = None  # the prompt's rows to choose among, once read again
+        self.rated: mx.array | None = None  # ``score=heads``: (H,) each head's rating by the last second reading
 
     def knob_values(self) -> dict[str, Any]:
         return {"bits": self.bits, "group": self.group_size,
@@ -203,29 +213,46 @@ class QuantCache(CrossLayerCache):
 
     def stop_rereading(self, read: bool) -> None:
         """The second reading is over and trimmed away; unless it failed midway (``read`` false), the prompt's rows
-        and their scores become :attr:`candidates`, which :meth:`keep_chosen` chooses among."""
-        self.rereading = False
+        and their scores become :attr:`candidates`, which :meth:`keep_chosen` chooses among (under ``score=heads``
+        a second reading also rates the heads: :attr:`rated`)."""
+        read_again, self.rereading = self.rereading, False
         scores, self.scores = self.scores, None
         rows = self.store.rows
         if self.store.capacity > rows:  # the room the second reading's rows took, given back
             self.store.keep(mx.broadcast_to(mx.arange(rows), (*self.store.row_positions().shape[:2], rows)), 0)
+        self.rated = None
         if read and scores is not None and self.folds:
             self.candidates = self._candidates(scores)
+            if self.score == "heads" and read_again:
+                self.rated = _rating(self.candidates)
 
     def score_by_queries(self, module: Any) -> None:
         """Instead of a second reading (``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv``): every folded row scored
-        from the prompt's last ``VELOX_WINDOW`` queries (:meth:`_query_scores`), then the rows become
-        :attr:`candidates` as after a second reading. The remembered queries go with the choice (they would otherwise
-        count in the share of the bytes)."""
+        from the prompt's last ``VELOX_WINDOW`` queries (:meth:`_query_scores`), with the layer's attention
+        ``module`` (its rotary embedding)."""
+        self.module = None if module is None else weakref.ref(module)
+        self._score_now(lambda: None if self.memory.queries is None else self._query_scores())
+
+    def score_by_heads(self, rating: mx.array | None) -> None:
+        """Instead of a second reading (``VELOX_QUANT_SCORE=heads``, once the model's heads are rated): each folded
+        row scores its head's ``rating`` (H,), a newer row a hair more, so the best heads keep their rows and a
+        head kept in part keeps its newest; None (a layer not rated) keeps every row."""
+        def by_heads() -> mx.array | None:
+            if rating is None:
+                return None
+            positions = self._key_positions()[..., : self.folded_rows()].astype(mx.float32)
+            return rating.astype(mx.float32)[None, :, None] * (1 + 1e-3 * positions / max(self.offset, 1))
+        self._score_now(by_heads)
+
+    def _score_now(self, scores: Callable[[], mx.array | None]) -> None:
+        """The rows due folded and scored by ``scores()`` (None: none can be), then they become :attr:`candidates`
+        as after a second reading. The remembered queries go with the choice (they would otherwise count in the
+        share of the bytes)."""
         self._fold_if_due(1)
         self.unscored = []
-        if self.memory.queries is None or not self.folds:
-            self.stop_rereading(False)
-            return
-        self.module = None if module is None else weakref.ref(module)
-        self.scores = self._query_scores()
+        self.scores = scores() if self.folds else None
         self.memory = QueryMemory()
-        self.stop_rereading(True)
+        self.stop_rereading(self.scores is not None)
 
     def _query_scores(self) -> mx.array:
         """(B, H, folded rows): ``expected``, the attention the queries to come are expected to pay each row
@@ -502,7 +529,7 @@ class QuantCache(CrossLayerCache):
         if not self.rereading or sinks is not None:
             if not self.unscored and self.schedule.decode_sized(queries.shape[2]):
                 self._settle()  # a prompt's held keys whose second reading did not come (a saved cache, say)
-            elif self.unscored and self.score != "repeat":  # the queries the choice reads (and their scale)
+            elif self.unscored and self.score in ("expected", "snapkv"):  # the queries the choice reads, their scale
                 self.memory.remember(queries, self.offset, self.window)
                 self.scale = scale
             return super().attend(queries, keys, values, scale, mask, sinks)
@@ -672,6 +699,16 @@ def model_wise(caches: list[QuantCache]) -> list[list[int]] | None:
         total = max(0, total - over)
         picks = top(total)
     return picks
+
+
+def _rating(found: Candidates) -> mx.array | None:
+    """``score=heads``: each head's mean score over its fresh rows of one sequence, where every head has
+    :data:`CALIBRATION_ROWS` of them (None where not): a head that pays each row of the document attention as
+    the model says it again rates high, one that looks at a few rows (the sinks are not fresh) low."""
+    count = found.fresh[0].sum(axis=-1)
+    if found.positions.shape[0] != 1 or int(count.min()) < CALIBRATION_ROWS:
+        return None
+    return found.score[0].sum(axis=-1) / count
 
 
 def _normed(found: Candidates) -> mx.array:
