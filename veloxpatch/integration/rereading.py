@@ -22,7 +22,9 @@ again alone, over its own caches, before the batch's step runs; the other sequen
 
 With ``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv`` the same call chooses the rows without reading the prompt
 again: each cache scores them from the prompt's last queries, with its layer's attention module
-(:func:`attention_modules`: its rotary embedding) found here because this wrapper sees the model.
+(:func:`attention_modules`: its rotary embedding) found here because this wrapper sees the model. With ``heads``
+the first prompt long enough to rate the heads is read again (as ``repeat``), the ratings kept here for the model;
+every later prompt's rows are scored by them, no second reading.
 
 Where it cannot be done the prompt is read once and every row kept, said once: a list holding any cache that is not
 one of ours asking for it (a sliding-window slot of mlx_lm's, whose rows cannot be trimmed), or input embeddings
