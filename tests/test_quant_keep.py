@@ -775,11 +775,11 @@ def test_snapkv_scoring_at_16_bits_evicts_by_head_without_quantizing(monkeypatch
 
 
 # --------------------------------------------------------------------- VELOX_QUANT_SCORE=heads
-def rating_model(monkeypatch):
-    """A random llama under ``score=heads`` (model-wise budgets, no floor), heads rated from 64 fresh rows on."""
+def rating_model(monkeypatch, budgets: str = "model"):
+    """A random llama under ``score=heads`` (no floor), heads rated from 64 fresh rows on."""
     monkeypatch.setattr(quant, "CALIBRATION_ROWS", 64)
     veloxpatch.patch(kv="quant", window=8, sink=4, quant_group=32, quant_keep="40%", quant_score="heads",
-                     quant_floor=0.0)
+                     quant_floor=0.0, quant_budgets=budgets)
     return tiny("llama", layers=2)
 
 
@@ -801,21 +801,24 @@ def test_the_first_prompt_long_enough_is_read_twice_and_rates_the_heads_by_their
         assert rated[layer].shape == (2,) and np.allclose(np.array(rated[layer]), want, rtol=1e-5)
 
 
-def test_later_prompts_keep_the_best_rated_heads_rows_without_a_second_reading(monkeypatch) -> None:
-    model = rating_model(monkeypatch)
+@pytest.mark.parametrize("budgets", ["model", "layer"])
+def test_later_prompts_keep_the_best_rated_heads_rows_without_a_second_reading(monkeypatch, budgets: str) -> None:
+    model = rating_model(monkeypatch, budgets)
     greedy(model, random_tokens(4 * PROMPT + 1, 9), make_prompt_cache(model), steps=2, chunk=4 * PROMPT)
     rated = rereading._ratings[id(model)]
     monkeypatch.setattr(QuantCache, "start_rereading", lambda self: pytest.fail("no second reading"))
     caches = make_prompt_cache(model)
     greedy(model, random_tokens(4 * PROMPT + 1, 10), caches, steps=2, chunk=4 * PROMPT)
     veloxpatch.unpatch()
-    held: dict[float, np.ndarray] = {}  # each head's fresh positions held, by its rating
+    held: list[dict[float, np.ndarray]] = []  # per layer, each head's fresh positions held, by its rating
     for cache in caches:
         (fold,) = cache.folds
-        for head, positions in enumerate(np.array(cache.fold_positions(fold)[0])):
-            held[float(rated[cache.layer][head])] = np.sort(positions[positions >= 4])
-    counts = [len(held[r]) for r in sorted(held, reverse=True)]
+        held.append({float(rated[cache.layer][h]): np.sort(p[p >= 4])
+                     for h, p in enumerate(np.array(cache.fold_positions(fold)[0]))})
     end = caches[0].folds[0].end
-    assert counts == sorted(counts, reverse=True) and counts[0] == end - 4 > counts[-1], "the best heads keep all"
-    for positions in held.values():
-        assert np.array_equal(positions, np.arange(end - len(positions), end)), "a head kept in part keeps its newest"
+    for heads in held if budgets == "layer" else [{r: p for layer in held for r, p in layer.items()}]:
+        counts = [len(heads[r]) for r in sorted(heads, reverse=True)]
+        assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1], "the better rated, the more rows"
+        for positions in heads.values():
+            assert np.array_equal(positions, np.arange(end - len(positions), end)), "a head keeps its newest rows"
+    assert budgets == "layer" or max(len(p) for layer in held for p in layer.values()) == end - 4, "the best: all"

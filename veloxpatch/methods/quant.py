@@ -222,7 +222,7 @@ class QuantCache(CrossLayerCache):
             self.store.keep(mx.broadcast_to(mx.arange(rows), (*self.store.row_positions().shape[:2], rows)), 0)
         self.rated = None
         if read and scores is not None and self.folds:
-            self.candidates = self._candidates(scores)
+            self.candidates = self._candidates(scores, self.score == "heads" and not read_again)
             if self.score == "heads" and read_again:
                 self.rated = _rating(self.candidates)
 
@@ -308,9 +308,10 @@ class QuantCache(CrossLayerCache):
         bits = HOLD_BITS if self.unscored and self.bits < HOLD_BITS else self.bits
         return [(self._keys_encoded(keys, bits), self._values_encoded(values))], None
 
-    def _candidates(self, scores: mx.array) -> Candidates:
+    def _candidates(self, scores: mx.array, raw: bool) -> Candidates:
         """The last fold's rows (the prompt's) as :class:`Candidates`: those an earlier reading chose, the sinks
-        and the holes of a ragged fold are not fresh; the rest are scored (pooled), ``wanted`` of them due."""
+        and the holes of a ragged fold are not fresh; the rest are scored (pooled), ``wanted`` of them due; ``raw``:
+        the scores are the heads' ratings (:class:`Candidates`)."""
         fold = self.folds[-1]
         positions = self.fold_positions(fold)
         held = positions.shape[-1]
@@ -323,7 +324,7 @@ class QuantCache(CrossLayerCache):
         keys, values = self.unfold(fold)
         count = int(fresh.sum())
         wanted, taken = self._wanted(count, int(protected.sum()), keys.shape[-1], values.shape[-1])
-        return Candidates(positions, fresh, protected, score, count, wanted, taken, earlier)
+        return Candidates(positions, fresh, protected, score, count, wanted, taken, earlier, raw)
 
     def _keep_best(self, found: Candidates, picked: list[int] | None) -> None:
         """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from its heads' best-scored rows and every
@@ -643,8 +644,8 @@ class Candidates:
     """A layer's prompt rows once read again (the last fold's): each row's position, whether it is to be chosen among
     (``fresh``) or kept anyway (``protected``: an earlier reading's, a sink), its score (0 where not fresh), the
     fresh rows of every head (``count``), how many of them the layer's own budget wants (below none or above all
-    under a share of the bytes), the share of the 16-bit bytes the layer's other rows take, and the rows of earlier
-    folds before them."""
+    under a share of the bytes), the share of the 16-bit bytes the layer's other rows take, the rows of earlier folds
+    before them, and whether the scores compare across heads as they are (``score=heads``: each head's rating)."""
 
     positions: mx.array
     fresh: mx.array
@@ -654,6 +655,7 @@ class Candidates:
     wanted: float
     taken: float
     earlier: int
+    raw: bool = False
 
     @property
     def kept(self) -> int:
@@ -713,7 +715,9 @@ def _rating(found: Candidates) -> mx.array | None:
 
 def _normed(found: Candidates) -> mx.array:
     """Each head's scores over their sum (AdaKV), so a head that spreads its attention competes with one that
-    spikes."""
+    spikes; raw scores as they are (the heads' ratings, which the sum would cancel)."""
+    if found.raw:
+        return found.score
     return found.score / mx.maximum(found.score.sum(axis=-1, keepdims=True), 1e-30)
 
 
