@@ -822,3 +822,27 @@ def test_later_prompts_keep_the_best_rated_heads_rows_without_a_second_reading(m
         for positions in heads.values():
             assert np.array_equal(positions, np.arange(end - len(positions), end)), "a head keeps its newest rows"
     assert budgets == "layer" or max(len(p) for layer in held for p in layer.values()) == end - 4, "the best: all"
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_choice_by_the_heads_that_fails_keeps_every_row_or_raises_under_strict(monkeypatch, records,
+                                                                                 strict: bool) -> None:
+    model = rating_model(monkeypatch)
+    greedy(model, random_tokens(4 * PROMPT + 1, 9), make_prompt_cache(model), steps=2, chunk=4 * PROMPT)
+    veloxpatch.patch(kv="quant", window=8, sink=4, quant_group=32, quant_keep="40%", quant_score="heads",
+                     strict=strict)
+
+    def broken(self, rating):
+        raise RuntimeError("no ratings today")
+
+    monkeypatch.setattr(QuantCache, "score_by_heads", broken)
+    caches = make_prompt_cache(model)
+    if strict:
+        with pytest.raises(RuntimeError, match="no ratings today"):
+            greedy(model, random_tokens(4 * PROMPT + 1, 10), caches, steps=2, chunk=4 * PROMPT)
+        veloxpatch.unpatch()
+        return
+    tokens = greedy(model, random_tokens(4 * PROMPT + 1, 10), caches, steps=2, chunk=4 * PROMPT)
+    veloxpatch.unpatch()
+    assert len(tokens) == 2 and any("scoring a prompt's rows by heads failed" in r.getMessage() for r in records)
+    assert all(c.held_rows(c.folds[0]) == c.folds[0].end for c in caches), "every row kept"
