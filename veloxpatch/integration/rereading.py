@@ -84,7 +84,7 @@ def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: An
         if not first.schedule.decode_sized(n) or first.before_prompt_end(n):
             for cache in readers:
                 cache.read_prompt_chunk(tokens)
-        elif first.unscored and first.score in ("expected", "snapkv"):
+        elif first.unscored and first.scores_by_queries:
             _choose_by_queries(instance, readers)
         elif first.unscored and first.score == "heads" and (rated := _ratings.get(id(instance))) is not None:
             _choose_by_heads(rated, readers)

@@ -180,6 +180,11 @@ class QuantCache(CrossLayerCache):
                 "budgets": self.budgets, "floor": self.floor, "score": self.score}
 
     @property
+    def scores_by_queries(self) -> bool:
+        """Whether the prompt's last queries score its rows (``expected``, ``snapkv``): remembered as it is read."""
+        return self.score in ("expected", "snapkv")
+
+    @property
     def wants_rereading(self) -> bool:
         """Whether a prompt is read a second time: a share of the rows below all, or of the bytes below what every
         row holds at ``VELOX_QUANT_BITS`` (its bits and a 16-bit scale and bias per group)."""
@@ -530,7 +535,7 @@ class QuantCache(CrossLayerCache):
         if not self.rereading or sinks is not None:
             if not self.unscored and self.schedule.decode_sized(queries.shape[2]):
                 self._settle()  # a prompt's held keys whose second reading did not come (a saved cache, say)
-            elif self.unscored and self.score in ("expected", "snapkv"):  # the queries the choice reads, their scale
+            elif self.unscored and self.scores_by_queries:  # the queries the choice reads, and their scale
                 self.memory.remember(queries, self.offset, self.window)
                 self.scale = scale
             return super().attend(queries, keys, values, scale, mask, sinks)
