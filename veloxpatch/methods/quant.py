@@ -1,50 +1,27 @@
 """Quant: every token kept at low bits, keys quantized per channel and values per token (KIVI, Liu et al.,
 arXiv 2402.02750), the last ``VELOX_WINDOW`` tokens exact.
 
-Why per channel. mlx_lm's ``kv_bits`` quantizes keys as it does values, per token, in groups along the head
-dimension. A few key channels are large in every token (Qwen2.5's key biases make them so), so a group's scale is set
-by the outliers and the other channels round to a handful of levels. Each channel of a block of
-``VELOX_QUANT_GROUP`` tokens gets its own scale and bias instead, so an outlier costs only its own precision; values,
-summed by the attention weights row by row, keep per-token groups (the paper's finding). docs/results.md ("Keys per
-channel") measures the difference, and why a Hadamard rotation did not help.
+Why per channel: a few key channels are large in every token, so in mlx_lm's per-token groups (``kv_bits``) they set
+each group's scale; here each channel of a block of ``VELOX_QUANT_GROUP`` tokens gets its own scale and bias. Values,
+summed row by row, keep per-token groups (docs/results.md, "Keys per channel").
 
-How it sits in the shim. A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): after each
-prompt chunk and every ``VELOX_QUANT_GROUP`` decode tokens, the exact rows older than the window are quantized in
-whole blocks and join the layer's one fold. A prompt chunk attends over the fold dequantized; a decode step
-multiplies it as held, by mlx's quantized matmul.
+A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): after each prompt chunk and every
+``VELOX_QUANT_GROUP`` decode tokens, the exact rows older than the window are quantized in whole blocks and join the
+layer's one fold. A prompt chunk attends over the fold dequantized; a decode step multiplies it as held, by mlx's
+quantized matmul.
 
-Fewer rows too (``VELOX_QUANT_KEEP`` below 100%, or a share of the bytes such as ``0.125x``). Quantization alone
-stops at about a fifth of the 16-bit bytes; an eighth needs fewer rows as well, chosen before any question is asked
-(a document read once, asked many things). KVzip's score chooses them: once a prompt is read (its rows folded as
-usual), the model reads it a second time (:mod:`veloxpatch.integration.rereading`) and each folded row scores the most
-attention any query of its head group pays it; one top-k over every layer's heads on the raw scores keeps the best
-(KVzip's non-uniform budgets; :func:`model_wise`) after each layer took a quarter of its own share by its own top-k
-(``VELOX_QUANT_FLOOR``), as many rows in all as the layers' shares (under a share of the
-bytes the layers' room pooled), never more held than the layers by their own shares; each head keeps its rows in
-whole blocks, with the first ``VELOX_SINK`` tokens and each row's two-byte position for trims. With
-``VELOX_QUANT_BUDGETS=layer`` each layer keeps its own share by one top-k over its heads (AdaKV's head-wise budgets:
-each head's scores over their sum first): it lost answers model-wise kept, and the model-wise top-k alone
-(``VELOX_QUANT_FLOOR=0``) lost queries of several keys the floor answers (docs/results.md). With
-``VELOX_QUANT_SCORE=expected`` Expected Attention's score (the prompt's last queries' statistics, rotated ahead)
-chooses instead, without a second reading (the same budgets, the same ragged folds); asked after the context it lost
-nearly every needle the second reading keeps (docs/results.md, the yardstick), so it stays off. ``snapkv``: SnapKV's
-score (the attention the prompt's last queries paid, pooled), the paper's rule with AdaKV's head-wise budgets, for a
-prompt that ends with its question; with ``VELOX_QUANT_BITS=16`` it evicts without quantizing. ``heads``:
-KVzip's context-independent form (heads rated once per model, as DuoAttention sorts retrieval from streaming heads):
-the first prompt of a model with :data:`CALIBRATION_ROWS` rows of every head is read twice, and each KV head rated by
-its rows' mean score (the paper takes the maximum over the rows); every later prompt is read once, each row scoring
-its head's rating (a newer row a hair more), so the model-wise top-k keeps the best heads' rows whole. Each prompt, a
-chat's next turn too, is scored once it is read (by default read twice), its rows chosen with those still exact
-when it began: a chat holds its share turn after turn. Rows an answer folds as it is decoded are all kept.
+Fewer rows (``VELOX_QUANT_KEEP`` below 100%, or a share of the bytes such as ``0.125x``), chosen before any question
+is asked: once a prompt is read, the model reads it again (:mod:`veloxpatch.integration.rereading`) and each folded
+row scores the most attention any query of its head group pays it (KVzip), or ``VELOX_QUANT_SCORE``'s score.
+``VELOX_QUANT_BUDGETS`` and ``VELOX_QUANT_FLOOR`` say how many rows each head keeps (:func:`model_wise`); each keeps
+them in whole blocks, with the first ``VELOX_SINK`` tokens and each row's two-byte position for trims. Each prompt, a
+chat's next turn too, is scored once read, its rows chosen with those still exact when it began; rows an answer folds
+are all kept.
 
-Choices the measurements forced (docs/results.md, "Rows to drop before the question"): until the second reading the
-prompt's keys fold at ``HOLD_BITS`` and the kept keys are quantized to ``VELOX_QUANT_BITS`` once, from them (scores
-over 4-bit keys, and keys quantized twice, lost the needle), at the price of a higher peak while such a prompt is
-read; and heads keep different numbers of rows (the same number per head lost answers). ``VELOX_QUANT_POOL``
-(SnapKV's pooling) is off by default.
-
-Heads holding different numbers of rows make a *ragged* fold, one part per head with no padding held
-(:func:`_fold_of`); a cache holding several sequences (B > 1) keeps the same number per head.
+Forced by measurements (docs/results.md, "Rows to drop before the question"): until the second reading a prompt's
+keys fold at ``HOLD_BITS`` and the kept keys are quantized to ``VELOX_QUANT_BITS`` once, from them; and heads keep
+different numbers of rows, a *ragged* fold of one unpadded part per head (:func:`_fold_of`; a cache holding several
+sequences keeps the same number per head).
 """
 
 from __future__ import annotations
@@ -112,23 +89,19 @@ KNOBS = (
             "count by VELOX_QUANT_BUDGETS (the first VELOX_SINK tokens always stay); below 100% every prompt is read "
             "twice. Or a share of memory: `0.125x` keeps as many as make each layer hold an eighth of what the full "
             "cache would hold at 16 bits for the tokens it has seen (every byte counted); a share every row fits at "
-            "VELOX_QUANT_BITS keeps them all. Measured (docs/results.md): on Qwen2.5-0.5B at 4k about an eighth "
-            "answered 35 of 45 RULER examples asked after the context, the full cache 33; the second reading costs "
-            "about half a prefill more."),
+            "VELOX_QUANT_BITS keeps them all. Measured: docs/results.md, \"RULER at 4k on Qwen2.5\" (answers) and "
+            "\"Decode\" (the second reading's time)."),
     Setting("VELOX_QUANT_POOL", odd_kernel, "1", "an odd integer in [1, 63]",
             "Quant, with VELOX_QUANT_KEEP: each row of a prompt scored as the best of this many neighbouring rows "
-            "before the rows are chosen, so a kept row keeps the tokens around it (a number or a uuid spelled over "
-            "a dozen tokens stays whole); 1 scores each row alone."),
+            "before the rows are chosen, so a kept row keeps the tokens around it; 1 scores each row alone."),
     Setting("VELOX_QUANT_BUDGETS", choice(BUDGETS), "model", "one of " + ", ".join(BUDGETS),
             "Quant, with VELOX_QUANT_KEEP: what one top-k of the rows to keep runs over. `model`: every layer's "
-            "heads at once, on the raw scores (KVzip's non-uniform budgets), so a layer whose rows the second "
-            "reading needs more keeps more, the model's total the same; `layer`: each layer keeps its share, "
-            "spread over its heads (AdaKV: each head's scores over their sum), as before 2026-12-06."),
+            "heads at once, on the raw scores (KVzip's non-uniform budgets), the model's total the same; `layer`: "
+            "each layer keeps its share, spread over its heads (AdaKV: each head's scores over their sum)."),
     Setting("VELOX_QUANT_FLOOR", number_range(0, 1), "0.25", "a number in [0, 1]",
             "Quant, with VELOX_QUANT_BUDGETS=model: the share of each layer's own rows it keeps by its own top-k "
-            "(as `layer` would) before one top-k over every layer's heads shares out the rest, so no layer is "
-            "starved of the rows a question about several facts needs; 0: the model-wise top-k alone, which lost "
-            "queries of several keys the floor answers (docs/results.md)."),
+            "before one top-k over every layer's heads shares out the rest, so no layer is starved of the rows a "
+            "question about several facts needs (docs/results.md); 0: the model-wise top-k alone."),
     Setting("VELOX_QUANT_SCORE", choice(SCORES), "repeat", "one of " + ", ".join(SCORES),
             "Quant, with VELOX_QUANT_KEEP: how a prompt's rows are scored: `repeat`, the most attention they get "
             "while the model reads the prompt a second time (KVzip); `expected`, the attention queries to come are "
@@ -136,9 +109,8 @@ KNOBS = (
             "queries), without a second reading; `snapkv`, the attention those queries paid them, pooled (SnapKV: "
             "for a prompt that ends with its question); `heads`, KVzip's context-independent form: the first prompt "
             "of a model long enough is read twice, as `repeat`, and rates each KV head by its rows' mean score; "
-            "every later prompt is read once, the best-rated heads keeping their rows. Experimental: asked after the "
-            "context, `expected` kept 1 of the full cache's 12 needles on Qwen2.5-0.5B at 4k where `repeat` kept 12 "
-            "(docs/results.md)."),
+            "every later prompt is read once, the best-rated heads keeping their rows. `expected` is experimental: "
+            "asked after the context it lost the needles `repeat` kept (docs/results.md)."),
 )
 
 
@@ -194,8 +166,8 @@ class QuantCache(CrossLayerCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """As every cache of folds; a chunk of the second reading (:meth:`store_next_rows` false) is returned after
-        the rows held and not stored: it would be trimmed right after, and stored, every layer's rows of it would be
-        alive at once at the end of the model's call (48 MiB of a 2048-token chunk of Qwen2.5-0.5B in float32)."""
+        the rows held, not stored: it is trimmed right after, and stored, every layer's rows of it would be alive at
+        once at the end of the model's call."""
         if self.storing:
             return super().update_and_fetch(keys, values)
         held_keys, held_values = self.rows()
@@ -260,12 +232,9 @@ class QuantCache(CrossLayerCache):
         self.stop_rereading(self.scores is not None)
 
     def _query_scores(self) -> mx.array:
-        """(B, H, folded rows): ``expected``, the attention the queries to come are expected to pay each row
-        (:meth:`.ExpectedAttention.rank`, the statistics rotated by the layer's rotary embedding where
-        :attr:`module` has one), averaged over each KV head's query heads, times the value's norm; ``snapkv``, the
-        attention the remembered queries paid it, over every row held, summed over them and the head's query heads,
-        pooled (:meth:`.SnapKV.rank`) with the sinks and exact rows at zero, as SnapKV's protected rows. The
-        policies by id: a method does not import another's module."""
+        """(B, H, folded rows) by the method's policy (found by id: a method does not import another's module):
+        ``expected``, :meth:`.ExpectedAttention.rank` (rotated by :attr:`module`'s rotary embedding where it has
+        one); ``snapkv``, :meth:`.SnapKV.rank` over every row held, the sinks and exact rows scored zero."""
         if self.scorer is None:
             self.scorer = cache_class("snapkv" if self.score == "snapkv" else "expected_attention").policy_class()
         folded = self.folded_rows()
@@ -314,9 +283,8 @@ class QuantCache(CrossLayerCache):
         return [(self._keys_encoded(keys, bits), self._values_encoded(values))], None
 
     def _candidates(self, scores: mx.array, raw: bool) -> Candidates:
-        """The last fold's rows (the prompt's) as :class:`Candidates`: those an earlier reading chose, the sinks
-        and the holes of a ragged fold are not fresh; the rest are scored (pooled), ``wanted`` of them due; ``raw``:
-        the scores are the heads' ratings (:class:`Candidates`)."""
+        """The last fold's rows (the prompt's) as :class:`Candidates`; ``raw``: the scores are the heads'
+        ratings."""
         fold = self.folds[-1]
         positions = self.fold_positions(fold)
         held = positions.shape[-1]
@@ -332,12 +300,10 @@ class QuantCache(CrossLayerCache):
         return Candidates(positions, fresh, protected, score, count, wanted, taken, earlier, raw)
 
     def _keep_best(self, found: Candidates, picked: list[int] | None) -> None:
-        """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from its heads' best-scored rows and every
-        protected row, the kept keys quantized to ``VELOX_QUANT_BITS`` once. Each head keeps its protected rows and the
-        fresh rows ``picked`` for it, or (None) those :func:`_head_picks` gives it, in whole blocks (several sequences,
-        B > 1: the same number per head, so the fold stays dense). A later turn's rows join the earlier fold at once,
-        head by head, so a head may keep none of them and a short turn costs its share of the bytes, not a block per
-        head."""
+        """Rebuild the last fold (the prompt's, its keys at ``HOLD_BITS``) from each head's protected rows and the
+        fresh rows ``picked`` for it (None: by the layer's own share), in whole blocks (B > 1: the same number per
+        head), the kept keys quantized to ``VELOX_QUANT_BITS`` once. A later turn's rows join the earlier fold at
+        once, head by head, so a short turn costs its share of the bytes, not a block per head."""
         fold, positions, fresh, protected = self.folds[-1], found.positions, found.fresh, found.protected
         held, real = positions.shape[-1], positions >= 0
         self.chosen_end = fold.end
@@ -347,7 +313,7 @@ class QuantCache(CrossLayerCache):
             counts = self._head_counts(found, _head_picks(normed, found) if picked is None else picked)
         else:
             normed, count = found.score, int(fresh[0, 0].sum())
-            kept = self._whole_blocks(held - count + found.share * count, held, self._least(found))
+            kept = self._whole_blocks(held - count + found.share * count, held, found)
             counts = [kept] * positions.shape[1]
         if counts == _ints(real.sum(axis=-1).max(axis=0)):
             return  # every row stays (the keys settle at VELOX_QUANT_BITS later, as when nothing was read)
@@ -370,12 +336,10 @@ class QuantCache(CrossLayerCache):
 
     def _wanted(self, fresh: int, protected: int, key_dim: int, value_dim: int) -> tuple[float, float]:
         """How many of the prompt's ``fresh`` rows (of every head) the layer's budget keeps, and the share of the
-        16-bit bytes the rest takes. ``VELOX_QUANT_KEEP``'s share of the rows, or, for a share of the bytes, as many
-        as fit beside everything else the layer holds (earlier folds, the ``protected`` rows, the exact rows and the
-        store's next growth, counted as at 16 bits), each kept row at ``VELOX_QUANT_BITS`` with its scales and
-        position: fewer than none where the rest takes more (a layer that kept many rows of an earlier turn gives
-        them back under model-wise budgets). No room is reserved for the rows the answer and the next turn bring:
-        that cost answers (docs/results.md, "Follow-up")."""
+        16-bit bytes the rest takes. For a share of the bytes, as many as fit beside everything else the layer holds
+        (counted as at 16 bits), each at ``VELOX_QUANT_BITS`` with its scales and position: below zero where the rest
+        takes more. No room is reserved for the next turn's rows: that cost answers (docs/results.md,
+        "Follow-up")."""
         if not isinstance(self.keep, BytesShare):
             return self.keep * fresh, 0.0
         batch, heads = self.store.row_positions().shape[:2]
@@ -390,8 +354,8 @@ class QuantCache(CrossLayerCache):
         return (target - besides - protected * row) / row, (besides + protected * row) / full
 
     def _say_if_little(self, found: list[Candidates]) -> None:
-        """Tell the user, once, when a share of the bytes leaves the prompt (of these layers) almost none of its rows
-        (a prompt of a few hundred tokens under a small share)."""
+        """Tell the user, once, when a share of the bytes leaves the prompt (of these layers) almost none of its
+        rows."""
         fresh = sum(c.count for c in found)
         if isinstance(self.keep, BytesShare) and sum(c.wanted for c in found) < 0.05 * fresh:
             once(f"quant share {self.keep}", logging.WARNING,
@@ -401,21 +365,18 @@ class QuantCache(CrossLayerCache):
                  "more)")
 
     def _head_counts(self, found: Candidates, picked: list[int]) -> list[int]:
-        """Rows each head of one sequence keeps: the fresh rows ``picked`` for it and its protected rows, rounded
-        to whole blocks (at least one in the first fold)."""
+        """Rows each head of one sequence keeps: the fresh rows ``picked`` for it and its protected rows, in whole
+        blocks."""
         heads = found.fresh.shape[1]
         protected = _ints(found.protected.reshape(heads, -1).sum(axis=-1))
         real = _ints((found.fresh | found.protected).reshape(heads, -1).sum(axis=-1))
-        return [self._whole_blocks(n + p, rows, self._least(found)) for n, p, rows in zip(picked, protected, real)]
+        return [self._whole_blocks(n + p, rows, found) for n, p, rows in zip(picked, protected, real)]
 
-    def _least(self, found: Candidates) -> int:
-        """The fewest rows a head keeps: a block in the first fold (none where earlier turns' rows come first)."""
-        return 0 if found.earlier else self.group_size
-
-    def _whole_blocks(self, wanted: float, held: int, least: int) -> int:
-        """``wanted`` rows of a head rounded to whole blocks, at least ``least``, at most the ``held`` rows."""
+    def _whole_blocks(self, wanted: float, held: int, found: Candidates) -> int:
+        """``wanted`` rows of a head rounded to whole blocks, at most the ``held`` rows, at least a block in the
+        first fold (none where earlier turns' rows come first)."""
         g = self.group_size
-        return min(held, max(least, round(wanted / g) * g))
+        return min(held, max(0 if found.earlier else g, round(wanted / g) * g))
 
     def _settle(self) -> None:
         """Keys held at ``HOLD_BITS`` (a prompt whose second reading is over, failed or never came) quantized to
@@ -557,9 +518,8 @@ class QuantCache(CrossLayerCache):
         return out.reshape(b, heads_q, n, -1)
 
     def _times(self, x: mx.array, parts: Parts, group: int | None) -> mx.array:
-        """``x`` times the matrix ``parts`` holds quantized along its last axis. On the CPU backend a float16 or
-        bfloat16 product runs in float32, cast back: mlx's CPU kernel is 10-100x slower in half precision
-        (``bench/quantized_matmul.py``, last table), while the casts cost a copy of ``x`` and of the scales."""
+        """``x`` times the matrix ``parts`` holds quantized along its last axis; on the CPU a half-precision product
+        runs in float32, cast back (mlx's CPU kernel is far slower in half: ``bench/quantized_matmul.py``)."""
         packed, scales, biases = parts
         dtype = x.dtype
         if dtype in HALF and mx.default_device() == mx.cpu:
@@ -675,13 +635,10 @@ class Candidates:
 
 def model_wise(caches: list[QuantCache]) -> list[list[int]] | None:
     """Per layer, the fresh rows each head keeps when every layer's rows of one sequence compete (KVzip's
-    non-uniform budgets): one top-k of the raw scores over them all, of as many rows as the layers' budgets want
-    together (under a share of the bytes, a layer whose earlier rows take more than its part gives the excess
-    back), shrunk while heads rounded up to whole blocks (a head picked for few rows still holds a block in the first
-    fold) would hold more than the layers by their own shares. With ``VELOX_QUANT_FLOOR``, each layer first keeps
-    that share of its own rows by its own top-k (of its own rows scaled to the pooled room, so the floors never
-    take more than the room), and the top-k over them all shares out the rest. None (each layer
-    by its own share) where a layer has no candidates or holds several sequences."""
+    non-uniform budgets): each layer keeps ``VELOX_QUANT_FLOOR`` of its own share by its own top-k (scaled to fit
+    the pooled room), then one top-k of the raw scores over every layer's other rows shares out the rest of the
+    room, shrunk while heads rounded up to whole blocks would hold more than the layers by their own shares.
+    None (each layer by its own share) where a layer has no candidates or holds several sequences."""
     found = [c.candidates for c in caches]
     if not found or any(c is None or c.positions.shape[0] != 1 for c in found):
         return None

@@ -3,45 +3,37 @@
 A layer's keys and values are two projections of one input, the attention module's X (the block input after its
 norm): ``K = rope(k_norm(X W_k))`` and ``V = X W_v``. XQuant keeps X, quantized (mlx's ``mx.quantize`` at
 ``VELOX_XQUANT_BITS`` in groups of ``VELOX_XQUANT_GROUP`` along the hidden dimension; ``16``: unquantized), instead
-of K and V, and recomputes K and V with the layer's own projections whenever attention needs them: more arithmetic
-for fewer bytes.
+of K and V, and recomputes K and V with the layer's own projections when attention needs them: more arithmetic for
+fewer bytes.
 
-XQuant-CL (on by default, docs/results.md "Perplexity"): ``VELOX_XQUANT_CL`` consecutive layers form a group whose
-first layer (the anchor) keeps its X at ``VELOX_XQUANT_BITS``, held once for the group (``shared_parts``), and whose
-other layers keep only ``X_l - X̂_anchor`` at ``VELOX_XQUANT_CL_BITS``, taken against the anchor's reconstruction so
-a layer's error is its own delta's alone. The anchor runs first in every forward and publishes its rows through the
-coordinator; a layer that finds no publication of its forward leaves the group and keeps its own X from then on.
-Where a list's members are not adjacent layers (sliding-window or hybrid models) the premise is weaker.
+XQuant-CL (on by default, docs/results.md "Perplexity"): in each group of ``VELOX_XQUANT_CL`` consecutive layers the
+first (the anchor) keeps its X at ``VELOX_XQUANT_BITS``, held once for the group (``shared_parts``), the others only
+``X_l - X̂_anchor`` at ``VELOX_XQUANT_CL_BITS``, taken against the anchor's reconstruction so a layer's error is its
+own delta's alone. The anchor publishes its rows through the coordinator in every forward; a layer that finds none
+leaves the group and keeps its own X from then on. Where a list's members are not adjacent layers the premise is weaker.
 
-The GQA latent (``VELOX_XQUANT_LATENT``, the paper's variant for grouped-query attention). Where K and V together
-are narrower than X, the cache keeps X projected on the left singular vectors of ``W_k`` and of ``W_v`` instead: a
-latent as wide as K and V, quantized like X; K and V are rebuilt as ``latent S V^T``, then key norm and rotation.
-The latent ``X U`` equals the projection's output times ``V S^-1`` (:func:`whitening`), so it needs two kv-width
-square matrices per layer, not the hidden x kv-width ``U`` (a bias rides along). Each layer's latent is in bases of
-its own, so XQuant-CL's deltas do not apply to it. docs/results.md ("Perplexity") compares it with mlx_lm's
-``kv_bits`` at equal bytes (``bench/kv_quant_error.py`` measures the attention error): the gain is in the keys; it
-decodes several times slower.
+The GQA latent (``VELOX_XQUANT_LATENT``, the paper's variant for grouped-query attention): where K and V together are
+narrower than X, the cache keeps X on the left singular vectors of ``W_k`` and of ``W_v``, a latent as wide as K and
+V, quantized like X; K and V are rebuilt as ``latent S V^T``, then key norm and rotation. The latent is the
+projection's output times ``V S^-1`` (:func:`whitening`): two kv-width square matrices per layer, not the hidden x
+kv-width ``U``. Each layer's latent is in bases of its own, so XQuant-CL does not apply to it. Against mlx_lm's
+``kv_bits`` at equal bytes the gain is in the keys, and it decodes several times slower (docs/results.md,
+"Perplexity"; ``bench/kv_quant_error.py``). On models split across ranks: docs/distributed.md.
 
-On a model split by tensor parallelism every rank receives the whole X and recomputes only its own heads, so each
-rank keeps all of X (XQuant's bytes per rank do not shrink with the ranks); the latent comes from the rank's shard of
-the projections and does shrink. XQuant-CL groups are formed in each rank's list.
+The attention module's hook hands the cache each step's X and the module (:meth:`XQuantCache.see_attention_input`).
+At the first step K and V rebuilt from X are compared with the model's own: a module that computes them otherwise
+(or lacks ``k_proj``, ``v_proj``, ``rope`` or ``n_kv_heads``) leaves the layer with exact rows, said once.
 
-How it sits in the shim. The attention module's hook hands the cache each step's X and the module
-(:meth:`XQuantCache.see_attention_input`); every token's X is kept from then on, its exact K and V beside it in the
-row store until released on :mod:`veloxpatch.caches.crosslayer`'s schedule. At the first step K and V rebuilt from X
-are compared with the model's own: a module that computes them otherwise (or lacks ``k_proj``, ``v_proj``, ``rope``
-or ``n_kv_heads``) leaves the layer with exact rows, said once in the log.
+Deviations from the paper, and why:
 
-Where the shim's position makes this deviate from the paper, and why:
-
-* The last ``VELOX_WINDOW`` tokens keep their exact K and V beside their X: the next tokens attend to them most, and
-  exact rows cost no recomputation. Rows are released in segments of at least a window.
-* Nothing is evicted and ``VELOX_BUDGET`` does not apply.
-* K and V of every released row are recomputed at every step in plain mlx: there is no fused kernel.
-* XQuant-CL's X is the attention input, after each layer's norm (the only X the projections take), not the residual
-  stream, whose updates are the small part: on SmolLM2 adjacent layers' normed inputs differ by 0.3-0.4 of their
-  norm, the residual stream by 0.04-0.3 past the first layers. Each delta is taken against its group's anchor, not
-  accumulated from the first layer, so errors never add up along the stack.
+* The last ``VELOX_WINDOW`` tokens keep their exact K and V beside their X (released on
+  :mod:`veloxpatch.caches.crosslayer`'s schedule, in segments of at least a window): the next tokens attend to them
+  most, and exact rows cost no recomputation.
+* Nothing is evicted and ``VELOX_BUDGET`` does not apply. There is no fused kernel: K and V of every released row are
+  recomputed at every step in plain mlx.
+* XQuant-CL's X is the attention input after each layer's norm (the only X the projections take), not the residual
+  stream, whose updates are small (on SmolLM2 adjacent layers' normed inputs differ by 0.3-0.4 of their norm, the
+  residual stream by 0.04-0.3). Each delta is against its group's anchor, so errors never add up along the stack.
 """
 
 from __future__ import annotations
