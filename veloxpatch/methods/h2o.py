@@ -7,13 +7,11 @@ it sees (summed over the query heads that share a KV head) to a per-row accumula
 its row through compactions, trims, the tier (``VELOX_TIER``) and saving. Rows are ranked per KV head by this sum; the
 sinks and the recent window are kept. In ``end`` mode the prompt's accumulated mass decides the first compression.
 
-A prompt step takes its output and its mass from one softmax (:func:`attention_with_mass`, the operations of mlx's
-attention on the CPU, so the same output), which keeps H2O's cost near the other methods' (docs/results.md,
-"Server"). Decode steps' queries are queued and accounted in one vectorised pass when scores are needed, when the
-queue outgrows the decode headroom and before saving, so a speculative rewind takes a rejected step's queries back.
-Until a compression nothing a query saw changes, so the sums are those of accounting every step at once.
-
-Where this deviates from the paper, and why:
+A prompt step takes its output and its mass from one softmax (:func:`attention_with_mass`), which keeps H2O's cost
+near the other methods' (docs/results.md, "Server"). Decode steps' queries are queued and accounted in one vectorised
+pass when scores are needed, when the queue outgrows the decode headroom and before saving (so a speculative rewind
+takes a rejected step's queries back): until a compression nothing a query saw changes, so the sums are the same.
+Deviations from the paper, and why:
 
 * The paper evicts one row per decode step; like every method here, a cache grows ``headroom`` rows above the budget
   and then evicts the lowest-scored together, so a compaction's copy is amortised.
@@ -23,10 +21,9 @@ Where this deviates from the paper, and why:
 * Attention sinks passed to attention (``sinks``) are left out of the probabilities: they hold no row.
 * A trim drops the rewound rows with their mass and the rewound tokens' queued queries; mass already accounted by a
   compression in between stays (taking it back would need a per-step log).
-* The step that compresses an ``end`` mode prompt is accounted after the compaction, over the rows kept (its
-  probabilities normalised without its own rows that went, when it is longer than ``VELOX_WINDOW``).
-* A mask of the model's own (e.g. a sliding window inside a full-attention slot) is not reflected in the
-  probabilities: they use causal visibility by position, holes masked.
+* The step that compresses an ``end`` mode prompt is accounted after the compaction, over the rows kept.
+* A model's own mask (e.g. a sliding window in a full-attention slot) is not reflected in the probabilities: they use
+  causal visibility by position, holes masked.
 """
 
 from __future__ import annotations
@@ -48,25 +45,16 @@ def received_mass(queries: mx.array, keys: mx.array, scale: float, positions: mx
     """Attention probability mass each row receives from ``queries`` (B, q_heads, n, d), (B, kv_heads, rows),
     summed over the queries and the query heads of each KV head, in float32. The queries are those of tokens ``first
     .. first + n - 1``; each sees the rows of ``positions`` at or before its own, holes never."""
-    return _blocks(queries.astype(mx.float32), keys.astype(mx.float32), None, scale, positions, first)[1]
+    return attention_with_mass(queries.astype(mx.float32), keys.astype(mx.float32), None, scale, positions, first)[1]
 
 
-def attention_with_mass(queries: mx.array, keys: mx.array, values: mx.array, scale: float, positions: mx.array,
-                        first: int) -> tuple[mx.array, mx.array]:
-    """The attention output of ``queries`` over ``keys``/``values`` and the mass each row receives (as
-    :func:`received_mass`) from one softmax, not two. The same operations as mlx's attention on the CPU (scaled
-    queries, one matmul per KV head group, a precise softmax with hidden rows at -inf), so the same output; every
-    query sees its own row (a prompt step's rows are stored before it attends)."""
-    outs, mass = _blocks(queries, keys, values, scale, positions, first)
-    return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)), mass
-
-
-def _blocks(queries: mx.array, keys: mx.array, values: mx.array | None, scale: float, positions: mx.array,
-            first: int) -> tuple[list[mx.array], mx.array]:
-    """The work of both: a block of queries at a time, each evaluated before the next so its float32
-    probabilities stay within the second reading's :data:`.scored_attention.SCORE_BYTES` (64 MB before: SmolLM2's
-    read peak at 4k in 2048-token steps 245.7 MiB against SnapKV's 185.5, ``bench/kv_memory.py``); the blocks'
-    outputs (none without ``values``) and the summed mass."""
+def attention_with_mass(queries: mx.array, keys: mx.array, values: mx.array | None, scale: float,
+                        positions: mx.array, first: int) -> tuple[mx.array | None, mx.array]:
+    """The attention output of ``queries`` over ``keys``/``values`` (None without ``values``) and the mass each row
+    receives (as :func:`received_mass`) from one softmax, not two. The same operations as mlx's attention on the CPU
+    (scaled queries, one matmul per KV head group, a precise softmax with hidden rows at -inf), so the same output. A
+    block of queries at a time, each evaluated before the next so its float32 probabilities stay within
+    :data:`.scored_attention.SCORE_BYTES` (the read peak: docs/results.md, "While a prompt is read")."""
     b, hq, n, d = queries.shape
     hkv, rows = keys.shape[1], keys.shape[2]
     q = (queries * scale).reshape(b, hkv, hq // hkv, n, d)
@@ -88,7 +76,9 @@ def _blocks(queries: mx.array, keys: mx.array, values: mx.array | None, scale: f
         if block < n:
             mx.eval(outs[-1:], total)  # left lazy, every block's probabilities would be alive at once
     assert total is not None, "no queries"
-    return outs, total
+    if not outs:
+        return None, total
+    return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)), total
 
 
 @dataclass(eq=False)
@@ -154,6 +144,7 @@ class H2OCache(EvictingCache):
         self.policy.catch_up(self)
         out, mass = attention_with_mass(queries, keys, values, scale, self.store.row_positions(),
                                         self.offset - queries.shape[2])
+        assert out is not None, "attended with values"
         self.policy.credit(self, mass)
         masks.forget_issued(self, members_of(self))
         return out

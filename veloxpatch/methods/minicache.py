@@ -3,35 +3,29 @@
 From the middle of the network on, the KV states of adjacent layers point in nearly the same direction. So each
 pair of adjacent layers keeps, per token and KV head, one merged direction (held once by the pair) and each layer its
 own magnitude; a layer rebuilds its row as ``||x|| e`` (the paper's Eq. 2). For a token's rows ``x_a`` (first layer
-of the pair) and ``x_b`` (second), with unit vectors ``u_a``, ``u_b`` and ``Omega = arccos(u_a . u_b)``, the
-direction is their spherical interpolation (SLERP, the paper's Eq. 3)::
+of the pair) and ``x_b``, with unit vectors ``u_a``, ``u_b`` and ``Omega = arccos(u_a . u_b)``, the direction is
+their spherical interpolation (SLERP, the paper's Eq. 3), ``t`` being ``VELOX_MINICACHE_T`` (the paper's 0.6)::
 
     e = sin((1 - t) Omega) / sin(Omega) u_a + sin(t Omega) / sin(Omega) u_b
 
 (linear interpolation where ``Omega`` is within 1e-4 of 0 or pi, where that quotient is 0/0; renormalised to unit
-length either way). ``t`` is ``VELOX_MINICACHE_T`` (the paper's 0.6). Keys and values merge separately.
-
-Token retention. Merged, a pair of far-apart tokens would lose what is particular to each layer, so both layers keep
-them exact: per KV head over the fold's tokens, those whose distance ``d = Omega / pi`` exceeds
+length either way). Keys and values merge separately. Token retention: both layers keep exact the tokens that are far
+apart across the pair, per KV head over the fold's tokens those whose distance ``d = Omega / pi`` exceeds
 ``d_max - gamma (d_max - d_min)`` (``gamma``: ``VELOX_MINICACHE_GAMMA``; 1 gives the rows back bit for bit).
 
-Pairs (the paper merges from half depth). Layers ``S = floor(VELOX_MINICACHE_START x layers)`` and up pair as
-(S, S+1), (S+2, S+3), ...; a layer below S, and a last odd one, never folds (alone it would save nothing).
-
-The layers of a pair publish their rows through the coordinator's fan-in: see :mod:`veloxpatch.caches.crosslayer`
-for when rows fold and what a pair that does not complete does (each layer folds alone, saving nothing).
+Layers ``S = floor(VELOX_MINICACHE_START x layers)`` and up pair as (S, S+1), (S+2, S+3), ... (the paper merges from
+half depth); a layer below S, and a last odd one, never folds. A pair's rows meet in the coordinator's fan-in
+(:mod:`veloxpatch.caches.crosslayer`: when rows fold, and what a pair that does not complete does).
 
 Where the shim's position makes this differ from the paper, and why:
 
-* The keys merged are the rotated ones the attention route hands the cache. This does not change the merge: both
-  layers' keys at one position get the same orthogonal rotation, which keeps angles and norms, and SLERP's
-  coefficients depend on the angle only, so the merged rotated direction is the rotation of the merged unrotated one
-  (not so for a model whose paired layers rotate differently).
-* Pairs are taken among the full-attention layers the shim serves, counted over every rank's layers on a model split
-  by pipeline; a pair cut by a stage boundary stays unmerged.
+* The keys merged are the rotated ones the attention route hands the cache. Both layers' keys at one position get
+  the same rotation, which keeps angles and norms, so the merged rotated direction is the rotation of the merged
+  unrotated one (not so for a model whose paired layers rotate differently).
+* Pairs are taken among the full-attention layers the shim serves (on models split across ranks:
+  docs/distributed.md).
 * The last ``VELOX_WINDOW`` tokens stay exact, and decode tokens merge in segments of ``MIN_FOLD``, each with its own
-  threshold (the paper merges each decoded token as it comes).
-* Attention runs on the rebuilt rows (the paper's restoration).
+  threshold (the paper merges each decoded token as it comes). Attention runs on the rebuilt rows.
 """
 
 from __future__ import annotations

@@ -1,34 +1,26 @@
 """SqueezeAttention (Wang et al., arXiv 2404.04793): the budget moved between layers by how much
 each layer's attention matters, with any method picking the rows inside a layer.
 
-The paper measures, while the prompt is read, how much each layer's self-attention changes the hidden state, clusters
-the layers by it into three groups with k-means, and gives the group whose attention matters least a fraction ``p``
-of the budget, shared evenly by the other layers, so the list holds as many rows as with a uniform budget. Here
-``p = 1 - VELOX_SQUEEZE_STRENGTH`` (0: uniform), and ``VELOX_SQUEEZE_POLICY`` names the method picking the rows
-inside each layer (any registered with ``policy=True``; its scores, per-row state and knobs work unchanged, as
-kvpress's wrapper presses take an inner press). Where this deviates from the paper, and why:
+While the prompt is read each layer's importance is measured, the layers are clustered by it into three groups
+(k-means), and the group whose attention matters least keeps a fraction ``p = 1 - VELOX_SQUEEZE_STRENGTH`` of its
+budget (0: uniform), the others sharing the rest evenly, so the list holds as many rows as with a uniform budget.
+``VELOX_SQUEEZE_POLICY`` names the method picking the rows inside each layer (any registered with ``policy=True``,
+its scores, state and knobs unchanged, as kvpress's wrapper presses take an inner press). Deviations, and why:
 
 * The signal (``VELOX_SQUEEZE_SIGNAL``). ``cosine``, the paper's: one minus the cosine similarity of each token's
-  block input ``h`` and ``h + o`` (``o`` the attention output), averaged over the chunk's tokens and the batch; ``h``
-  and ``o`` come from the layer hooks (:mod:`veloxpatch.integration.layer_io`), and where they are missing a chunk
-  reports ``entropy`` instead, said once. ``entropy``: how widely the last ``VELOX_WINDOW`` queries of each prompt
-  chunk spread their attention over the stored rows (normalised entropy): attention parked on a few rows changes the
-  hidden state little; a proxy that needs no hook. With Gemma's sandwich norm ``h + o`` is the paper's formula, not
-  the block's next hidden state.
-* When. Every prompt chunk reports, accumulating over the whole prompt; the first decode-sized step after a reported
-  chunk ends reporting, so decode runs on a schedule fixed by the prompt. The schedule is recomputed at most once per
-  forward: in ``chunk`` mode the first chunk compresses with uniform budgets, later chunks with the schedule so far.
+  block input ``h`` and ``h + o`` (``o`` the attention output, both from :mod:`veloxpatch.integration.layer_io`;
+  a chunk without them reports ``entropy``, said once), averaged over the chunk. ``entropy``: how widely the last
+  ``VELOX_WINDOW`` queries spread their attention over the stored rows, a proxy that needs no hook. With Gemma's
+  sandwich norm ``h + o`` is the paper's formula, not the block's next hidden state.
+* When. Every prompt chunk reports, accumulating over the prompt; the first decode-sized step after one ends
+  reporting, so decode runs on a schedule fixed by the prompt. It is recomputed at most once per forward: in
+  ``chunk`` mode the first chunk compresses with uniform budgets, later chunks with the schedule so far.
 * The clustering is exact 1-D k-means (the best split of the sorted scores into three runs): deterministic.
-* ``p`` applies to the part of the budget above ``VELOX_SINK + VELOX_WINDOW``, as in :mod:`.pyramidkv`; no layer gets
-  more rows than the tokens it has seen (the rest goes to the others); budgets sum to exactly layers x budget.
-* What is frozen is each layer's share, not a number of rows: a percentage budget keeps growing with the context, and
-  setting ``cache.budget`` on every member after an ``end``-mode prefill gives the schedule of that budget.
+* ``p`` applies to the budget above ``VELOX_SINK + VELOX_WINDOW``, as in :mod:`.pyramidkv`; no layer gets more rows
+  than the tokens it has seen (the rest goes to the others); budgets sum to exactly layers x budget.
+* What is frozen is each layer's share, not a number of rows: a percentage budget keeps growing with the context.
 * A list where some layer never reports runs on uniform budgets, said once; a prompt too short to report keeps the
-  shares it had, or uniform budgets.
-
-The shares are saved with each cache. A new sequence forgets the reports; members that hold no rows forget their
-shares, while a continued one (a chat's next turn, a restored cache) keeps them until its new prompt's reports
-replace them.
+  shares it had (saved with each cache, kept by a continued sequence such as a chat's next turn), or uniform ones.
 """
 
 from __future__ import annotations
@@ -211,7 +203,11 @@ class SqueezeCache(EvictingCache):
         elif self.block_input is not None:
             self.awaiting = True
         else:
-            self._without_hidden_states()
+            if self.signal == "cosine":
+                once("squeeze signal", logging.INFO,
+                     "no layer input/output reached a squeeze cache for a prompt chunk (the model's attention modules "
+                     "are not called with a `cache` argument, or the cache is driven directly): such chunks report "
+                     "the entropy signal")
             self._report(self.dispersion(queries, keys, scale))
 
     def see_block_input(self, hidden: mx.array) -> None:
@@ -246,14 +242,6 @@ class SqueezeCache(EvictingCache):
         """Report a prompt chunk's importance, computed now (lazy, it would hold h and o, or queries and keys)."""
         mx.async_eval(importance)
         cast(SqueezeCoordinator, self.coordinator).report(self, importance)  # its coordinator_class
-
-    def _without_hidden_states(self) -> None:
-        """Say once when the cosine signal has to fall back to the entropy one."""
-        if self.signal == "cosine":
-            once("squeeze signal", logging.INFO,
-                 "no layer input/output reached a squeeze cache for a prompt chunk (the model's attention modules "
-                 "are not called with a `cache` argument, or the cache is driven directly): such chunks report the "
-                 "entropy signal")
 
     def layer_weights(self) -> tuple[tuple[float, ...], int] | None:
         """The shares and this layer's index in them: every served layer's when the reports set them, the list's
