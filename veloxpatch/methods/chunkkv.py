@@ -2,23 +2,21 @@
 
 A token's meaning lives in its neighbours, so a row kept without the rows around it is worth little. ChunkKV scores
 rows as SnapKV does (the attention the last ``VELOX_WINDOW`` queries pay them, summed over the query heads of each KV
-head) and keeps the *chunks* of ``VELOX_CHUNKKV_CHUNK`` consecutive tokens (the paper's 10) with the most summed score
-whole. Neighbouring layers then keep very similar positions, so the paper's *layer-wise index reuse* lets one layer
-choose for the next few: with ``VELOX_CHUNKKV_REUSE=N`` the first layer of each block of N (``layer % N == 0``)
-publishes the positions it keeps, and the others keep exactly those rows without scoring.
-
-Where this deviates from the paper, and why:
+head) and keeps whole the *chunks* of ``VELOX_CHUNKKV_CHUNK`` consecutive tokens (the paper's 10) with the most summed
+score. Neighbouring layers then keep very similar positions, so with ``VELOX_CHUNKKV_REUSE=N`` (the paper's
+*layer-wise index reuse*) the first layer of each block of N publishes the positions it keeps, and the others keep
+those rows without scoring. Deviations from the paper, and why:
 
 * Chunks are fixed by token position (``position // chunk``), not by row index: after evictions the stored rows are
   no longer contiguous, and positions keep a chunk the same across compressions, trims and layers.
 * The sink and the recent window are kept anyway and add nothing to a chunk's score, so the window's attention to
   itself does not promote the chunk it starts in.
-* The budget counts rows, not chunks: chunks are taken best first until the budget is full, and the chunk the budget
-  cuts keeps its earliest rows, so every head keeps exactly the budget, as every cache here does.
-* Selection is per KV head, as SnapKV does (kvpress's port shares one choice per layer): chunk size 1 is exactly
-  SnapKV without pooling, and GQA heads keep what their own queries need.
-* Reuse applies during decode too (the paper compresses once): the leader publishes every time it compresses, and a
-  follower with no usable publication in its forward selects on its own, said once in the log.
+* The budget counts rows, not chunks: the chunk the budget cuts keeps its earliest rows, so every head keeps
+  exactly the budget, as every cache here does.
+* Selection is per KV head, as SnapKV's (kvpress's port shares one choice per layer): chunk size 1 is exactly SnapKV
+  without pooling, and GQA heads keep what their own queries need.
+* Reuse applies during decode too (the paper compresses once); a follower with no usable publication in its forward
+  selects on its own, said once.
 """
 
 from __future__ import annotations
@@ -90,14 +88,13 @@ class ChunkKV(Policy):
     reuse: int = 1
 
     def score(self, cache: EvictingCache, keys: mx.array, positions: mx.array, scale: float) -> mx.array:
-        """Window attention per row; protected rows score nothing (module doc)."""
+        """Window attention per row; protected rows score nothing."""
         scores = cache.memory.attention(keys, positions, scale)
         return mx.where(cache.protected(positions), 0.0, scores)
 
     def select(self, cache: EvictingCache, keep: int, scale: float, kept: mx.array | None = None) -> mx.array:
-        """A follower applies its leader's choice when it can; a leader publishes its own. The tier's choice
-        (``kept`` given: the rows kept and the best whole chunks after them) is shared the same way, so the block's
-        layers tier the same positions and a follower can follow its leader when a prompt takes them back."""
+        """A follower applies its leader's choice when it can; a leader publishes its own. The tier's choice (``kept``
+        given) is shared the same way, so a follower can follow its leader when a prompt takes those rows back."""
         what = KEPT if kept is None else TIER
         if self.reuse > 1 and cache.layer % self.reuse != 0:  # a follower
             rows = self._leaders_rows(cache, keep, what)

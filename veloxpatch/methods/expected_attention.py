@@ -7,17 +7,15 @@ the rows, of ``scale * mu . k + scale**2 / 2 * k' Sigma k``, with ``mu`` and ``S
 next ``VELOX_EXPECTED_ATTENTION_FUTURE`` positions (the rotation averaged over them). Each row's score is that
 expected attention, averaged over the query heads sharing its KV head, times its value's norm (a row moves the output
 by its attention times its value). Nothing here reads the question: a prompt can be compressed before it comes, as a
-chat or a server's reused prompt is (the question asked after, kvpress's protocol).
-
-Where this deviates from the paper, and why:
+chat or a server's reused prompt is (the question asked after, kvpress's protocol). Deviations, and why:
 
 * The statistics are those of the cache's remembered queries (the last ``VELOX_WINDOW``, as SnapKV's window), not of
   every query of the prompt: what a cache keeps between steps stays bounded, and the window is what it remembers.
 * ``Sigma`` is diagonal (each channel's variance), so a row's score costs two matmuls, not a ``d x d`` form per row.
 * The rotation is the model's own rotary module applied to the identity (so every variant mlx_lm ships, scaled or
   not, is the right one); a module without one (or one whose call fails) leaves the statistics unrotated, said once.
-* Measured outside the shim, this score lost RULER's needles on Qwen2.5-0.5B at half the rows where KVzip's repeat
-  score (``VELOX_KV=quant`` with ``VELOX_QUANT_KEEP``) kept them (docs/results.md, "the repeat score").
+* It loses needles KVzip's repeat score (``VELOX_KV=quant`` with ``VELOX_QUANT_KEEP``) keeps (docs/results.md, "Rows
+  to drop before the question: the repeat score").
 """
 
 from __future__ import annotations

@@ -15,9 +15,7 @@ apart across the pair, per KV head over the fold's tokens those whose distance `
 
 Layers ``S = floor(VELOX_MINICACHE_START x layers)`` and up pair as (S, S+1), (S+2, S+3), ... (the paper merges from
 half depth); a layer below S, and a last odd one, never folds. A pair's rows meet in the coordinator's fan-in
-(:mod:`veloxpatch.caches.crosslayer`: when rows fold, and what a pair that does not complete does).
-
-Where the shim's position makes this differ from the paper, and why:
+(:mod:`veloxpatch.caches.crosslayer`: when rows fold, and what a pair that does not complete does). Deviations:
 
 * The keys merged are the rotated ones the attention route hands the cache. Both layers' keys at one position get
   the same rotation, which keeps angles and norms, so the merged rotated direction is the rotation of the merged

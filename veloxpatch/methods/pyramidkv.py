@@ -3,9 +3,7 @@
 Attention funnels through a model: lower layers spread it over the whole context, upper layers concentrate it on a
 few tokens. So the budgets form an arithmetic sequence from the bottom layer up whose top term is ``1/beta`` of the
 mean (``VELOX_PYRAMIDKV_BETA``, 20 in the paper's runs) and whose mean is ``VELOX_BUDGET``, so the list holds as many
-rows as uniform SnapKV. Inside a layer this is SnapKV's policy, with another :meth:`target`.
-
-Where this deviates from the paper, and why:
+rows as uniform SnapKV. Inside a layer this is SnapKV's policy, with another :meth:`target`. Deviations, and why:
 
 * The sequence shapes the part of the budget above ``VELOX_SINK + VELOX_WINDOW``: every layer keeps its sink and
   recent window, as every layer of the paper keeps its last alpha tokens (the authors' code too).

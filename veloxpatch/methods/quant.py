@@ -165,9 +165,8 @@ class QuantCache(CrossLayerCache):
         return self.keep < 1
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """As every cache of folds; a chunk of the second reading (:meth:`store_next_rows` false) is returned after
-        the rows held, not stored: it is trimmed right after, and stored, every layer's rows of it would be alive at
-        once at the end of the model's call."""
+        """As every cache of folds, but a chunk of the second reading (:meth:`store_next_rows` false) is returned after
+        the rows held, not stored (stored, every layer's rows of it would be alive at the end of the model's call)."""
         if self.storing:
             return super().update_and_fetch(keys, values)
         held_keys, held_values = self.rows()
@@ -190,8 +189,7 @@ class QuantCache(CrossLayerCache):
 
     def stop_rereading(self, read: bool) -> None:
         """The second reading is over and trimmed away; unless it failed midway (``read`` false), the prompt's rows
-        and their scores become :attr:`candidates`, which :meth:`keep_chosen` chooses among (under ``score=heads``
-        a second reading also rates the heads: :attr:`rated`)."""
+        and scores become :attr:`candidates` (under ``score=heads`` it also rates the heads: :attr:`rated`)."""
         read_again, self.rereading = self.rereading, False
         scores, self.scores = self.scores, None
         rows = self.store.rows
@@ -204,9 +202,8 @@ class QuantCache(CrossLayerCache):
                 self.rated = _rating(self.candidates)
 
     def score_by_queries(self, module: Any) -> None:
-        """Instead of a second reading (``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv``): every folded row scored
-        from the prompt's last ``VELOX_WINDOW`` queries (:meth:`_query_scores`), with the layer's attention
-        ``module`` (its rotary embedding)."""
+        """Instead of a second reading (``expected``, ``snapkv``): the folded rows scored from the prompt's last
+        queries (:meth:`_query_scores`); ``module``: the layer's attention module (its rotary embedding)."""
         self.module = None if module is None else weakref.ref(module)
         self._score_now(lambda: None if self.memory.queries is None else self._query_scores())
 
@@ -222,9 +219,8 @@ class QuantCache(CrossLayerCache):
         self._score_now(by_heads)
 
     def _score_now(self, scores: Callable[[], mx.array | None]) -> None:
-        """The rows due folded and scored by ``scores()`` (None: none can be), then they become :attr:`candidates`
-        as after a second reading. The remembered queries go with the choice (they would otherwise count in the
-        share of the bytes)."""
+        """The rows due folded and scored by ``scores()`` (None: none can be), then :attr:`candidates` as after a
+        second reading; the remembered queries go (they would count in the share of the bytes)."""
         self._fold_if_due(1)
         self.unscored = []
         self.scores = scores() if self.folds else None
@@ -249,9 +245,8 @@ class QuantCache(CrossLayerCache):
 
     @staticmethod
     def keep_chosen(caches: list[QuantCache]) -> None:
-        """After :meth:`stop_rereading` of every layer of a sequence: each keeps its best-scored rows
-        (:meth:`_keep_best`), by its own share or (``VELOX_QUANT_BUDGETS=model``) by one top-k over every layer's
-        rows (:func:`model_wise`); held keys then settle at ``VELOX_QUANT_BITS``."""
+        """After :meth:`stop_rereading` of every layer of a sequence each keeps its best rows (:meth:`_keep_best`),
+        by its own share or by :func:`model_wise`; held keys then settle at ``VELOX_QUANT_BITS``."""
         chosen = model_wise(caches) if caches and caches[0].budgets == "model" else None
         if chosen is not None:
             caches[0]._say_if_little([cast(Candidates, c.candidates) for c in caches])
@@ -453,10 +448,9 @@ class QuantCache(CrossLayerCache):
 
     # ----------------------------------------------------------------- attention
     def attend_held(self, queries: mx.array, scale: float) -> mx.array | None:
-        """Attention of ``queries`` over the fold by mlx's quantized matmul (cheaper than dequantizing it first:
-        ``bench/quantized_matmul.py``), then over the exact rows, under one softmax; a ragged fold one head at a
-        time. None at 16 bits, for values grouped across rows (the matmul takes them per row only), and for keys
-        held at ``HOLD_BITS``."""
+        """Attention over the fold by mlx's quantized matmul (cheaper than dequantizing: ``bench/quantized_matmul.py``)
+        and the exact rows, under one softmax; a ragged fold a head at a time. None at 16 bits, for values grouped
+        across rows (the matmul takes them per row only), and for keys held at ``HOLD_BITS``."""
         fold = self.folds[0]
         if self.bits == 16 or len(self.folds) > 1 or self._fold_bits(fold) != self.bits:
             return None
@@ -582,9 +576,8 @@ class QuantCache(CrossLayerCache):
 
     def cut_to(self, prefix: int) -> None:
         """A new end among the quantized rows keeps the fold's whole blocks before it and the cut block's prefix as
-        exact rows. Where rows were dropped, each head keeps its own blocks wholly before the new end (none anywhere
-        if some head keeps none), or in a batch the blocks wholly before it in every head; kept rows after them are
-        dropped too (a rare path: a server request reusing a shorter prefix of a compressed document)."""
+        exact rows. Where rows were dropped, each head keeps its own blocks wholly before the new end (none if some
+        head keeps none; in a batch, those of every head), kept rows after them dropped too (a rare path)."""
         if not self.folds or prefix >= self.folds[-1].end:
             super().cut_to(prefix)
             return
@@ -607,10 +600,9 @@ class QuantCache(CrossLayerCache):
 @dataclass(frozen=True)
 class Candidates:
     """A layer's prompt rows once read again (the last fold's): each row's position, whether it is to be chosen among
-    (``fresh``) or kept anyway (``protected``: an earlier reading's, a sink), its score (0 where not fresh), the
-    fresh rows of every head (``count``), how many of them the layer's own budget wants (below none or above all
-    under a share of the bytes), the share of the 16-bit bytes the layer's other rows take, the rows of earlier folds
-    before them, and whether the scores compare across heads as they are (``score=heads``: each head's rating)."""
+    (``fresh``) or kept anyway (``protected``: an earlier reading's, a sink), its score (0 where not fresh), the fresh
+    rows of every head (``count``), how many the layer's own budget wants, the share of the 16-bit bytes its other rows
+    take, the rows of earlier folds, and whether the scores compare across heads as they are (the heads' ratings)."""
 
     positions: mx.array
     fresh: mx.array

@@ -1,16 +1,14 @@
 """SnapKV (Li et al., 2404.14469): keep the rows the most recent queries attend to.
 
-The last ``VELOX_WINDOW`` queries (the observation window) already look at what the next tokens
-will need; their attention, summed over the window and the query heads sharing a KV head and
-pooled over neighbouring rows (so a kept token keeps its context), ranks the rows per KV head.
-The paper compresses once, after the prompt (``VELOX_COMPRESS=end``); with ``chunk`` it also runs
-between prefill chunks so memory stays bounded during the prompt, and either way every few decode
-steps (``headroom``), so memory stays bounded over the whole generation.
+The last ``VELOX_WINDOW`` queries (the observation window) already look at what the next tokens will need; their
+attention, summed over the window and the query heads sharing a KV head and pooled over neighbouring rows (so a kept
+token keeps its context), ranks the rows per KV head. The paper compresses once, after the prompt
+(``VELOX_COMPRESS=end``); with ``chunk`` it also runs between prefill chunks so memory stays bounded during the
+prompt, and either way every few decode steps (``headroom``), so memory stays bounded over the whole generation.
 
-Deviation: the pooling kernel defaults to 31 rows, not the paper's 7. Tokenizers that spell a number one
-digit per token (SmolLM2's, Qwen's) split a fact over a dozen rows; a narrow kernel keeps its best digits
-and drops the rest (docs/results.md, "Methods compared: SmolLM2-135M"). ``VELOX_SNAPKV_KERNEL=7`` gives the
-paper's setting back.
+Deviation: the pooling kernel defaults to 31 rows, not the paper's 7. Tokenizers that spell a number one digit per
+token (SmolLM2's, Qwen's) split a fact over a dozen rows; a narrow kernel keeps its best digits and drops the rest
+(docs/results.md, "Methods compared: SmolLM2-135M"). ``VELOX_SNAPKV_KERNEL=7`` gives the paper's setting back.
 
 Head-wise budgets (AdaKV: one top-k over a layer's heads) are not here: this cache holds every head's rows in one
 array, so a head keeping more would make every head hold as many. ``VELOX_KV=quant`` with ``VELOX_QUANT_SCORE=snapkv``

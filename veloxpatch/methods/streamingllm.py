@@ -1,8 +1,8 @@
 """StreamingLLM (Xiao et al., 2309.17453): attention sinks plus a window of recent tokens.
 
-The first ``VELOX_SINK`` tokens soak up attention mass that would otherwise destabilise the
-softmax once early context is dropped, so they stay; of the rest only the most recent survive.
-It needs no queries, so it is the cheapest method and the baseline every query-aware one must beat.
+The first ``VELOX_SINK`` tokens soak up attention mass that would otherwise destabilise the softmax once early context
+is dropped, so they stay; of the rest only the most recent survive. It needs no queries, so it is the cheapest method
+and the baseline every query-aware one must beat.
 """
 
 from __future__ import annotations

@@ -1,24 +1,21 @@
-"""TOVA, Token Omission Via Attention (Oren et al., arXiv 2401.06104): keep the rows the newest
-query attends to most.
+"""TOVA, Token Omission Via Attention (Oren et al., arXiv 2401.06104): keep the rows the newest query attends to most.
 
 The paper reads a decoder as a multi-state RNN whose states are the KV rows; bounding the states turns it into a
 finite one, and the policy that works best is the plainest: when the cache is over its size, drop the rows the
 current query pays the least attention, averaged over the layer's heads. Here the score is the newest remembered
 query's attention over the rows it saw, averaged over all query heads, and every KV head keeps the same rows (as the
-authors' code does), so a row index names the same token in every head.
+authors' code does), so a row index names the same token in every head. Deviations from the paper, and why:
 
-Where this deviates from the paper, and why:
-
-* The paper evicts one row per decode step; like every method here, a cache grows ``headroom`` rows
-  above the budget and then evicts them together, so a compaction's copy is amortised.
-* The paper protects nothing (the newest token's high self-attention keeps it). The base keeps the
-  first ``VELOX_SINK`` tokens and the last ``VELOX_WINDOW`` tokens whatever their scores;
-  ``VELOX_SINK=0`` and ``VELOX_WINDOW=1`` give the paper's policy, the newest token aside.
-* Only the newest query is remembered (``VELOX_WINDOW`` is just the protected window here).
-  In ``end`` mode the prompt is compressed by its last token's attention, as the authors'
-  code does once the prompt has been read; ``chunk`` uses each chunk's last token.
-* Attention sinks passed to attention (``sinks``, an extra logit per head) are left out of the
-  probabilities: they hold no row.
+* The paper evicts one row per decode step; like every method here, a cache grows ``headroom`` rows above the budget
+  and then evicts them together, so a compaction's copy is amortised.
+* The paper protects nothing (the newest token's high self-attention keeps it). The base keeps the first
+  ``VELOX_SINK`` tokens and the last ``VELOX_WINDOW`` tokens whatever their scores; ``VELOX_SINK=0`` and
+  ``VELOX_WINDOW=1`` give the paper's policy, the newest token aside.
+* Only the newest query is remembered (``VELOX_WINDOW`` is just the protected window here). In ``end`` mode the prompt
+  is compressed by its last token's attention, as the authors' code does once the prompt has been read; ``chunk``
+  uses each chunk's last token.
+* Attention sinks passed to attention (``sinks``, an extra logit per head) are left out of the probabilities: they
+  hold no row.
 """
 
 from __future__ import annotations

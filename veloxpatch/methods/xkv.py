@@ -5,24 +5,19 @@ per-token vectors are not alike. So the rows of ``VELOX_XKV_GROUP`` consecutive 
 group·heads·head_dim), are factorized once: a token factor ``A`` (tokens x rank) that the group holds once, and per
 layer a projection ``B_l`` (rank x heads·head_dim); layer l's rows are ``A B_l``. Keys and values are factorized
 separately. The rank is ``VELOX_XKV_RANK``: by default (``auto``) the one whose factors take the bytes
-``VELOX_BUDGET`` allows (so xKV compares with eviction at equal bytes; a budget of every token folds nothing), else a
-number or a percentage of the group's width; ``VELOX_XKV_ENERGY`` below 1 lowers it to keep just that share of the
-squared singular values. The group's rows go through the coordinator's fan-in (:mod:`veloxpatch.caches.crosslayer`:
-when rows fold, and what a group that does not complete does).
+``VELOX_BUDGET`` allows (so xKV compares with eviction at equal bytes), else a number or a percentage of the group's
+width; ``VELOX_XKV_ENERGY`` below 1 lowers it to keep just that share of the squared singular values. The group's
+rows meet in the coordinator's fan-in (:mod:`veloxpatch.caches.crosslayer`). Deviations from the paper, and why:
 
-Where the shim's position makes this deviate from the paper, and why:
-
-* The keys factorized are the rotated ones the attention route hands the cache, which the same rank keeps less of.
-  Undoing the rotation before the fold (``bench/xkv_prerope.py``) did not pay (docs/results.md), and decode steps
-  would have to rebuild the keys.
-* The factors come from the eigendecomposition of the group's Gram matrix (width x width), not an SVD of the tokens x
-  width matrix: the same ``A = U S`` and ``B = V^T``, and mlx has ``eigh`` but no thin SVD.
+* The keys factorized are the rotated ones the attention route hands the cache, which the same rank keeps less of;
+  undoing the rotation (``bench/xkv_prerope.py``) did not pay (docs/results.md), and decode would rebuild the keys.
+* The factors come from the eigendecomposition of the group's Gram matrix (width x width): the same ``A = U S`` and
+  ``B = V^T`` as an SVD of the tokens x width matrix, and mlx has ``eigh`` but no thin SVD.
 * The last ``VELOX_WINDOW`` tokens stay exact, and so do decode tokens until ``rank`` of them have gathered (a shorter
   fold would take more bytes than its exact rows). Decode steps attend in the rank space without rebuilding the rows;
   prompt chunks attend over the rebuilt rows. (The paper's Selective Reconstruction is a GPU kernel.)
 * A fold longer than ``VELOX_XKV_MAX_CTX`` tokens is an error naming the setting (``A`` is tokens long).
-* On a model split across ranks, groups are formed in each rank's list, and under tensor parallelism each rank
-  factors the heads it holds: xKV applied to each rank's heads.
+* On models split across ranks: docs/distributed.md.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ kv-width ``U``. Each layer's latent is in bases of its own, so XQuant-CL does no
 The attention module's hook hands the cache each step's X and the module (:meth:`XQuantCache.see_attention_input`).
 At the first step K and V rebuilt from X are compared with the model's own: a module that computes them otherwise
 (or lacks ``k_proj``, ``v_proj``, ``rope`` or ``n_kv_heads``) leaves the layer with exact rows, said once.
-
 Deviations from the paper, and why:
 
 * The last ``VELOX_WINDOW`` tokens keep their exact K and V beside their X (released on
