@@ -69,12 +69,9 @@ class MiniCacheCache(CrossLayerCache):
     uses_budget = False
     budget_use = "VELOX_BUDGET does not apply: it keeps every token, merged across a pair of layers or exact."
 
-    def __init__(self, spec: CacheSpec, start: float = 0.5,
-                 t: float = 0.6, gamma: float = 0.05) -> None:
+    def __init__(self, spec: CacheSpec, start: float = 0.5, t: float = 0.6, gamma: float = 0.05) -> None:
         super().__init__(spec)
-        self.start = start
-        self.t = t
-        self.gamma = gamma
+        self.start, self.t, self.gamma = start, t, gamma
 
     def knob_values(self) -> dict[str, object]:
         return {"start": self.start, "t": self.t, "gamma": self.gamma}

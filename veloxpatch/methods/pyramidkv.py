@@ -46,8 +46,7 @@ class PyramidKVCache(EvictingCache):
     policy_class = cache_class("snapkv").policy_class  # SnapKV's knobs reach it too (``composes``)
     budget_use = "VELOX_BUDGET is the rows it keeps per layer on average (deeper layers keep fewer)."
 
-    def __init__(self, spec: CacheSpec, beta: float = 20.0,
-                 **snapkv_knobs: object) -> None:
+    def __init__(self, spec: CacheSpec, beta: float = 20.0, **snapkv_knobs: object) -> None:
         super().__init__(spec, **snapkv_knobs)
         self.beta = beta
 

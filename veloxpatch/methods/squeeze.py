@@ -177,8 +177,7 @@ class SqueezeCache(EvictingCache):
                  strength: float = 0.5, signal: str = "cosine", share: float | None = None, **knobs: Any) -> None:
         self.policy_name = policy  # before the base makes the policy from it
         super().__init__(spec, **knobs)
-        self.strength = strength
-        self.signal = signal
+        self.strength, self.signal = strength, signal
         self.share = share  # this layer's share of the budget (mean 1 over the list), None: not set
         self.block_input: mx.array | None = None  # this step's block input, until the attention output comes
         self.awaiting = False  # this step is a prompt chunk whose cosine report waits for the attention output

@@ -58,14 +58,11 @@ class XKVCache(CrossLayerCache):
     budget_use = ("It keeps every token; with VELOX_XKV_RANK=auto, VELOX_BUDGET is the bytes its folded rows may take "
                   "(the rank follows).")
 
-    def __init__(self, spec: CacheSpec, group: int = 4,
-                 rank: str = "auto", energy: float = 1.0, max_ctx: int = 65536) -> None:
+    def __init__(self, spec: CacheSpec, group: int = 4, rank: str = "auto", energy: float = 1.0,
+                 max_ctx: int = 65536) -> None:
         super().__init__(spec)
-        self.group_layers = group
-        self.rank = rank
-        self.energy = energy
-        self.max_ctx = max_ctx
-        self.width = 0
+        self.group_layers, self.rank, self.energy, self.max_ctx = group, rank, energy, max_ctx
+        self.width = 0  # kv heads x head dim, seen at each step
 
     def knob_values(self) -> dict[str, object]:
         return {"group": self.group_layers, "rank": self.rank, "energy": self.energy, "max_ctx": self.max_ctx}

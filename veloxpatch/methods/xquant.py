@@ -1,26 +1,23 @@
 """XQuant (Tomar et al., arXiv 2508.10395): cache the quantized layer input X and rematerialise K and V from it.
 
 A layer's keys and values are two projections of one input, the attention module's X (the block input after its
-norm): ``K = rope(k_norm(X W_k))`` and ``V = X W_v``. XQuant keeps X, quantized (mlx's ``mx.quantize`` at
-``VELOX_XQUANT_BITS`` in groups of ``VELOX_XQUANT_GROUP`` along the hidden dimension; ``16``: unquantized), instead
-of K and V, and recomputes K and V with the layer's own projections when attention needs them: more arithmetic for
-fewer bytes.
+norm): ``K = rope(k_norm(X W_k))`` and ``V = X W_v``. XQuant keeps X, quantized (``mx.quantize`` along the hidden
+dimension), instead of K and V, and recomputes K and V with the layer's own projections when attention needs them:
+more arithmetic for fewer bytes.
 
-XQuant-CL (on by default, docs/results.md "Perplexity"): in each group of ``VELOX_XQUANT_CL`` consecutive layers the
-first (the anchor) keeps its X at ``VELOX_XQUANT_BITS``, held once for the group (``shared_parts``), the others only
-``X_l - X̂_anchor`` at ``VELOX_XQUANT_CL_BITS``, taken against the anchor's reconstruction so a layer's error is its
-own delta's alone. The anchor publishes its rows through the coordinator in every forward; a layer that finds none
-leaves the group and keeps its own X from then on. Where a list's members are not adjacent layers the premise is weaker.
+XQuant-CL (on by default, docs/results.md "Perplexity"): a group's first layer (the anchor) keeps its X, held once
+for the group (``shared_parts``), the others only ``X_l - X̂_anchor``, taken against the anchor's reconstruction so a
+layer's error is its own delta's alone. The anchor publishes its rows through the coordinator in every forward; a
+layer that finds none leaves the group and keeps its own X from then on. Where a list's members are not adjacent
+layers the premise is weaker.
 
-The GQA latent (``VELOX_XQUANT_LATENT``, the paper's variant for grouped-query attention): where K and V together are
-narrower than X, the cache keeps X on the left singular vectors of ``W_k`` and of ``W_v``, a latent as wide as K and
-V, quantized like X; K and V are rebuilt as ``latent S V^T``, then key norm and rotation. The latent is the
+The GQA latent (the paper's variant for grouped-query attention) is X on the left singular vectors of ``W_k`` and of
+``W_v``, as wide as K and V; K and V are rebuilt as ``latent S V^T``, then key norm and rotation. It is computed as the
 projection's output times ``V S^-1`` (:func:`whitening`): two kv-width square matrices per layer, not the hidden x
-kv-width ``U``. Each layer's latent is in bases of its own, so XQuant-CL does not apply to it. Against mlx_lm's
-``kv_bits`` at equal bytes the gain is in the keys, and it decodes several times slower (docs/results.md,
-"Perplexity"; ``bench/kv_quant_error.py``). On models split across ranks: docs/distributed.md.
+kv-width ``U``. Against mlx_lm's ``kv_bits`` at equal bytes the gain is in the keys, and it decodes several times
+slower (docs/results.md, "Perplexity"; ``bench/kv_quant_error.py``). On models split across ranks:
+docs/distributed.md.
 
-The attention module's hook hands the cache each step's X and the module (:meth:`XQuantCache.see_attention_input`).
 At the first step K and V rebuilt from X are compared with the model's own: a module that computes them otherwise
 (or lacks ``k_proj``, ``v_proj``, ``rope`` or ``n_kv_heads``) leaves the layer with exact rows, said once.
 Deviations from the paper, and why:
