@@ -127,8 +127,7 @@ class ExpectedAttention(Policy):
 @method("expected_attention", "Attention expected from future queries (their statistics, rotated ahead), times the "
         "value's norm; top-k per KV head; reads no question.", KNOBS)
 class ExpectedAttentionCache(EvictingCache):
-    """Expected Attention's cache: its rows chosen by :class:`ExpectedAttention`, the layer's rotary module seen at
-    every step."""
+    """Expected Attention's cache (:class:`ExpectedAttention`); it sees the layer's rotary module at every step."""
 
     policy_class = ExpectedAttention
     wants_layer_io = True

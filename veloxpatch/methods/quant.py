@@ -2,21 +2,18 @@
 arXiv 2402.02750), the last ``VELOX_WINDOW`` tokens exact.
 
 Why per channel: a few key channels are large in every token, so in mlx_lm's per-token groups (``kv_bits``) they set
-each group's scale; here each channel of a block of ``VELOX_QUANT_GROUP`` tokens gets its own scale and bias. Values,
-summed row by row, keep per-token groups (docs/results.md, "Keys per channel").
+each group's scale; here each channel of a block of tokens gets its own. Values, summed row by row, keep per-token
+groups (docs/results.md, "Keys per channel").
 
 A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): after each prompt chunk and every
 ``VELOX_QUANT_GROUP`` decode tokens, the exact rows older than the window are quantized in whole blocks and join the
 layer's one fold. A prompt chunk attends over the fold dequantized; a decode step multiplies it as held, by mlx's
 quantized matmul.
 
-Fewer rows (``VELOX_QUANT_KEEP`` below 100%, or a share of the bytes such as ``0.125x``), chosen before any question
-is asked: once a prompt is read, the model reads it again (:mod:`veloxpatch.integration.rereading`) and each folded
-row scores the most attention any query of its head group pays it (KVzip), or ``VELOX_QUANT_SCORE``'s score.
-``VELOX_QUANT_BUDGETS`` and ``VELOX_QUANT_FLOOR`` say how many rows each head keeps (:func:`model_wise`); each keeps
-them in whole blocks, with the first ``VELOX_SINK`` tokens and each row's two-byte position for trims. Each prompt, a
-chat's next turn too, is scored once read, its rows chosen with those still exact when it began; rows an answer folds
-are all kept.
+Fewer rows (``VELOX_QUANT_KEEP``), chosen before any question is asked: the second reading is
+:mod:`veloxpatch.integration.rereading`'s, the shares over layers :func:`model_wise`'s. Each head keeps its rows in
+whole blocks, with each row's two-byte position for trims. Each prompt, a chat's next turn too, is scored once read,
+its rows chosen with those still exact when it began; rows an answer folds are all kept.
 
 Forced by measurements (docs/results.md, "Rows to drop before the question"): until the second reading a prompt's
 keys fold at ``HOLD_BITS`` and the kept keys are quantized to ``VELOX_QUANT_BITS`` once, from them; and heads keep
@@ -87,9 +84,9 @@ KNOBS = (
             "Quant: share of a prompt's quantized rows kept once the prompt is read: those the model attends to "
             "most while it reads the prompt a second time (KVzip's score, or VELOX_QUANT_SCORE's), each head its "
             "count by VELOX_QUANT_BUDGETS (the first VELOX_SINK tokens always stay); below 100% every prompt is read "
-            "twice. Or a share of memory: `0.125x` keeps as many as make each layer hold an eighth of what the full "
-            "cache would hold at 16 bits for the tokens it has seen (every byte counted); a share every row fits at "
-            "VELOX_QUANT_BITS keeps them all. Measured: docs/results.md, \"RULER at 4k on Qwen2.5\" (answers) and "
+            "twice. Or a share of memory: `0.125x` keeps as many as make each layer hold an eighth of the full "
+            "cache's 16-bit bytes for the tokens seen (every byte counted; a share every row fits at "
+            "VELOX_QUANT_BITS keeps them all). Measured: docs/results.md, \"RULER at 4k on Qwen2.5\" (answers) and "
             "\"Decode\" (the second reading's time)."),
     Setting("VELOX_QUANT_POOL", odd_kernel, "1", "an odd integer in [1, 63]",
             "Quant, with VELOX_QUANT_KEEP: each row of a prompt scored as the best of this many neighbouring rows "
@@ -104,13 +101,12 @@ KNOBS = (
             "question about several facts needs (docs/results.md); 0: the model-wise top-k alone."),
     Setting("VELOX_QUANT_SCORE", choice(SCORES), "repeat", "one of " + ", ".join(SCORES),
             "Quant, with VELOX_QUANT_KEEP: how a prompt's rows are scored: `repeat`, the most attention they get "
-            "while the model reads the prompt a second time (KVzip); `expected`, the attention queries to come are "
-            "expected to pay them, times the value's norm (Expected Attention, from the prompt's last VELOX_WINDOW "
-            "queries), without a second reading; `snapkv`, the attention those queries paid them, pooled (SnapKV: "
-            "for a prompt that ends with its question); `heads`, KVzip's context-independent form: the first prompt "
-            "of a model long enough is read twice, as `repeat`, and rates each KV head by its rows' mean score; "
-            "every later prompt is read once, the best-rated heads keeping their rows. `expected` is experimental: "
-            "asked after the context it lost the needles `repeat` kept (docs/results.md)."),
+            "while the model reads the prompt a second time (KVzip); `expected`, without a second reading, the "
+            "attention queries to come are expected to pay them, times the value's norm (Expected Attention, from the "
+            "prompt's last VELOX_WINDOW queries); `snapkv`, the attention those queries paid them, pooled (SnapKV: for "
+            "a prompt ending with its question); `heads`, KVzip's context-independent form: the first prompt of a "
+            "model long enough is read twice and rates each KV head by its rows' mean score, later prompts are read "
+            "once, the best-rated heads keeping their rows. `expected` is experimental (docs/results.md)."),
 )
 
 
@@ -174,8 +170,7 @@ class QuantCache(CrossLayerCache):
                 mx.concatenate([held_values, values.astype(held_values.dtype)], axis=2))
 
     def store_next_rows(self, store: bool) -> None:
-        """Whether the next calls' rows are stored: not those of a chunk of the second reading, only attended over
-        (its lead's are, trimmed after it)."""
+        """Whether the next calls' rows are stored: not a chunk of the second reading's (only its lead's)."""
         self.storing = store
 
     def read_prompt_chunk(self, tokens: mx.array) -> None:
@@ -278,8 +273,7 @@ class QuantCache(CrossLayerCache):
         return [(self._keys_encoded(keys, bits), self._values_encoded(values))], None
 
     def _candidates(self, scores: mx.array, raw: bool) -> Candidates:
-        """The last fold's rows (the prompt's) as :class:`Candidates`; ``raw``: the scores are the heads'
-        ratings."""
+        """The last fold's rows (the prompt's) as :class:`Candidates` (``raw``: the scores are the heads' ratings)."""
         fold = self.folds[-1]
         positions = self.fold_positions(fold)
         held = positions.shape[-1]
@@ -349,8 +343,7 @@ class QuantCache(CrossLayerCache):
         return (target - besides - protected * row) / row, (besides + protected * row) / full
 
     def _say_if_little(self, found: list[Candidates]) -> None:
-        """Tell the user, once, when a share of the bytes leaves the prompt (of these layers) almost none of its
-        rows."""
+        """Warn once when a share of the bytes leaves the prompt (of these layers) almost none of its rows."""
         fresh = sum(c.count for c in found)
         if isinstance(self.keep, BytesShare) and sum(c.wanted for c in found) < 0.05 * fresh:
             once(f"quant share {self.keep}", logging.WARNING,
@@ -360,8 +353,7 @@ class QuantCache(CrossLayerCache):
                  "more)")
 
     def _head_counts(self, found: Candidates, picked: list[int]) -> list[int]:
-        """Rows each head of one sequence keeps: the fresh rows ``picked`` for it and its protected rows, in whole
-        blocks."""
+        """Rows each head of one sequence keeps, in whole blocks: its protected rows and the fresh rows ``picked``."""
         heads = found.fresh.shape[1]
         protected = _ints(found.protected.reshape(heads, -1).sum(axis=-1))
         real = _ints((found.fresh | found.protected).reshape(heads, -1).sum(axis=-1))
@@ -485,8 +477,7 @@ class QuantCache(CrossLayerCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """A chunk of the prompt's second reading scores the folded rows (:meth:`_scored_attention`) and folds
-        nothing (its rows are trimmed afterwards)."""
+        """A chunk of the second reading scores the folded rows (:meth:`_scored_attention`) and folds nothing."""
         if not self.rereading or sinks is not None:
             if not self.unscored and self.schedule.decode_sized(queries.shape[2]):
                 self._settle()  # a prompt's held keys whose second reading did not come (a saved cache, say)
@@ -676,8 +667,7 @@ def _normed(found: Candidates) -> mx.array:
 
 
 def _head_picks(normed: mx.array, found: Candidates) -> list[int]:
-    """The fresh rows each head of one sequence keeps by the layer's own share (AdaKV): one top-k over every head's
-    fresh rows of ``normed`` (:func:`_normed`)."""
+    """The fresh rows each head of one sequence keeps by the layer's own share: one top-k over its heads (AdaKV)."""
     return _top_per_head([(found.fresh, normed)], found.kept)[0]
 
 
@@ -717,8 +707,7 @@ def _owns(fold: Fold) -> list[Any]:
 
 
 def _side_by_side(heads: list[mx.array], width: int, fill: int = 0) -> mx.array:
-    """Per-head arrays (B, 1, rows, ...) padded to ``width`` rows with ``fill``, joined on the head axis (a dense
-    fold's one array as it is)."""
+    """Per-head arrays (B, 1, rows, ...) padded to ``width`` rows with ``fill``, joined on the head axis."""
     if len(heads) == 1:
         return heads[0]
     return mx.concatenate([mx.pad(a, [(0, 0), (0, 0), (0, width - a.shape[2])] + [(0, 0)] * (a.ndim - 3),

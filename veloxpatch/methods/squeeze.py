@@ -3,15 +3,14 @@ each layer's attention matters, with any method picking the rows inside a layer.
 
 While the prompt is read each layer's importance is measured, the layers are clustered by it into three groups
 (k-means), and the group whose attention matters least keeps a fraction ``p = 1 - VELOX_SQUEEZE_STRENGTH`` of its
-budget (0: uniform), the others sharing the rest evenly, so the list holds as many rows as with a uniform budget.
-``VELOX_SQUEEZE_POLICY`` names the method picking the rows inside each layer (any registered with ``policy=True``,
-its scores, state and knobs unchanged, as kvpress's wrapper presses take an inner press). Deviations, and why:
+budget, the others sharing the rest evenly, so the list holds as many rows as with a uniform budget. The policy
+inside each layer is any method registered with ``policy=True``, its scores, state and knobs unchanged (as kvpress's
+wrapper presses take an inner press). Deviations, and why:
 
-* The signal (``VELOX_SQUEEZE_SIGNAL``). ``cosine``, the paper's: one minus the cosine similarity of each token's
-  block input ``h`` and ``h + o`` (``o`` the attention output, both from :mod:`veloxpatch.integration.layer_io`;
-  a chunk without them reports ``entropy``, said once), averaged over the chunk. ``entropy``: how widely the last
-  ``VELOX_WINDOW`` queries spread their attention over the stored rows, a proxy that needs no hook. With Gemma's
-  sandwich norm ``h + o`` is the paper's formula, not the block's next hidden state.
+* The signal: ``cosine`` (:func:`attention_change`) takes ``h`` and ``o`` from
+  :mod:`veloxpatch.integration.layer_io`; a chunk without them reports ``entropy`` (:meth:`SqueezeCache.dispersion`,
+  a proxy that needs no hook), said once. With Gemma's sandwich norm ``h + o`` is the paper's formula, not the
+  block's next hidden state.
 * When. Every prompt chunk reports, accumulating over the prompt; the first decode-sized step after one ends
   reporting, so decode runs on a schedule fixed by the prompt. It is recomputed at most once per forward: in
   ``chunk`` mode the first chunk compresses with uniform budgets, later chunks with the schedule so far.

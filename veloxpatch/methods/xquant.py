@@ -79,10 +79,8 @@ KNOBS = (
                    "W_v's singular vectors) instead; XQuant-CL keeps deltas of X from a group's first layer "
                    "(deviation: the window stays exact).", KNOBS)
 class XQuantCache(CrossLayerCache):
-    """Every token's X in one fold; K and V of the released rows are rebuilt from it when attention runs.
-
-    The fold's range ``[0, end)`` is the released rows; its X covers every token seen (the exact rows'
-    too). A layer that cannot rebuild keeps its released rows' exact K and V in the fold instead."""
+    """Every token's X in one fold, whose range ``[0, end)`` is the released rows (its X covers every token seen);
+    K and V of the released rows are rebuilt from it when attention runs, or kept exact where they cannot be."""
 
     wants_layer_io = True
     saved_scalars = ("exact", "grouped", "latent_on", "hidden")
@@ -195,8 +193,7 @@ class XQuantCache(CrossLayerCache):
 
     # ----------------------------------------------------------------- encoding X
     def joint(self, parts: list[mx.array]) -> tuple[list[Any], Any]:
-        """One step's X of a layer alone encoded. (A group needs no fan-in: the anchor publishes its rows within
-        the forward, :meth:`_add_anchor`.)"""
+        """One step's X of a layer alone, encoded (a group needs no fan-in: the anchor publishes within the forward)."""
         return [{"x": self._encode(parts[0], self.bits)}], None
 
     def _add_own(self, key: str, rows: mx.array) -> None:
