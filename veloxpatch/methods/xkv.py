@@ -27,6 +27,7 @@ import math
 import mlx.core as mx
 
 from ..caches.crosslayer import CrossLayerCache, Fold
+from ..caches.masks import causal
 from ..caches.spec import CacheSpec
 from ..registry import method
 from ..settings import Budget, ConfigError, Setting, int_range, number_range
@@ -106,9 +107,8 @@ class XKVCache(CrossLayerCache):
         logits = [(q @ mx.expand_dims(f.own["k"], 2).swapaxes(-1, -2)) @ f.shared["k"][:, None, None].swapaxes(-1, -2)
                   for f in self.folds]
         exact = q @ mx.expand_dims(exact_keys, 2).swapaxes(-1, -2)
-        rows = exact_keys.shape[2]
         if n > 1:
-            exact = mx.where(mx.arange(rows)[None] <= mx.arange(rows - n, rows)[:, None], exact, -mx.inf)
+            exact = mx.where(causal(exact_keys.shape[2], n), exact, -mx.inf)
         probs = mx.softmax(mx.concatenate([*logits, exact], axis=-1), axis=-1, precise=True)
         out: mx.array | int = 0  # the folds' sum
         at = 0
