@@ -21,7 +21,8 @@ Deviations from the paper, and why:
 * Attention sinks passed to attention (``sinks``) are left out of the probabilities: they hold no row.
 * A trim drops the rewound rows with their mass and the rewound tokens' queued queries; mass already accounted by a
   compression in between stays (taking it back would need a per-step log).
-* The step that compresses an ``end`` mode prompt is accounted after the compaction, over the rows kept.
+* The step that compresses an ``end`` mode prompt is accounted after the compaction, over the rows kept (normalised
+  without its own rows that went, when it is longer than ``VELOX_WINDOW``).
 * A model's own mask (e.g. a sliding window in a full-attention slot) is not reflected in the probabilities: they use
   causal visibility by position, holes masked.
 """

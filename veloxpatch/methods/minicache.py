@@ -9,17 +9,18 @@ their spherical interpolation (SLERP, the paper's Eq. 3), ``t`` being ``VELOX_MI
     e = sin((1 - t) Omega) / sin(Omega) u_a + sin(t Omega) / sin(Omega) u_b
 
 (linear interpolation where ``Omega`` is within 1e-4 of 0 or pi, where that quotient is 0/0; renormalised to unit
-length either way). Keys and values merge separately. Token retention: both layers keep exact the tokens that are far
-apart across the pair, per KV head over the fold's tokens those whose distance ``d = Omega / pi`` exceeds
+length either way). Keys and values merge separately. Token retention: merged, far-apart tokens would lose what is
+particular to each layer, so both keep exact, per KV head over the fold's tokens, those whose ``d = Omega / pi`` exceeds
 ``d_max - gamma (d_max - d_min)`` (``gamma``: ``VELOX_MINICACHE_GAMMA``; 1 gives the rows back bit for bit).
 
 Layers ``S = floor(VELOX_MINICACHE_START x layers)`` and up pair as (S, S+1), (S+2, S+3), ... (the paper merges from
-half depth); a layer below S, and a last odd one, never folds. A pair's rows meet in the coordinator's fan-in
-(:mod:`veloxpatch.caches.crosslayer`: when rows fold, and what a pair that does not complete does). Deviations:
+half depth); a layer below S, and a last odd one, never folds (alone it would save nothing). A pair's rows meet in
+the coordinator's fan-in (:mod:`veloxpatch.caches.crosslayer`: when rows fold, and what a pair that does not complete
+does). Deviations:
 
 * The keys merged are the rotated ones the attention route hands the cache. Both layers' keys at one position get
-  the same rotation, which keeps angles and norms, so the merged rotated direction is the rotation of the merged
-  unrotated one (not so for a model whose paired layers rotate differently).
+  the same rotation, which keeps angles and norms, and SLERP's coefficients depend on the angle only, so the merged
+  rotated direction is the rotation of the merged unrotated one (not so where paired layers rotate differently).
 * Pairs are taken among the full-attention layers the shim serves (on models split across ranks:
   docs/distributed.md).
 * The last ``VELOX_WINDOW`` tokens stay exact, and decode tokens merge in segments of ``MIN_FOLD``, each with its own

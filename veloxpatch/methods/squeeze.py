@@ -8,9 +8,9 @@ inside each layer is any method registered with ``policy=True``, its scores, sta
 wrapper presses take an inner press). Deviations, and why:
 
 * The signal: ``cosine`` (:func:`attention_change`) takes ``h`` and ``o`` from
-  :mod:`veloxpatch.integration.layer_io`; a chunk without them reports ``entropy`` (:meth:`SqueezeCache.dispersion`,
-  a proxy that needs no hook), said once. With Gemma's sandwich norm ``h + o`` is the paper's formula, not the
-  block's next hidden state.
+  :mod:`veloxpatch.integration.layer_io`; a chunk without them reports ``entropy`` (:meth:`SqueezeCache.dispersion`),
+  said once: a proxy that needs no hook, as attention parked on a few rows changes the hidden state little. With
+  Gemma's sandwich norm ``h + o`` is the paper's formula, not the block's next hidden state.
 * When. Every prompt chunk reports, accumulating over the prompt; the first decode-sized step after one ends
   reporting, so decode runs on a schedule fixed by the prompt. It is recomputed at most once per forward: in
   ``chunk`` mode the first chunk compresses with uniform budgets, later chunks with the schedule so far.

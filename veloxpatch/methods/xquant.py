@@ -9,7 +9,7 @@ XQuant-CL (on by default, docs/results.md "Perplexity"): a group's first layer (
 for the group (``shared_parts``), the others only ``X_l - X̂_anchor``, taken against the anchor's reconstruction so a
 layer's error is its own delta's alone. The anchor publishes its rows through the coordinator in every forward; a
 layer that finds none leaves the group and keeps its own X from then on. Where a list's members are not adjacent
-layers the premise is weaker.
+layers (sliding-window or hybrid models) the premise is weaker.
 
 The GQA latent (the paper's variant for grouped-query attention) is X on the left singular vectors of ``W_k`` and of
 ``W_v``, as wide as K and V; K and V are rebuilt as ``latent S V^T``, then key norm and rotation. It is computed as the
