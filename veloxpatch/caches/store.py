@@ -107,10 +107,10 @@ class RowStore:
     @property
     def nbytes(self) -> int:
         """Physical bytes held, spare capacity included."""
-        if self.keys is None or self.values is None or self.positions is None:
+        if self.positions is None:
             return 0
-        columns = [c for c in self.columns.values() if c is not None]
-        return sum(p.nbytes for p in (*self.keys, *self.values, self.positions, *columns))
+        keys, values, positions = self._held()
+        return sum(p.nbytes for p in (*keys, *values, positions, *self.columns.values()) if p is not None)
 
     # ----------------------------------------------------------------- row columns
     def column(self, name: str, rows: int | None = None) -> mx.array:
@@ -136,28 +136,34 @@ class RowStore:
 
     # ----------------------------------------------------------------- writing
     def append(self, keys: mx.array, values: mx.array, start: int) -> None:
-        """Write ``keys``/``values`` (B, H, n, d) as the rows of positions ``start .. start+n-1``."""
-        b, h, n = keys.shape[:3]
-        self._write(keys, values, mx.broadcast_to(mx.arange(start, start + n, dtype=mx.int32), (b, h, n)))
+        """Write ``keys``/``values`` (B, H, n, d) after the stored rows, as the rows of positions ``start`` on."""
+        n = keys.shape[2]
+        self._reserve(n, keys, values)
+        positions = mx.arange(start, start + n, dtype=mx.int32)[:, None]
+        held_keys, held_values, held_positions = self._held()
+        for stored, fresh in zip((held_keys, held_values, (held_positions,)),
+                                 (self.encode(keys), self.encode(values), (positions,))):
+            for target, part in zip(stored, fresh):
+                target[..., self.rows : self.rows + n, :] = part
+        self.rows += n
 
     def merge(self, keys: mx.array, values: mx.array, positions: mx.array, index: mx.array | None = None,
-              columns: dict[str, mx.array] | None = None) -> mx.array:
+              columns: dict[str, mx.array] | None = None) -> None:
         """Add rows at ``positions`` (-1: a hole) with their ``columns``, in time order per head (holes last; rows that
-        are holes in every head go), no spare capacity left; with ``index``, those rows of ``keys``/``values``.
-        Returns where each row now held came from: indexes into the rows held before, then the new ones."""
+        are holes in every head go), no spare capacity left; with ``index``, those rows of ``keys``/``values``."""
         def rows(i: int) -> Parts:
             half = (keys, values)[i]
             return self.encode(half if index is None else take_rows((half,), index)[0])
-        return self._merge(rows, positions.astype(mx.int32), 0, columns)
+        self._merge(rows, positions.astype(mx.int32), 0, columns)
 
-    def take_in(self, other: RowStore, spare: int = 0) -> mx.array:
+    def take_in(self, other: RowStore, spare: int = 0) -> None:
         """Every row of ``other`` (a tier's) merged in as :meth:`merge` does, with ``spare`` free rows after them."""
         keys, values, positions = other.state
-        return self._merge(lambda i: self.encode(other.decode((keys, values)[i])), positions.astype(mx.int32), spare,
-                           other.full_columns())
+        self._merge(lambda i: self.encode(other.decode((keys, values)[i])), positions.astype(mx.int32), spare,
+                    other.full_columns())
 
     def _merge(self, new: Callable[[int], Parts], positions: mx.array, spare: int,
-               columns: dict[str, mx.array] | None = None) -> mx.array:
+               columns: dict[str, mx.array] | None = None) -> None:
         """:meth:`merge`'s work, the new rows' keys as ``new(0)`` and values as ``new(1)`` (encoded as stored); each
         half replaces the one held as soon as it is made, so the keys' old rows are gone before values decode."""
         b, h, n = positions.shape
@@ -175,7 +181,6 @@ class RowStore:
         self.positions = mx.take_along_axis(positions, index, axis=-1)[..., None]
         self.rows = order.shape[-1]
         self.holes = bool((self.row_positions() < 0).any().item())
-        return order
 
     def _merged_columns(self, new: dict[str, mx.array], order: mx.array, n: int) -> dict[str, mx.array | None]:
         """The columns after :meth:`_merge`: held then ``n`` new rows (zeros where missing), in the order ``order``."""
@@ -200,17 +205,6 @@ class RowStore:
         del joined
         mx.eval(out)
         return out
-
-    def _write(self, keys: mx.array, values: mx.array, positions: mx.array) -> None:
-        """Encode ``keys``/``values`` (B, H, n, d) and write them, with ``positions``, after the stored rows."""
-        n = keys.shape[2]
-        self._reserve(n, keys, values)
-        new = (self.encode(keys), self.encode(values), (positions[..., None],))
-        held_keys, held_values, held_positions = self._held()
-        for stored, fresh in zip((held_keys, held_values, (held_positions,)), new):
-            for target, part in zip(stored, fresh):
-                target[..., self.rows : self.rows + n, :] = part
-        self.rows += n
 
     def keep(self, index: mx.array, spare: int) -> None:
         """Compact to rows ``index`` (B, H, k), ascending per head, plus ``spare`` free rows."""
