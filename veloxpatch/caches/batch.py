@@ -33,9 +33,12 @@ class SequenceBatch:
     # ----------------------------------------------------------------- joining and leaving
     @classmethod
     def merge(cls, caches: list[Any]) -> SequenceBatch:
-        """The batch of ``caches`` (one layer, one per sequence), as mlx_lm merges a prefill group."""
+        """The batch of ``caches`` (one layer, one per sequence), as mlx_lm merges a prefill group: compressed caches
+        of ours, or plain ``KVCache`` the integration marked ``batch_plain``."""
         for cache in caches:
-            _check_member(cache)
+            if not (hasattr(cache, "attend") or getattr(cache, "batch_plain", False)):
+                raise ValueError(f"a batch of compressed caches cannot hold mlx_lm's {type(cache).__name__} in the "
+                                 "same layer (a layer batches compressed caches with plain KVCache only)")
         return cls(list(caches))
 
     def extend(self, other: SequenceBatch) -> None:
@@ -94,8 +97,10 @@ class SequenceBatch:
         outputs = []
         for i, (member, n, rows) in enumerate(zip(self.members, self.step_lengths(steps), self._fetched)):
             out = mx.zeros((1, queries.shape[1], 0, values.shape[-1]), dtype=queries.dtype)
-            if rows is not None:
-                out = _attend_one(member, queries[i:i + 1, :, :n], rows, scale, sinks)
+            if rows is not None:  # a plain member attends in blocks, as ours do
+                attend = member.attend if hasattr(member, "attend") else blocks.attention
+                out = attend(queries[i:i + 1, :, :n], *rows, scale=scale, mask=None if n == 1 else "causal",
+                             sinks=sinks)
             if n < steps:
                 out = mx.pad(out, [(0, 0), (0, 0), (0, steps - n), (0, 0)])
             outputs.append(out)
@@ -155,19 +160,3 @@ class SequenceBatch:
     def trim(self, n: int) -> int:
         return min((m.trim(n) for m in self.members), default=0)
 
-
-def _check_member(cache: Any) -> None:
-    """A compressed cache of ours, or a plain ``KVCache`` the integration marked ``batch_plain``."""
-    if not (hasattr(cache, "attend") or getattr(cache, "batch_plain", False)):
-        raise ValueError(f"a batch of compressed caches cannot hold mlx_lm's {type(cache).__name__} in the same layer "
-                         "(a layer batches compressed caches with plain KVCache only)")
-
-
-def _attend_one(member: Any, queries: mx.array, rows: tuple[mx.array, mx.array], scale: float,
-                sinks: mx.array | None) -> mx.array:
-    """One sequence's attention over the rows its cache returned for this step."""
-    keys, values = rows
-    mask = None if queries.shape[2] == 1 else "causal"
-    if hasattr(member, "attend"):
-        return member.attend(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    return blocks.attention(queries, keys, values, scale, mask, sinks)  # a plain member, in blocks as ours are
