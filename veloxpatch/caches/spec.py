@@ -43,16 +43,11 @@ class CacheSpec:
     runtime: Runtime = Runtime()  # the integration's answers
 
 
-def spec_of(config: VeloxConfig, **changes: Any) -> CacheSpec:
-    """The spec ``config`` gives a cache of its method, with ``changes`` (``memory_plan``, ``runtime``, sizes)."""
+def make_cache(config: VeloxConfig, **changes: Any) -> Any:
+    """A fresh cache of the configured method: the spec ``config`` gives, with ``changes`` (``memory_plan``,
+    ``runtime``, sizes), and its knobs (those of methods it builds on too)."""
     assert isinstance(config.budget, Budget) and isinstance(config.tier, int), "converted by VeloxConfig"
     assert isinstance(config.tier_size, TierSize), "converted by VeloxConfig"
     spec = CacheSpec(config.budget, config.sink, config.window, config.compress, config.tier, config.tier_size)
-    return replace(spec, **changes)
-
-
-def make_cache(config: VeloxConfig, **changes: Any) -> Any:
-    """A fresh cache of the configured method from :func:`spec_of` and its knobs (those of methods it builds on too)."""
-    settings = knob_settings(config.kv, config.knobs)
-    knobs = {short: config.knobs[knob.key] for short, knob in settings.items()}
-    return METHODS[config.kv].cls(spec_of(config, **changes), **knobs)
+    knobs = {short: config.knobs[knob.key] for short, knob in knob_settings(config.kv, config.knobs).items()}
+    return METHODS[config.kv].cls(replace(spec, **changes), **knobs)
