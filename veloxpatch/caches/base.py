@@ -43,8 +43,7 @@ class _WhileBatching:
 
 
 class CompressedKVCache(ABC):
-    """A per-layer KV cache of veloxpatch. Deliberately has no ``bits``: mlx_lm would send it to its own quantized
-    attention."""
+    """A per-layer KV cache. Deliberately has no ``bits``: mlx_lm would send it to its own quantized attention."""
 
     merge = _WhileBatching()
 
@@ -115,9 +114,8 @@ class CompressedKVCache(ABC):
         """mlx_lm's pipelined models write ``cache[-1].keys = mx.depends(cache[-1].keys, h)`` so that evaluating
         the caches runs the send of ``h`` too: the value's graph is hung on our rows. Any other assignment is
         refused: rows written from outside would bypass positions and eviction."""
-        current = self.keys
-        if current is None or tuple(value.shape) != tuple(current.shape):
-            shape = None if current is None else tuple(current.shape)
+        shape = None if self.empty() else tuple(self.rows()[0].shape)
+        if tuple(value.shape) != shape:
             raise AttributeError(
                 f"{type(self).__name__} keeps its rows itself: assigning `keys` only ties a value of the cache's "
                 f"own shape {shape} into the graph (mlx_lm's pipeline send), not {tuple(value.shape)}")

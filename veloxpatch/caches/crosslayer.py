@@ -265,8 +265,7 @@ class CrossLayerCache(CompressedKVCache):
         index = mx.broadcast_to(mx.arange(first, rows), (*self.store.row_positions().shape[:2], rows - first))
         self.store.keep(index, 0)
         # evaluated now: left lazy, the fold and the compacted store would keep every layer's exact rows of a prompt
-        # chunk alive until the step ends (SmolLM2 at 4k in 2048-token steps under quant: a read peak of 177.0 MiB,
-        # 105.6 evaluated here; bench/kv_memory.py)
+        # chunk alive until the step ends (docs/results.md, "While a prompt is read")
         self.store.materialize(*[part for part in (owns[at], shared) if part is not None])
 
     def _relink(self) -> None:

@@ -361,13 +361,11 @@ class EvictingCache(CompressedKVCache):
         return columns if self.tier is None else (*columns, self.tier.state)
 
     def _load_extra(self, extra: tuple[Any, ...], info: dict[str, Any]) -> None:
-        """The row columns and the tier's rows; a cache rebuilt from the base layout alone (a batch's) starts both
-        empty."""
+        """The row columns and the tier's rows; a cache rebuilt from the base layout alone (a batch's) starts empty."""
         names = self.policy.row_columns
         if "tier_bits" in info:
             self.tier, self.tier_size = Tier(info["tier_bits"]), TierSize.parse(info.get("tier_size", "all"))
             if extra:
-                *columns, held = extra
-                extra = tuple(columns)
-                self.tier.load(held, info["tier_group"], names)
+                self.tier.load(extra[-1], info["tier_group"], names)
+                extra = extra[:-1]
         self.store.columns = {name: extra[i] if i < len(extra) else None for i, name in enumerate(names)}

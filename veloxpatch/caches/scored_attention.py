@@ -4,11 +4,10 @@ needs each query's output, to go on through the model, and the most attention an
 Queries go a block at a time (:func:`block_size`): a block's float32 logits over every row are what a second
 reading holds beyond the model's own activations, so a longer prompt's blocks take fewer queries.
 
-On mlx's CPU backend the cost of such a block is its exponentials, not its matmuls: mlx's ``exp`` is scalar
-(18M float32 values in 262 ms here, numpy's vectorized one in 15 ms: `bench/cpu_softmax.py`), so there mlx
-multiplies a block's logits, numpy (which mlx_lm depends on too) takes their softmax in place, in that buffer of
-mlx's (read and written without a copy: mlx's memory count holds it), and mlx multiplies it by the values. On a GPU, mlx
-computes the whole block.
+On mlx's CPU backend a block's cost is its exponentials, not its matmuls: mlx's ``exp`` is scalar, numpy's
+vectorized (docs/results.md, "Prefill"). So there mlx multiplies a block's logits, numpy (an mlx_lm dependency too)
+takes their softmax in place in mlx's buffer (no copy: mlx's memory count holds it), and mlx multiplies it by the
+values. On a GPU, mlx computes the whole block.
 """
 
 from __future__ import annotations
