@@ -32,20 +32,8 @@ from .store import RowStore
 _Cache = TypeVar("_Cache", bound="CompressedKVCache")
 
 
-class _WhileBatching:
-    """``merge`` (mlx_lm's server batches only caches that have it), present only while the :class:`Runtime` says
-    batched generation is patched: else mlx_lm would merge our caches into its own, which know no positions."""
-
-    def __get__(self, instance: CompressedKVCache | None, owner: type[CompressedKVCache]) -> Any:
-        if instance is None or not instance.runtime.batching():
-            raise AttributeError(f"{owner.__name__}.merge: batched generation is not patched")
-        return SequenceBatch.merge
-
-
 class CompressedKVCache(ABC):
     """A per-layer KV cache. Deliberately has no ``bits``: mlx_lm would send it to its own quantized attention."""
-
-    merge = _WhileBatching()
 
     method: ClassVar[str] = ""  # set by the registry's ``@method``
     coordinator_class: ClassVar[type[Coordinator]] = Coordinator
@@ -92,6 +80,14 @@ class CompressedKVCache(ABC):
         return []
 
     # ----------------------------------------------------------------- mlx_lm cache protocol
+    @property
+    def merge(self) -> Any:
+        """``merge`` (mlx_lm's server batches only caches that have it), present only while the :class:`Runtime` says
+        batched generation is patched: else mlx_lm would merge our caches into its own, which know no positions."""
+        if not self.runtime.batching():
+            raise AttributeError(f"{type(self).__name__}.merge: batched generation is not patched")
+        return SequenceBatch.merge
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append new rows (already rotated at ``offset``) and return every row attention runs over."""
         if self.coordinator is not None:
@@ -301,9 +297,7 @@ class CompressedKVCache(ABC):
             own = mx.repeat(masks.visible(positions, n, self.offset), queries.shape[1] // positions.shape[1], axis=1)
         if not isinstance(given, mx.array) or masks.issued(given, members_of(self)):
             return own
-        if own is None:
-            return given
-        return masks.combined(own, given, rows, n)
+        return given if own is None else masks.combined(own, given, rows, n)
 
     def has_holes(self) -> bool:
         """Whether a row attention runs over is a hole (position -1), so masks must go by position."""
