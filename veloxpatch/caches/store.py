@@ -24,9 +24,7 @@ LATE = 2**30  # a hole's sort key: after every position
 
 def encode(x: mx.array, bits: int | None, group_size: int) -> Parts:
     """``x`` as stored: the array itself (``bits`` None), or mlx's quantized triple."""
-    if bits is None:
-        return (x,)
-    return tuple(mx.quantize(x, group_size=group_size, bits=bits))
+    return (x,) if bits is None else tuple(mx.quantize(x, group_size=group_size, bits=bits))
 
 
 def decode(parts: Parts, bits: int | None, group_size: int) -> mx.array:
@@ -39,9 +37,7 @@ def decode(parts: Parts, bits: int | None, group_size: int) -> mx.array:
 
 def _grow(parts: Parts, extra: int) -> Parts:
     """The same arrays with ``extra`` zero rows appended (spare capacity)."""
-    if extra == 0:
-        return parts
-    return _join(parts, _zero_rows(parts, extra))
+    return parts if extra == 0 else _join(parts, _zero_rows(parts, extra))
 
 
 def _zero_rows(parts: Parts, rows: int) -> Parts:

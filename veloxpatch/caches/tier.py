@@ -62,9 +62,8 @@ class Tier:
     @property
     def state(self) -> tuple[Any, ...] | None:
         """The rows as stored, their positions and row columns (the cache's order); None while empty."""
-        if self.store.rows == 0:
-            return None
-        return (*self.store.state, *(c for c in self.store.columns.values() if c is not None))
+        columns = (c for c in self.store.columns.values() if c is not None)
+        return (*self.store.state, *columns) if self.store.rows else None
 
     def load(self, state: tuple[Any, ...] | None, group_size: int, columns: tuple[str, ...] = ()) -> None:
         """Restore what :attr:`state` saved, its row columns named ``columns``."""

@@ -118,9 +118,7 @@ class Coordinator:
         parallel), so a whole-layer choice is the same on every rank. Called inside a forward, at the same layer
         and step on every rank."""
         group = self.span.tensor
-        if group is None:
-            return value
-        return mx.distributed.all_sum(value, group=group) / group.size()
+        return value if group is None else mx.distributed.all_sum(value, group=group) / group.size()
 
     # ----------------------------------------------------------------- fan-in and joint steps
     def contribute(self, group: Hashable, member: Any, part: Any, layers: Sequence[int],
@@ -142,9 +140,7 @@ class Coordinator:
 
     def missing(self, group: Hashable, layers: Sequence[int]) -> list[int]:
         """The layers of ``group`` that have not contributed (empty once it is complete)."""
-        if group in self.results:
-            return []
-        return [layer for layer in layers if layer not in self.parts.get(group, {})]
+        return [] if group in self.results else [layer for layer in layers if layer not in self.parts.get(group, {})]
 
     # ----------------------------------------------------------------- storage held for several layers
     def owned_nbytes(self, member: Any) -> int:
