@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 def spread(total: float, weights: Sequence[float], cap: float) -> list[float]:
     """``total`` split in proportion to ``weights``, no part above ``cap`` (water filling)."""
-    parts = [0.0] * len(weights)
+    parts = [cap] * len(weights)  # what the parts over the cap keep
     open_ = list(range(len(weights)))
     left = total
     while open_:
@@ -24,8 +24,6 @@ def spread(total: float, weights: Sequence[float], cap: float) -> list[float]:
             for i in open_:
                 parts[i] = max(share[i], 0.0)
             break
-        for i in over:
-            parts[i] = cap
         left -= cap * len(over)
         open_ = [i for i in open_ if i not in over]
     return parts
