@@ -16,8 +16,11 @@ import mlx.core as mx
 def shed(cache: Any, out: mx.array) -> None:
     """Once the chunk's attention ``out`` is evaluated (lazy, it would keep the rows alive), drop the rows of a
     ``RotatingKVCache`` in temporal order that no later step attends; any other cache is left alone."""
-    rows = _rows(cache)
-    if rows is None or rows <= cache.max_size or cache._idx != rows or cache.offset < rows:
+    counters = [getattr(cache, name, None) for name in ("max_size", "keep", "_idx", "offset")]
+    if not all(type(c) is int for c in counters) or not isinstance(getattr(cache, "keys", None), mx.array):
+        return  # not one sequence's rotating cache (mlx_lm's batched one counts in arrays)
+    rows = cache.keys.shape[2]
+    if rows <= cache.max_size or cache._idx != rows or cache.offset < rows:
         return
     mx.eval(out)
     tail = cache.max_size - cache.keep
@@ -28,11 +31,3 @@ def shed(cache: Any, out: mx.array) -> None:
     cache.keys, cache.values = cut(cache.keys), cut(cache.values)
     cache._idx = cache.max_size
     mx.eval(cache.keys, cache.values)
-
-
-def _rows(cache: Any) -> int | None:
-    """The rows a cache with mlx_lm's rotating layout holds, or None for any other cache."""
-    counters = [getattr(cache, name, None) for name in ("max_size", "keep", "_idx", "offset")]
-    if not all(type(c) is int for c in counters) or not isinstance(getattr(cache, "keys", None), mx.array):
-        return None  # not one sequence's rotating cache (mlx_lm's batched one counts in arrays)
-    return cache.keys.shape[2]
