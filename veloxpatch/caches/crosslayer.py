@@ -66,9 +66,8 @@ class CrossLayerCache(CompressedKVCache):
 
     @abstractmethod
     def joint(self, parts: list[Any]) -> tuple[list[Any], Any]:
-        """The joint step over the group's (keys, values) rows of one range, in layer order:
-        each member's own part (same order) and the part the group shares. (A method folding something else
-        than keys and values, XQuant's X, passes its own rows.)"""
+        """The joint step over the group's (keys, values) rows of one range, in layer order: each member's own part
+        (same order) and the part the group shares (a method folding other rows, XQuant's X, passes its own)."""
 
     @abstractmethod
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
