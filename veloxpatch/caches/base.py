@@ -46,9 +46,7 @@ class CompressedKVCache(ABC):
     saved_scalars: ClassVar[tuple[str, ...]] = ()  # attributes of a kind of cache saved in the meta under their names
 
     def __init__(self, spec: CacheSpec) -> None:
-        self.budget = spec.budget
-        self.sink = spec.sink
-        self.window = spec.window
+        self.budget, self.sink, self.window = spec.budget, spec.sink, spec.window
         self.runtime = spec.runtime  # the integration's answers
         self.schedule = Schedule(spec.mode)
         self.store = RowStore(step=self.store_step)
