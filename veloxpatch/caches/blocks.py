@@ -35,12 +35,10 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     parts = []
     for start in range(0, n, block):
         stop = min(n, start + block)
-        if isinstance(mask, mx.array):  # one row per query, or one row for every query (broadcast)
-            seen, part_mask = rows, mask[..., start:stop, :] if mask.shape[-2] == n else mask
-        elif mask is None:
-            seen, part_mask = rows, None
-        else:  # "causal", aligned to the last row: the block's queries see the rows up to their own
-            seen, part_mask = rows - n + stop, mask
+        # "causal" is aligned to the last row: the block's queries see the rows up to their own
+        seen = rows - n + stop if isinstance(mask, str) else rows
+        # an array has one row per query (the block's are taken), or one row for every query (broadcast)
+        part_mask = mask[..., start:stop, :] if isinstance(mask, mx.array) and mask.shape[-2] == n else mask
         part = mx.fast.scaled_dot_product_attention(queries[:, :, start:stop], keys[:, :, :seen],
                                                     values[:, :, :seen], scale=scale, mask=part_mask, sinks=sinks)
         mx.eval(part)  # left lazy, every block's scores would be alive at once
