@@ -217,8 +217,7 @@ class RowStore:
             return
         positions = self.row_positions()
         left = (positions >= 0) & (positions < prefix)
-        last = mx.where(left, mx.arange(self.rows), -1).max()
-        rows = int(last) + 1
+        rows = int(mx.where(left, mx.arange(self.rows), -1).max()) + 1  # past the last row kept in any head
         kept = left[..., :rows]
         self.columns = {name: None if c is None else c[..., :rows] for name, c in self.columns.items()}
         self.holes = rows > 0 and not bool(kept.all().item())
