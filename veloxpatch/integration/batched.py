@@ -43,9 +43,8 @@ FEATURE = "batched generation"
 
 
 def batching_on() -> bool:
-    """Whether mlx_lm's batches may hold our caches: a method is on, batched generation is patched for the
-    installed mlx_lm, and its layouts are the ones :mod:`.compat` knows (``CompressedKVCache.merge`` asks).
-    Where they differ batching runs on mlx_lm's own caches only, said once (an error under ``VELOX_STRICT``)."""
+    """Whether mlx_lm's batches may hold our caches (``CompressedKVCache.merge`` asks): a method is on, batched
+    generation is patched, and its layouts are those :mod:`.compat` knows (else said once, or a StrictError)."""
     config = in_force()
     if config is None or not config.enabled or STATE.features.get(FEATURE, "undecided") is not None:
         return False
@@ -95,9 +94,8 @@ def _join(generator: Any, arguments: dict[str, Any]) -> None:
 
 
 def _carry(caches: list, ticket: Any, prompt: int) -> None:
-    """A server request inserted here rides on the first cache of its list that the batch holds, whose copies (the
-    lists the batch gives back) keep it: the server keys the list it stores by the request's settings and measures
-    it for the request's usage."""
+    """A server request inserted here rides on the first cache of its list that the batch holds, and its copies (the
+    lists the batch gives back): the server keys the list it stores by the request's settings and measures it."""
     holder = next((c for c in caches if isinstance(c, CompressedKVCache) or getattr(c, "batch_plain", False)), None)
     if holder is not None:
         if ticket is not None:
@@ -145,6 +143,5 @@ class _PlainMemberMixin:
 
 @functools.cache
 def _plain_member() -> type[Any]:
-    """``_PlainMember``: the mixin on mlx_lm's ``KVCache``, made on first use (importing veloxpatch does not
-    import mlx_lm)."""
+    """``_PlainMember``: the mixin on mlx_lm's ``KVCache``, made on first use (veloxpatch does not import mlx_lm)."""
     return compat.mixed_into(_PlainMemberMixin, "KVCache")

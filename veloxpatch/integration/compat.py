@@ -51,8 +51,7 @@ def _mlx_lm(name: str) -> ModuleType:
 
 # --------------------------------------------------------------------- BatchGenerator
 def new_sequence_caches(generator: Any) -> list:
-    """The cache list ``insert_segments`` makes for a sequence that brings none (from the generator's ``model``
-    and ``max_kv_size``)."""
+    """The cache list ``insert_segments`` makes for a sequence that brings none."""
     return _mlx_lm("models.cache").make_prompt_cache(generator.model, generator.max_kv_size)
 
 
@@ -88,8 +87,8 @@ def cache_class(name: str) -> type[Any]:
 
 
 def mixed_into(mixin: type, base: str) -> type[Any]:
-    """``mixin`` (which may override the methods :data:`PROTOCOL` lists) on mlx_lm's ``models.cache.<base>``,
-    named as the mixin without its "Mixin"."""
+    """``mixin`` (which may override :data:`PROTOCOL`'s methods) on mlx_lm's ``models.cache.<base>``, named as the
+    mixin without its "Mixin"."""
     return type(mixin.__name__.removesuffix("Mixin"), (mixin, cache_class(base)),
                 {"__doc__": mixin.__doc__, "__module__": mixin.__module__})
 
@@ -137,9 +136,8 @@ def carried(holder: Any) -> Any:
 
 
 def _check_queued_request() -> str | None:
-    """``ResponseGenerator.generate`` (run on a stand-in whose queue answers at once with an error) queues the
-    arguments at :data:`ARGUMENTS_AT`, and they (a dataclass) keep an attribute through pickling; the handler's
-    ``CompletionRequest`` takes one."""
+    """``ResponseGenerator.generate`` (on a stand-in whose queue answers at once with an error) queues the
+    arguments at :data:`ARGUMENTS_AT`, which keep an attribute through pickling; ``CompletionRequest`` takes one."""
     server = _mlx_lm("server")
     queued: list[tuple] = []
 
@@ -150,14 +148,10 @@ def _check_queued_request() -> str | None:
     stand_in = SimpleNamespace(requests=SimpleNamespace(put=put), generation_available=lambda: True,
                                _await_response=lambda queue: queue.get())
 
-    def blank(cls: type) -> Any:
-        return cls(**{f.name: None for f in dataclasses.fields(cls)})
-
-    arguments, request = blank(server.GenerationArguments), blank(server.CompletionRequest)
-    try:
+    arguments, request = (cls(**dict.fromkeys(f.name for f in dataclasses.fields(cls)))
+                          for cls in (server.GenerationArguments, server.CompletionRequest))
+    with contextlib.suppress(LookupError):
         inspect.unwrap(server.ResponseGenerator.generate)(stand_in, request, arguments)
-    except LookupError:
-        pass
     if len(queued) != 1 or not isinstance(queued[0], tuple) or len(queued[0]) <= ARGUMENTS_AT:
         return f"generate queued {queued!r}, not one (response queue, request, arguments) tuple"
     if queued[0][ARGUMENTS_AT] is not arguments or queued[0][1] is not request:
@@ -278,13 +272,12 @@ LAYOUTS: dict[str, Callable[[], str | None]] = {
     "the KVCache/BatchKVCache protocol": _check_protocol,
     "BatchKVCache.offset": _check_batch_offsets,
 }
-"""Each layout veloxpatch's batched generation relies on, by name, and its check (None: the installed mlx_lm has
-it, else what was found instead)."""
+"""Each layout batched generation relies on, by name, and its check (None, or what was found instead)."""
 
 
 def check(name: str) -> str | None:
-    """What the installed mlx_lm has instead of layout ``name`` (of :data:`LAYOUTS` or :data:`SERVER_LAYOUTS`;
-    None: what veloxpatch knows). A check that raises has found a different layout too; what it raised is said."""
+    """What the installed mlx_lm has instead of layout ``name`` (of :data:`LAYOUTS` or :data:`SERVER_LAYOUTS`),
+    None if it has it; a check that raises has found a different layout too, and what it raised is said."""
     try:
         return {**LAYOUTS, **SERVER_LAYOUTS}[name]()
     except Exception as error:
@@ -294,8 +287,7 @@ def check(name: str) -> str | None:
 @functools.cache
 def layout_problem() -> str | None:
     """Every layout of :data:`LAYOUTS` the installed mlx_lm does not have, said in one line; None if it has them
-    all. Checked once per process (a few one-row caches and a generator over no model: about a millisecond once
-    mlx_lm.generate is imported): mlx_lm's classes do not change under a running app."""
+    all. Checked once per process: mlx_lm's classes do not change under a running app."""
     changed = [f"{name} is not the layout veloxpatch {__version__} knows ({what})"
                for name in LAYOUTS if (what := check(name)) is not None]
     return "; ".join(changed) or None

@@ -23,8 +23,8 @@ from .layer_io import POSITIONAL
 
 @dataclass(frozen=True)
 class Target:
-    """One name an mlx_lm module defines that veloxpatch replaces (a function, or ``Class.method``), its wrapper,
-    and the parameters that wrapper reads, so a changed signature turns the feature off instead of reaching it."""
+    """One name of an mlx_lm module that veloxpatch replaces (a function, or ``Class.method``), its wrapper, and the
+    parameters that wrapper reads: a changed signature turns the feature off instead of reaching it."""
 
     name: str
     wrapper: Callable[[Any], Any]
@@ -119,22 +119,21 @@ MODULES = tuple(dict.fromkeys(f.module for f in FEATURES))
 
 
 def owner_of(module: ModuleType, target: Target) -> Any:
-    """Where ``target`` is defined in ``module``: the module itself, or the class its name starts with
-    (None where that class is missing)."""
+    """Where ``target`` is defined in ``module``: the module, or the class its name starts with (None: missing)."""
     owner_name, _, _ = target.name.rpartition(".")
     return getattr(module, owner_name, None) if owner_name else module
 
 
 def original(module: ModuleType, target: Target) -> Any:
-    """What ``module`` defines under ``target``'s name, on the class itself for a method (an inherited one
-    is not that class's to replace); None if nothing."""
+    """What ``module`` defines under ``target``'s name (for a method, on the class itself: an inherited one is not
+    that class's to replace); None if nothing."""
     owner = owner_of(module, target)
     return None if owner is None else vars(owner).get(target.name.rpartition(".")[2])
 
 
 def problem(feature: Feature, module: ModuleType) -> str | None:
-    """Why ``feature`` cannot be patched in ``module`` (a name missing, or parameters its wrapper cannot
-    work with), for the first target that fails; None when all of them can."""
+    """Why ``feature`` cannot be patched in ``module`` (a name missing, parameters its wrapper cannot work with, a
+    layout changed), for the first that fails; None when it can."""
     for target in feature.targets:
         function = original(module, target)
         if function is None:
@@ -150,6 +149,5 @@ def problem(feature: Feature, module: ModuleType) -> str | None:
 
 
 def survey() -> dict[str, str | None]:
-    """Each feature against the installed mlx_lm, importing its defining modules (``veloxpatch info``):
-    None where it would be patched, else why not."""
+    """Why each feature would not be patched (None: it would), importing its module (``veloxpatch info``)."""
     return {f.name: problem(f, importlib.import_module(f.module)) for f in FEATURES}

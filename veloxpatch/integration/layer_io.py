@@ -7,9 +7,9 @@ recomputes K and V from it). A cache class asks for them with ``wants_layer_io``
 mlx_lm's models name their modules differently (``self_attn``, ``attention``, ...) but every one hands the layer's
 cache down to its attention, so the modules are found by signature: the attention module is an innermost module whose
 ``__call__`` takes a ``cache``, its decoder block the nearest ancestor whose ``__call__`` takes one too. Python looks
-``__call__`` up on the type, so the classes defining it are wrapped (once, undone by ``unpatch``). A call whose cache
-is not one of ours asking for this costs one isinstance check; for one of ours (a batch of ours hands each sequence
-its own part, :meth:`SequenceBatch.tell`) each hook its class defines is called:
+``__call__`` up on the type, so the classes defining it are wrapped (once, undone by ``unpatch``). For a cache of ours
+asking for this (a batch of ours hands each sequence its part, :meth:`SequenceBatch.tell`), each hook its class
+defines is called:
 
 - ``see_block_input(hidden)``: the decoder block's input (the residual stream), before the block runs;
 - ``see_attention_input(normed, module)``: the attention module's input and the module, before it runs, so before
@@ -45,7 +45,7 @@ _FOUND: dict[tuple[int, Any], dict[type, Wrapper]] = {}  # per model: a server b
 @dataclass(frozen=True)
 class Parameters:
     """Where a ``__call__`` takes its input (the first argument after ``self``) and its cache, read once from the
-    signature: binding every call with ``inspect`` would cost more than the isinstance check a call not ours pays."""
+    signature: binding every call with ``inspect`` would cost every call of the model."""
 
     input_name: str
     cache_index: int | None  # position among the arguments after self; None: keyword only
@@ -77,8 +77,8 @@ class Parameters:
 
 
 def prepare(model: Any, config: VeloxConfig) -> None:
-    """Hook ``model`` when ``config``'s method reads layer inputs and outputs (``wants_layer_io``), before the builder
-    probes it: the probe's caches then see what the method's caches will."""
+    """Hook ``model`` when ``config``'s method reads layer inputs and outputs, before the builder probes it (the
+    probe's caches then see what the method's will)."""
     if cache_class(config.kv).wants_layer_io:
         install(model)
 
@@ -92,8 +92,7 @@ def install(model: Any) -> bool:
 
 
 def hooked_classes(model: Any) -> dict[type, Wrapper]:
-    """The classes defining the ``__call__`` of every attention module and of its decoder block, each with its
-    wrapper."""
+    """The classes defining the ``__call__`` of every attention module and its decoder block, with their wrappers."""
     takers = _cache_takers(model)
     block_of = {name: next((a for a in _ancestors(name) if a in takers), None) for name in takers}
     enclosing = set(block_of.values())
@@ -130,8 +129,8 @@ def _ancestors(name: str) -> Iterator[str]:
 
 
 def wrap_calls(model: Any, found: dict[type, Wrapper], purpose: str, without: str) -> bool:
-    """Bind each wrapper of ``found`` around its class's ``__call__`` once for ``purpose``, recorded for ``unpatch``;
-    False, said once at INFO with what runs ``without`` them, where ``found`` (of ``model``) is empty."""
+    """Bind each wrapper of ``found`` around its class's ``__call__`` once for ``purpose`` (undone by ``unpatch``);
+    False, said once at INFO with what runs ``without`` them, where ``found`` is empty."""
     if not found:
         name = model_type(model)
         once(f"{purpose} {name}", logging.INFO, f"{name}: {without}")
@@ -150,8 +149,7 @@ def _listener(params: Parameters, args: tuple, kwargs: dict) -> CompressedKVCach
 
 
 def _block(params: Parameters, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """A decoder block's ``__call__`` (the wrapper, with ``params`` bound): its input (the residual stream) goes to
-    the cache first."""
+    """A decoder block's ``__call__``: its input (the residual stream) goes to the cache first."""
     cache = _listener(params, args, kwargs)
     if cache is not None:
         _tell(cache, "see_block_input", params.input(args, kwargs))
@@ -159,9 +157,8 @@ def _block(params: Parameters, wrapped: Callable[..., Any], instance: Any, args:
 
 
 def _attention(params: Parameters, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """An attention module's ``__call__`` (the wrapper, with ``params`` bound): before it runs, its input and the
-    module itself go to the cache (so the cache has them when it stores the step's rows); once it has run, its input
-    and output."""
+    """An attention module's ``__call__``: its input and the module go to the cache before it runs (the cache has
+    them when it stores the step's rows), its input and output once it has run."""
     cache = _listener(params, args, kwargs)
     if cache is not None:
         _tell(cache, "see_attention_input", params.input(args, kwargs), instance)
@@ -173,8 +170,7 @@ def _attention(params: Parameters, wrapped: Callable[..., Any], instance: Any, a
 
 
 def _tell(cache: CompressedKVCache | SequenceBatch, hook: str, *args: Any) -> None:
-    """Call the cache's ``hook`` where its class defines it; a failure there leaves the model's own computation
-    untouched."""
+    """Call the cache's ``hook`` where its class defines it; a failure there leaves the model's step untouched."""
     call = partial(cache.tell, hook) if isinstance(cache, SequenceBatch) else getattr(cache, hook, None)
     if call is None:
         return

@@ -1,11 +1,11 @@
 """patch / unpatch: bind our wrappers into mlx_lm, whenever it is imported, and undo it exactly.
 
-wrapt post-import hooks fire when a defining module is imported (or at once if it already is). The defining module
-gets the wrapper, and so does every module that already holds a copy of the original (``from .models.cache import
-make_prompt_cache`` copies the function), so mlx_lm's generate, server, chat, ... and a user's own early import all
-see it; modules imported later copy the wrapper from the definer. Hooks are registered once per process and check
-the state, so any order of import / patch / unpatch works and nothing is wrapped twice. What is wrapped is grouped
-into features (:mod:`.features`), each decided when its defining module is first seen after a patch.
+wrapt post-import hooks fire when a defining module is imported (or at once if it already is). The wrapper goes to
+the defining module and to every module already holding a copy of the original (``from .models.cache import
+make_prompt_cache``), so mlx_lm's generate, server, chat and a user's own early import all see it; later imports copy
+it from the definer. Hooks are registered once per process and check the state, so any order of import / patch /
+unpatch works and nothing is wrapped twice. What is wrapped is grouped into features (:mod:`.features`), each decided
+when its defining module is first seen after a patch.
 """
 
 from __future__ import annotations
@@ -92,8 +92,7 @@ def active_config() -> VeloxConfig | None:
 
 def patch_from_env(serving: bool = False) -> bool:
     """The bootstrap: patch from ``VELOX_*``; a bad value is logged and the app runs unpatched. With neither a
-    method nor ``VELOX_FLOAT32`` nothing is patched, but for mlx_lm's server (``serving``), whose requests may ask
-    for a method of their own (:mod:`.server`)."""
+    method nor ``VELOX_FLOAT32`` only mlx_lm's server (``serving``) is patched: its requests may ask for one."""
     try:
         loaded = from_env()
     except Exception as error:  # a bad value (ConfigError), or a method module that fails to import
@@ -131,8 +130,8 @@ def on_server_import(module: ModuleType) -> None:
 
 
 def _version_accepted(config: VeloxConfig) -> bool:
-    """False (said, or a StrictError) for an mlx-lm older than the floor or not installed; a newer one than
-    the newest tested is patched, said once in a warning (under ``strict``, refused)."""
+    """False (said, or a StrictError) for an mlx-lm older than the floor or not installed; one newer than the
+    newest tested is said once (refused under ``strict``)."""
     found = version.mlx_lm_version()
     if version.too_old(found):
         what = "is not installed" if found is None else f"{found} is older than {version.text(version.OLDEST)}"
@@ -181,9 +180,8 @@ def _apply(module: ModuleType) -> None:
 
 
 def _said_off(feature: Feature, problem: str | None) -> None:
-    """A feature that is off, said once: at INFO, or for an essential one a WARNING, and then nothing of
-    veloxpatch stays patched. Under ``VELOX_STRICT`` a :class:`StrictError` either way where the settings use
-    the feature (``Feature.used``); one they do not use is only said."""
+    """A feature that is off, said once: at INFO, or for an essential one a WARNING, and then nothing stays
+    patched. Under ``VELOX_STRICT`` a :class:`StrictError` where the settings use the feature (``Feature.used``)."""
     if problem is None:
         return
     if not feature.essential:
@@ -208,8 +206,8 @@ def _bind(feature: Feature, module: ModuleType) -> None:
 @functools.cache
 def _register_stats() -> None:
     """The stats line at every normal end: at exit, and on SIGTERM (how systemd, docker and supervisors stop a
-    server), whose default action ends the process without running ``atexit`` (an app's own handler is left
-    alone, and its exit runs ``atexit``; only the main thread may set a handler)."""
+    server), whose default action skips ``atexit`` (only the main thread may set a handler; an app's own is left
+    alone: its exit runs ``atexit``)."""
     atexit.register(_print_stats)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _terminated)

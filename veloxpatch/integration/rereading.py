@@ -10,11 +10,9 @@ are chosen: memory stays bounded while the prompt is read); the first decode-siz
 last token, in ``generate_step``) first runs the model over the prompt again, a chunk at a time (each after the
 :data:`LEAD` tokens before it, whose rows are trimmed after it; the chunk's own are attended over, not stored),
 while the caches record the most attention each of their folded rows gets; then each head keeps its best-scored
-rows. The paper puts "Repeat the previous context" before the repeat; a model call has no tokenizer, so the prompt
-is read again as it is. Measured (``bench/agnostic_selection.py``, SmolLM2-135M, five RULER examples at 1k
-tokens): without the instruction the rows chosen answer as with it (mean KL 0.026 against 0.027 at half the rows);
-scored right after each 512-token chunk is read instead, as a first version did, they lose the needles (0.118, two
-right of five against three): the whole prompt must be read before its second reading.
+rows. The prompt is read again as it is, without KVzip's "Repeat the previous context" (a model call has no
+tokenizer), and only once the whole of it is read (docs/results.md, "Rows to drop before the question: the repeat
+score").
 
 In mlx_lm's batched generation (the server's batches) each sequence keeps its own caches (:mod:`..caches.batch`):
 its prompt chunks are its slice of each right-padded step, and at the first decode-sized step after them it is read
@@ -50,10 +48,9 @@ from .layer_io import Parameters, defined_call, wrap_calls
 from .state import in_force
 
 LEAD = 256
-"""Tokens read again before each chunk of the second reading but the first (trimmed with it). A chunk read again
-cold, the one before it trimmed away, starts where the model is not repeating the prompt yet, and its first rows
-score as it finds its place: Qwen2.5-0.5B at 4k lost a uuid needle that way (``bench/agnostic_selection.py``,
-``bare-trimmed`` against ``bare-led``, docs/results.md)."""
+"""Tokens read again before each chunk of the second reading but the first (trimmed with it): a chunk read again
+cold starts where the model is not repeating the prompt yet, and its first rows score as it finds its place
+(docs/results.md, "RULER at 4k on Qwen2.5 (the yardstick)": the second reading's chunks, led in)."""
 
 
 def prepare(model: Any, config: VeloxConfig) -> None:
@@ -84,10 +81,11 @@ def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: An
         if not first.schedule.decode_sized(n) or first.before_prompt_end(n):
             for cache in readers:
                 cache.read_prompt_chunk(tokens)
-        elif first.unscored and first.scores_by_queries:
-            _choose_by_queries(instance, readers)
+        elif first.unscored and first.scores_by_queries:  # each with its layer's attention module (its rotary one)
+            modules = attention_modules(instance)
+            _choose_unread(readers, lambda c: c.score_by_queries(modules[c.layer] if c.layer < len(modules) else None))
         elif first.unscored and first.score == "heads" and (rated := _ratings.get(id(instance))) is not None:
-            _choose_by_heads(rated, readers)
+            _choose_unread(readers, lambda c: c.score_by_heads(rated.get(c.layer)))  # a layer not rated keeps all
         elif first.unscored:
             _read_again(wrapped, params, args, kwargs, readers)
             if first.score == "heads":
@@ -172,24 +170,10 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
         type(readers[0]).keep_chosen(readers)
 
 
-def _choose_by_queries(model: Any, readers: list[Any]) -> None:
-    """``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv``: the readers score their rows from the prompt's last queries,
-    each with its layer's attention module (its rotary embedding, which Expected Attention's statistics need; found by
-    :func:`attention_modules`), no second reading."""
-    modules = attention_modules(model)
-    _choose_unread(readers, lambda cache: cache.score_by_queries(
-        modules[cache.layer] if cache.layer < len(modules) else None))
-
-
-def _choose_by_heads(rated: dict[int, mx.array], readers: list[Any]) -> None:
-    """``score=heads`` once the model's heads are rated: each reader scores its rows by its heads' ratings, no
-    second reading (a layer the ratings do not know, of another cache list of the model, keeps every row)."""
-    _choose_unread(readers, lambda cache: cache.score_by_heads(rated.get(cache.layer)))
-
-
 def _choose_unread(readers: list[Any], score: Callable[[Any], None]) -> None:
-    """Each reader's rows scored by ``score(cache)`` without a second reading, then the best kept. A failure is said
-    (or raised under ``VELOX_STRICT``) and leaves every row."""
+    """Each reader's rows scored by ``score(cache)`` without a second reading (``VELOX_QUANT_SCORE`` ``expected`` or
+    ``snapkv``: by the prompt's last queries; ``heads`` once the model's heads are rated: by their ratings), then the
+    best kept. A failure is said (or raised under ``VELOX_STRICT``) and leaves every row."""
     try:
         for cache in readers:
             score(cache)

@@ -15,10 +15,8 @@ The settings travel with the request from the HTTP handler to the generation thr
 (docs/DESIGN.md, "One server request"; where batches are mlx_lm's own, a request whose settings are not the
 process's is served one at a time). The server's prompt cache is keyed by model *and* by the settings a list is
 built from (:meth:`VeloxConfig.cache_settings`), so a prompt cached under one setting is never reused under another.
-
 The answer's ``usage`` gains ``velox``: the method and budget in force and what the request's cache list holds once
-answered (:func:`veloxpatch.stats.held`, and ``share_kept``), measured on the generation thread once the list is in
-the prompt cache, whether the request was served alone or in a batch.
+in the prompt cache (:func:`veloxpatch.stats.held`, and ``share_kept``), served alone or in a batch.
 """
 
 from __future__ import annotations
@@ -44,8 +42,7 @@ HEADER = "x-velox-"
 """The prefix of a setting's header (any case): ``X-Velox-Budget``."""
 
 WAIT_S = 10.0
-"""How long an answer waits for its request's measurement (taken as soon as the server has stored its cache list;
-a generation thread that died never gives it)."""
+"""How long an answer waits for its request's measurement (a generation thread that died never gives it)."""
 
 
 class RequestError(ValueError):
@@ -58,7 +55,7 @@ class Ticket:
     def __init__(self, config: VeloxConfig) -> None:
         self.config = config
         self.started = False
-        self.prompt_tokens: int | None = None  # set when a batch serves it
+        self.prompt_tokens: int | None = None  # set when a batch serves it (:meth:`batched`)
         self.held: dict[str, int] | None = None
         self._done = threading.Event()
 
@@ -67,21 +64,19 @@ class Ticket:
         return Ticket, (self.config,)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Ticket:
-        """Itself: it rides on a batched request's cache list (:mod:`.batched`), and the copies the batch gives back
-        must report to the one request."""
+        """Itself: the copies of a batched request's cache list it rides on must report to the one request."""
         return self
 
     def batched(self, prompt_tokens: int) -> None:
-        """A batch serves the request, whose prompt is ``prompt_tokens`` long: its answer waits for the measurement
-        of the list the server stores once it has answered (one at least that long)."""
+        """A batch serves the request, whose prompt is ``prompt_tokens`` long: its answer waits for the list the
+        server stores once it holds the whole prompt."""
         self.started, self.prompt_tokens = True, prompt_tokens
 
     def finish(self) -> None:
         self._done.set()
 
     def usage(self) -> dict[str, Any]:
-        """``usage["velox"]`` of the request's answer: waits (at most :data:`WAIT_S`) for the measurement of the
-        list the server stores for it."""
+        """``usage["velox"]`` of the request's answer, once its list is measured (waiting :data:`WAIT_S` at most)."""
         if self.started and not self._done.wait(WAIT_S):
             log.warning("the KV usage of a request was not measured within %.0f s", WAIT_S)
         held: dict[str, Any] = self.held or dict.fromkeys(stats.HELD)
@@ -147,9 +142,9 @@ def _carried_text(allowed: Mapping[str, Setting]) -> str:
 # --------------------------------------------------------------------- the handler's thread
 @wrapt.decorator
 def validate_model_parameters(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """mlx_lm's checks, then the request's settings (:class:`RequestError`, a ValueError: mlx_lm answers 400), read
-    from the JSON body ``do_POST`` parsed into ``body`` before it called this, and the headers; the ticket rides on
-    the handler (which a kept-alive connection reuses: each request replaces it)."""
+    """mlx_lm's checks, then the request's settings from the JSON body ``do_POST`` parsed into ``body`` and the
+    headers (:class:`RequestError`: mlx_lm answers 400); the ticket rides on the handler, replaced at each request
+    (a kept-alive connection reuses the handler)."""
     compat.carry(instance, None)
     result = wrapped(*args, **kwargs)
     base = STATE.config
@@ -160,7 +155,7 @@ def validate_model_parameters(wrapped: Callable, instance: Any, args: tuple, kwa
 
 
 def _hand_on(holder: Any, to: Any) -> None:
-    """The ticket ``holder`` carries (if any) goes with ``to`` (if any), the next of mlx_lm's objects of the request."""
+    """The ticket ``holder`` carries (if any) goes with ``to``, the next of mlx_lm's objects of the request."""
     ticket = compat.carried(holder)
     if ticket is not None and to is not None:
         compat.carry(to, ticket)
@@ -168,8 +163,8 @@ def _hand_on(holder: Any, to: Any) -> None:
 
 @wrapt.decorator
 def handle_completion(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``APIHandler.handle_completion(request, stop_words)``: the handler's ticket goes with ``request``, which the
-    handler hands to ``ResponseGenerator.generate`` with the generation arguments it builds here."""
+    """``APIHandler.handle_completion(request, stop_words)``: the handler's ticket goes with ``request``, on to
+    ``ResponseGenerator.generate``."""
     _hand_on(instance, args[0] if args else kwargs.get("request"))
     return wrapped(*args, **kwargs)
 
@@ -185,8 +180,8 @@ def generate(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any
 
 @wrapt.decorator
 def with_usage(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """For ``generate_response`` and ``completion_usage_response``: an answer that carries ``usage`` (a whole one,
-    or a stream's usage chunk, ``stream_options.include_usage``) says what the request's KV holds."""
+    """``generate_response`` and ``completion_usage_response``: an answer with ``usage`` (a whole one, or a stream's
+    usage chunk) says what the request's KV holds."""
     response = wrapped(*args, **kwargs)
     ticket = compat.carried(instance)
     if ticket is not None and isinstance(response, dict) and isinstance(response.get("usage"), dict):
@@ -198,8 +193,7 @@ def with_usage(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> A
 @wrapt.decorator
 def is_batchable(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """mlx_lm's answer; a request whose settings are not the process's also needs batches of ours (which take any
-    sequence's caches), else it is served one at a time. A batchable request's ticket goes to the batch
-    (:func:`.state.hand_to_batch`), where its caches are made, fetched and stored under its own settings."""
+    sequence's caches). A batchable request's ticket goes to the batch (:func:`.state.hand_to_batch`)."""
     ticket = compat.carried(args[0] if args else kwargs.get("args"))
     batchable = wrapped(*args, **kwargs) and (ticket is None or same_as_process(ticket.config) or batching_on())
     hand_to_batch(ticket if batchable else None)
@@ -238,20 +232,19 @@ def _keyed(wrapped: Callable, args: tuple, kwargs: dict, ticket: Ticket | None) 
 @wrapt.decorator
 def fetch_nearest_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
     """``LRUPromptCache.fetch_nearest_cache(model, tokens)``: only lists made under the settings of the request
-    about to be served (one at a time: in force; batched: handed to the batch)."""
+    about to be served (alone: in force; batched: handed to the batch)."""
     return _keyed(wrapped, args, dict(kwargs), None if served() is not None else to_batch())
 
 
 @wrapt.decorator
 def insert_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``LRUPromptCache.insert_cache(model, tokens, prompt_cache)``: kept under the settings in force; the list of
-    a request is measured for its answer's usage (one served one at a time: the request being served; a batched
-    one: the request its list carries, once the list holds the whole prompt)."""
+    """``LRUPromptCache.insert_cache(model, tokens, prompt_cache)``: kept under the settings in force, and measured
+    for the usage of its request (alone: the one served; batched: the one its list carries, once whole)."""
     caches = args[2] if len(args) > 2 else kwargs.get("prompt_cache")
     tokens = args[1] if len(args) > 1 else kwargs.get("tokens")
     alone = served()
     batched = _batched_ticket(caches) if alone is None else None
-    # a batched request's whole prompt: the server also stores a list at the end of each segment of a prompt
+    # the server also stores a batched request's list at the end of each segment of its prompt
     whole = batched is not None and tokens is not None and len(tokens) >= (batched.prompt_tokens or 0)
     ticket = alone or (batched if whole else None)
     if ticket is not None and isinstance(caches, list):

@@ -1,6 +1,6 @@
-"""What is patched right now: the active config, every attribute swapped (for exact undo), each feature
-decided (on, or off and why), whether this thread is inside a batched generation left to mlx_lm, and the config in
-force on this thread (a server request's own settings while it is served, :mod:`.server`)."""
+"""What is patched right now: the active config, every attribute swapped (for exact undo), each feature decided,
+and per thread: whether it is inside a batched generation left to mlx_lm, and the config in force (a server
+request's own while it is served, :mod:`.server`)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,7 @@ class Swap:
     owner: Any = None
 
     def bind(self, undo: bool = False) -> None:
-        """Put the replacement where the original is (``undo``: the other way round), on the owning class or at
-        every module-level binding of the name."""
+        """Put the replacement where the original is (``undo``: the other way round)."""
         old, new = (self.replacement, self.original) if undo else (self.original, self.replacement)
         if self.owner is not None:
             if vars(self.owner).get(self.name) is old:
@@ -78,9 +77,9 @@ def in_force() -> VeloxConfig | None:
 
 @contextlib.contextmanager
 def serving(config: VeloxConfig, request: Any = None) -> Iterator[None]:
-    """While one request is served on this thread, ``config`` is in force here (:func:`in_force`): the caches made,
-    the probe, the draft's caches and the prompt cache's key follow it; ``request`` (a server request's ticket,
-    :mod:`.server`) is what :func:`served` answers here meanwhile. Other threads keep theirs."""
+    """While one request is served on this thread, ``config`` is in force here (:func:`in_force`: the caches made,
+    the probe, the draft's caches and the prompt cache's key follow it) and :func:`served` answers ``request`` (a
+    server request's ticket). Other threads keep theirs."""
     previous = getattr(_local, "request", None), getattr(_local, "served", None)
     _local.request, _local.served = config, request
     try:
@@ -96,8 +95,8 @@ def served() -> Any:
 
 @contextlib.contextmanager
 def batched_generation() -> Iterator[None]:
-    """Marks this thread as inside a batched generation left to mlx_lm (its layouts are not the ones veloxpatch
-    knows): caches made here stay mlx_lm's, which it can batch."""
+    """Marks this thread as inside a batched generation left to mlx_lm (its layouts are not those veloxpatch knows):
+    caches made here stay mlx_lm's, which it can batch."""
     _local.batched = getattr(_local, "batched", 0) + 1
     try:
         yield
@@ -119,8 +118,8 @@ def same_as_process(config: VeloxConfig) -> bool:
 
 
 def hand_to_batch(ticket: Any) -> None:
-    """The request this thread is about to insert into a batch (the server's ``_is_batchable`` said yes): what it
-    carries (a server request's ticket, :mod:`.server`) goes with the cache list the batch gives the sequence."""
+    """The ticket of the server request this thread is about to insert into a batch (``_is_batchable`` said yes):
+    it goes with the cache list the batch gives the sequence."""
     _local.batched_ticket = ticket
 
 

@@ -73,9 +73,8 @@ def scaled_dot_product_attention(wrapped: Callable, instance: Any, args: tuple, 
 def _in_blocks(cache: Any, queries: mx.array) -> bool:
     """Whether a prompt chunk over one of mlx_lm's own plain caches (a slot that stays mlx_lm's: a sliding window,
     a layer the probe turned away) is attended in blocks of queries as ours are, with a method on and on the CPU
-    (where mlx materialises the whole score matrix; its fused GPU kernels need no help). The same attention, far
-    less memory while a long prompt is read: Gemma 3 270M, whose 15 sliding-window layers stay mlx_lm's, read 8192
-    tokens in 2048-token steps at 318 MiB over the model, 221 MiB so (docs/results.md)."""
+    (where mlx materialises the whole score matrix; its fused GPU kernels need no help): the same attention, far
+    less memory while a long prompt is read (docs/results.md, "While a prompt is read")."""
     config = in_force()
     return (queries.shape[2] > Schedule.max_headroom and config is not None and config.enabled
             and not hasattr(cache, "bits") and cpu_backend())  # a decode step stops at the first test
