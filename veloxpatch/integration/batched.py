@@ -89,7 +89,8 @@ def _join(generator: Any, arguments: dict[str, Any]) -> None:
             start_generation(caches, generator.model, n)
             _carry(caches, ticket, len(tokens) + n)
         compat.replace_waiting_caches(generator, _members)
-        compat.replace_running_caches(generator, _split)
+        for batch in compat.running_caches(generator):
+            batch[:] = [_split(cache) for cache in batch]
     arguments["caches"] = lists
 
 
@@ -106,7 +107,7 @@ def _carry(caches: list, ticket: Any, prompt: int) -> None:
 def _holds_ours(generator: Any) -> bool:
     """Whether sequences on our caches wait or run in ``generator``."""
     waiting = any(ours(c) for c in compat.waiting_cache_lists(generator))
-    return waiting or any(isinstance(b, SequenceBatch) for b in compat.running_caches(generator))
+    return waiting or any(isinstance(b, SequenceBatch) for batch in compat.running_caches(generator) for b in batch)
 
 
 def _members(caches: Any) -> Any:

@@ -60,9 +60,10 @@ def waiting_cache_lists(generator: Any) -> list:
     return [sequence[CACHES_AT] for sequence in generator._unprocessed_sequences]
 
 
-def running_caches(generator: Any) -> list:
-    """The batch caches already running in ``generator``, per layer, prompt batch's then generation batch's."""
-    return [*generator._prompt_batch.prompt_cache, *generator._generation_batch.prompt_cache]
+def running_caches(generator: Any) -> list[list]:
+    """The lists of batch caches (one per layer) already running in ``generator``, the prompt batch's and the
+    generation batch's: the lists themselves, which mlx_lm extends, filters and extracts from as it goes."""
+    return [generator._prompt_batch.prompt_cache, generator._generation_batch.prompt_cache]
 
 
 def replace_waiting_caches(generator: Any, replace: Callable[[Any], Any]) -> None:
@@ -71,13 +72,6 @@ def replace_waiting_caches(generator: Any, replace: Callable[[Any], Any]) -> Non
     for k in range(len(waiting)):
         sequence = waiting[k]
         waiting[k] = (*sequence[:CACHES_AT], replace(sequence[CACHES_AT]), *sequence[CACHES_AT + 1:])
-
-
-def replace_running_caches(generator: Any, replace: Callable[[Any], Any]) -> None:
-    """Put ``replace(cache)`` in place of each batch cache already running (:func:`running_caches`), in the
-    lists themselves, which mlx_lm extends, filters and extracts from as it goes."""
-    for batch in (generator._prompt_batch.prompt_cache, generator._generation_batch.prompt_cache):
-        batch[:] = [replace(cache) for cache in batch]
 
 
 # --------------------------------------------------------------------- KVCache and BatchKVCache

@@ -2,27 +2,22 @@
 below 100%).
 
 KVzip (Kim et al., arXiv 2505.23416) rates a context's rows by the attention they get while the model reads the
-context again: a row the model needs to say the document again is one a later question may need, and the question,
-not asked yet, cannot choose. A cache cannot run the model, but the model's own call can: the class defining the
-top-level model's ``__call__`` is wrapped (once, undone by ``unpatch``). Over a list of our caches that ask for it,
-a prompt chunk of token ids is remembered and read as usual (its rows fold quantized, the keys at 8 bits until they
-are chosen: memory stays bounded while the prompt is read); the first decode-sized call after them (the prompt's
-last token, in ``generate_step``) first runs the model over the prompt again, a chunk at a time (each after the
-:data:`LEAD` tokens before it, whose rows are trimmed after it; the chunk's own are attended over, not stored),
-while the caches record the most attention each of their folded rows gets; then each head keeps its best-scored
-rows. The prompt is read again as it is, without KVzip's "Repeat the previous context" (a model call has no
-tokenizer), and only once the whole of it is read (docs/results.md, "Rows to drop before the question: the repeat
-score").
+context again: a row the model needs to say the document again is one a later question, not asked yet, may need. A
+cache cannot run the model, but the model's own call can: the class defining the top-level model's ``__call__`` is
+wrapped (once, undone by ``unpatch``). Over a list of our caches that ask for it, a prompt chunk of token ids is
+remembered and read as usual (its rows fold quantized, the keys at 8 bits until chosen: memory stays bounded); the
+first decode-sized call after them (the prompt's last token) first runs the model over the prompt again, a chunk at
+a time (each after the :data:`LEAD` tokens before it, whose rows are trimmed after it; the chunk's own are attended
+over, not stored), while the caches record the most attention each folded row gets; then each head keeps its
+best-scored rows. The prompt is read again as it is, without KVzip's "Repeat the previous context" (a model call
+has no tokenizer), and only once the whole of it is read (docs/results.md, "Rows to drop before the question: the
+repeat score"). In a batch of ours (the server's) each sequence is read again alone, over its own caches, at its
+first decode-sized step, before the batch's step runs.
 
-In mlx_lm's batched generation (the server's batches) each sequence keeps its own caches (:mod:`..caches.batch`):
-its prompt chunks are its slice of each right-padded step, and at the first decode-sized step after them it is read
-again alone, over its own caches, before the batch's step runs; the other sequences wait for it.
-
-With ``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv`` the same call chooses the rows without reading the prompt
-again: each cache scores them from the prompt's last queries, with its layer's attention module
-(:func:`attention_modules`: its rotary embedding) found here because this wrapper sees the model. With ``heads``
-the first prompt long enough to rate the heads is read again (as ``repeat``), the ratings kept here for the model;
-every later prompt's rows are scored by them, no second reading.
+With ``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv`` the same call chooses the rows without a second reading, each
+cache scoring them from the prompt's last queries with its layer's attention module (:func:`attention_modules`).
+With ``heads`` the first prompt long enough to rate the heads is read again, the ratings kept here for the model,
+and later prompts' rows are scored by them.
 
 Where it cannot be done the prompt is read once and every row kept, said once: a list holding any cache that is not
 one of ours asking for it (a sliding-window slot of mlx_lm's, whose rows cannot be trimmed), or input embeddings
@@ -150,7 +145,8 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
     read, lead = False, None
     try:
         for chunk in chunks:
-            pieces, lead = ([chunk] if lead is None else [lead, chunk]), _lead(lead, chunk)
+            pieces = [chunk] if lead is None else [lead, chunk]
+            lead = mx.concatenate(pieces, axis=1)[:, -LEAD:]  # the last tokens read before the next chunk
             try:
                 for piece in pieces:  # the lead in a call of its own: no more activations than the chunk's
                     for cache in readers:  # the lead's rows stored for the chunk, the chunk's attended only
@@ -201,11 +197,6 @@ def attention_modules(model: Any) -> list[Any]:
     names = ("self_attn", "attention", "attn")
     return [next((getattr(layer, n) for n in names if hasattr(getattr(layer, n, None), "rope")), None)
             for layer in getattr(model, "layers", [])]
-
-
-def _lead(lead: mx.array | None, chunk: mx.array) -> mx.array:
-    """The last :data:`LEAD` tokens read before the next chunk (this chunk's, and its lead's where it is shorter)."""
-    return (chunk if lead is None else mx.concatenate([lead, chunk], axis=1))[:, -LEAD:]
 
 
 def _with_input(params: Parameters, args: tuple, kwargs: dict, tokens: mx.array,

@@ -1,15 +1,9 @@
-"""mlx_lm's server: settings per request.
+"""mlx_lm's server: settings per request (docs/settings.md, "Per request, on mlx_lm's server").
 
-A request to ``mlx_lm server`` may carry its own settings, in a field of its JSON body or in headers::
-
-    {"prompt": "...", "velox": {"kv": "snapkv", "budget": "25%", "snapkv_kernel": 7}}
-    X-Velox-Kv: snapkv
-    X-Velox-Budget: 25%
-
-The keys are the settings' own (:func:`veloxpatch.config.request_settings`; a header's name is the key with ``-``
-for ``_`` after ``X-Velox-``), each value parsed as the environment's would be, over the process's settings; a
-setting of the process alone (:data:`veloxpatch.config.PROCESS_WIDE`) is refused. A bad value is mlx_lm's own HTTP
-400 naming the field, the value and what is allowed, and the server keeps serving.
+A request may carry its own settings in a ``velox`` object of its JSON body or in ``X-Velox-*`` headers, by the
+settings' own keys (:func:`veloxpatch.config.request_settings`), each value parsed as the environment's would be,
+over the process's settings; a setting of the process alone (:data:`veloxpatch.config.PROCESS_WIDE`) is refused. A
+bad value is mlx_lm's own HTTP 400 naming the field, the value and what is allowed, and the server keeps serving.
 
 The settings travel with the request from the HTTP handler to the generation thread or the batch it joins
 (docs/DESIGN.md, "One server request"; where batches are mlx_lm's own, a request whose settings are not the
@@ -105,10 +99,8 @@ def settings_of(body: Any, headers: Any, base: VeloxConfig) -> VeloxConfig:
         if key in parsed and parsed[key][2] != value_parsed:
             raise RequestError(f"{parsed[key][0]}={parsed[key][1]!r} and {where}={value!r} disagree")
         parsed.setdefault(key, (where, value, value_parsed))
-    core = {k: p for k, (_, _, p) in parsed.items() if not allowed[k].method}
-    knobs = {k: p for k, (_, _, p) in parsed.items() if allowed[k].method}
     try:
-        return base.replace(**core, knobs={**base.knobs, **knobs})
+        return base.replace(**{key: value_parsed for key, (_, _, value_parsed) in parsed.items()})  # knobs by key too
     except ConfigError as error:
         raise RequestError(f"{FIELD}: {error}") from None
 
