@@ -81,8 +81,7 @@ def cache_class(name: str) -> type[Any]:
 
 
 def mixed_into(mixin: type, base: str) -> type[Any]:
-    """``mixin`` (which may override :data:`PROTOCOL`'s methods) on mlx_lm's ``models.cache.<base>``, named as the
-    mixin without its "Mixin"."""
+    """``mixin`` on mlx_lm's ``models.cache.<base>``, named as the mixin without its "Mixin"."""
     return type(mixin.__name__.removesuffix("Mixin"), (mixin, cache_class(base)),
                 {"__doc__": mixin.__doc__, "__module__": mixin.__module__})
 
@@ -115,8 +114,7 @@ ARGUMENTS_AT = 2
 request, arguments): the tuple ``_serve_single`` gets."""
 
 CARRIED = "_veloxpatch_request"
-"""The attribute veloxpatch adds to mlx_lm's objects of one request (its handler, its ``CompletionRequest``, its
-generation arguments)."""
+"""The attribute veloxpatch adds to mlx_lm's objects of one request (handler, ``CompletionRequest``, arguments)."""
 
 
 def carry(holder: Any, value: Any) -> None:

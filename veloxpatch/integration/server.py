@@ -155,8 +155,7 @@ def _hand_on(holder: Any, to: Any) -> None:
 
 @wrapt.decorator
 def handle_completion(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """``APIHandler.handle_completion(request, stop_words)``: the handler's ticket goes with ``request``, on to
-    ``ResponseGenerator.generate``."""
+    """``APIHandler.handle_completion(request, stop_words)``: the handler's ticket goes on with ``request``."""
     _hand_on(instance, args[0] if args else kwargs.get("request"))
     return wrapped(*args, **kwargs)
 

@@ -19,8 +19,7 @@ from ..log import once
 
 @dataclass
 class Swap:
-    """One function replaced in mlx_lm, on ``owner`` (a class) or, when that is None, at every module-level
-    binding of ``name``."""
+    """One function replaced in mlx_lm: on ``owner`` (a class), or at every module-level binding of ``name``."""
 
     name: str
     original: Any
@@ -59,8 +58,7 @@ STATE = PatchState()
 
 
 def swap(key: str, name: str, original: Any, wrap: Callable[[Any], Any], owner: Any = None) -> None:
-    """Bind ``wrap(original)`` in place of ``original``, wrapped once per patch and recorded under ``key`` for
-    ``unpatch``."""
+    """Bind ``wrap(original)`` in place of ``original``, wrapped once per patch (recorded under ``key``)."""
     if key not in STATE.swaps:
         STATE.swaps[key] = Swap(name, original, wrap(original), owner)
     STATE.swaps[key].bind()

@@ -55,8 +55,7 @@ def make_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
 
 @wrapt.decorator
 def scaled_dot_product_attention(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """A call whose cache is ours goes to the cache (real queries, our mask); every other call goes to the
-    original, arguments untouched."""
+    """A call whose cache is ours goes to the cache (real queries, our mask); any other to the original, untouched."""
     call = dict(zip(SDPA_PARAMS, args), **kwargs)
     cache = call.get("cache")
     if isinstance(cache, (CompressedKVCache, SequenceBatch)):
@@ -82,7 +81,7 @@ def _in_blocks(cache: Any, queries: mx.array) -> bool:
 
 @wrapt.decorator
 def generation_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """For ``generate_step`` and ``speculative_generate_step`` (``prompt_cache`` is keyword-only)."""
+    """For ``generate_step`` (``prompt_cache`` is keyword-only)."""
     caches, model = kwargs.get("prompt_cache"), args[1] if len(args) > 1 else kwargs.get("model")
     try:
         _evaluate_first(caches, model)
@@ -95,8 +94,7 @@ def generation_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict
 
 @wrapt.decorator
 def speculative_start(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    """For ``speculative_generate_step``: the draft model's caches follow ``VELOX_DRAFT_KV``, then a
-    generation starts as for ``generate_step``."""
+    """For ``speculative_generate_step``: the draft's caches follow ``VELOX_DRAFT_KV``, then a generation starts."""
     call = inspect.signature(wrapped).bind(*args, **kwargs)
     given = call.arguments
     try:
