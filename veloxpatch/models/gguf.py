@@ -23,8 +23,6 @@ BIAS = ".bias"  # a layer's additive bias (Qwen2's q/k/v projections): always de
 SUFFIXES = (*QUANT_SUFFIXES, BIAS)
 BLOCK_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)$")
 
-__all__ = ["GGUFError", "convert", "mlx_lm_name", "split_suffix", "unpermute_rotary"]
-
 
 def split_suffix(name: str) -> tuple[str, str]:
     """``"blk.0.attn_q.scales"`` -> ``("blk.0.attn_q", ".scales")``."""
@@ -58,33 +56,16 @@ def quantized_bits(packed: mx.array, scales: mx.array) -> int:
     return packed.shape[-1] * 32 // (scales.shape[-1] * GGUF_GROUP_SIZE)
 
 
-def _grouped(weights: dict[str, mx.array]) -> dict[str, dict[str, mx.array]]:
-    """``{"blk.0.attn_q": {".weight": ..., ".scales": ..., ".biases": ...}, ...}``."""
-    tensors: dict[str, dict[str, mx.array]] = {}
-    for name, value in weights.items():
-        base, suffix = split_suffix(name)
-        tensors.setdefault(base, {})[suffix] = value
-    return tensors
-
-
-def _rotary_heads(gguf_name: str, config: dict[str, Any], arch: Architecture) -> int | None:
-    """Heads to unpermute by for q/k projections llama.cpp reordered; None for every other tensor."""
-    heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(gguf_name.rsplit(".", 1)[-1])
-    return config[heads] if arch.interleaved_rotary and heads is not None else None
-
-
-def _unshift_norm(gguf_name: str, parts: dict[str, mx.array], arch: Architecture) -> dict[str, mx.array]:
-    """A norm weight as mlx_lm's module keeps it: llama.cpp's ``shift + w`` less the shift."""
-    if not arch.norm_shift or not gguf_name.endswith("norm"):
-        return parts
-    return {".weight": parts[".weight"] - arch.norm_shift}
-
-
-def convert_tensor(parts: dict[str, mx.array], heads: int | None, quantized: bool,
-                   dtype: mx.Dtype) -> dict[str, mx.array]:
-    """One tensor's arrays in mlx_lm form: rows reordered for RoPE, dense ``dtype`` or kept quantized, bias dense."""
-    if heads is not None:
-        parts = {suffix: unpermute_rotary(a, heads) for suffix, a in parts.items()}
+def convert_tensor(base: str, parts: dict[str, mx.array], arch: Architecture, config: dict[str, Any],
+                   quantized: bool) -> dict[str, mx.array]:
+    """One tensor's arrays in mlx_lm form: a norm less llama.cpp's shift, q/k rows llama.cpp reordered put back for
+    RoPE, dense (float32, or float16 beside kept quantized matrices) or kept quantized, a bias dense."""
+    if arch.norm_shift and base.endswith("norm"):
+        parts = {".weight": parts[".weight"] - arch.norm_shift}
+    heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(base.rsplit(".", 1)[-1])
+    if arch.interleaved_rotary and heads is not None:
+        parts = {suffix: unpermute_rotary(a, config[heads]) for suffix, a in parts.items()}
+    dtype = mx.float16 if quantized else mx.float32
     bias = {BIAS: parts[BIAS].astype(dtype)} if BIAS in parts else {}
     if ".scales" not in parts:
         return {".weight": parts[".weight"].astype(dtype), **bias}
@@ -116,14 +97,15 @@ def convert(weights: dict[str, mx.array], metadata: dict[str, Any],
     """mlx_lm weights and config from a GGUF's ``(weights, metadata)``: dense float32 by default (mlx's CPU backend
     is fast at float32, ~10x slower at float16); ``quantized`` keeps the quantized matrices, for Metal."""
     arch = architecture(metadata)
-    tensors = _grouped(weights)
+    tensors: dict[str, dict[str, mx.array]] = {}  # {"blk.0.attn_q": {".weight": ..., ".scales": ...}, ...}
+    for name, value in weights.items():
+        base, suffix = split_suffix(name)
+        tensors.setdefault(base, {})[suffix] = value
     config = arch.config(metadata, "output" not in tensors)
     if quantized:
         config["quantization"] = quantization_config(tensors, arch)
-    dtype = mx.float16 if quantized else mx.float32
     converted = {}
     for base, parts in tensors.items():
-        parts = _unshift_norm(base, parts, arch)
-        arrays = convert_tensor(parts, _rotary_heads(base, config, arch), quantized, dtype)
+        arrays = convert_tensor(base, parts, arch, config, quantized)
         converted.update({mlx_lm_name(base, arch) + suffix: a for suffix, a in arrays.items()})
     return converted, config

@@ -47,9 +47,10 @@ def build_tokenizer(metadata: dict[str, Any]) -> Any:
     if model not in ("gpt2", "llama"):
         raise ValueError(f"tokenizer.ggml.model is {model!r}; supported: gpt2 (byte-level BPE), "
                          "llama (SentencePiece BPE)")
-    types = _types(metadata)
-    tokenizer = _byte_level(metadata) if model == "gpt2" else _sentencepiece(metadata, types)
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    given_types = metadata.get("tokenizer.ggml.token_type")  # every token normal when the file has none
+    types = [NORMAL] * len(tokens) if given_types is None else given_types.tolist()
+    tokenizer = _byte_level(metadata) if model == "gpt2" else _sentencepiece(metadata, types)
     tokenizer.add_tokens([AddedToken(tokens[i], special=t == CONTROL, normalized=False)
                           for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)])
     if _flag(metadata, "add_bos_token", False):
@@ -60,13 +61,6 @@ def build_tokenizer(metadata: dict[str, Any]) -> Any:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
     return tokenizer
-
-
-def _types(metadata: dict[str, Any]) -> list[int]:
-    """Each token's llama.cpp type; every token normal when the file has none."""
-    if "tokenizer.ggml.token_type" not in metadata:
-        return [NORMAL] * len(metadata["tokenizer.ggml.tokens"])
-    return metadata["tokenizer.ggml.token_type"].tolist()
 
 
 def _flag(metadata: dict[str, Any], name: str, default: bool) -> bool:
