@@ -156,8 +156,16 @@ class VeloxConfig:
         for s in CORE_SETTINGS:
             object.__setattr__(self, s.key, s.convert(getattr(self, s.key)))
         object.__setattr__(self, "knobs", self._checked_knobs(dict(self.knobs)))
-        self._check_budget()
-        self._check_kv_memory()
+        assert isinstance(self.budget, Budget), "converted above"
+        tokens = self.budget.tokens
+        if self.enabled and tokens is not None and tokens < self.sink + self.window:
+            raise ConfigError(f"VELOX_BUDGET={tokens} is not allowed: it must be at least VELOX_SINK + VELOX_WINDOW = "
+                              f"{self.sink} + {self.window} = {self.sink + self.window}")
+        if self.enabled and self.kv_memory and self.kv not in evicting_methods():
+            raise ConfigError(
+                f"VELOX_KV_MEMORY={self.kv_memory} is not allowed with VELOX_KV={self.kv}: it bounds the methods "
+                f"that evict rows ({', '.join(evicting_methods())}); {self.kv} keeps every token in a form of its own"
+                + METHODS[self.kv].cls.memory_instead)
 
     def _checked_knobs(self, given: dict[str, Any]) -> dict[str, Any]:
         by_key = {s.key: s for s in all_settings() if s.method}
@@ -165,20 +173,6 @@ class VeloxConfig:
         if unknown:
             raise ConfigError(f"unknown method knob(s) {unknown}; known: {sorted(by_key)}")
         return {k: s.convert(given.get(k, s.default)) for k, s in by_key.items()}
-
-    def _check_budget(self) -> None:
-        assert isinstance(self.budget, Budget), "converted by __post_init__"
-        tokens = self.budget.tokens
-        if self.enabled and tokens is not None and tokens < self.sink + self.window:
-            raise ConfigError(f"VELOX_BUDGET={tokens} is not allowed: it must be at least VELOX_SINK + VELOX_WINDOW = "
-                              f"{self.sink} + {self.window} = {self.sink + self.window}")
-
-    def _check_kv_memory(self) -> None:
-        if self.enabled and self.kv_memory and not getattr(METHODS[self.kv].cls, "bounds_memory", False):
-            raise ConfigError(
-                f"VELOX_KV_MEMORY={self.kv_memory} is not allowed with VELOX_KV={self.kv}: it bounds the methods "
-                f"that evict rows ({', '.join(evicting_methods())}); {self.kv} keeps every token in a form of its own"
-                + METHODS[self.kv].cls.memory_instead)
 
     @property
     def enabled(self) -> bool:

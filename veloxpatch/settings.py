@@ -113,12 +113,7 @@ class TierSize:
     def parse(cls, text: str) -> TierSize:
         """``"3x"`` (or ``"3"``) -> three budgets, ``"all"`` -> no bound."""
         value = text.strip().lower()
-        if value == "all":
-            return cls(None)
-        budgets = float(value[:-1] if value.endswith("x") else value)
-        if not (math.isfinite(budgets) and budgets > 0):
-            raise ValueError(text)
-        return cls(budgets)
+        return cls(None if value == "all" else number_range(0, above=True)(value.removesuffix("x")))
 
     def rows(self, keep: int) -> int | None:
         """Rows beside a store of ``keep`` rows; None: no bound."""
@@ -186,10 +181,7 @@ def percent(text: str) -> Share:
     """A share written as a percentage in (0, 100] (``"40%"``), as a fraction."""
     if not text.endswith("%"):
         raise ValueError(text)
-    value = float(text[:-1])
-    if not 0 < value <= 100:
-        raise ValueError(text)
-    return Share(value / 100)
+    return Share(number_range(0, 100, above=True)(text[:-1]) / 100)
 
 
 def choice(options: tuple[str, ...] | Callable[[], tuple[str, ...]], upper: bool = False) -> Callable[[str], str]:
@@ -201,11 +193,9 @@ def choice(options: tuple[str, ...] | Callable[[], tuple[str, ...]], upper: bool
 def boolean(text: str) -> bool:
     """``1/0``, ``true/false``, ``yes/no``, ``on/off`` (and empty: false)."""
     value = text.strip().lower()
-    if value in TRUE:
-        return True
-    if value in FALSE:
-        return False
-    raise ValueError
+    if value not in TRUE + FALSE:
+        raise ValueError
+    return value in TRUE
 
 
 def strict_requested() -> bool:
