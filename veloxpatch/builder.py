@@ -3,11 +3,8 @@
 Only plain full-attention ``KVCache`` slots are candidates; every other slot (sliding-window, SSM/linear, quantized,
 ``CacheList``, ...) stays exactly as the model made it. Which candidates get our caches is decided by probing what
 the model does with them (:mod:`veloxpatch.eligibility`); a model that fails the probe runs on mlx_lm's own caches,
-said once with the reason (:mod:`veloxpatch.fallback`).
-
-The probe runs the model, so it never meets a model whose parameters are not evaluated yet
-(:func:`veloxpatch.structure.unevaluated`): such a list stays mlx_lm's, said once at INFO (an error under
-``VELOX_STRICT``), and nothing is kept: the first list made after the app has evaluated the model is probed.
+said once with the reason (:mod:`veloxpatch.fallback`). The probe runs the model, so a model whose parameters are
+not evaluated yet (:func:`veloxpatch.structure.unevaluated`) keeps mlx_lm's list, said once (:data:`LAZY`).
 """
 
 from __future__ import annotations
@@ -44,9 +41,8 @@ def mlx_caches(model: Any) -> list[Any]:
 
 
 def explain(model: Any, config: VeloxConfig) -> str:
-    """What ``config``'s method does on ``model``, in one line, with what ``VELOX_KV_MEMORY`` gives it (the
-    attention route must be patched, and the layer hooks installed where the method asks for them:
-    :func:`veloxpatch.integration.layer_io.prepare`)."""
+    """What ``config``'s method does on ``model``, in one line, with what ``VELOX_KV_MEMORY`` gives it (the route
+    patched and the layer hooks installed: :func:`veloxpatch.integration.layer_io.prepare`)."""
     caches = mlx_caches(model)
     slots = candidate_slots(caches)
     if not slots:
@@ -63,10 +59,9 @@ def explain(model: Any, config: VeloxConfig) -> str:
 
 def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime = Runtime(),
           max_kv_size: int | None = None) -> list[Any]:
-    """Replace the slots the probe clears with compressed caches sharing one coordinator, each built whole with
-    ``runtime`` and the list's memory plan, and counted in the statistics; on a model split across ranks, every rank
-    takes part in their agreement whatever its own verdict. ``max_kv_size``: what the app asked
-    ``make_prompt_cache`` for (said when it is why no slot is plain)."""
+    """Replace the slots the probe clears with compressed caches sharing one coordinator, built with ``runtime`` and
+    the list's memory plan, counted in the statistics; every rank of a split model takes part in their agreement
+    whatever its verdict. ``max_kv_size``: the app's, said when it is why no slot is plain."""
     name = model_type(model)
     slots = candidate_slots(caches)
     if slots and unprobed_and_lazy(model, slots, config):  # before the ranks agree: every rank's model is alike

@@ -24,6 +24,7 @@ from .integration import compat, features, version
 from .launching import SHIM_DIR
 from .log import model_type
 from .registry import METHODS
+from .settings import to_text
 
 RUN_CONTEXT = {"ignore_unknown_options": True, "allow_interspersed_args": False}
 
@@ -72,10 +73,7 @@ def _setting_options(command: Any) -> Any:
 def child_environment(options: dict[str, Any], base: dict[str, str]) -> dict[str, str]:
     """The app's environment: the caller's, the given options as VELOX_*, the bootstrap path."""
     env = dict(base)
-    for s in all_settings():
-        value = options.get(s.key)
-        if value is not None:
-            env[s.name] = ("1" if value else "0") if s.is_flag else value
+    env.update({s.name: to_text(options[s.key]) for s in all_settings() if options.get(s.key) is not None})
     paths = [str(SHIM_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env

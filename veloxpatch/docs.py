@@ -73,9 +73,7 @@ def _table(settings: Iterable[Setting], option: bool) -> list[str]:
 
 
 def _method_doc(name: str) -> str:
-    """The docstring of the module that defines ``name``'s cache class: the paper and the deviations from it.
-
-    The one place that knows where a method's code lives, so moving the methods means changing only this."""
+    """The docstring of the module that defines ``name``'s cache class: the paper and the deviations from it."""
     module = sys.modules.get(METHODS[name].cls.__module__)
     return inspect.cleandoc(module.__doc__) if module is not None and module.__doc__ else ""
 

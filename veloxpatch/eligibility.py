@@ -86,9 +86,8 @@ def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], Compres
 def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
             whole: bool = False) -> Verdict:
     """The probe's verdict for ``model`` under ``config`` (kept while the model lives); never raises. ``caches`` is
-    a fresh list from mlx_lm and ``slots`` its plain ``KVCache`` slots; ``whole`` probes every layer. The attention
-    route must be patched, or no call reaches our caches; the probe evaluates the model (the builder asks
-    :func:`probed` and :func:`veloxpatch.structure.unevaluated` first)."""
+    a fresh list from mlx_lm, ``slots`` its plain ``KVCache`` slots; ``whole`` probes every layer. The route must be
+    patched; the probe evaluates the model (the builder asks :func:`probed` and ``structure.unevaluated`` first)."""
     return per_model(_verdicts, model, _key(slots, config),
                      lambda: _probe(model, caches, slots, config, whole))
 
@@ -104,8 +103,7 @@ def _key(slots: tuple[int, ...], config: VeloxConfig) -> Hashable:
 
 def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig, whole: bool) -> Verdict:
     """The verdict from a prefix of the layers holding every kind where it stands for the model, else from all; an
-    error raised makes the verdict. Its caches are never handed to the app, so nothing of theirs counts in the
-    user's statistics (:mod:`veloxpatch.stats`)."""
+    error raised makes the verdict. Its caches never reach the app, nor the statistics (:mod:`veloxpatch.stats`)."""
     try:
         found = None if whole else _probe_prefix(model, caches, slots, config)
         return found if found is not None else _probe_list(model, caches, slots, config, _plain_run(model, caches))
@@ -116,9 +114,7 @@ def _probe(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxC
 
 def _probe_prefix(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig) -> Verdict | None:
     """The verdict of the shortest prefix of the layers holding every kind (:func:`veloxpatch.structure.prefix`),
-    for every slot of the list; None where it cannot stand for the model (the whole model is probed): no such
-    prefix, layers that cannot be read, a forward over the prefix that fails, or layers of one kind that fared
-    differently."""
+    for every slot of the list; None where it cannot stand for the model (the whole model is then probed)."""
     try:
         part = structure.prefix(model, caches)
     except Exception as error:  # a layer stack unlike mlx_lm's: not a reason to turn the model away
@@ -135,18 +131,13 @@ def _probe_prefix(model: Any, caches: list[Any], slots: tuple[int, ...], config:
                   part.length, error)
         return None
     found = _probe_list(shallow, short, tuple(i for i in slots if i < part.length), config, plain)
-    if not _alike(found, part):
+    fate = [found.left.get(i, i in found.slots) for i in range(part.length)]  # served, or why not
+    if any(fate[i] != fate[part.kinds[i]] for i in range(part.length)):  # a kind's first slot is no later
         log.debug("probing every layer of %s: layers of one kind fared differently", type(model).__name__)
         return None
     return replace(found, slots=tuple(i for i in slots if part.kinds[i] in found.slots),
                    left={i: found.left[part.kinds[i]] for i in slots if part.kinds[i] in found.left},
                    layouts=tuple(structure.widen(found.layouts, part)) if found.layouts else ())
-
-
-def _alike(found: Verdict, part: structure.Prefix) -> bool:
-    """Whether every probed slot fared as the first slot of its kind did (served, or left for the same reason)."""
-    fate = [found.left.get(i, i in found.slots) for i in range(part.length)]  # a kind's first slot is no later
-    return all(fate[i] == fate[part.kinds[i]] for i in range(part.length))
 
 
 def _plain_run(model: Any, caches: list[Any]) -> tuple[list[Any], list[mx.array]]:
@@ -204,9 +195,8 @@ def _raised(error: BaseException) -> dict[str, Any]:
 
 
 class _Run:
-    """One probe run with watched caches in ``slots``: how many forwards it made, whether their logits differ from
-    ``expected`` (when given), its error, and per-slot records. Each forward's logits are compared and let go at
-    once: kept, a model with a wide vocabulary held them all (Gemma 3: the probe peaked at 57 MiB over the model)."""
+    """One probe run with watched caches in ``slots``: its forwards, whether their logits differ from ``expected``
+    (when given; each let go once compared, as a wide vocabulary's add up), its error, and per-slot records."""
 
     def __init__(self, model: Any, caches: list[Any], slots: list[int], config: VeloxConfig,
                  sizes: dict[str, Any], chunks: tuple[tuple[int, ...], ...],

@@ -20,9 +20,8 @@ __all__ = ["StrictError", "fall_back", "notice"]
 
 def notice(message: str, config: Any, *, key: str, error: BaseException | None = None, level: int = logging.WARNING,
            trace: str = "") -> None:
-    """A fallback, said in ``message``: under ``config.strict`` a :class:`StrictError` chained to ``error`` (with
-    ``trace``, a traceback kept as text, in the message); otherwise logged once per ``key`` at ``level``, with the
-    traceback (``trace``, or ``error``'s own) at DEBUG."""
+    """A fallback, said in ``message``: under ``config.strict`` a :class:`StrictError` chained to ``error`` (``trace``,
+    a traceback as text, in its message); else logged once per ``key`` at ``level``, the traceback at DEBUG."""
     if getattr(config, "strict", False):
         raise StrictError(f"{message}, but VELOX_STRICT is set" + (f"\n{trace}" if trace else "")) from error
     if once(f"fall back: {key}", level, message):

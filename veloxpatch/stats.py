@@ -60,9 +60,8 @@ def folded(cache: Any) -> None:
 
 
 def counts(caches: list[Any] | None = None) -> list[int]:
-    """This process's numbers for the summary (summed over ranks as they are): generations, caches built,
-    compressions, folds, and over the live caches (or ``caches``) tokens seen, rows kept, rows kept in a form
-    other than exact, bytes held and the bytes a dense cache would hold."""
+    """This process's numbers for the summary (summed over ranks as they are): generations, caches built, compressions,
+    folds, and over the live caches (or ``caches``) tokens seen, rows kept, rows not exact, bytes and dense bytes."""
     live = list(_live) if caches is None else caches
     return [totals.generations, totals.caches_built, totals.compressions, totals.folds, sum(c.offset for c in live),
             sum(c.size() for c in live), sum(sum(forms(c).values()) for c in live), sum(c.nbytes for c in live),
@@ -70,11 +69,10 @@ def counts(caches: list[Any] | None = None) -> list[int]:
 
 
 def held(caches: list[Any]) -> dict[str, int]:
-    """What one cache list holds (:data:`HELD`), ours and mlx_lm's slots alike: physical bytes (``nbytes``: spare
-    capacity, a tier's low-bit rows and a prompt's snapshot included), what mlx_lm's full cache would hold for the
-    same tokens (its own slots count as they are), the rows attention runs over and the tokens seen, summed over
-    layers; and both byte counts as a 16-bit model's caches would hold them (on the CPU, where float16 weights run as
-    float32, what a Mac would hold: :func:`at_16_bits`)."""
+    """What one cache list holds (:data:`HELD`), ours and mlx_lm's slots alike, summed over layers: physical bytes
+    (spare capacity, a tier and a prompt's snapshot included), what mlx_lm's full cache would hold, the rows attended
+    and the tokens seen; and both byte counts as a 16-bit model's caches would hold them (on the CPU, where float16
+    weights run as float32, what a Mac would hold: :func:`at_16_bits`)."""
     found = dict.fromkeys(HELD, 0)
     for cache in caches:
         nbytes = int(getattr(cache, "nbytes", 0) or 0)
@@ -117,9 +115,7 @@ def summary(method: str, numbers: list[int] | None = None, who: str = "", caches
     live = list(_live) if caches is None else caches
     numbers = counts(live) if numbers is None else numbers
     generations, built, compressions, folds, seen, kept, other, nbytes, dense = numbers
-    by_form: Counter[str] = Counter()
-    for cache in live:
-        by_form.update(forms(cache))
+    by_form = sum((Counter(forms(cache)) for cache in live), Counter[str]())
     if sum(by_form.values()) != other:
         by_form = Counter({"folded or quantized": other} if other else {})
     steps = [f"{compressions} compression(s)"] if compressions or not folds else []

@@ -124,10 +124,9 @@ def _is_plain(value: Any) -> bool:
 
 
 def shortened(model: Any, length: int) -> Any:
-    """A view of ``model`` whose layer stack holds its first ``length`` layers, for a forward that walks every layer
-    whatever the cache list (``for layer in self.layers: ... cache[i]``); ``model`` itself as it is where the stack
-    is not found among its modules. The view shares every module and parameter; ``model`` is left untouched (the
-    app may be running it in another thread)."""
+    """A view of ``model`` whose layer stack holds its first ``length`` layers (a forward walks every layer, whatever
+    the cache list), or ``model`` where the stack is not among its modules. The view shares every module and
+    parameter; ``model`` is left untouched (the app may be running it in another thread)."""
     path = _path_to(model, model.layers)
     if path is None:
         return model

@@ -13,17 +13,6 @@ import os
 import sys
 
 
-def _install() -> None:
-    """Install the shim, if this interpreter has veloxpatch (a child may run one that has not)."""
-    try:
-        from veloxpatch.bootstrap import install
-    except ModuleNotFoundError as error:
-        if error.name == "veloxpatch":
-            return
-        raise
-    install()
-
-
 def _run_user_sitecustomize() -> None:
     """Run the ``sitecustomize`` Python would have imported had ours not been first on the path."""
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path)
@@ -37,7 +26,12 @@ def _velox_start() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     try:
-        _install()
+        from veloxpatch.bootstrap import install
+
+        install()
+    except ModuleNotFoundError as error:
+        if error.name != "veloxpatch":  # else this interpreter (a child may run another) has no veloxpatch
+            raise
     finally:
         _run_user_sitecustomize()
 

