@@ -123,8 +123,7 @@ def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConf
 
 
 def _planned(name: str, caches: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> MemoryPlan:
-    """The plan every compressed cache of the list is built with (said once at INFO; slots it cannot bound at
-    WARNING, an error under strict)."""
+    """The list's memory plan (said once at INFO; slots it cannot bound at WARNING, an error under strict)."""
     plan = memory_plan(caches, found, config, make_cache(config).policy)
     once(f"memory plan {name} {plan.setting}", logging.INFO, f"{name}: {plan.describe()}")
     if plan.unbounded:

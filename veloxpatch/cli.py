@@ -34,8 +34,7 @@ class AppCommand(click.Command):
     app's own ``-m``, as in ``llm -m MODEL``, as ours), so the arguments are cut there before click parses them."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        """Click's parsing, with a ``--`` put after ``-m MODULE``; the argument after one of our options that takes a
-        value is not the app's."""
+        """Click's parsing, with ``--`` put after ``-m MODULE`` (a value given to an option of ours is ours)."""
         valued = {name for param in self.params if isinstance(param, click.Option) and not param.is_flag
                   for name in param.opts if name != "-m"}
         return super().parse_args(ctx, app_arguments_apart(args, valued))

@@ -148,8 +148,7 @@ def _plain_run(model: Any, caches: list[Any]) -> tuple[list[Any], list[mx.array]
 
 def _probe_list(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig,
                 plain: tuple[list[Any], list[mx.array]]) -> Verdict:
-    """Drop the slots the model misuses until the rest pass, then check outputs and eviction; ``plain`` is
-    :func:`_plain_run` over ``caches``."""
+    """Drop the slots the model misuses until the rest pass, then check outputs and eviction (``plain``: mlx_lm's)."""
     left: dict[int, str] = {}
     candidates = list(slots)
     while candidates:
@@ -174,8 +173,7 @@ def _probe_list(model: Any, caches: list[Any], slots: tuple[int, ...], config: V
 
 
 def _layouts(plain: list[Any], run: _Run) -> tuple[SlotLayout, ...]:
-    """Every slot's layout as mlx_lm's caches held it, with the bytes of one remembered query where our cache
-    served the slot."""
+    """Every slot's layout as mlx_lm's caches held it, plus one remembered query's bytes where our cache served it."""
     out = []
     for cache, served in zip(plain, run.caches):
         layout, q = layout_of(cache), getattr(getattr(served, "memory", None), "queries", None)

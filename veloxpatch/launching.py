@@ -51,15 +51,12 @@ def is_mlx_launch(target: list[str]) -> bool:
 
 
 def forward_environment(args: list[str], env: dict[str, str]) -> list[str]:
-    """``mlx.launch``'s ``args`` with ``--env NAME=VALUE`` first for each ``VELOX_*`` and PYTHONPATH in ``env``.
-
-    Remote ranks start over ssh with a fresh environment (local ones inherit it); mlx.launch exports its ``--env``
-    values on every rank, so they bootstrap the shim with the same settings (veloxpatch installed at the same path
-    on every host, as ``--python`` already assumes). LD_PRELOAD is not forwarded: another host may lack that BLAS or
-    keep it elsewhere. A name the user passes with their own ``--env`` is theirs, their PYTHONPATH gets the shim
-    first; ours go first because mlx.launch exports in order, so a later user flag wins even in a spelling not
-    recognised here (an argparse abbreviation), though ours win over a hostfile's ``envs``.
-    """
+    """``mlx.launch``'s ``args`` with ``--env NAME=VALUE`` first for each ``VELOX_*`` and PYTHONPATH in ``env``:
+    remote ranks start over ssh with a fresh environment, and mlx.launch exports its ``--env`` values on every rank
+    (veloxpatch installed at the same path on every host, as ``--python`` assumes). LD_PRELOAD is not forwarded:
+    another host may lack that BLAS. A name the user passes with ``--env`` is theirs (their PYTHONPATH gets the shim
+    first); ours go first, as mlx.launch exports in order: a later user flag wins even in a spelling not recognised
+    here (an argparse abbreviation), though ours win over a hostfile's ``envs``."""
     given = _given_env(args)
     names = [name for name in sorted(env) if name.startswith("VELOX_")] + ["PYTHONPATH"]
     flags = [part for name in names if name in env and name not in given
@@ -68,8 +65,7 @@ def forward_environment(args: list[str], env: dict[str, str]) -> list[str]:
 
 
 def _search_path() -> str:
-    """Where console scripts are looked for: the interpreter's own folder first (its scripts import what it has
-    installed, even off PATH), then PATH."""
+    """Where console scripts are looked for: the interpreter's folder (its scripts, even off PATH), then PATH."""
     return os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
@@ -80,8 +76,7 @@ def _console_script(name: str) -> str | None:
 
 
 def _is_python(path: str) -> bool:
-    """Whether ``path`` is a Python script: pip's console scripts start ``#!.../python``, or, for long
-    paths, ``#!/bin/sh`` and a line that execs python."""
+    """Whether ``path`` is a Python script: ``#!.../python``, or (pip's, for long paths) ``#!/bin/sh`` execing it."""
     try:
         with open(path, "rb") as file:
             head = file.readline(512) + file.readline(512)
@@ -123,8 +118,7 @@ def _found_by_importing(module: str) -> bool:
 
 
 def _given_env(args: list[str]) -> dict[str, int]:
-    """Each name the user sets with ``--env`` (anywhere before ``--``, as mlx.launch's argparse reads it), to the
-    index in ``args`` of its ``NAME=VALUE``."""
+    """Each name the user sets with ``--env`` before any ``--`` (as mlx.launch reads it), to its NAME=VALUE's index."""
     given: dict[str, int] = {}
     for index, arg in enumerate(args):
         if arg == "--":

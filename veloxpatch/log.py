@@ -21,8 +21,7 @@ def configure(level: str) -> None:
 
 
 def once(key: str, level: int, message: str) -> bool:
-    """Log ``message`` the first time ``key`` comes up in this process (repeats would only be noise); True if
-    it was logged now."""
+    """Log ``message`` the first time ``key`` comes up in this process (repeats are noise); True if logged now."""
     if key in _said:
         return False
     _said.add(key)

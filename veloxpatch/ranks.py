@@ -1,16 +1,15 @@
-"""Models split across ranks by ``mlx.distributed``: what each rank's cache list spans, and that every
-rank runs with the same settings.
+"""Models split across ranks by ``mlx.distributed``: what each rank's cache list spans, and that every rank runs with
+the same settings.
 
 mlx_lm splits a model two ways (``sharded_load``), which may be combined: tensor parallel (``model.shard(group)``:
 every rank holds every layer with a share of its heads) and pipeline parallel (``model.model.pipeline(group)``: rank
 r holds a span of layers, the later ones on the lower ranks, and ``make_cache`` returns caches for those only).
 
-Each rank builds its own list, so per-head choices are local and need no traffic. What depends on the whole model is
-agreed once per model by one all-gather over the world group (:func:`agree`): settings that differ are an error on
-every rank before any generation; a rank whose probe failed leaves every rank unpatched (a cache's collectives must
-be met by every rank); the pipeline stages give each list its :class:`~veloxpatch.coordinators.Span`. That
-collective is safe because every rank builds caches at the same point of the program (mlx_lm's own distributed apps
-do), so every rank must run veloxpatch (``veloxpatch run mlx.launch``).
+Each rank builds its own list, so per-head choices are local. What depends on the whole model is agreed once per
+model by one all-gather over the world group (:func:`agree`): settings that differ are an error on every rank; a rank
+whose probe failed leaves every rank unpatched (a cache's collectives must be met by every rank); the pipeline stages
+give each list its :class:`~veloxpatch.coordinators.Span`. That collective is safe because every rank builds caches
+at the same point of the program (as mlx_lm's distributed apps do), so every rank must run veloxpatch.
 """
 
 from __future__ import annotations

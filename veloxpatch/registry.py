@@ -129,8 +129,7 @@ METHODS = MethodTable()
 def method(name: str, description: str, knobs: tuple[Setting, ...] = (), *,
            composes: tuple[str, ...] | Callable[[Mapping[str, Any]], tuple[str, ...]] = (),
            policy: bool = False) -> Callable[[C], C]:
-    """Class decorator: register a cache class as method ``name`` with its knobs (``VELOX_<NAME>_*``, each then
-    marked as the method's)."""
+    """Class decorator: register a cache class as method ``name`` with its knobs (``VELOX_<NAME>_*``, made its own)."""
 
     def register(cls: C) -> C:
         for knob in knobs:

@@ -1,13 +1,10 @@
 """Process-wide KV-cache statistics for ``VELOX_STATS`` (one line on exit).
 
 The statistics are of the caches the app holds: whoever hands a cache to the app registers it (:func:`track`: the
-builder, the loader, and with ``built=False`` whoever hands on a copy, such as the server's ``copy.deepcopy``), and
-only a registered cache's compressions and folds count, so the eligibility probe's caches count nothing. The summary
-reads the live ones, so nothing is counted twice and nothing is kept alive by the statistics.
-
-Rows kept are not all alike (exact, quantized, or folded by a cross-layer method, with K and V rebuilt when attention
-runs), so the line says how many rows are held in which form (each cache's ``kept_forms()``), whether the budget
-applies, and the bytes against a dense cache's.
+builder, the loader, and with ``built=False`` whoever hands on a copy), and only a registered cache's compressions
+and folds count (the probe's caches count nothing). The summary reads the live ones, so nothing is counted twice or
+kept alive. Rows kept are exact, quantized or folded, so the line says how many are held in which form (each
+cache's ``kept_forms()``), whether the budget applies, and the bytes against a dense cache's.
 """
 
 from __future__ import annotations
@@ -40,8 +37,7 @@ totals = _Totals()
 
 
 def track(cache: Any, built: bool = True) -> None:
-    """Remember a compressed cache (weakly, once however often tracked) for the exit summary; count it if it was
-    just built."""
+    """Remember a compressed cache (weakly, once however often tracked) for the exit summary; count it if just built."""
     if built:
         totals.caches_built += 1
     _live.add(cache)

