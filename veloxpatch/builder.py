@@ -53,7 +53,7 @@ def explain(model: Any, config: VeloxConfig) -> str:
     text = found.describe(len(slots))
     if config.kv_memory and found.slots:
         # ConfigError when it cannot hold the floor
-        text += "; " + memory_plan(caches, found, config, make_cache(config).policy).describe()
+        text += "; " + memory_plan(caches, found, config).describe()
     return text
 
 
@@ -111,9 +111,10 @@ def unprobed_and_lazy(model: Any, slots: tuple[int, ...], config: VeloxConfig) -
     return not eligibility.probed(model, slots, config) and structure.unevaluated(model)
 
 
-def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConfig, policy: Any) -> MemoryPlan:
-    """``VELOX_KV_MEMORY`` as rows per layer for the slots ``found`` serves, whose caches pick rows with ``policy``
+def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> MemoryPlan:
+    """``VELOX_KV_MEMORY`` as rows per layer for the slots ``found`` serves, as their caches' policy picks rows
     (ConfigError when it cannot hold the rows every layer keeps)."""
+    policy = make_cache(config).policy
     served = {id(caches[i]): found.layouts[i] for i in found.slots}
     others = tuple(layout for i, layout in enumerate(found.layouts) if i not in found.slots)
     assert isinstance(config.kv_memory, Memory) and isinstance(config.tier, int), "converted by VeloxConfig"
@@ -124,7 +125,7 @@ def memory_plan(caches: list[Any], found: eligibility.Verdict, config: VeloxConf
 
 def _planned(name: str, caches: list[Any], found: eligibility.Verdict, config: VeloxConfig) -> MemoryPlan:
     """The list's memory plan (said once at INFO; slots it cannot bound at WARNING, an error under strict)."""
-    plan = memory_plan(caches, found, config, make_cache(config).policy)
+    plan = memory_plan(caches, found, config)
     once(f"memory plan {name} {plan.setting}", logging.INFO, f"{name}: {plan.describe()}")
     if plan.unbounded:
         notice(f"{name}: VELOX_KV_MEMORY={plan.setting} cannot bound {plan.unbounded} cache slot(s) that stay "

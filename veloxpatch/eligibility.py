@@ -6,8 +6,7 @@ some models read a cache directly (``keys_and_values``) or hand one layer's KV t
 probes each model once, with a few dummy tokens:
 
 1. a slot is served only if, at every forward, its layer stored rows in it once and attended once, through the
-   routed function, over as many rows as it got back (a slot failing this stays mlx_lm's, the others are probed
-   again);
+   routed function, over as many rows as it got back (else it stays mlx_lm's, and the others are probed again);
 2. with those slots ours and a budget no probe reaches, the logits equal mlx_lm's own;
 3. at a budget below the probe's length (prefill and decode compressions), nothing raises (failing 2 or 3 leaves
    the whole model to mlx_lm).
@@ -15,8 +14,8 @@ probes each model once, with a few dummy tokens:
 The probe's cost does not grow with depth: it runs the shortest prefix of the layers holding every kind of layer
 (:mod:`veloxpatch.structure`), whose verdict each slot past it takes from its kind, or the whole model where that
 cannot stand (a model split across ranks: its ranks must run the same forwards). Each verdict carries the reason, in
-words a user can act on, and the error when one was raised (the builder logs that as a WARNING, not as a model the
-probe merely turned away); ``VELOX_STRICT`` makes any verdict that leaves a slot to mlx_lm an error.
+words a user can act on, and any error raised (logged at WARNING by the builder); ``VELOX_STRICT`` makes any verdict
+that leaves a slot to mlx_lm an error.
 """
 
 from __future__ import annotations
@@ -182,8 +181,8 @@ def _layouts(plain: list[Any], run: _Run) -> tuple[SlotLayout, ...]:
 
 
 def _raised(error: BaseException) -> dict[str, Any]:
-    """A verdict's record of ``error``: the error without its traceback (whose frames hold the model, and a
-    verdict lives as long as its model), and the traceback as text."""
+    """A verdict's record of ``error``: the error without its traceback (whose frames would keep the model alive)
+    and that traceback as text."""
     trace = "".join(traceback.format_exception(error))
     chained: BaseException | None = error
     while chained is not None:

@@ -33,8 +33,7 @@ def script_target(script: str) -> list[str]:
 
 def module_target(module: str) -> list[str]:
     """The interpreter arguments that run ``-m MODULE``: the module when importable, else its console script
-    (``mlx.launch`` is only one). The import machinery, which runs parent packages' ``__init__`` (slow for mlx_lm),
-    is asked only before refusing."""
+    (``mlx.launch``); the import machinery (slow: it runs parents' ``__init__``) is asked only before refusing."""
     if _found_without_importing(module):
         return ["-m", module]
     found = _console_script(module)

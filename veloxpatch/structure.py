@@ -30,9 +30,8 @@ _PLAIN = (bool, int, float, str, type(None))
 
 
 def unevaluated(model: Any) -> bool:
-    """Whether any parameter of ``model`` is still a lazy computation. mlx has no public flag for it, but
-    ``mx.export_to_dot`` writes an evaluated array as a lone node and an unevaluated one with the operations that
-    make it (edges, ``->``)."""
+    """Whether any parameter of ``model`` is still a lazy computation: mlx has no flag for it, but ``mx.export_to_dot``
+    writes an unevaluated array with the operations making it (edges, ``->``), an evaluated one as a lone node."""
     return any(_pending(array) for _, array in tree_flatten(model.parameters()))
 
 
