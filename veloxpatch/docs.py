@@ -1,9 +1,7 @@
 """The reference pages docs/settings.md and docs/methods.md, generated from the settings registry.
 
-The registry is the one source of what a setting or a method is, so its pages are written from it rather
-than by hand: a knob added to a method, or a method registered by another installed package, appears in them
-once the page is regenerated, and ``tests/test_docs.py`` fails while a page on disk differs from what this
-module writes::
+The registry is the one source of what a setting or a method is (a plugin's too), so its pages are written from it,
+not by hand; ``tests/test_docs.py`` fails while a page on disk differs from what this module writes::
 
     python -m veloxpatch.docs settings > docs/settings.md
     python -m veloxpatch.docs methods > docs/methods.md
