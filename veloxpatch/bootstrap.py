@@ -17,8 +17,6 @@ from .settings import ConfigError, strict_requested  # stdlib only: this module 
 
 ExceptHook = Callable[[type[BaseException], BaseException, TracebackType | None], Any]  # sys.excepthook's type
 
-DISABLED = ("", "none")
-
 
 def _read(name: str) -> str:
     return os.environ.get(name, "").strip().lower()
@@ -27,7 +25,7 @@ def _read(name: str) -> str:
 def install() -> None:
     """Arrange for mlx_lm to be patched from ``VELOX_*`` when it is imported (without a KV method, for
     ``VELOX_FLOAT32`` unless it is off), and mlx_lm's server whatever the settings: a request may ask for a method."""
-    everything = not (_read("VELOX_KV") in DISABLED and _read("VELOX_FLOAT32") == "off")
+    everything = not (_read("VELOX_KV") in ("", "none") and _read("VELOX_FLOAT32") == "off")
     sys.excepthook = _config_errors_exit_2(sys.excepthook)
     try:
         import wrapt

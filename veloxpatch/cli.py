@@ -26,8 +26,6 @@ from .log import model_type
 from .registry import METHODS
 from .settings import to_text
 
-RUN_CONTEXT = {"ignore_unknown_options": True, "allow_interspersed_args": False}
-
 
 class AppCommand(click.Command):
     """``run``: as with ``python -m MODULE``, every argument after ``-m MODULE`` is the app's (click would read an
@@ -78,7 +76,7 @@ def child_environment(options: dict[str, Any], base: dict[str, str]) -> dict[str
     return env
 
 
-@main.command(cls=AppCommand, context_settings=RUN_CONTEXT)
+@main.command(cls=AppCommand, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-m", "module", metavar="MODULE", help="Run a library module as a script (like python -m).")
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
 @_setting_options
