@@ -162,10 +162,9 @@ class VeloxConfig:
             raise ConfigError(f"VELOX_BUDGET={tokens} is not allowed: it must be at least VELOX_SINK + VELOX_WINDOW = "
                               f"{self.sink} + {self.window} = {self.sink + self.window}")
         if self.enabled and self.kv_memory and self.kv not in evicting_methods():
-            raise ConfigError(
-                f"VELOX_KV_MEMORY={self.kv_memory} is not allowed with VELOX_KV={self.kv}: it bounds the methods "
-                f"that evict rows ({', '.join(evicting_methods())}); {self.kv} keeps every token in a form of its own"
-                + METHODS[self.kv].cls.memory_instead)
+            raise ConfigError(f"VELOX_KV_MEMORY={self.kv_memory} is not allowed with VELOX_KV={self.kv}: it bounds the "
+                              f"methods that evict rows ({', '.join(evicting_methods())}); {self.kv} keeps every token "
+                              f"in a form of its own{METHODS[self.kv].cls.memory_instead}")
 
     def _checked_knobs(self, given: dict[str, Any]) -> dict[str, Any]:
         by_key = {s.key: s for s in all_settings() if s.method}

@@ -58,8 +58,7 @@ def forward_environment(args: list[str], env: dict[str, str]) -> list[str]:
     here (an argparse abbreviation), though ours win over a hostfile's ``envs``."""
     given = _given_env(args)
     names = [name for name in sorted(env) if name.startswith("VELOX_")] + ["PYTHONPATH"]
-    flags = [part for name in names if name in env and name not in given
-             for part in ("--env", f"{name}={env[name]}")]
+    flags = [part for name in names if name in env and name not in given for part in ("--env", f"{name}={env[name]}")]
     return flags + _shim_first(args, given.get("PYTHONPATH"))
 
 

