@@ -21,7 +21,6 @@ from ._version import __version__
 from .config import ConfigError, VeloxConfig, all_settings, from_env
 from .eval.commands import COMMANDS
 from .integration import compat, features, version
-from .launching import SHIM_DIR
 from .log import model_type
 from .registry import METHODS
 from .settings import to_text
@@ -71,7 +70,7 @@ def child_environment(options: dict[str, Any], base: dict[str, str]) -> dict[str
     """The app's environment: the caller's, the given options as VELOX_*, the bootstrap path."""
     env = dict(base)
     env.update({s.name: to_text(options[s.key]) for s in all_settings() if options.get(s.key) is not None})
-    paths = [str(SHIM_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [str(launching.SHIM_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 

@@ -17,7 +17,6 @@ from pathlib import Path
 import click
 
 SHIM_DIR = Path(__file__).resolve().parent / "_shim"
-MLX_LAUNCH = "mlx.launch"
 
 
 def script_target(script: str) -> list[str]:
@@ -46,7 +45,7 @@ def module_target(module: str) -> list[str]:
 
 def is_mlx_launch(target: list[str]) -> bool:
     """Whether the program is mlx's distributed launcher (by path, by bare name or by ``-m``)."""
-    return Path(target[0]).name == MLX_LAUNCH
+    return Path(target[0]).name == "mlx.launch"
 
 
 def forward_environment(args: list[str], env: dict[str, str]) -> list[str]:
