@@ -59,9 +59,7 @@ def prefix(model: Any, caches: Sequence[Any]) -> Prefix | None:
     if not isinstance(layers, (list, tuple)) or len(layers) != len(caches):
         return None
     kinds = _kinds([_features(layer) for layer in layers], [_cache_kind(cache) for cache in caches])
-    first: dict[Hashable, int] = {}
-    firsts = tuple(first.setdefault(kind, i) for i, kind in enumerate(kinds))
-    return Prefix(_shortest(kinds, REPEATS), firsts)
+    return Prefix(_shortest(kinds, REPEATS), tuple(kinds.index(kind) for kind in kinds))
 
 
 def _shortest(kinds: list[Hashable], repeats: int) -> int:
