@@ -129,14 +129,8 @@ def _fit(build: Callable[[int], str], context_tokens: int, len_fn: LenFn) -> str
     return best
 
 
-def passkey_example(
-    tokenizer_or_len_fn: TokenizerOrLenFn,
-    context_tokens: int,
-    seed: int,
-    split: str = "heldout",
-    n_digits: int = 5,
-    depth: float | None = None,
-) -> tuple[str, str]:
+def passkey_example(tokenizer_or_len_fn: TokenizerOrLenFn, context_tokens: int, seed: int, split: str = "heldout",
+                    n_digits: int = 5, depth: float | None = None) -> tuple[str, str]:
     """Passkey retrieval, (prompt, answer): a key hidden at ``depth`` (random if None) in filler, the question
     last, at most ``context_tokens`` tokens."""
     rng = random.Random(f"passkey/{split}/{seed}")
@@ -152,14 +146,8 @@ def passkey_example(
     return _fit(build, context_tokens, _len_fn(tokenizer_or_len_fn)), " " + key
 
 
-def multikey_example(
-    tokenizer_or_len_fn: TokenizerOrLenFn,
-    context_tokens: int,
-    seed: int,
-    split: str = "heldout",
-    n_keys: int = 4,
-    n_digits: int = 4,
-) -> tuple[str, str]:
+def multikey_example(tokenizer_or_len_fn: TokenizerOrLenFn, context_tokens: int, seed: int, split: str = "heldout",
+                     n_keys: int = 4, n_digits: int = 4) -> tuple[str, str]:
     """Multi-key retrieval: ``n_keys`` name→code pairs scattered in filler, one of them asked for at the end.
     Harder than passkey for eviction methods: the distractor pairs look alike, so only the right one may survive."""
     rng = random.Random(f"multikey/{split}/{seed}")
