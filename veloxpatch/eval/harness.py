@@ -6,12 +6,12 @@ mlx_lm's rotating and quantized caches run on their own. Perplexity feeds held-o
 tokens through the same caches, so compression happens between steps as it would in a long chat, and scores the
 second half of the text, where the context the cache holds has been compressed.
 
-The RULER-style tasks of ``ruler`` (for a real model) run the same way and are scored by their own rules.
-``followup`` is a chat of two turns on one cache list, each through ``generate_step``; the second turn is the whole
-conversation templated anew, and the caches keep the tokens it starts with and read the rest, as the server's
-prompt-cache reuse does. It depends on each variant's first answer, so every variant runs on its own prefill.
-Every (example, variant) result is appended to a JSONL journal of samples and every finished cell to a
-journal of cells, so a killed run keeps them and a rerun with the same arguments skips them.
+The RULER-style tasks of ``ruler`` (for a real model) run the same way and are scored by their own rules. ``followup``
+is a chat of two turns on one cache list, each through ``generate_step``; the second turn is the whole conversation
+templated anew, and the caches keep the tokens it starts with and read the rest, as the server's prompt-cache reuse
+does. It depends on each variant's first answer, so every variant runs on its own prefill. Every (example, variant)
+result is appended to a JSONL journal of samples and every finished cell to a journal of cells, so a killed run keeps
+them and a rerun with the same arguments skips them.
 """
 
 from __future__ import annotations
@@ -73,11 +73,9 @@ class Sample:
     @classmethod
     def mean(cls, samples: list[Sample]) -> Sample:
         """Each figure's mean, or None where any sample lacks it."""
-        def mean(values: list[Any]) -> Any:
-            known = [v for v in values if v is not None]
-            return sum(known) / len(values) if len(known) == len(values) else None
-
-        return cls(*(mean([getattr(s, f.name) for s in samples]) for f in fields(cls)))
+        figures = [[getattr(s, f.name) for s in samples] for f in fields(cls)]
+        means: list[Any] = [None if None in values else sum(values) / len(values) for values in figures]
+        return cls(*means)
 
 
 @dataclass
@@ -216,24 +214,22 @@ def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, sp
         return asked_after(model, tokenizer, chosen, item, spec, budgets)
     tokens, steps = _prompt(tokenizer, item)
     shared = spec.share_prefill and not (isinstance(item, ruler.Example) and item.turns)
-    plain, requests = _split(model, chosen, shared, budgets, tokens.size)
-    out: dict[Variant, Sample] = {}
-    for variant in plain:
-        out[variant] = conversation(model, tokenizer, variant, item, spec, variant.generate_kwargs(KVLayout.of(model)),
-                                    budgets(variant, tokens.size))
-    for r in sharing.run(model, tokens, requests, steps, spec.prefill_step):
+    requests = _requests(model, chosen, shared, budgets, tokens.size)
+    out = {r.variant: conversation(model, tokenizer, r.variant, item, spec,
+                                   r.variant.generate_kwargs(KVLayout.of(model)), r.budget)
+           for r in requests if r.mode == sharing.PLAIN}
+    for r in sharing.run(model, tokens, [r for r in requests if r.mode != sharing.PLAIN], steps, spec.prefill_step):
         kv16 = _held_16_bit(r.caches, r.request.variant) if spec.equal_bytes else None
         out[r.request.variant] = Sample(_right(tokenizer, r.tokens, item), r.kv_bytes, r.peak_bytes,
                                         r.read_peak_bytes, kv16)
     return {v: out[v] for v in chosen}
 
 
-def _split(model: Any, chosen: list[Variant], shared: bool, budgets: Budgets,
-           context: int) -> tuple[list[Variant], list[sharing.Request]]:
-    """The variants that run plain, and the others as requests to share a prefill of ``context`` tokens."""
+def _requests(model: Any, chosen: list[Variant], shared: bool, budgets: Budgets,
+              context: int) -> list[sharing.Request]:
+    """Each variant as a request on a prompt of ``context`` tokens, ``shared``: sharing a prefill where exact."""
     modes = sharing.plan(model, chosen) if shared else dict.fromkeys(chosen, sharing.PLAIN)
-    plain = [v for v in chosen if modes[v] == sharing.PLAIN]
-    return plain, [sharing.Request(v, budgets.rows(v, context), modes[v]) for v in chosen if v not in plain]
+    return [sharing.Request(v, budgets(v, context), modes[v]) for v in chosen]
 
 
 class Budgets:
@@ -245,24 +241,19 @@ class Budgets:
         self.per_token: float | None = None
         self.lines: dict[tuple[str, Any], equal_bytes_.Line] = {}  # by (method, knobs): a line serves every share
 
-    def __call__(self, variant: Variant, context: int) -> int | None:
-        """The budget for ``variant`` at ``context`` tokens; None where its own rule stands (the full cache,
-        mlx_lm's quantized cache, a method keeping every token, a budget of rows)."""
-        if not self.equal_bytes or variant.method in ("full", "quantized") or variant.ignores_budget():
-            return None
+    def __call__(self, variant: Variant, context: int) -> int:
+        """The rows for ``variant`` at ``context`` tokens; by its share where its own rule stands (mlx_lm's quantized
+        cache, a method keeping every token, a budget of rows), all of them (:data:`sharing.HUGE`) for the full one."""
+        if variant.method == "full":
+            return sharing.HUGE
+        if not self.equal_bytes or variant.method == "quantized" or variant.ignores_budget():
+            return variant.budget(context)
         if self.per_token is None:
             self.per_token = equal_bytes_.full_bytes_per_token(self.model)
         key = (variant.method, variant.knobs)
         if key not in self.lines:
             self.lines[key] = equal_bytes_.line(self.model, variant)
         return self.lines[key].budget_for(variant.share * self.per_token * context)
-
-    def rows(self, variant: Variant, context: int) -> int:
-        """:meth:`__call__` as a number of rows (a shared prefill's request)."""
-        budget = self(variant, context)
-        if budget is not None:
-            return budget
-        return sharing.HUGE if variant.method == "full" else variant.budget(context)
 
 
 def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.Example, spec: EvalSpec,
@@ -275,22 +266,17 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
     question = mx.array(tokenizer.encode(item.question, add_special_tokens=False))
     steps = _steps(tokenizer, item)
 
-    def ask(variant: Variant, caches: list[Any], quant: dict[str, Any], kv: float, peak: float, read: float) -> Sample:
-        """The question as the next turn on ``caches``, which hold the context as it left them."""
-        kv16 = _held_16_bit(caches, variant)
-        answer = _turn(model, tokenizer, question, caches, steps, spec, quant, sharing.Reading())
-        return Sample(_right(tokenizer, answer, item), kv, max(peak, mx.get_peak_memory()), read, kv16)
+    def ask(r: sharing.Result) -> Sample:
+        """The question as the next turn on ``r``'s caches, which hold the context as it left them."""
+        variant = r.request.variant
+        kv16 = _held_16_bit(r.caches, variant)
+        answer = _turn(model, tokenizer, question, r.caches, steps, spec, variant.generate_kwargs(KVLayout.of(model)),
+                       sharing.Reading())
+        return Sample(_right(tokenizer, answer, item), r.kv_bytes, max(r.peak_bytes, mx.get_peak_memory()),
+                      r.read_peak_bytes, kv16)
 
-    plain, requests = _split(model, chosen, spec.share_prefill, budgets, context.size)
-    out: dict[Variant, Sample] = {}
-    for variant in plain:
-        quant = variant.generate_kwargs(KVLayout.of(model))
-        caches = variant.caches(model, context.size, budget=budgets(variant, context.size))
-        reading = sharing.fresh_reading()
-        sharing.whole(model, context, caches, 0, spec.prefill_step, reading, **quant)
-        out[variant] = ask(variant, caches, quant, sharing.kv_bytes(caches), mx.get_peak_memory(), reading.peak)
-    for r in sharing.run(model, context, requests, 0, spec.prefill_step):
-        out[r.request.variant] = ask(r.request.variant, r.caches, {}, r.kv_bytes, r.peak_bytes, r.read_peak_bytes)
+    requests = _requests(model, chosen, spec.share_prefill, budgets, context.size)
+    out = {r.request.variant: ask(r) for r in sharing.run(model, context, requests, 0, spec.prefill_step)}
     return {v: out[v] for v in chosen}
 
 
@@ -319,12 +305,14 @@ def _right(tokenizer: Any, out: list[int], item: Item) -> float:
     return float(ruler.score(text, item) if isinstance(item, ruler.Example) else tasks.is_correct(text, item[1]))
 
 
-def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str) -> tuple[float, int]:
-    """exp(mean NLL) of the second half of ``text`` under the variant's cache, and KV bytes. The text streams
-    through the cache in steps of PPL_STEP tokens, each scored as it arrives, so our caches compress between steps
-    (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full cache."""
+def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str) -> Sample:
+    """exp(mean NLL) of the second half of ``text`` under the variant's cache, KV bytes and memory (the whole text is
+    read: the run's peak). The text streams through the cache in steps of PPL_STEP tokens, each scored as it arrives,
+    so our caches compress between steps (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full
+    cache."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
+    reading = sharing.fresh_reading()
     tokens = mx.array(tokenizer.encode(text))
     caches = variant.caches(model, tokens.size, compress="chunk")
     quant = variant.generate_kwargs(KVLayout.of(model))
@@ -339,7 +327,9 @@ def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str) -> tuple
         scored = mx.arange(start, end) >= start_scoring
         total += float(mx.sum(mx.where(scored, nll, 0.0)))
         count += int(mx.sum(scored))
-    return float(mx.exp(mx.array(total / max(count, 1)))), sum(c.nbytes for c in caches)
+    value, nbytes = float(mx.exp(mx.array(total / max(count, 1)))), sharing.kv_bytes(caches)
+    reading.done()
+    return Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
 
 
 def examples(task: str, tokenizer: Any, context: int, spec: EvalSpec) -> list[Item]:
@@ -356,8 +346,7 @@ def examples(task: str, tokenizer: Any, context: int, spec: EvalSpec) -> list[It
 def measure(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Variant], spec: EvalSpec,
             budgets: Budgets) -> dict[Variant, Sample]:
     """The chosen variants on one of the task's examples, with KV bytes and peak memory. Variants that differ
-    only in a share their method ignores (``Variant.twin_key``) are measured once (XQuant decodes at 0.6
-    tokens/s at 8k tokens here)."""
+    only in a share their method ignores (``Variant.twin_key``) are measured once (XQuant's decoding is slow)."""
     first: dict[tuple[Any, ...], Variant] = {}
     for variant in chosen:
         first.setdefault(variant.twin_key(), variant)
@@ -369,13 +358,7 @@ def _measure_each(model: Any, tokenizer: Any, task: str, item: Item, chosen: lis
                   budgets: Budgets) -> dict[Variant, Sample]:
     if task != "perplexity":
         return retrievals(model, tokenizer, chosen, item, spec, budgets)
-    out = {}
-    for variant in chosen:
-        reading = sharing.fresh_reading()  # the whole text is read: the run's peak
-        value, nbytes = perplexity(model, tokenizer, variant, item[0])  # type: ignore[index]
-        reading.done()
-        out[variant] = Sample(value, nbytes, mx.get_peak_memory(), reading.peak)
-    return out
+    return {v: perplexity(model, tokenizer, v, item[0]) for v in chosen}  # type: ignore[index]
 
 
 def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,

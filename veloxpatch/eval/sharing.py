@@ -23,11 +23,11 @@ chunking, coordinator resets and evaluation are a plain run's). Decoding calls `
 last prompt token: the shim's wrapper would reset the coordinators as a new generation starts, which a plain run
 did before its prompt, not between the prompt and its last token.
 
-Two checks keep it exact rather than assumed. A prompt with a chunk no longer than the largest decode headroom may
-hold a decode-sized step (compressed in the middle of a plain run's prompt, or told from a prompt chunk
-differently at two budgets): it runs plain for the variant. And before a (model, method, knobs) first shares,
-:func:`modes` runs it both ways on a short random prompt at two evicting budgets: tokens, log-probabilities and
-the final cache state must be equal, else it falls back to its own prefill, then to plain, said once in the log.
+Two checks keep it exact rather than assumed. A prompt with a chunk no longer than the largest decode headroom may hold
+a decode-sized step (compressed in the middle of a plain run's prompt, or told from a prompt chunk differently at two
+budgets): it runs plain for the variant. And before a (model, method, knobs) first shares, :func:`modes` runs it both
+ways on a short random prompt at two evicting budgets: tokens, log-probabilities and the final cache state must be
+equal, else it falls back to its own prefill, then to plain, said once in the log.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from veloxpatch.integration.wrappers import ours
 from veloxpatch.log import log
 from veloxpatch.registry import METHODS
 
-from .variants import PROTECTED, Variant
+from .variants import PROTECTED, KVLayout, Variant
 
 HUGE = 1 << 30  # a budget no prompt reaches: the cache never evicts
 # What reading a prompt leaves in a method's caches besides state of its own: its rows and offset, and for a method
@@ -216,12 +216,13 @@ def rows_arrays(cache: CompressedKVCache) -> list[mx.array]:
 
 # ----------------------------------------------------------------------------- the engine
 def run(model: Any, tokens: mx.array, requests: list[Request], max_tokens: int, step: int) -> Iterator[Result]:
-    """Each request decoded from a shared prefill (shared and own modes, see the module docstring), yielded
-    as it finishes; a request whose prompt chunking could compress mid-prompt runs plain. Plain requests are
-    not handled here (mlx_lm's own variants need their generate arguments)."""
+    """Each request yielded as it finishes: the plain ones first, then the others decoded from a shared prefill (shared
+    and own modes, see the module docstring); a request whose prompt chunking could compress mid-prompt runs plain."""
     groups: dict[Any, list[Request]] = {}
     for r in requests:  # the shared group first; in it the full cache decodes on the source itself, last
-        if r.mode in (SHARED, OWN):
+        if r.mode == PLAIN:
+            yield _plain(model, tokens, r, max_tokens, step)
+        else:
             groups.setdefault(SHARED if r.mode == SHARED else (r.variant.method, r.variant.knobs), []).append(r)
     for key, members in sorted(groups.items(), key=lambda group: group[0] != SHARED):
         base = Variant(SOURCE) if key == SHARED else members[0].variant
@@ -261,9 +262,11 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
 
 
 def _plain(model: Any, tokens: mx.array, r: Request, max_tokens: int, step: int, held: int = 0) -> Result:
+    """A whole ``generate_step`` run of ``r``'s variant, with its own generate arguments (mlx_lm's kv_bits)."""
+    quant = r.variant.generate_kwargs(KVLayout.of(model))
     caches = r.variant.caches(model, tokens.size, budget=r.budget)
     reading = fresh_reading()
-    pairs = whole(model, tokens, caches, max_tokens, step, reading)
+    pairs = whole(model, tokens, caches, max_tokens, step, reading, **quant)
     return Result(r, [t for t, _ in pairs], [p for _, p in pairs], caches, kv_bytes(caches),
                   mx.get_peak_memory() - held, reading.peak, shared=False)
 
@@ -339,9 +342,8 @@ def _same(a: Result, b: Result) -> bool:
         return False
     if not all(mx.array_equal(x, y).item() for x, y in zip(a.logprobs, b.logprobs)):
         return False
-    if b.request.variant.method == "full":
-        return True
-    return len(a.caches) == len(b.caches) and all(_state_equal(x.state, y.state) for x, y in zip(a.caches, b.caches))
+    return b.request.variant.method == "full" or (
+        len(a.caches) == len(b.caches) and all(_state_equal(x.state, y.state) for x, y in zip(a.caches, b.caches)))
 
 
 def _state_equal(x: Any, y: Any) -> bool:
