@@ -1,17 +1,16 @@
 """What a quality or speed run compares: every registry method, and what mlx_lm users already have.
 
-Each variant makes its cache list the way a user's app would get it: our methods through
-``veloxpatch.patch`` and mlx_lm's own ``make_prompt_cache`` (the real shim), mlx_lm's
-alternatives as mlx_lm builds them. mlx_lm ignores ``max_kv_size`` for models that define
-``make_cache`` (llama does), so the rotating variant builds the ``RotatingKVCache(max_size,
-keep=4)`` list mlx_lm would have built; quantization goes through mlx_lm's own
+Each variant makes its cache list the way a user's app would get it: our methods through ``veloxpatch.patch`` and
+mlx_lm's own ``make_prompt_cache`` (the real shim), mlx_lm's alternatives as mlx_lm builds them. mlx_lm ignores
+``max_kv_size`` for models that define ``make_cache`` (llama does), so the rotating variant builds the
+``RotatingKVCache(max_size, keep=4)`` list mlx_lm would have built; quantization goes through mlx_lm's own
 ``maybe_quantize_kv_cache`` (``kv_bits`` in ``generate_step``) from the first token on.
 
-A method may carry knob overrides, written ``snapkv[kernel=15]`` (several: ``snapkv[kernel=15,pool=max]``,
-knob names without the method prefix); they reach ``veloxpatch.patch`` as the method's knobs and show in
-the variant's name and label (``snapkv[kernel=15]@0.25``). A variant without knobs keeps its plain label.
-``window`` sets ``VELOX_WINDOW`` for any method (``xquant[window=1]``): it counts in a variant's identity
-only where given, so journals written before it stay valid.
+A method may carry knob overrides, written ``snapkv[kernel=15]`` (several: ``snapkv[kernel=15,pool=max]``, knob names
+without the method prefix); they reach ``veloxpatch.patch`` as the method's knobs and show in the variant's name and
+label (``snapkv[kernel=15]@0.25``). A variant without knobs keeps its plain label. ``window`` sets ``VELOX_WINDOW`` for
+any method (``xquant[window=1]``): it counts in a variant's identity only where given, so journals written before it
+stay valid.
 """
 
 from __future__ import annotations
@@ -61,11 +60,10 @@ class KVLayout:
     @property
     def group(self) -> int:
         """mlx_lm's default group of 64, or 32 when the head dimension is not a multiple of 64."""
-        for group in (64, 32):
-            if self.head_dim % group == 0:
-                return group
-        raise ValueError(f"the quantized variant needs head_dim divisible by 32 (mlx's smallest group); "
-                         f"this model has head_dim {self.head_dim}")
+        if self.head_dim % 32:
+            raise ValueError(f"the quantized variant needs head_dim divisible by 32 (mlx's smallest group); "
+                             f"this model has head_dim {self.head_dim}")
+        return 64 if self.head_dim % 64 == 0 else 32
 
     def share(self, bits: int) -> float:
         """Bytes of a quantized row relative to the unquantized one: the values plus a scale and a bias per
@@ -184,12 +182,8 @@ class Variant:
     def knob_values(self) -> dict[str, Any]:
         """Every knob that reaches this variant's caches, defaults included: what a journal matches besides the
         label, so a changed default is measured again (mlx_lm's own caches have none but ``quantized[bits=N]``)."""
-        if self.method not in METHODS:
-            return dict(self.knobs)
-        settings = _settings(self.method, {k: str(v) for k, v in self.knobs})
-        chosen = dict(self.knobs)
-        general = {n: v for n, v in self.knobs if n in GENERAL}
-        return {**{n: chosen.get(n, k.convert(k.default)) for n, k in sorted(settings.items())}, **general}
+        settings = _settings(self.method, {k: str(v) for k, v in self.knobs}) if self.method in METHODS else {}
+        return {**{n: k.convert(k.default) for n, k in sorted(settings.items())}, **dict(self.knobs)}
 
     def identity(self) -> str:
         """The label and every knob value: two variants measure the same thing only if these are equal."""
@@ -246,10 +240,7 @@ class Variant:
 def variants(methods: list[str], shares: list[float]) -> list[Variant]:
     """The full cache once, then each method (registry ids, ``rotating``, ``quantized``, each registry id
     possibly with knobs: ``snapkv[kernel=15]``) at each share < 1."""
-    out = [Variant("full")]
-    for spec in methods:
-        out += [Variant.of(spec, s) for s in shares if s < 1.0]
-    return out
+    return [Variant("full"), *(Variant.of(spec, s) for spec in methods for s in shares if s < 1.0)]
 
 
 def known_methods() -> list[str]:
