@@ -1,25 +1,21 @@
 """``veloxpatch bench``: prefill time, decode speed and KV memory per method vs vanilla mlx_lm.
 
-Everything is measured in one process, on one model, one run after another, through mlx_lm's
-``generate_step`` (the path a user's app takes), so the ratios compare like with like. Besides
-vanilla at each context it runs vanilla at a context equal to the budget: the decode speed a
-compressed cache holding that many rows should approach.
+Everything is measured in one process, on one model, one run after another, through mlx_lm's ``generate_step``
+(the path a user's app takes), so the ratios compare like with like. Vanilla also runs at a context equal to the
+budget: the decode speed a compressed cache holding that many rows should approach.
 
 Shared prefills (``--share-prefill``, the default, with ``--compress end``). A long prefill dominates a bench on a
 CPU, and in ``end`` mode it is the same work for many methods (``sharing`` says why and checks it), so each context
-times a prompt's prefill (``prompt[:-1]``) once per group, and each case then decodes from the last prompt token on
-a fresh copy of its group's caches: mlx_lm's own ``KVCache`` list for vanilla; the source method's prefill moved
-into a fresh list of the case's method for the shared methods (``sharing.transplant``); a deep copy of the case's
-own prefill for a method with prefill state of its own and mlx_lm's rotating cache. Only the decode is repeated
-(a warm-up, then ``repeats`` timed runs on fresh copies: the median); a case's ``prefill_s`` is its group's
-prefill time plus its own first decode step (where ``end`` mode compresses the prompt): the time to the first
-token a plain run has. A shared method the check refuses (``sharing.modes``) gets its own prefill, or runs plain;
-a shared case whose prompt has a chunk short enough to be a decode step (``sharing.untouched``) runs plain.
+times the prefill of ``prompt[:-1]`` once per group, and each case decodes from the last prompt token on a fresh
+copy of its group's caches: the source method's prefill moved into a list of the case's method for the shared
+methods (``sharing.transplant``), else a deep copy of the case's own prefill (vanilla's too). Only the decode is
+repeated (a warm-up, then ``repeats`` timed runs on fresh copies: the median); ``prefill_s`` is the group's prefill
+plus the case's first decode step (where ``end`` mode compresses): a plain run's time to the first token. A case
+the checks refuse (``sharing.modes``, ``sharing.untouched``) gets its own prefill, or runs plain.
 
-Plain (``--no-share-prefill``, ``--compress chunk``, vanilla at the budget's context, mlx_lm's quantized cache,
-which ``generate_step`` quantizes as it goes, fallbacks): each run is a whole ``generate_step`` run, one warm-up
-then ``repeats`` timed runs, medians. The rows' ``prefill`` field says how a case was timed: ``plain``, ``own`` or
-``shared:<source method>``.
+Plain (``--no-share-prefill``, ``--compress chunk``, vanilla at the budget's context, mlx_lm's quantized cache, which
+``generate_step`` quantizes as it goes, fallbacks): one warm-up, then ``repeats`` whole runs, medians. The rows'
+``prefill`` field says how a case was timed: ``plain``, ``own`` or ``shared:<source method>``.
 """
 
 from __future__ import annotations
@@ -61,12 +57,6 @@ class BenchSpec:
     prefill_step: int = 512
     compress: str = "end"
     share_prefill: bool = True
-
-    @property
-    def shares(self) -> bool:
-        """Whether prefills are shared: asked for, and exact (``end`` mode: chunk mode's prefill differs
-        per method)."""
-        return self.share_prefill and self.compress == "end"
 
 
 @dataclass
@@ -150,7 +140,7 @@ def prompt_for(model: Any, context: int) -> mx.array:
 def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
     """Every case of :func:`cases`, yielded as it finishes (not in row order when prefills are shared)."""
     all_cases = [(i, *case) for i, case in enumerate(cases(spec))]
-    if not spec.shares:
+    if not (spec.share_prefill and spec.compress == "end"):  # exact in ``end`` mode: chunk mode's prefill differs
         for case in all_cases:
             yield _plain(model, *case, spec)
         return
@@ -158,7 +148,7 @@ def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
     # needs no check: it is the case's own plain prefill, and a deep copy of any cache list replays it
     layout = KVLayout.of(model)
     candidates = [v for *_, v in all_cases if v.method in METHODS and sharing.candidate(v) == sharing.SHARED]
-    modes = sharing.modes(model, candidates) if candidates else {}
+    modes = sharing.modes(model, candidates)
 
     def how(variant: Variant) -> str:
         if variant.generate_kwargs(layout):
@@ -169,17 +159,12 @@ def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
     for context in spec.contexts:
         here = [case for case in all_cases[1:] if case[1] == context]
         prompt = prompt_for(model, context)
+        groups = [(case[3], [case], sharing.OWN) for case in here if how(case[3]) == sharing.OWN]  # vanilla first
         shared = [case for case in here if how(case[3]) == sharing.SHARED]
-        own = [case for case in here if how(case[3]) == sharing.OWN]  # vanilla first
-        for case in own[:1]:
-            yield from _group(model, prompt, case[3].caches(model, context, spec.compress), [case], sharing.OWN, spec)
-        if shared:
-            source = Variant(sharing.SOURCE)
-            base = source.caches(model, context, spec.compress, budget=sharing.HUGE)
-            yield from _group(model, prompt, base, shared, f"{sharing.SHARED}:{source.method}", spec)
-            del base
-        for case in own[1:]:
-            yield from _group(model, prompt, case[3].caches(model, context, spec.compress), [case], sharing.OWN, spec)
+        if shared:  # right after vanilla
+            groups.insert(1, (Variant(sharing.SOURCE), shared, f"{sharing.SHARED}:{sharing.SOURCE}"))
+        for source, members, label in groups:
+            yield from _group(model, prompt, source, members, label, spec)
         for case in here:
             if how(case[3]) == sharing.PLAIN:
                 yield _plain(model, *case, spec)
@@ -195,10 +180,11 @@ def _plain(model: Any, index: int, context: int, label: str, variant: Variant, s
     return Measured(index, context, label, variant, timing, tokens, sharing.PLAIN)
 
 
-def _group(model: Any, prompt: mx.array, base: list[Any], members: list[tuple[int, int, str, Variant]],
+def _group(model: Any, prompt: mx.array, source: Variant, members: list[tuple[int, int, str, Variant]],
            how: str, spec: BenchSpec) -> Iterator[Measured]:
-    """One timed prefill of ``prompt[:-1]`` into ``base``, then each member's decodes, each on its own copy:
-    a fresh list of the member's method with the prefill moved in (shared), or a deep copy of ``base``."""
+    """One timed prefill of ``prompt[:-1]`` into ``source``'s caches (shared: at a budget no prompt reaches), then
+    each member's decodes on its own copy: moved into a fresh list of its method (shared), or deep-copied (own)."""
+    base = source.caches(model, prompt.size, spec.compress, budget=None if how == sharing.OWN else sharing.HUGE)
     gc.collect()
     reading = sharing.fresh_reading()
     start = time.perf_counter()

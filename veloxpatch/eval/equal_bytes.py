@@ -7,11 +7,10 @@ doubles every dense row and every quantization scale but not a quantized row's p
 quantized cache twofold. A cache's bytes are counted as it holds them (``nbytes``: spare capacity, positions,
 remembered queries, tier) and scaled by the share its floating-point arrays would shrink to at 16 bits.
 
-Why a measured budget: what a budget of rows costs in bytes depends on the method (positions, the tier of dropped
-rows at fewer bits, a coordinator's shared parts), so it is measured rather than assumed: each variant reads a short
-random prompt at two budgets, its bytes are a line in the budget (until the tier's cap, which the budgets asked for
-stay under), and the budget for a share is read off that line. The share actually reached is reported beside every
-result.
+Why a measured budget: what a budget of rows costs in bytes depends on the method (positions, the tier of dropped rows
+at fewer bits, a coordinator's shared parts), so it is measured rather than assumed: each variant reads a short random
+prompt at two budgets, its bytes are a line in the budget (until the tier's cap, which the budgets asked for stay
+under), and the budget for a share is read off that line. The share actually reached is reported beside every result.
 """
 
 from __future__ import annotations

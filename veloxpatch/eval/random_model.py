@@ -1,8 +1,8 @@
 """Random-weight models from mlx_lm's own model classes, in memory or as a loadable folder.
 
-Random weights give flat attention, so they say nothing about quality, but they are real
-architectures: the tests check exactness and contracts on them, the quick-start runs without a
-download, and ``bench`` times larger ones. Weights are scaled so greedy tokens vary.
+Random weights give flat attention, so they say nothing about quality, but they are real architectures: the tests check
+exactness and contracts on them, the quick-start runs without a download, and ``bench`` times larger ones. Weights are
+scaled so greedy tokens vary.
 """
 
 from __future__ import annotations

@@ -370,13 +370,12 @@ def ask_first_again(ex: Example) -> Example:
 
 
 def conversation(tokenizer: Any, turns: Sequence[tuple[str, str]], answers: Sequence[str] = ()) -> str:
-    """A chat's text up to where the answer to ``turns[len(answers)]`` starts: each turn a user's message and the
-    start of its answer, an earlier one with its answer given, through the tokenizer's chat template as the server's
+    """A chat's text up to where the answer to ``turns[len(answers)]`` starts: each turn a user's message and the start
+    of its answer, an earlier one with its answer given, through the tokenizer's chat template as the server's
     prompt-cache reuse writes it (it keeps the cached tokens the new text starts with and feeds the rest); plain text
-    without a template. Starting the assistant's turn with the answer's first words is what makes a 135M instruct
-    model answer with the number instead of a preamble (measured: see README). An answer follows its turn's start
-    after one space, however it began (mlx_lm's server drops the space its first token starts with; its tokens had
-    it)."""
+    without a template. Starting the assistant's turn with the answer's first words is what makes a 135M instruct model
+    answer with the number instead of a preamble (measured: see README). An answer follows its turn's start after one
+    space, however it began (mlx_lm's server drops the space its first token starts with; its tokens had it)."""
     asked, answers = turns[: len(answers) + 1], [" " + a.strip() for a in answers]
     if not getattr(tokenizer, "chat_template", None):
         (message, prefix), *later = asked

@@ -26,8 +26,7 @@ def free_port() -> int:
 
 
 def post(url: str, body: dict, timeout: float = 120, headers: dict[str, str] | None = None) -> tuple[int, dict]:
-    """POST a completion request (with ``headers`` besides its content type); (status, JSON body or {"error":
-    text})."""
+    """POST a completion request (with ``headers`` besides its content type); (status, JSON body or {"error": text})."""
     request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json", **(headers or {})})
     try:

@@ -1,11 +1,9 @@
 """Every model type mlx_lm ships, built tiny with random weights: the support sweep's zoo.
 
-``python -m veloxpatch.eval.zoo`` prints which types each method serves compressed and which run
-unpatched, and why (the README's supported-models table). One superset of small arguments fits most model types
-(``ModelArgs.from_dict`` ignores keys a class does not take); ``OVERRIDES`` adds what a type needs beyond it.
-Vision-language wrappers get
-the same arguments as their ``text_config``. ``UNBUILDABLE`` names the types that cannot be built
-here at all, with the reason.
+``python -m veloxpatch.eval.zoo`` prints which types each method serves compressed and which run unpatched, and why (the
+README's supported-models table). One superset of small arguments fits most model types (``ModelArgs.from_dict`` ignores
+keys a class does not take); ``OVERRIDES`` adds what a type needs beyond it. Vision-language wrappers get the same
+arguments as their ``text_config``. ``UNBUILDABLE`` names the types that cannot be built here at all, with the reason.
 """
 
 from __future__ import annotations
