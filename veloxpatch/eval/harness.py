@@ -110,13 +110,13 @@ class Cell:
 
 @dataclass
 class Journal:
-    """Finished cells as JSON lines; ``key`` holds what else must match for a line to count as done
-    (model, samples, seed, prefill step), so changing an argument recomputes instead of reusing.
+    """Finished cells as JSON lines; ``key`` holds what else must match for a line to count as done (model, samples,
+    seed, prefill step), so changing an argument recomputes instead of reusing.
 
-    Beside it (``eval.samples.jsonl`` for ``eval.cells.jsonl``), each (example, variant) result as it
-    finishes: a cell of many examples is long at 8k tokens, and a rerun resumes inside it. An example
-    is named by its seed, so its result counts for any sample count and first seed (a run stopped
-    after 5 of 10 examples is reported with ``--samples 5``)."""
+    Beside it (``eval.samples.jsonl`` for ``eval.cells.jsonl``), each (example, variant) result as it finishes: a
+    cell of many examples is long at 8k tokens, and a rerun resumes inside it. An example is named by its seed, so
+    its result counts for any sample count and first seed (a run stopped after 5 of 10 examples is reported with
+    ``--samples 5``)."""
 
     path: Path
     key: dict[str, Any]

@@ -98,11 +98,11 @@ def plot_eval(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     for (task, context), group in _groups(rows, ("task", "context")).items():
         fig, ax = plt.subplots(figsize=(6, 4))
         full = [r for r in group if r["method"] == "full"]
+        ppl = task == "perplexity"
         for method, series in _groups([r for r in group if r["method"] != "full"], ("method",)).items():
             series = sorted(series, key=lambda r: r["share"])
-            x_key = "share" if task != "perplexity" else "kv_bytes"
-            x, y = [r[x_key] for r in series], [r["value"] for r in series]
-            if task == "perplexity":
+            x, y = [r["kv_bytes" if ppl else "share"] for r in series], [r["value"] for r in series]
+            if ppl:
                 ax.plot(x, y, marker="o", label=method[0])
             else:  # 95% Wilson intervals: is a gap between methods more than noise?
                 bounds = [wilson(r["value"] * r["samples"], r["samples"]) for r in series]
@@ -111,9 +111,8 @@ def plot_eval(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
                 ax.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=method[0])
         if full:
             ax.axhline(full[0]["value"], color="black", linestyle="--", label="full cache")
-        ax.set_xlabel("KV budget (share of context)" if task != "perplexity" else "KV bytes")
-        ax.set_ylabel("accuracy" if task != "perplexity" else "perplexity")
-        ax.set_title(f"{task}, context {context}")
+        ax.set(xlabel="KV bytes" if ppl else "KV budget (share of context)", ylabel="perplexity" if ppl else "accuracy",
+               title=f"{task}, context {context}")
         ax.legend(fontsize=8)
         fig.tight_layout()
         path = out_dir / f"{task}_{context}.png"

@@ -8,18 +8,17 @@ the question comes last, as a user would ask it, wrapped in the tokenizer's chat
 Tasks and how an answer is scored (greedy output, case-insensitive):
 
     niah_single      one number hidden for one word; right when the output contains the number
-    niah_multikey    look-alike needles for several words, one asked; right when it contains the asked number
-                     and none of the distractors' numbers
+    niah_multikey    look-alike needles for several words, one asked; right when it contains the asked number and
+                     none of the distractors' numbers
     niah_multivalue  one word with several numbers; right when every number is in the output
-    vt               variable tracking: VAR A = 12345, VAR B = VAR A, ... one chain among decoy chains;
-                     right when every variable of the asked chain is named and no decoy variable is
-    trip             a journey's stops told one per paragraph across the whole text; right when the output
-                     names every city in the order visited (aggregation over the context, not one fact)
-    followup         a chat of two turns on one cache: magic numbers for two words; turn 1 asks the first, turn
-                     2 (the conversation templated anew after the first answer, its new tokens fed to the same
-                     caches, as the server's prompt-cache reuse does) the second; right when turn 2's answer has
-                     the second number and not the first (a cache compressed for the first question must still
-                     answer the next one)
+    vt               variable tracking: VAR A = 12345, VAR B = VAR A, ... one chain among decoy chains; right when
+                     every variable of the asked chain is named and no decoy variable is
+    trip             a journey's stops told one per paragraph across the whole text; right when the output names
+                     every city in the order visited (aggregation over the context, not one fact)
+    followup         a chat of two turns on one cache: magic numbers for two words; turn 1 asks the first, turn 2 (the
+                     conversation templated anew after the first answer, its new tokens fed to the same caches, as
+                     the server's prompt-cache reuse does) the second; right when turn 2's answer has the second
+                     number and not the first (a cache compressed for the first question must still answer the next)
 """
 
 from __future__ import annotations

@@ -279,11 +279,8 @@ def modes(model: Any, chosen: list[Variant]) -> dict[Variant, str]:
     """How each variant runs on ``model``: :func:`candidate`'s mode where the check (the module docstring) finds
     it exact, else the next safer one, said in the log. Checked once per (model, method, knobs), all variants
     together, so the shared candidates are checked from one source prefill."""
-    todo = {}
-    for v in chosen:
-        key = (id(model), v.method, v.knobs)
-        if candidate(v) != PLAIN and key not in _modes:
-            todo[key] = Variant(v.method, 1.0, v.knobs)
+    todo = {(id(model), v.method, v.knobs): Variant(v.method, 1.0, v.knobs) for v in chosen
+            if candidate(v) != PLAIN and (id(model), v.method, v.knobs) not in _modes}
     for key, found in _check(model, todo).items():
         _modes[key] = found
         weakref.finalize(model, _modes.pop, key, None)
