@@ -19,6 +19,8 @@ import mlx.core as mx
 
 Parts = tuple[mx.array, ...]
 HOLE = -1
+BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to (:func:`encode`); 16: unquantized, in the model's dtype
+GROUPS = (32, 64, 128)  # mlx's quantization group sizes
 LATE = 2**30  # a hole's sort key: after every position
 
 

@@ -38,15 +38,13 @@ from ..caches.queries import QueryMemory
 from ..caches.scored_attention import scored_attention
 from ..caches.selection import pool_rows
 from ..caches.spec import CacheSpec
-from ..caches.store import Parts, decode, encode, take_rows
+from ..caches.store import BITS, GROUPS, Parts, decode, encode, take_rows
 from ..coordinators import members_of
 from ..log import once
 from ..registry import cache_class, method
 from ..settings import Setting, choice, int_choice, number_range, odd_kernel, one_of_text, percent
 from ..stats import at_16_bits
 
-BITS = (2, 3, 4, 5, 6, 8, 16)  # the widths mlx quantizes to; 16: unquantized, in the model's dtype
-GROUPS = (32, 64, 128)  # mlx's group sizes: tokens per key block, elements per value group
 HALF = (mx.float16, mx.bfloat16)  # multiplied as float32 on the CPU (:meth:`QuantCache._times`)
 BUDGETS = ("layer", "model")  # VELOX_QUANT_BUDGETS: what one top-k of the rows to keep runs over
 SCORES = ("repeat", "expected", "snapkv", "heads")  # VELOX_QUANT_SCORE: how the rows to keep are scored

@@ -45,14 +45,12 @@ from mlx.utils import tree_flatten
 from .. import stats
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
-from ..caches.store import Parts, decode, encode
+from ..caches.store import BITS, GROUPS, Parts, decode, encode
 from ..log import model_type, once
 from ..memo import per_model
 from ..registry import method
 from ..settings import Setting, choice, int_choice, int_range, one_of_text
 
-BITS = (2, 3, 4, 5, 6, 8, 16)  # 16: unquantized, in the model's dtype
-GROUPS = (32, 64, 128)
 K_NORMS = ("k_norm", "k_layernorm")  # the key norms of qwen3, gemma3, olmo2 / lfm2
 LATENT_MODES = ("auto", "on", "off")
 
