@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -43,16 +43,10 @@ def track(cache: Any, built: bool = True) -> None:
     _live.add(cache)
 
 
-def compressed(cache: Any) -> None:
-    """``cache`` compressed its rows to its budget: one compression, if the app holds it (:func:`track`)."""
+def count(cache: Any, step: Literal["compressions", "folds"]) -> None:
+    """``cache`` did one more ``step`` (a count of :class:`_Totals`), counted if the app holds it (:func:`track`)."""
     if cache in _live:
-        totals.compressions += 1
-
-
-def folded(cache: Any) -> None:
-    """``cache`` folded exact rows into its method's form: one fold, if the app holds it (:func:`track`)."""
-    if cache in _live:
-        totals.folds += 1
+        setattr(totals, step, getattr(totals, step) + 1)
 
 
 def counts(caches: list[Any] | None = None) -> list[int]:

@@ -258,7 +258,7 @@ class CrossLayerCache(CompressedKVCache):
         """Replace the exact rows ``[start, end)`` by this layer's fold."""
         owns, shared = result
         self.folds.append(Fold(start, end, owns[at], shared, group))
-        stats.folded(self)
+        stats.count(self, "folds")
         rows = self.store.rows
         first = end - start  # exact rows begin at ``start`` (no holes: checked before contributing)
         index = mx.broadcast_to(mx.arange(first, rows), (*self.store.row_positions().shape[:2], rows - first))

@@ -291,7 +291,7 @@ class EvictingCache(CompressedKVCache):
         keep = index.shape[-1]
         self.evicted = self.evicted or keep < self.store.rows
         self.store.keep(index, self.headroom(keep))
-        stats.compressed(self)
+        stats.count(self, "compressions")
 
     def _to_tier(self, index: mx.array) -> None:
         """Hand the rows not in ``index`` to the tier, the policy's best where they do not all fit."""

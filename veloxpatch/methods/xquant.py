@@ -327,7 +327,7 @@ class XQuantCache(CrossLayerCache):
             self.folds = [Fold(0, end, rows, None, (self.layer,))]
         else:
             self.folds = [replace(self.folds[0], end=end)]
-        stats.folded(self)
+        stats.count(self, "folds")
         stored, gone = self.store.rows, end - start
         index = mx.broadcast_to(mx.arange(gone, stored), (*self.store.row_positions().shape[:2], stored - gone))
         self.store.keep(index, self.min_fold())
