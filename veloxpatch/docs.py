@@ -16,9 +16,6 @@ from collections.abc import Iterable
 from veloxpatch.config import CORE_SETTINGS, PROCESS_WIDE, Setting, all_settings, request_settings
 from veloxpatch.registry import METHODS
 
-COMMANDS = {"settings": "python -m veloxpatch.docs settings > docs/settings.md",
-            "methods": "python -m veloxpatch.docs methods > docs/methods.md"}
-
 HOW_GIVEN = """\
 Every setting can be given as an environment variable, as a launcher option (`VELOX_SNAPKV_KERNEL` is
 `--snapkv-kernel`), as a keyword of `veloxpatch.patch` (`patch(kv="snapkv", snapkv_kernel=7)`: every setting by \
@@ -115,13 +112,16 @@ def _memory_settings(cls: type) -> str:
             "`VELOX_TIER` does nothing (said at start).")
 
 
+PAGES = {"settings": settings_markdown, "methods": methods_markdown}
+COMMANDS = {page: f"python -m veloxpatch.docs {page} > docs/{page}.md" for page in PAGES}
+
+
 def main(argv: list[str]) -> int:
     """``python -m veloxpatch.docs settings|methods``: the page on stdout."""
-    pages = {"settings": settings_markdown, "methods": methods_markdown}
-    if len(argv) != 1 or argv[0] not in pages:
-        print("usage: python -m veloxpatch.docs settings|methods", file=sys.stderr)
+    if len(argv) != 1 or argv[0] not in PAGES:
+        print(f"usage: python -m veloxpatch.docs {'|'.join(PAGES)}", file=sys.stderr)
         return 2
-    sys.stdout.write(pages[argv[0]]())
+    sys.stdout.write(PAGES[argv[0]]())
     return 0
 
 
