@@ -94,16 +94,6 @@ def renamed_batch(monkeypatch) -> None:
     monkeypatch.setattr(BatchGenerator, "__init__", __init__)
 
 
-def renamed_insert_argument(monkeypatch) -> None:
-    """``all_tokens`` is called ``tokens`` (mlx_lm still works)."""
-    original = BatchGenerator.insert_segments
-
-    def insert_segments(self, segments, max_tokens=None, caches=None, tokens=None):
-        return original(self, segments, max_tokens, caches, tokens)
-
-    monkeypatch.setattr(BatchGenerator, "insert_segments", insert_segments)
-
-
 def extract_with_an_option(monkeypatch) -> None:
     """``extract`` grows a parameter (mlx_lm still works: the option is ignored)."""
     original = BatchKVCache.extract
@@ -137,7 +127,6 @@ def merged_without_the_first_cache(monkeypatch) -> None:
 CHANGES: dict[str, tuple[Callable[[Any], None], str]] = {
     "BatchGenerator._unprocessed_sequences": (reordered_waiting, "holds its cache list at [1], not at [3]"),
     "BatchGenerator's state": (renamed_batch, "_generation_batch.prompt_cache is NoneType"),
-    "BatchGenerator.insert_segments": (renamed_insert_argument, "no all_tokens among its parameters"),
     "the KVCache/BatchKVCache protocol": (extract_with_an_option,
                                           "BatchKVCache.extract is (self, idx, copy), not (self, idx)"),
     "BatchKVCache.offset": (one_offset_per_batch, "gives offset 2, not one position per sequence"),

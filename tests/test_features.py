@@ -107,6 +107,18 @@ def test_under_strict_a_feature_off_is_refused_where_the_settings_use_it(monkeyp
     assert not veloxpatch.is_patched()
 
 
+def test_insert_segments_without_an_argument_its_wrapper_binds_leaves_batching_to_mlx_lm(monkeypatch) -> None:
+    generate = sys.modules["mlx_lm.generate"]
+
+    def insert_segments(self, segments, max_tokens=None, caches=None, tokens=None):  # all_tokens renamed
+        raise AssertionError("never called here")
+
+    monkeypatch.setattr(generate.BatchGenerator, "insert_segments", insert_segments, raising=False)
+    assert features.survey()["batched generation"] == (
+        "BatchGenerator.insert_segments(self, segments, max_tokens, caches, tokens) does not take all_tokens by name "
+        f"(mlx-lm {version.mlx_lm_version()})")
+
+
 def test_a_changed_signature_leaves_the_whole_feature_to_mlx_lm(monkeypatch, records) -> None:
     generate = sys.modules["mlx_lm.generate"]
 

@@ -31,9 +31,6 @@ CACHES_AT = 3
 """Where a waiting sequence's cache list sits in its tuple in ``BatchGenerator._unprocessed_sequences`` (uid,
 segments, max_tokens, caches, ...), where ``_make_batch`` reads it back."""
 
-INSERT_ARGUMENTS = ("segments", "caches", "all_tokens")
-"""The ``insert_segments`` arguments :mod:`.batched` reads and rewrites by name."""
-
 PROTOCOL = {
     "KVCache": {"merge": "(caches)"},
     "BatchKVCache": {"merge": "(caches)", "prepare": "(self, left_padding, lengths, right_padding)",
@@ -166,23 +163,12 @@ SERVER_LAYOUTS: dict[str, Callable[[], str | None]] = {
 
 
 # --------------------------------------------------------------------- checking the layouts
-def _names(function: Callable) -> list[str]:
-    """``function``'s parameter names, ``*args`` and ``**kwargs`` marked: what callers bind to."""
+def parameters(function: Callable) -> str:
+    """``function``'s parameter names as ``(a, b, *args, **kwargs)``, as :data:`PROTOCOL` writes them."""
     prefix: dict[inspect._ParameterKind, str] = {inspect.Parameter.VAR_POSITIONAL: "*",
                                                  inspect.Parameter.VAR_KEYWORD: "**"}
-    return [prefix.get(p.kind, "") + p.name for p in inspect.signature(function).parameters.values()]
-
-
-def parameters(function: Callable) -> str:
-    """``function``'s parameters as ``(a, b, *args, **kwargs)``, as :data:`PROTOCOL` writes them."""
-    return f"({', '.join(_names(function))})"
-
-
-def _check_insert_arguments() -> str | None:
-    """``insert_segments`` takes :data:`INSERT_ARGUMENTS` by name (the wrapper binds and rewrites them)."""
-    found = _names(_mlx_lm("generate").BatchGenerator.insert_segments)
-    missing = [name for name in INSERT_ARGUMENTS if name not in found]
-    return f"no {', '.join(missing)} among its parameters {found}" if missing else None
+    names = [prefix.get(p.kind, "") + p.name for p in inspect.signature(function).parameters.values()]
+    return f"({', '.join(names)})"
 
 
 def _check_generator_attributes() -> str | None:
@@ -258,7 +244,6 @@ def _check_batch_offsets() -> str | None:
 
 
 LAYOUTS: dict[str, Callable[[], str | None]] = {
-    "BatchGenerator.insert_segments": _check_insert_arguments,
     "BatchGenerator's state": _check_generator_attributes,
     "BatchGenerator._unprocessed_sequences": _check_waiting_sequences,
     "the KVCache/BatchKVCache protocol": _check_protocol,

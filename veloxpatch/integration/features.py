@@ -88,7 +88,8 @@ FEATURES: tuple[Feature, ...] = (
     ), off="generations start on caches as they are (coordinators not reset, the draft's caches compressed too, "
            "no generation counted)", used=compressing),
     Feature("batched generation", "mlx_lm.generate", (
-        Target("BatchGenerator.insert_segments", batched.batch_insert_segments, named=compat.INSERT_ARGUMENTS),
+        Target("BatchGenerator.insert_segments", batched.batch_insert_segments,
+               named=("segments", "caches", "all_tokens")),
     ), off="batched generation stays mlx_lm's", used=compressing),
     Feature("settings per request", "mlx_lm.server", (
         Target("APIHandler.validate_model_parameters", server.validate_model_parameters, leading=("self",)),
