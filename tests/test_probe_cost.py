@@ -153,7 +153,7 @@ def test_a_slot_past_the_prefix_gets_the_verdict_of_its_kind(monkeypatch) -> Non
     veloxpatch.patch(config)
     slots = builder.candidate_slots(caches)
     blocks, forwards = (calls_of(monkeypatch, cls) for cls in (llama.TransformerBlock, llama.Model))
-    found = eligibility.verdict(model, caches, slots, config)
+    found = eligibility.verdict(model, caches, slots, config, whole=False)
     assert forwards[0] > 0 and blocks[0] == 4 * forwards[0], "the probe ran more than the prefix"
     whole = eligibility._probe(model, caches, slots, config, whole=True)
     assert found.slots == whole.slots == (0, 2, 4, 6)

@@ -82,7 +82,7 @@ def assemble(caches: list[Any], slots: Iterable[int], make: Callable[[], Compres
     return out
 
 
-def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig, whole: bool = False) -> Verdict:
+def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: VeloxConfig, whole: bool) -> Verdict:
     """The probe's verdict for ``model`` under ``config`` (kept while the model lives); never raises. ``caches`` is
     a fresh list from mlx_lm, ``slots`` its plain ``KVCache`` slots; ``whole`` probes every layer. The route must be
     patched; the probe evaluates the model (the builder asks :func:`probed` and ``structure.unevaluated`` first)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .gguf_arch import GLOBAL_NAMES, LLAMA, Architecture, GGUFError, architecture
+from .gguf_arch import GLOBAL_NAMES, Architecture, GGUFError, architecture
 
 # GGML quantizes in blocks of 32 values; mlx's GGUF reader keeps that as the group size.
 GGUF_GROUP_SIZE = 32
@@ -32,7 +32,7 @@ def split_suffix(name: str) -> tuple[str, str]:
     raise GGUFError(f"tensor {name!r} has none of the suffixes {', '.join(SUFFIXES)}")
 
 
-def mlx_lm_name(gguf_name: str, arch: Architecture = LLAMA) -> str:
+def mlx_lm_name(gguf_name: str, arch: Architecture) -> str:
     """llama.cpp's tensor base name -> mlx_lm module path (``blk.3.ffn_up`` -> ``model.layers.3.mlp.up_proj``)."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
