@@ -165,8 +165,8 @@ def main() -> int:
     parser.add_argument("--model", type=Path, help="the model folder the tests load (default: fetch-model smollm2)")
     args = parser.parse_args()
     if args.model is None:
+        from veloxpatch.models.catalog import SMOLLM2
         from veloxpatch.models.fetch import fetch_model  # reuses the cached folder (already fetched: no download)
-        from veloxpatch.models.smollm2 import SMOLLM2
 
         args.model = fetch_model(SMOLLM2)
 
