@@ -39,7 +39,7 @@ def decode(parts: Parts, bits: int | None, group_size: int) -> mx.array:
 
 def _grow(parts: Parts, extra: int) -> Parts:
     """The same arrays with ``extra`` zero rows appended (spare capacity)."""
-    return parts if extra == 0 else _join(parts, _zero_rows(parts, extra))
+    return parts if extra == 0 else join(parts, _zero_rows(parts, extra))
 
 
 def _zero_rows(parts: Parts, rows: int) -> Parts:
@@ -57,9 +57,11 @@ def take_rows(parts: Parts, index: mx.array) -> Parts:
     return tuple(mx.take_along_axis(p, index[..., None], axis=2) for p in parts)
 
 
-def _join(*groups: Parts | None) -> Parts:
-    """Each array of the groups (None: none held) followed by its counterparts' rows, in one concatenation."""
-    return tuple(mx.concatenate(list(parts), axis=2) for parts in zip(*(g for g in groups if g is not None)))
+def join(*groups: Parts | None, axis: int = 2) -> Parts:
+    """Each array of the groups (None: none held) followed by its counterparts along ``axis`` (the rows'), in one
+    concatenation; a group alone is returned as it is."""
+    held = [g for g in groups if g is not None]
+    return held[0] if len(held) == 1 else tuple(mx.concatenate(list(parts), axis=axis) for parts in zip(*held))
 
 
 class RowStore:
@@ -196,7 +198,7 @@ class RowStore:
         held = (self.keys, self.values)[half] if self.rows else None
         parts = new(half)
         mx.eval(parts)
-        joined = _join(None if held is None else _head(held, self.rows), parts, _zero_rows(parts, spare))
+        joined = join(None if held is None else _head(held, self.rows), parts, _zero_rows(parts, spare))
         del held, parts
         mx.eval(joined)
         out = take_rows(joined, index)

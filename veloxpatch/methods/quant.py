@@ -38,7 +38,7 @@ from ..caches.queries import QueryMemory
 from ..caches.scored_attention import scored_attention
 from ..caches.selection import pool_rows
 from ..caches.spec import CacheSpec
-from ..caches.store import BITS, GROUPS, Parts, decode, encode, take_rows
+from ..caches.store import BITS, GROUPS, Parts, decode, encode, join, take_rows
 from ..coordinators import members_of
 from ..log import once
 from ..registry import cache_class, method
@@ -396,7 +396,7 @@ class QuantCache(CrossLayerCache):
     def _head_joined(self, first: tuple[Any, ...], last: tuple[Any, ...]) -> tuple[Any, ...]:
         """Two owns (keys, values, and positions if given) of consecutive rows at the same bits as one: held keys
         join along the tokens (the last axis of per-channel blocks), values along the rows."""
-        own = (_joined(first[0], last[0], 2 if self.bits == 16 else -1), _joined(first[1], last[1], 2))
+        own = (join(first[0], last[0], axis=2 if self.bits == 16 else -1), join(first[1], last[1]))
         if len(first) == 2:
             return own
         return (*own, _compact(mx.concatenate([first[2].astype(mx.int32), last[2].astype(mx.int32)], axis=-1)))
@@ -726,11 +726,6 @@ def _fold_of(start: int, end: int, heads: list[tuple[Any, ...]], group: tuple[in
 def _ints(x: mx.array) -> list[int]:
     """A 1-d integer array as a list of ints."""
     return cast(list[int], x.tolist())
-
-
-def _joined(first: tuple[mx.array, ...], last: tuple[mx.array, ...], axis: int) -> tuple[mx.array, ...]:
-    """Two encodings of consecutive rows as one (keys join on their last axis, the tokens'; values on the rows')."""
-    return tuple(mx.concatenate([a, b], axis=axis) for a, b in zip(first, last))
 
 
 def _compact(positions: mx.array) -> mx.array:

@@ -45,7 +45,7 @@ from mlx.utils import tree_flatten
 from .. import stats
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.spec import CacheSpec
-from ..caches.store import BITS, GROUPS, Parts, decode, encode
+from ..caches.store import BITS, GROUPS, Parts, decode, encode, join
 from ..log import model_type, once
 from ..memo import per_model
 from ..registry import method
@@ -196,12 +196,12 @@ class XQuantCache(CrossLayerCache):
 
     def _add_own(self, key: str, rows: mx.array) -> None:
         """A layer alone: the step's X (``x``) or latent (``l``) joins its own."""
-        self._set_fold({key: _joined(self._held(key), self._encode(rows, self.bits))}, None)
+        self._set_fold({key: join(self._held(key), self._encode(rows, self.bits), axis=1)}, None)
 
     def _add_anchor(self, x: mx.array) -> None:
         """The group's first layer: its X joins the shared part, and the step's rows are published."""
         step = self._encode(x, self.bits)
-        shared = {"x": _joined(self._held("x", shared=True), step)}
+        shared = {"x": join(self._held("x", shared=True), step, axis=1)}
         self._set_fold(None, shared)
         assert self.coordinator is not None, "an anchor is in a group"
         self.coordinator.publish(("xquant", self.layer), (shared, self._decode(step, self.bits), self.offset))
@@ -214,7 +214,7 @@ class XQuantCache(CrossLayerCache):
             self._add_own("x", x)
             return
         shared, anchor, _ = found
-        self._set_fold({"d": _joined(self._held("d"), self._encode(x - anchor, self.cl_bits))}, shared)
+        self._set_fold({"d": join(self._held("d"), self._encode(x - anchor, self.cl_bits), axis=1)}, shared)
 
     def _leave_group(self) -> None:
         """Keep this layer's own X from now on (its rows so far rebuilt from the anchor's and the delta)."""
@@ -395,11 +395,6 @@ def _key_normed(module: Any, keys: mx.array) -> mx.array:
     if width == keys.shape[-2] * keys.shape[-1]:
         return norm(keys.reshape(*keys.shape[:2], -1)).reshape(keys.shape)
     return keys
-
-
-def _joined(held: Parts | None, step: Parts) -> Parts:
-    """Encoded rows ``held`` followed by ``step`` (``step`` alone when nothing is held yet)."""
-    return step if held is None else tuple(mx.concatenate([a, b], axis=1) for a, b in zip(held, step))
 
 
 def _cut(part: dict[str, Parts] | None, rows: int) -> dict[str, Parts] | None:
