@@ -33,6 +33,7 @@ equal, else it falls back to its own prefill, then to plain, said once in the lo
 from __future__ import annotations
 
 import copy
+import gc
 import weakref
 from collections import Counter
 from collections.abc import Collection, Iterator
@@ -103,10 +104,17 @@ class Reading:
 
 
 def fresh_reading() -> Reading:
-    """The :class:`Reading` of a run about to start, mlx's buffer cache emptied and its peak reset first."""
+    """The :class:`Reading` of a run about to start, its peak its own (:func:`reset_peak`)."""
+    reset_peak()
+    return Reading()
+
+
+def reset_peak() -> None:
+    """Earlier runs' garbage collected (a cache list with a coordinator is a cycle, which only the collector frees:
+    left, it counted in the next run's peak), mlx's buffer cache emptied and its peak reset."""
+    gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
-    return Reading()
 
 
 def candidate(variant: Variant) -> str:
@@ -252,8 +260,7 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
         if caches is None or (v.method != "full" and not untouched(caches, base, chunks)):
             yield _plain(model, tokens, r, max_tokens, step, held)
             continue
-        mx.clear_cache()
-        mx.reset_peak_memory()
+        reset_peak()
         pairs = whole(model, last, caches, max_tokens, step, raw=True)
         peak = max(prefill_peak, mx.get_peak_memory() - held)
         yield Result(r, [t for t, _ in pairs], [p for _, p in pairs], caches,
