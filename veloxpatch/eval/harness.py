@@ -222,6 +222,7 @@ def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, sp
         kv16 = _held_16_bit(r.caches, r.request.variant) if spec.equal_bytes else None
         out[r.request.variant] = Sample(_right(tokenizer, r.tokens, item), r.kv_bytes, r.peak_bytes,
                                         r.read_peak_bytes, kv16)
+        del r  # its caches let go before the next variant decodes (they would count in its peak)
     return {v: out[v] for v in chosen}
 
 
