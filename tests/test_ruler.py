@@ -355,3 +355,19 @@ def test_usage_counts_what_a_16_bit_model_would_hold() -> None:
         assert abs(held["kv_bytes_16bit"] / held["dense_kv_bytes_16bit"] - 0.125) < 0.02, held  # blocks of 64 rows
     finally:
         harness.veloxpatch.unpatch()
+
+
+@pytest.mark.parametrize("method", ["h2o", "snapkv"])
+def test_a_chats_kv_bytes_are_what_its_caches_hold_with_or_without_equal_bytes(model_dir: Path, method: str) -> None:
+    """``--equal-bytes`` adds the 16-bit count beside the KV bytes; it does not change them (H2O's queued queries,
+    folded into the row columns when its state is read, counted as held either way)."""
+    from mlx_lm.utils import load
+
+    model, tok = load(str(model_dir))
+    item = ruler.followup(tok, 300, seed=0)
+    variant = harness.variants([method], [0.25])[-1]
+    alone, counted = (harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128,
+                                                                                     equal_bytes=measured), {})
+                      for measured in (False, True))
+    assert alone.kv16_bytes is None and counted.kv16_bytes is not None
+    assert counted.kv_bytes == alone.kv_bytes

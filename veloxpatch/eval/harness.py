@@ -170,8 +170,9 @@ def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec:
         out = chat(model, tokenizer, caches, item, spec, quant, reading)[-1]
     else:
         out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, reading, **quant)]
+    held = sharing.kv_bytes(caches)  # before the 16-bit count reads the state (H2O then folds its queued queries)
     kv16 = _held_16_bit(caches, variant) if spec.equal_bytes else None
-    return Sample(_right(tokenizer, out, item), sharing.kv_bytes(caches), mx.get_peak_memory(), reading.peak, kv16)
+    return Sample(_right(tokenizer, out, item), held, mx.get_peak_memory(), reading.peak, kv16)
 
 
 def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spec: EvalSpec,
