@@ -1,15 +1,16 @@
 """One rank of tests/test_distributed.py, started by ``mlx.launch``: loads a model folder split by
-tensor or pipeline parallelism and prints, as one JSON line, what each method does on this rank.
+tensor or pipeline parallelism and writes what each method does on this rank, as JSON, to ``OUT/rank<r>.json``.
 
-``python ranks_worker.py tp|pp FOLDER methods`` runs every method at a budget above the context and
-at a small one (every evicting one also with a 4-bit tier); ``python ranks_worker.py tp FOLDER mismatch`` builds
-caches with a budget that differs by rank and prints the error; ``stats`` generates with ``VELOX_STATS`` on.
+``python ranks_worker.py tp|pp FOLDER methods OUT`` runs every method at a budget above the context and
+at a small one (every evicting one also with a 4-bit tier); ``python ranks_worker.py tp FOLDER mismatch OUT`` builds
+caches with a budget that differs by rank and writes the error; ``stats`` generates with ``VELOX_STATS`` on.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
@@ -97,13 +98,15 @@ def stats(model) -> dict:
 
 
 def main() -> None:
-    mode, folder, job = sys.argv[1:4]
+    mode, folder, job, out = sys.argv[1:5]
     group = mx.distributed.init()
     model, _ = sharded_load(folder, **{("tensor_group" if mode == "tp" else "pipeline_group"): group})
     jobs = {"methods": lambda: methods(model, folder), "mismatch": lambda: mismatch(model, group.rank()),
             "stats": lambda: stats(model)}
     result = jobs[job]()
-    print("RESULT " + json.dumps({"rank": group.rank(), "size": group.size(), **result}), flush=True)
+    # a file per rank: two ranks' long lines on the launcher's one stdout could interleave (seen under load)
+    Path(out, f"rank{group.rank()}.json").write_text(json.dumps({"rank": group.rank(), "size": group.size(),
+                                                                  **result}))
 
 
 if __name__ == "__main__":

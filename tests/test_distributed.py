@@ -12,7 +12,9 @@ dropped row in it. Settings that differ between ranks are an error on every rank
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +33,12 @@ WORKER = Path(__file__).with_name("ranks_worker.py")
 
 
 def launch(*args: str, timeout: int = 240) -> dict[Any, Any]:
-    """Run the worker on two ranks; each rank's RESULT line, by rank (and the whole output under "output")."""
+    """Run the worker on two ranks; each rank's result, by rank (and the whole output under "output")."""
+    out = Path(tempfile.mkdtemp(prefix="ranks-"))
     _, output = run_group([MLX_LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ring_port()),
-                           "--python", sys.executable, str(WORKER), *args], timeout)
-    results = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+                           "--python", sys.executable, str(WORKER), *args, str(out)], timeout)
+    results = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+    shutil.rmtree(out)
     assert len(results) == 2, f"expected a result from each rank:\n{output[-3000:]}"
     return {**{r["rank"]: r for r in results}, "output": output}
 
