@@ -88,7 +88,7 @@ def test_info_says_what_was_built_for_each_model(app: Path) -> None:
     assert ("veloxpatch: INFO: llama: snapkv on 1 of 1 cache slots (VELOX_BUDGET=64, VELOX_SINK=4, VELOX_TIER=8, "
             "VELOX_TIER_SIZE=3x, VELOX_COMPRESS=chunk, VELOX_WINDOW=32, VELOX_SNAPKV_KERNEL=") in result.stderr
     result = launch("run", "--kv", "quant", str(app), "--check-patch", env={"VELOX_LOG": "INFO"})
-    assert ("llama: quant on 1 of 1 cache slots (VELOX_WINDOW=32, VELOX_QUANT_BITS=4, VELOX_QUANT_GROUP=64, "
+    assert ("llama: quant on 1 of 1 cache slots (VELOX_WINDOW=32, VELOX_QUANT_BITS=4, VELOX_QUANT_GROUP=auto, "
             "VELOX_QUANT_KEEP=100%, VELOX_QUANT_POOL=1, VELOX_QUANT_BUDGETS=model, VELOX_QUANT_FLOOR=0.25, "
             "VELOX_QUANT_SCORE=repeat)"
             ) in result.stderr, result.stderr

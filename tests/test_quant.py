@@ -68,6 +68,21 @@ def test_decode_tokens_fold_a_block_at_a_time_into_the_one_fold() -> None:
     assert cache.size() == cache.offset
 
 
+@pytest.mark.parametrize(("knobs", "block"), [({}, 64), ({"quant_keep": "0.125x"}, 32), ({"quant_keep": "30%"}, 64),
+                                               ({"quant_keep": "0.125x", "quant_group": 64}, 64),
+                                               ({"quant_group": 128}, 128)])
+def test_auto_blocks_are_32_tokens_under_a_share_of_the_bytes_else_64(knobs: dict, block: int) -> None:
+    """``auto``: under a share of the bytes the exact rows past the last whole block count against it, so its blocks
+    are shorter; a given size is kept whatever the share."""
+    model = tiny("llama", layers=2)
+    veloxpatch.patch(kv="quant", window=4, compress="chunk", knobs=knobs)
+    caches = make_prompt_cache(model)
+    greedy(model, random_tokens(170, 2), caches, steps=1, chunk=170)  # 166 rows due: 160 in blocks of 32, 128 of 64
+    cache = caches[0]
+    assert cache.group_size == cache.knob_values()["group"] == block
+    assert cache.folds[0].end == (cache.offset - cache.window) // block * block
+
+
 def test_trim_into_a_block_keeps_the_whole_blocks_before_and_the_rest_exact() -> None:
     model = tiny("llama", layers=4)
     veloxpatch.patch(kv="quant", window=8, compress="chunk", knobs={"quant_group": 32, "quant_bits": 3})

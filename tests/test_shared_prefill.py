@@ -341,3 +341,20 @@ def test_a_runs_peak_leaves_out_what_earlier_runs_left_in_cycles() -> None:
     sharing.fresh_reading()
     mx.eval(mx.ones((1024,)))  # the run's first allocation: the peak counts what is held then
     assert mx.get_peak_memory() < before + 32 * 2**20
+
+
+def test_a_journal_line_counts_for_the_block_size_auto_decides(tmp_path: Path) -> None:
+    """``VELOX_QUANT_GROUP=auto`` is 64 keeping every row and 32 under a share of the bytes: lines measured with those
+    sizes named count for the default, a share of the bytes measured in blocks of 64 does not."""
+    journal = harness.Journal(tmp_path / "eval.cells.jsonl", {"model": "m"})
+    with journal.samples_path.open("a") as handle:
+        for seed, knobs in enumerate([{"bits": 4, "group": 64}, {"group": 32, "keep": "0.125x"},
+                                      {"group": 64, "keep": "0.125x"}]):
+            label = "quant@0.25" if seed == 0 else "quant[keep=0.125x]@0.25"
+            handle.write(json.dumps({"task": "niah_single", "context": 2048, "label": label, "seed": seed,
+                                     "knobs": knobs, "value": 1.0, "kv_bytes": 10, "peak_bytes": 20,
+                                     "key": {"model": "m"}}) + "\n")
+    seeds = {ident: seed for (_, _, ident, seed) in journal.samples()}
+    assert seeds.get(Variant.of("quant", 0.25).identity()) == 0
+    assert seeds.get(Variant.of("quant[keep=0.125x]", 0.25).identity()) == 1
+    assert seeds.get(Variant.of("quant[keep=0.125x,group=64]", 0.25).identity()) == 2

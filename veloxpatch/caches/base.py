@@ -73,6 +73,12 @@ class CompressedKVCache(ABC):
         """The method's own knobs, saved with the cache so it loads back the same."""
         return {}
 
+    @classmethod
+    def resolved_knobs(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """The knob ``values`` a cache built from them runs with, where one knob's ``auto`` depends on another's:
+        what an eval journal names, so a line counts for every spelling of the cache it measured."""
+        return values
+
     def shared_parts(self) -> list[Any]:
         """Arrays (or trees of them) shared with other layers of the list: counted once, by the first holder."""
         return []

@@ -182,8 +182,11 @@ class Variant:
     def knob_values(self) -> dict[str, Any]:
         """Every knob that reaches this variant's caches, defaults included: what a journal matches besides the
         label, so a changed default is measured again (mlx_lm's own caches have none but ``quantized[bits=N]``)."""
-        settings = _settings(self.method, {k: str(v) for k, v in self.knobs}) if self.method in METHODS else {}
-        return {**{n: k.convert(k.default) for n, k in sorted(settings.items())}, **dict(self.knobs)}
+        if self.method not in METHODS:
+            return dict(self.knobs)
+        settings = _settings(self.method, {k: str(v) for k, v in self.knobs})
+        values = {**{n: k.convert(k.default) for n, k in sorted(settings.items())}, **dict(self.knobs)}
+        return cache_class(self.method).resolved_knobs(values)
 
     def identity(self) -> str:
         """The label and every knob value: two variants measure the same thing only if these are equal."""

@@ -5,10 +5,10 @@ Why per channel: a few key channels are large in every token, so in mlx_lm's per
 each group's scale; here each channel of a block of tokens gets its own. Values, summed row by row, keep per-token
 groups (docs/results.md, "Keys per channel").
 
-A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): after each prompt chunk and every
-``VELOX_QUANT_GROUP`` decode tokens, the exact rows older than the window are quantized in whole blocks and join the
-layer's one fold. A prompt chunk attends over the fold dequantized; a decode step multiplies it as held, by mlx's
-quantized matmul.
+A cross-layer cache of a group of one (:mod:`veloxpatch.caches.crosslayer`): after each prompt chunk and every block
+of decode tokens (``VELOX_QUANT_GROUP``: 64 tokens, 32 under a share of the bytes), the exact rows older than the
+window are quantized in whole blocks and join the layer's one fold. A prompt chunk attends over the fold
+dequantized; a decode step multiplies it as held, by mlx's quantized matmul.
 
 Fewer rows (``VELOX_QUANT_KEEP``), chosen before any question is asked: the second reading is
 :mod:`veloxpatch.integration.rereading`'s, the shares over layers :func:`model_wise`'s. Each head keeps its rows in
@@ -60,6 +60,20 @@ class BytesShare(float):
         return f"{float(self):g}x"
 
 
+def group_choice(text: str) -> int | str:
+    """``VELOX_QUANT_GROUP``: one of mlx's group sizes, or ``auto`` (:attr:`QuantCache.group_size` says which)."""
+    given = text.strip().lower()
+    return given if given == "auto" else int_choice(GROUPS)(given)
+
+
+def block_size(group: int | str, keep: float) -> int:
+    """Tokens per block of ``VELOX_QUANT_GROUP`` (``group``) for a cache keeping ``keep``: ``auto`` is 32 under a share
+    of the bytes, whose count takes in the exact rows past the last whole block, up to a block less one (blocks of
+    32 ended chats nearer their share and answered as many: docs/results.md, "Follow-up"), else 64 (fewer scales a
+    row)."""
+    return group if isinstance(group, int) else 32 if isinstance(keep, BytesShare) else 64
+
+
 def keep_share(text: str) -> float:
     """``VELOX_QUANT_KEEP``: a share of the rows (``"30%"``), or of the full cache's 16-bit bytes (``"0.125x"``)."""
     given = text.strip().lower()
@@ -74,9 +88,11 @@ def keep_share(text: str) -> float:
 KNOBS = (
     Setting("VELOX_QUANT_BITS", int_choice(BITS), "4", one_of_text(BITS),
             "Quant: bits per element of every key and value older than the window."),
-    Setting("VELOX_QUANT_GROUP", int_choice(GROUPS), "64", one_of_text(GROUPS),
+    Setting("VELOX_QUANT_GROUP", group_choice, "auto", "auto, or " + one_of_text(GROUPS),
             "Quant: tokens per block whose key channels share a scale and bias (and a value row's elements per "
-            "group, or the largest of 32, 64 and 128 dividing the head dimension)."),
+            "group, or the largest of 32, 64 and 128 dividing the head dimension). `auto`: 32 where "
+            "VELOX_QUANT_KEEP is a share of the bytes (the rows past the last whole block wait exact and count "
+            "against it: smaller blocks keep a chat nearer its share), else 64 (fewer scales a row)."),
     Setting("VELOX_QUANT_KEEP", keep_share, "100%",
             "a percentage in (0, 100] of the rows, or a multiple in (0, 1] of the full cache's 16-bit bytes (`0.125x`)",
             "Quant: share of a prompt's quantized rows kept once the prompt is read: those the model attends to "
@@ -123,13 +139,14 @@ class QuantCache(CrossLayerCache):
     memory_instead = (" (VELOX_QUANT_KEEP=0.125x keeps the rows that make it hold an eighth of the full cache's "
                       "16-bit bytes)")  # said where VELOX_KV_MEMORY is refused
 
-    def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, keep: float | str = 1.0,
+    def __init__(self, spec: CacheSpec, bits: int = 4, group: int | str = "auto", keep: float | str = 1.0,
                  pool: int = 1, budgets: str = "model", floor: float = 0.25, score: str = "repeat") -> None:
         super().__init__(spec)
-        self.bits, self.group_size, self.pool, self.budgets, self.floor = bits, group, pool, budgets, floor
+        self.bits, self.pool, self.budgets, self.floor = bits, pool, budgets, floor
         self.score = score
         self.scorer: Any = None  # ``score`` expected or snapkv: that method's policy, built once (its rotary maps)
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
+        self.group_size = block_size(group, self.keep)
         self.rereading = False  # the model reads the prompt again: this cache scores its folded rows
         self.storing = True  # False while a chunk of that reading is read: attended over, not stored
         self.unscored: list[mx.array] = []  # the prompt chunks read since the last scoring (token ids)
@@ -144,6 +161,13 @@ class QuantCache(CrossLayerCache):
         return {"bits": self.bits, "group": self.group_size,
                 "keep": str(self.keep) if isinstance(self.keep, BytesShare) else self.keep, "pool": self.pool,
                 "budgets": self.budgets, "floor": self.floor, "score": self.score}
+
+    @classmethod
+    def resolved_knobs(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """``group`` as :func:`block_size` decides it for ``keep`` (a journal's text ``"0.125x"`` too)."""
+        keep = values.get("keep", 1.0)
+        keep = keep_share(keep) if isinstance(keep, str) else keep
+        return {**values, "group": block_size(values.get("group", "auto"), keep)}
 
     @property
     def scores_by_queries(self) -> bool:
