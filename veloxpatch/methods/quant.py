@@ -61,7 +61,7 @@ class BytesShare(float):
 
 
 def group_choice(text: str) -> int | str:
-    """``VELOX_QUANT_GROUP``: one of mlx's group sizes, or ``auto`` (:attr:`QuantCache.group_size` says which)."""
+    """``VELOX_QUANT_GROUP``: one of mlx's group sizes, or ``auto`` (:func:`block_size` decides)."""
     given = text.strip().lower()
     return given if given == "auto" else int_choice(GROUPS)(given)
 
