@@ -9,7 +9,8 @@ Three turns per chat (``ruler.followup`` and ``ruler.ask_first_again``): a docum
 another fact, then the first again; with ``--facts 3`` three facts, one asked a turn. Each chat runs on a server of
 its own (``veloxpatch run -m mlx_lm server``), unpatched and with ``VELOX_KV``/``VELOX_BUDGET``: a shared server
 would start the next chat from this one's cache trimmed back to the chat template. Every chat is appended to
-``DIR/chats.jsonl`` as it ends, and a rerun skips those there; the table (``DIR/table.md``) counts each turn right
+``DIR/chats.jsonl`` as it ends with the knob values its server's caches got (defaults resolved), and a rerun
+skips those there of the same label and knobs; the table (``DIR/table.md``) counts each turn right
 when its answer has the number asked and none of the others, and gives the median KV bytes the server said it held
 after the last turn (``usage.velox.kv_bytes``; mlx_lm's own bytes for the full cache, from the same field) and their
 share of the full cache's (``dense_kv_bytes``), also as a 16-bit model would hold both (``kv_bytes_16bit``,
@@ -26,11 +27,13 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from veloxpatch.eval import harness, ruler, serving
 from veloxpatch.eval.report import wilson
+from veloxpatch.eval.variants import GENERAL, Variant, identity
 
 
 def chat_example(tokenizer, context: int, seed: int, facts: int) -> ruler.Example:
@@ -85,20 +88,21 @@ def main() -> None:
                                                                     ("tier", args.tier, "off")) if v != default)
     knob = f"VELOX_{args.kv.upper()}_"  # a method's knob named as in its brackets elsewhere: [keep=30%]
     label += "".join(f"[{k.removeprefix(knob).removeprefix('VELOX_').lower()}={v}]" for k, v in extra.items())
-    variants = {"full": {}, f"{label}@{args.budget}": ours}
+    variants = {"full": ({}, {}), f"{label}@{args.budget}": (ours, server_knobs(args.kv, ours))}
     journal = args.out / "chats.jsonl"
     args.out.mkdir(parents=True, exist_ok=True)
     done = [json.loads(line) for line in journal.read_text().splitlines()] if journal.exists() else []
     done = [r for r in done if r.get("facts", 2) == args.facts]  # a journal of the other chat is left alone
-    seen = {(r["variant"], r["seed"], r["context"]) for r in done}
+    seen = {(chat_identity(r), r["seed"], r["context"]) for r in done}
     for seed in range(args.samples):
         ex = chat_example(tokenizer, args.context, seed, args.facts)
-        for name, env in variants.items():
-            if (name, seed, args.context) in seen:
+        for name, (env, knobs) in variants.items():
+            if (identity(name, knobs), seed, args.context) in seen:
                 continue
             answers, usage = run_chat(args.model, tokenizer, ex, env)
-            row = {"variant": name, "seed": seed, "context": args.context, "facts": args.facts, "answers": answers,
-                   "usage": usage, "right": [ruler.score(a, t) for a, t in zip(answers, turn_examples(ex, args.facts))]}
+            row = {"variant": name, "knobs": knobs, "seed": seed, "context": args.context, "facts": args.facts,
+                   "answers": answers, "usage": usage,
+                   "right": [ruler.score(a, t) for a, t in zip(answers, turn_examples(ex, args.facts))]}
             done.append(row)
             with journal.open("a") as handle:
                 handle.write(json.dumps(row) + "\n")
@@ -107,8 +111,13 @@ def main() -> None:
     lines = [f"**followup through `mlx_lm server`, {args.context} tokens, three turns, n={args.samples}**", "",
              f"| variant | turn 1 | turn 2 (follow-up) | turn 3 ({third}) | KV after (MiB) | share of full "
              "| share at 16 bits |", "|---|---|---|---|---|---|---|"]
-    for name in dict.fromkeys(r["variant"] for r in done):  # every variant the journal holds, in the order run
-        rows = [r for r in done if r["variant"] == name and r["context"] == args.context and r["seed"] < args.samples]
+    groups = dict.fromkeys(chat_identity(r) for r in done)  # every variant the journal holds, in the order run
+    for group in groups:
+        rows = [r for r in done if chat_identity(r) == group and r["context"] == args.context
+                and r["seed"] < args.samples]
+        if not rows:
+            continue
+        name = table_name(rows[0], done)
         cells = []
         for turn in range(3):
             k, n = sum(r["right"][turn] for r in rows), len(rows)
@@ -118,6 +127,39 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     (args.out / "table.md").write_text(table + "\n")
+
+
+def server_knobs(kv: str, env: dict[str, str]) -> dict[str, Any]:
+    """Every knob value the compressing server's caches get, its defaults resolved (quant's ``auto`` block size
+    among them): what a journal's chat must match besides its label, so that a rerun after a default changed
+    measures the chat again instead of counting the old one. A setting that is no knob of the method (``VELOX_SINK``)
+    counts under its own name."""
+    prefix = f"VELOX_{kv.upper()}_"
+    names = set(Variant.of(kv).knob_values()) | set(GENERAL)
+    short = {key: key.removeprefix(prefix).removeprefix("VELOX_").lower() for key in env if key != "VELOX_KV"}
+    spec = ",".join(f"{short[k]}={v}" for k, v in env.items() if short.get(k) in names)
+    others = {k: v for k, v in env.items() if k in short and short[k] not in names and k != "VELOX_BUDGET"}
+    return {**Variant.of(f"{kv}[{spec}]" if spec else kv).knob_values(), **others}
+
+
+def chat_identity(row: dict) -> str:
+    """The variant a journal's chat measured: its label and knobs. A chat written before the knobs were kept
+    matches no variant run now (its defaults may have changed since), the full cache's excepted (it has none)."""
+    knobs = row.get("knobs", {} if row["variant"] == "full" else None)
+    return identity(row["variant"], knobs)
+
+
+def table_name(row: dict, done: list[dict]) -> str:
+    """A variant's name in the table: its label, and where the journal has the label with other knobs too, the
+    knob values that differ (or that this chat's were not kept)."""
+    others = [r for r in done if r["variant"] == row["variant"] and chat_identity(r) != chat_identity(row)]
+    if not others:
+        return row["variant"]
+    if "knobs" not in row:
+        return f"{row['variant']} (knobs not kept)"
+    seen = [r.get("knobs") or {} for r in others]
+    differ = {k: v for k, v in row["knobs"].items() if any(s.get(k) != v for s in seen)}
+    return f"{row['variant']} ({', '.join(f'{k}={v}' for k, v in differ.items())})"
 
 
 def held(rows: list[dict]) -> list[str]:
