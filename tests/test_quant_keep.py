@@ -262,6 +262,18 @@ def test_a_share_the_fixed_rows_spend_already_is_said(records) -> None:
     assert "keeps almost none of its rows" in said
 
 
+def test_a_short_next_turn_is_not_said_to_keep_almost_nothing(records) -> None:
+    """A question after a document under a share of the bytes keeps its own share, a few rows, while the document's
+    rows keep theirs: that is the share working, not a setting to change, so nothing is said (the saved-cache flow:
+    ``mlx_lm cache_prompt``, then ``generate --prompt-cache-file`` with a question, warned before)."""
+    model = tiny("llama", layers=2)
+    caches = quant_caches(model, "0.2x", window=32)
+    greedy(model, random_tokens(1025, 9), caches, steps=1, chunk=256)
+    assert any(c.folds for c in caches)
+    greedy(model, random_tokens(40, 3), caches, steps=1, chunk=256)
+    assert not [r for r in records if "VELOX_QUANT_KEEP" in r.getMessage()]
+
+
 def test_the_process_holds_what_the_kept_rows_take_once_the_prompt_is_read_again() -> None:
     """Memory as mlx counts it (``mx.get_active_memory``), not only as the caches count it: after the second reading
     the process holds little more than the caches' bytes (nothing of the reading left: its scores, its rows, the

@@ -365,12 +365,15 @@ class QuantCache(CrossLayerCache):
         return (target - besides - protected * row) / row, (besides + protected * row) / full
 
     def _say_if_little(self, found: list[Candidates]) -> None:
-        """Warn once when a share of the bytes leaves the prompt (of these layers) almost none of its rows."""
+        """Warn once when a share of the bytes leaves a first prompt (of these layers) almost none of its rows. A
+        later turn is not warned about: a short one (a question after a document) keeps its own share of the bytes,
+        a few rows, by design, and the rows before it keep theirs."""
         fresh = sum(c.count for c in found)
-        if isinstance(self.keep, BytesShare) and sum(c.wanted for c in found) < 0.05 * fresh:
+        first = not any(c.earlier for c in found)
+        if first and isinstance(self.keep, BytesShare) and sum(c.wanted for c in found) < 0.05 * fresh:
             once(f"quant share {self.keep}", logging.WARNING,
-                 f"VELOX_QUANT_KEEP={self.keep}: at {self.offset} tokens the exact window, the unfinished block and "
-                 f"earlier turns take {sum(c.taken for c in found) / len(found):.2f} of the 16-bit bytes "
+                 f"VELOX_QUANT_KEEP={self.keep}: at {self.offset} tokens the exact window and the unfinished block "
+                 f"take {sum(c.taken for c in found) / len(found):.2f} of the 16-bit bytes "
                  "already, so the prompt keeps almost none of its rows (a larger share, or a longer prompt, keeps "
                  "more)")
 
