@@ -63,6 +63,17 @@ def test_kv_bits_in_generate_step_stores_our_rows_quantized(model, bits: int) ->
     assert sizes[bits] < sizes[None] * (0.45 if bits == 8 else 0.3)
 
 
+def test_kv_bits_reach_the_exact_rows_of_a_folding_cache_and_its_folds_keep_their_bits(model) -> None:
+    """``quant`` under an app's ``kv_bits=8``: the rows it holds exact (the window, an unfinished block) go to 8 bits,
+    its folded rows stay at ``VELOX_QUANT_BITS`` (4), and it still generates (docs/how-it-works.md)."""
+    veloxpatch.patch(kv="quant", window=8)
+    caches = make_prompt_cache(model)
+    tokens = [t for t, _ in generate_step(random_tokens(300, 51), model, max_tokens=10, prompt_cache=caches,
+                                          kv_bits=8, kv_group_size=32, quantized_kv_start=0)]
+    assert len(tokens) == 10
+    assert all(c.store.bits == 8 and c.folds and c._fold_bits(c.folds[0]) == 4 for c in caches)
+
+
 def test_a_quantized_cache_saves_and_loads_back(model, tmp_path) -> None:
     veloxpatch.patch(kv="streamingllm", budget=64, window=8, tier="off")
     caches = [c.to_quantized(group_size=32, bits=4) for c in prefilled(model)]
