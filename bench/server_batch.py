@@ -123,7 +123,8 @@ def main() -> None:
 
 def summary(args: argparse.Namespace, times: dict[str, list[float]], batched: list[tuple[str, dict]],
             singles: list[dict]) -> dict[str, Any]:
-    """Requests per second of each server (median round), their ratio, answers equal alone, KV per sequence."""
+    """Requests per second of each server (median round), their ratio, answers equal alone, KV per sequence (and its
+    share of mlx_lm's as a 16-bit model holds both: this CPU runs float32)."""
     rate = {name: args.concurrency / statistics.median(t) for name, t in times.items()}
     held = [a["usage"]["velox"] for _, a in batched]
     same = [a["choices"][0]["text"] == s["choices"][0]["text"] for (_, a), s in zip(batched, singles)]
@@ -134,6 +135,7 @@ def summary(args: argparse.Namespace, times: dict[str, list[float]], batched: li
         "rows_kept_per_layer": [h["rows_kept"] / layers(args.model) for h in held],
         "share_kept": [h["share_kept"] for h in held], "kv_bytes": [h["kv_bytes"] for h in held],
         "dense_kv_bytes": [h["dense_kv_bytes"] for h in held],
+        "share_16bit": [h["kv_bytes_16bit"] / h["dense_kv_bytes_16bit"] for h in held if h.get("dense_kv_bytes_16bit")],
         "answers": [{"batched": a["choices"][0]["text"], "alone": s["choices"][0]["text"]}
                     for (_, a), s in zip(batched, singles)],
     }

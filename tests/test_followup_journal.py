@@ -63,3 +63,4 @@ def test_a_rerun_measures_what_the_journal_lacks_and_tables_both(script: types.M
     assert "(knobs not kept)" in table and "group=32" in table and table.count("| full |") == 1
     script.main()  # everything is in the journal now
     assert len(calls) == 1
+
