@@ -21,7 +21,6 @@ Plain (``--no-share-prefill``, ``--compress chunk``, vanilla at the budget's con
 from __future__ import annotations
 
 import copy
-import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -98,7 +97,6 @@ def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: Bench
     if raw:
         mx.eval([c.state for c in caches])  # the copy is made before the clock starts
     run = getattr(generate_step, "__wrapped__", generate_step) if raw else generate_step
-    gc.collect()
     reading = sharing.fresh_reading()
     tokens: list[int] = []
     start = time.perf_counter()
@@ -133,10 +131,6 @@ def cases(spec: BenchSpec) -> list[tuple[int, str, Variant]]:
     return out
 
 
-def prompt_for(model: Any, context: int) -> mx.array:
-    return mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(context))
-
-
 def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
     """Every case of :func:`cases`, yielded as it finishes (not in row order when prefills are shared)."""
     all_cases = [(i, *case) for i, case in enumerate(cases(spec))]
@@ -158,7 +152,7 @@ def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
     yield _plain(model, *all_cases[0], spec)  # vanilla at the budget's context: cheap
     for context in spec.contexts:
         here = [case for case in all_cases[1:] if case[1] == context]
-        prompt = prompt_for(model, context)
+        prompt = sharing.random_prompt(model, context)
         groups = [(case[3], [case], sharing.OWN) for case in here if how(case[3]) == sharing.OWN]  # vanilla first
         shared = [case for case in here if how(case[3]) == sharing.SHARED]
         if shared:  # right after vanilla
@@ -172,7 +166,7 @@ def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
 
 def _plain(model: Any, index: int, context: int, label: str, variant: Variant, spec: BenchSpec,
            held: int = 0) -> Measured:
-    prompt = prompt_for(model, context)
+    prompt = sharing.random_prompt(model, context)
     extra = variant.generate_kwargs(KVLayout.of(model))
     timing, tokens = median_timing(
         lambda: time_generation(model, prompt, variant.caches(model, context, spec.compress), spec, held, extra),
@@ -185,7 +179,6 @@ def _group(model: Any, prompt: mx.array, source: Variant, members: list[tuple[in
     """One timed prefill of ``prompt[:-1]`` into ``source``'s caches (shared: at a budget no prompt reaches), then
     each member's decodes on its own copy: moved into a fresh list of its method (shared), or deep-copied (own)."""
     base = source.caches(model, prompt.size, spec.compress, budget=None if how == sharing.OWN else sharing.HUGE)
-    gc.collect()
     reading = sharing.fresh_reading()
     start = time.perf_counter()
     chunks = sharing.prefill(model, prompt, base, spec.prefill_step)

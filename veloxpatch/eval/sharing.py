@@ -117,6 +117,11 @@ def reset_peak() -> None:
     mx.reset_peak_memory()
 
 
+def random_prompt(model: Any, size: int) -> mx.array:
+    """``size`` random tokens of ``model``'s vocabulary, the same ones at every call of that size."""
+    return mx.random.randint(0, model.args.vocab_size, (size,), key=mx.random.key(size))
+
+
 def candidate(variant: Variant) -> str:
     """The mode the declared rule gives a variant (before :func:`modes` checks it)."""
     if variant.method == "full":
@@ -308,7 +313,7 @@ def plan(model: Any, chosen: list[Variant]) -> dict[Variant, str]:
 def _check(model: Any, todo: dict[tuple[Any, ...], Variant]) -> dict[tuple[Any, ...], str]:
     if not todo:
         return {}
-    tokens = mx.random.randint(0, model.args.vocab_size, (PROBE_PROMPT,), key=mx.random.key(PROBE_PROMPT))
+    tokens = random_prompt(model, PROBE_PROMPT)
 
     def budgets(v: Variant) -> tuple[int, ...]:
         return (HUGE,) if v.method == "full" else PROBE_BUDGETS
