@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from .tasks import SPLITS, TokenizerOrLenFn, _fit, _insert_at_depth, _len_fn, excerpt, random_key, split_of
+from .tasks import SPLITS, TokenizerOrLenFn, _fit, _insert_at_depth, excerpt, random_key, split_of
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "trip", "followup")
 # RULER's synthetic tasks under its own names (its two QA tasks need data sets that are not on PyPI); niah_single_2 and
@@ -126,7 +126,7 @@ def _build(tokenizer: Any, context: int, seed_text: str, needles: list[tuple[str
         messages[prompt] = message
         return prompt
 
-    prompt = _fit(build, context, _len_fn(tokenizer))
+    prompt = _fit(build, context, tokenizer)
     return prompt, messages[prompt], prompt.rindex(question)
 
 
