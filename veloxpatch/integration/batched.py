@@ -13,9 +13,8 @@ join batches of ours too: waiting and new ones as a :class:`_PlainMember`, a run
 sequences' rows. mlx_lm's other caches (sliding windows, quantized, recurrent) stay in mlx_lm's own batches: the
 builder leaves those slots mlx_lm's for every sequence alike.
 
-Every mlx_lm layout this relies on is reached through :mod:`.compat` and checked there at the first batched call;
-where the installed mlx_lm differs, our caches have no ``merge`` and ``insert_segments`` passes through, making
-mlx_lm's own caches, said once (an error under ``VELOX_STRICT``).
+Every mlx_lm layout this relies on is reached through :mod:`.compat` and checked at the first batched call; where
+the installed mlx_lm differs, batching stays mlx_lm's, on its own caches (:func:`batching_on`).
 """
 
 from __future__ import annotations
@@ -145,4 +144,5 @@ class _PlainMemberMixin:
 @functools.cache
 def _plain_member() -> type[Any]:
     """``_PlainMember``: the mixin on mlx_lm's ``KVCache``, made on first use (veloxpatch does not import mlx_lm)."""
-    return compat.mixed_into(_PlainMemberMixin, "KVCache")
+    return type("_PlainMember", (_PlainMemberMixin, compat.cache_class("KVCache")),
+                {"__doc__": _PlainMemberMixin.__doc__, "__module__": __name__})

@@ -1,18 +1,16 @@
 """A second reading of each prompt, for caches that choose their rows by it (``quant`` with ``VELOX_QUANT_KEEP``
 below 100%).
 
-KVzip (Kim et al., arXiv 2505.23416) rates a context's rows by the attention they get while the model reads the
-context again: a row the model needs to say the document again is one a later question, not asked yet, may need. A
-cache cannot run the model, but the model's own call can: the class defining the top-level model's ``__call__`` is
-wrapped (once, undone by ``unpatch``). Over a list of our caches that ask for it, a prompt chunk of token ids is
-remembered and read as usual (its rows fold quantized, the keys at 8 bits until chosen: memory stays bounded); the
-first decode-sized call after them (the prompt's last token) first runs the model over the prompt again, a chunk at
-a time (each after the :data:`LEAD` tokens before it, whose rows are trimmed after it; the chunk's own are attended
-over, not stored), while the caches record the most attention each folded row gets; then each head keeps its
-best-scored rows. The prompt is read again as it is, without KVzip's "Repeat the previous context" (a model call
-has no tokenizer), and only once the whole of it is read (docs/results.md, "Rows to drop before the question: the
-repeat score"). In a batch of ours (the server's) each sequence is read again alone, over its own caches, at its
-first decode-sized step, before the batch's step runs.
+KVzip (Kim et al., arXiv 2505.23416) rates a context's rows by the attention they get while the model reads the context
+again: a row the model needs to say the document again is one a later question, not asked yet, may need. A cache cannot
+run the model, but the model's own call can: the class defining the top-level model's ``__call__`` is wrapped (once,
+undone by ``unpatch``). Over a list of our caches that ask for it, a prompt chunk of token ids is remembered and read as
+usual (its rows fold quantized, the keys at 8 bits until chosen: memory stays bounded); the first decode-sized call
+after them (the prompt's last token) first reads the prompt again (:func:`_read_again`), while the caches record the
+most attention each folded row gets; then each head keeps its best-scored rows. The prompt is read again as it is,
+without KVzip's "Repeat the previous context" (a model call has no tokenizer), and only once the whole of it is read
+(docs/results.md, "Rows to drop before the question: the repeat score"). In a batch of ours (the server's) each sequence
+is read again alone, over its own caches, at its first decode-sized step, before the batch's step runs.
 
 With ``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv`` the same call chooses the rows without a second reading, each
 cache scoring them from the prompt's last queries with its layer's attention module (:func:`attention_modules`).
@@ -68,10 +66,7 @@ def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: An
     """The model's ``__call__`` (the wrapper, with ``params`` bound): a prompt chunk over caches that ask for it is
     read and remembered; the first decode-sized call after a prompt first reads the whole prompt again for the
     caches' scores."""
-    sequences = _readers(params, args, kwargs)
-    if not sequences:
-        return wrapped(*args, **kwargs)
-    for readers, tokens in sequences:
+    for readers, tokens in _readers(params, args, kwargs):
         first, n = readers[0], tokens.shape[1]
         if not first.schedule.decode_sized(n) or first.before_prompt_end(n):
             for cache in readers:

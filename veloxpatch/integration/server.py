@@ -7,10 +7,9 @@ bad value is mlx_lm's own HTTP 400 naming the field, the value and what is allow
 
 The settings travel with the request from the HTTP handler to the generation thread or the batch it joins
 (docs/DESIGN.md, "One server request"; where batches are mlx_lm's own, a request whose settings are not the
-process's is served one at a time). The server's prompt cache is keyed by model *and* by the settings a list is
-built from (:meth:`VeloxConfig.cache_settings`), so a prompt cached under one setting is never reused under another.
-The answer's ``usage`` gains ``velox``: the method and budget in force and what the request's cache list holds once
-in the prompt cache (:func:`veloxpatch.stats.held`, and ``share_kept``), served alone or in a batch.
+process's is served one at a time). The server's prompt cache is keyed by the settings too, so a prompt cached under
+one setting is never reused under another, and the answer's ``usage`` says what the request's KV holds
+(:meth:`Ticket.usage`).
 """
 
 from __future__ import annotations

