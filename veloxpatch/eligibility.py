@@ -11,11 +11,10 @@ probes each model once, with a few dummy tokens:
 3. at a budget below the probe's length (prefill and decode compressions), nothing raises (failing 2 or 3 leaves
    the whole model to mlx_lm).
 
-The probe's cost does not grow with depth: it runs the shortest prefix of the layers holding every kind of layer
-(:mod:`veloxpatch.structure`), whose verdict each slot past it takes from its kind, or the whole model where that
-cannot stand (a model split across ranks: its ranks must run the same forwards). Each verdict carries the reason, in
-words a user can act on, and any error raised (logged at WARNING by the builder); ``VELOX_STRICT`` makes any verdict
-that leaves a slot to mlx_lm an error.
+The probe's cost does not grow with depth: it runs a prefix of the layers holding every kind of layer
+(:mod:`veloxpatch.structure`), or the whole model where that cannot stand (a model split across ranks, whose ranks
+must run the same forwards). Each verdict carries the reason, in words a user can act on, and any error raised
+(logged at WARNING by the builder); ``VELOX_STRICT`` makes any verdict that leaves a slot to mlx_lm an error.
 """
 
 from __future__ import annotations

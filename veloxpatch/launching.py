@@ -43,11 +43,6 @@ def module_target(module: str) -> list[str]:
     raise click.UsageError(_missing("-m MODULE", module, "an importable module"))
 
 
-def is_mlx_launch(target: list[str]) -> bool:
-    """Whether the program is mlx's distributed launcher (by path, by bare name or by ``-m``)."""
-    return Path(target[0]).name == "mlx.launch"
-
-
 def forward_environment(args: list[str], env: dict[str, str]) -> list[str]:
     """``mlx.launch``'s ``args`` with ``--env NAME=VALUE`` first for each ``VELOX_*`` and PYTHONPATH in ``env``:
     remote ranks start over ssh with a fresh environment, and mlx.launch exports its ``--env`` values on every rank
@@ -67,19 +62,16 @@ def _search_path() -> str:
 
 
 def _console_script(name: str) -> str | None:
-    """The path of the Python console script ``name``, or None."""
+    """The path of ``name`` if it is a Python console script (``#!.../python``, or pip's ``#!/bin/sh`` execing it)."""
     found = shutil.which(name, path=_search_path())
-    return found if found is not None and _is_python(found) else None
-
-
-def _is_python(path: str) -> bool:
-    """Whether ``path`` is a Python script: ``#!.../python``, or (pip's, for long paths) ``#!/bin/sh`` execing it."""
+    if found is None:
+        return None
     try:
-        with open(path, "rb") as file:
+        with open(found, "rb") as file:
             head = file.readline(512) + file.readline(512)
     except OSError:
-        return False
-    return head.startswith(b"#!") and b"python" in head
+        return None
+    return found if head.startswith(b"#!") and b"python" in head else None
 
 
 def _missing(what: str, name: str, kind: str) -> str:

@@ -54,7 +54,7 @@ def counts(caches: list[Any] | None = None) -> list[int]:
     folds, and over the live caches (or ``caches``) tokens seen, rows kept, rows not exact, bytes and dense bytes."""
     live = list(_live) if caches is None else caches
     return [totals.generations, totals.caches_built, totals.compressions, totals.folds, sum(c.offset for c in live),
-            sum(c.size() for c in live), sum(sum(forms(c).values()) for c in live), sum(c.nbytes for c in live),
+            sum(c.size() for c in live), sum(sum(c.kept_forms().values()) for c in live), sum(c.nbytes for c in live),
             sum(c.dense_nbytes() for c in live)]
 
 
@@ -94,24 +94,19 @@ def sixteen_bit_share(arrays: list[mx.array]) -> float:
     return at_16_bits(arrays) / total if total else 1.0
 
 
-def forms(cache: Any) -> dict[str, int]:
-    """The rows ``cache`` keeps in a form other than exact keys and values, by form in words."""
-    return getattr(cache, "kept_forms", dict)()
-
-
 def summary(method: str, numbers: list[int] | None = None, who: str = "", caches: list[Any] | None = None) -> str:
     """One line of the live caches (or ``caches``), or of ``numbers`` summed over the ranks of a distributed run
     (``who`` naming them; rows in forms not known here are said as "folded or quantized")."""
     live = list(_live) if caches is None else caches
     numbers = counts(live) if numbers is None else numbers
     generations, built, compressions, folds, seen, kept, other, nbytes, dense = numbers
-    by_form = sum((Counter(forms(cache)) for cache in live), Counter[str]())
+    by_form = sum((Counter(cache.kept_forms()) for cache in live), Counter[str]())
     if sum(by_form.values()) != other:
         by_form = Counter({"folded or quantized": other} if other else {})
     steps = [f"{compressions} compression(s)"] if compressions or not folds else []
     steps += [f"{folds} fold(s)"] if folds else []
     share = f"{100 * kept / seen:.1f}%" if seen else "n/a"
-    if live and not any(getattr(c, "uses_budget", True) for c in live):
+    if live and not any(c.uses_budget for c in live):
         share += ", VELOX_BUDGET does not apply"
     parts = [f"{rows} {form}" for form, rows in by_form.most_common()]
     held = f": {', '.join([*parts, f'{kept - other} exact'])}" if parts else ""
