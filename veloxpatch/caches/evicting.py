@@ -273,8 +273,7 @@ class EvictingCache(CompressedKVCache):
         precision is freed before the next layer takes its own back (else every layer's would be alive at once)."""
         self.took_back = False
         assert self.tier is not None, "after a step that took the tier back"
-        held = [(s.keys, s.values, s.positions) for s in (self.store, self.tier.store) if s.positions is not None]
-        mx.eval(out, held)
+        mx.eval(out, [(s.keys, s.values, s.positions) for s in (self.store, self.tier.store)])
 
     # ----------------------------------------------------------------- selection and compaction
     def select(self, keep: int, scale: float) -> mx.array:

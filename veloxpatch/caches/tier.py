@@ -51,7 +51,7 @@ class Tier:
         self.store.merge(keys, values, positions, index, columns)
         # nothing a step returns depends on the tier: left lazy, its arrays would keep what they were made from
         # (the rows at full precision, the tier before) alive until the next prompt reads them (3x the bytes)
-        mx.eval(self.store.keys, self.store.values, self.store.positions, *self.store.columns.values())
+        self.store.materialize()
 
     def drain(self) -> RowStore:
         """Every row as stored, with positions and columns; the tier empty after."""
