@@ -189,7 +189,7 @@ class EvictingCache(CompressedKVCache):
         return rows if self.store.rows > rows else None
 
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
-        """Every step's real queries and the keys they attended, before the step compresses."""
+        """:meth:`Policy.observe`, which a kind of cache may extend."""
         self.policy.observe(self, queries, keys, scale)
 
     # ----------------------------------------------------------------- the tier
@@ -242,7 +242,8 @@ class EvictingCache(CompressedKVCache):
         self.scale = scale
         keep = self.target()
         chunk = self._prompt_chunk(n, keep)
-        kept = self.select(keep, scale) if not chunk and self.schedule.pending(self.store.rows, n, keep) else None
+        pending = not chunk and self.schedule.pending(self.store.rows, n, keep)
+        kept = self.policy.select(self, keep, scale) if pending else None
         out = self._attention(queries, keys, values, scale, mask, sinks, kept)
         self.observe(queries, keys, scale)
         self.memory.remember(queries, self.offset, remembered(self.policy, self.window))
@@ -276,12 +277,9 @@ class EvictingCache(CompressedKVCache):
         mx.eval(out, [(s.keys, s.values, s.positions) for s in (self.store, self.tier.store)])
 
     # ----------------------------------------------------------------- selection and compaction
-    def select(self, keep: int, scale: float) -> mx.array:
-        """The policy's choice of ``keep`` rows per KV head, (B, kv_heads, keep), ascending."""
-        return self.policy.select(self, keep, scale)
-
     def compress(self, keep: int, scale: float) -> None:
-        self.keep_rows(self.select(keep, scale))
+        """Keep the policy's choice of ``keep`` rows per KV head."""
+        self.keep_rows(self.policy.select(self, keep, scale))
 
     def keep_rows(self, index: mx.array) -> None:
         """Compact storage to the rows ``index`` (B, kv_heads, keep), ascending; the rows that go go to the tier."""
