@@ -21,7 +21,7 @@ from .base import CompressedKVCache
 from .masks import marked
 from .queries import QueryMemory
 from .schedule import Schedule
-from .selection import best_rows, protected
+from .selection import best_rows
 from .spec import CacheSpec
 from .tier import Tier
 
@@ -318,8 +318,8 @@ class EvictingCache(CompressedKVCache):
         return self.tier.rows_like(rows, keys)
 
     def protected(self, positions: mx.array) -> mx.array:
-        """Rows never evicted: the first ``sink`` tokens and the last ``window`` tokens."""
-        return protected(positions, self.sink, self.window, self.offset)
+        """Rows never evicted: the first ``sink`` tokens and the last ``window`` tokens (holes never)."""
+        return (positions >= 0) & ((positions < self.sink) | (positions >= self.offset - self.window))
 
     # ----------------------------------------------------------------- the protocol, with the policy's part
     def cut_to(self, prefix: int) -> None:
