@@ -343,7 +343,7 @@ class EvictingCache(CompressedKVCache):
     @property
     def nbytes(self) -> int:
         held = 0 if self.read is None else self.read.nbytes(self)
-        return super().nbytes + self.log.nbytes + (0 if self.tier is None else self.tier.nbytes) + held
+        return super().nbytes + self.log.nbytes + (0 if self.tier is None else self.tier.store.nbytes) + held
 
     def _meta(self) -> dict[str, Any]:
         if self.tier is None:

@@ -32,10 +32,6 @@ class Tier:
     def rows(self) -> int:
         return self.store.rows
 
-    @property
-    def nbytes(self) -> int:
-        return self.store.nbytes
-
     def rows_like(self, rows: int, keys: mx.array) -> int:
         """The rows like ``keys`` that take the bytes of ``rows`` at the tier's bits (fewer where it cannot quantize
         them), so ``VELOX_TIER_SIZE`` bounds the same bytes either way."""
