@@ -120,10 +120,8 @@ class CrossLayerCache(CompressedKVCache):
 
     def _key_positions(self) -> mx.array:
         """The folds' positions (each fold a range of tokens), then the exact rows'."""
-        exact = self.store.row_positions()
-        if not self.folds:
-            return exact
-        return mx.concatenate([*(self.fold_positions(fold) for fold in self.folds), exact], axis=-1)
+        folded = [self.fold_positions(fold) for fold in self.folds]
+        return mx.concatenate([*folded, self.store.row_positions()], axis=-1)
 
     def fold_positions(self, fold: Fold) -> mx.array:
         """(B, kv_heads, rows) the position of each row the fold holds: its range (a method dropping rows says)."""
@@ -265,7 +263,7 @@ class CrossLayerCache(CompressedKVCache):
         self.store.keep(index, 0)
         # evaluated now: left lazy, the fold and the compacted store would keep every layer's exact rows of a prompt
         # chunk alive until the step ends (docs/results.md, "While a prompt is read")
-        self.store.materialize(*[part for part in (owns[at], shared) if part is not None])
+        self.store.materialize(owns[at], shared)
 
     def _relink(self) -> None:
         """After loading, use the shared part an earlier member of the same fold holds, so the group holds it once

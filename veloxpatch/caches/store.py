@@ -243,9 +243,9 @@ class RowStore:
         return out
 
     def materialize(self, *also: Any) -> None:
-        """Evaluate the held arrays now (with ``also``, in the same evaluation), so that what they were computed from
-        (the larger buffer a compaction took rows of) is freed now rather than when the model's step is evaluated."""
-        mx.eval([part for part in (self.keys, self.values, self.positions) if part is not None], *also)
+        """Evaluate the held arrays and row columns now (with ``also``, in one evaluation), so what they were computed
+        from (the larger buffer a compaction took rows of) is freed now, not when the model's step is evaluated."""
+        mx.eval(self.keys, self.values, self.positions, *self.columns.values(), *also)
 
     def tie(self, dependency: mx.array) -> None:
         """Make the stored rows depend on ``dependency``, so evaluating the state evaluates it too."""
