@@ -215,6 +215,11 @@ class RowStore:
         if self.holes:
             self.holes = bool((self.row_positions() < 0).any().item())
 
+    def drop_first(self, n: int, spare: int) -> None:
+        """Compact to every row but the first ``n``, plus ``spare`` free rows (``0, 0``: give back the spare room)."""
+        b, h = self.row_positions().shape[:2]
+        self.keep(mx.broadcast_to(mx.arange(n, self.rows), (b, h, self.rows - n)), spare)
+
     def trim_to(self, prefix: int) -> None:
         """Forget every row at ``prefix`` or later: a suffix of each head, the shorter ones keeping holes."""
         if self.rows == 0:

@@ -205,9 +205,8 @@ class QuantCache(CrossLayerCache):
         and scores become :attr:`candidates` (under ``score=heads`` it also rates the heads: :attr:`rated`)."""
         read_again, self.rereading = self.rereading, False
         scores, self.scores = self.scores, None
-        rows = self.store.rows
-        if self.store.capacity > rows:  # the room the second reading's rows took, given back
-            self.store.keep(mx.broadcast_to(mx.arange(rows), (*self.store.row_positions().shape[:2], rows)), 0)
+        if self.store.capacity > self.store.rows:  # the room the second reading's rows took, given back
+            self.store.drop_first(0, 0)
         self.rated = None
         if read and scores is not None and self.folds:
             self.candidates = self._candidates(scores, self.score == "heads" and not read_again)

@@ -188,10 +188,6 @@ class XQuantCache(CrossLayerCache):
         return "a layer" if module is None else model_type(module)
 
     # ----------------------------------------------------------------- encoding X
-    def joint(self, parts: list[mx.array]) -> tuple[list[Any], Any]:
-        """One step's X of a layer alone, encoded (a group needs no fan-in: the anchor publishes within the forward)."""
-        return [{"x": self._encode(parts[0], self.bits)}], None
-
     def _add_own(self, key: str, rows: mx.array) -> None:
         """A layer alone: the step's X (``x``) or latent (``l``) joins its own."""
         self._set_fold({key: join(self._held(key), self._encode(rows, self.bits), axis=1)}, None)
@@ -326,9 +322,7 @@ class XQuantCache(CrossLayerCache):
         else:
             self.folds = [replace(self.folds[0], end=end)]
         stats.count(self, "folds")
-        stored, gone = self.store.rows, end - start
-        index = mx.broadcast_to(mx.arange(gone, stored), (*self.store.row_positions().shape[:2], stored - gone))
-        self.store.keep(index, self.min_fold())
+        self.store.drop_first(end - start, self.min_fold())
 
     # ----------------------------------------------------------------- the cache protocol
     def cut_to(self, prefix: int) -> None:
