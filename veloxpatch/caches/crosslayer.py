@@ -270,7 +270,7 @@ class CrossLayerCache(CompressedKVCache):
         if self.coordinator is None:
             return
         held = {(f.start, f.end, f.group): f.shared for m in self.coordinator.members[: self.layer]
-                for f in getattr(m, "folds", ())}
+                for f in m.folds}
         self.folds = [Fold(f.start, f.end, f.own, held.get((f.start, f.end, f.group), f.shared), f.group)
                       for f in self.folds]
 
