@@ -1,9 +1,5 @@
-"""mlx_lm's server: settings per request (docs/settings.md, "Per request, on mlx_lm's server").
-
-A request may carry its own settings in a ``velox`` object of its JSON body or in ``X-Velox-*`` headers, by the
-settings' own keys (:func:`veloxpatch.config.request_settings`), each value parsed as the environment's would be,
-over the process's settings; a setting of the process alone (:data:`veloxpatch.config.PROCESS_WIDE`) is refused. A
-bad value is mlx_lm's own HTTP 400 naming the field, the value and what is allowed, and the server keeps serving.
+"""mlx_lm's server: settings per request (what a request may carry, and how: docs/settings.md, "Per request, on
+mlx_lm's server"). A bad one is mlx_lm's own HTTP 400, and the server keeps serving.
 
 The settings travel with the request from the HTTP handler to the generation thread or the batch it joins
 (docs/DESIGN.md, "One server request"; where batches are mlx_lm's own, a request whose settings are not the
