@@ -56,13 +56,11 @@ def install(model: Any) -> None:
                "the model's call takes no `cache` argument; prompt chunks are read once and every row kept")
 
 
-_ratings: dict[tuple[int, str], dict[int, mx.array]] = {}  # ``score=heads``: per model (:mod:`..memo`), per layer (H,)
+_ratings: dict[tuple[int, Any], dict[int, mx.array]] = {}  # ``score=heads``: per model (:mod:`..memo`), per layer (H,)
 
 
 def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """The model's ``__call__`` (the wrapper, with ``params`` bound): a prompt chunk over caches that ask for it is
-    read and remembered; the first decode-sized call after a prompt first reads the whole prompt again for the
-    caches' scores."""
+    """The wrapper of the model's ``__call__`` (``params`` bound): each sequence's step as the module docstring says."""
     for readers, tokens in _readers(params, args, kwargs):
         first, n = readers[0], tokens.shape[1]
         if not first.schedule.decode_sized(n) or first.before_prompt_end(n):
@@ -158,9 +156,8 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
 
 
 def _choose_unread(readers: list[Any], score: Callable[[Any], None]) -> None:
-    """Each reader's rows scored by ``score(cache)`` without a second reading (``VELOX_QUANT_SCORE`` ``expected`` or
-    ``snapkv``: by the prompt's last queries; ``heads`` once the model's heads are rated: by their ratings), then the
-    best kept. A failure is said (or raised under ``VELOX_STRICT``) and leaves every row."""
+    """Each reader's rows scored by ``score(cache)`` without a second reading, then the best kept. A failure is said
+    (or raised under ``VELOX_STRICT``) and leaves every row."""
     try:
         for cache in readers:
             score(cache)
