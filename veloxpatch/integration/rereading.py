@@ -86,15 +86,15 @@ def _readers(params: Parameters, args: tuple, kwargs: dict) -> list[tuple[list[A
     if not isinstance(caches, (list, tuple)) or not caches:
         return []
     flat = [m for c in caches for m in (c.members if isinstance(c, SequenceBatch) else (c,))]
-    asking_caches = [c for c in flat if _asks(c)]
+    asking_caches = [c for c in flat if asks(c)]
     if not asking_caches or any(c.rereading for c in asking_caches):
         return []
     tokens = params.input(args, kwargs)
     if kwargs.get("input_embeddings") is not None or not isinstance(tokens, mx.array) or tokens.ndim != 2 \
             or mx.issubdtype(tokens.dtype, mx.floating):
         return _refused()
-    asking = [(readers, own) for readers, own in _sequences(caches, tokens) if any(_asks(c) for c in readers)]
-    if any(len(readers) < len(caches) or not all(_asks(c) for c in readers) for readers, _ in asking):
+    asking = [(readers, own) for readers, own in _sequences(caches, tokens) if any(asks(c) for c in readers)]
+    if any(len(readers) < len(caches) or not all(asks(c) for c in readers) for readers, _ in asking):
         return _refused()
     return asking
 
@@ -117,7 +117,8 @@ def _sequences(caches: list[Any] | tuple[Any, ...], tokens: mx.array) -> list[tu
             for i, n in enumerate(lengths) if n]
 
 
-def _asks(cache: Any) -> bool:
+def asks(cache: Any) -> bool:
+    """Whether ``cache`` (of any kind: mlx_lm's too) asks for a second reading now."""
     return bool(getattr(cache, "wants_rereading", False))
 
 

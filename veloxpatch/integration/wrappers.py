@@ -143,7 +143,7 @@ def start_generation(caches: Any, model: Any, prompt: int | None = None) -> None
             cache.expect_prompt(prompt)
     if model is not None and any(c.wants_layer_io for c in found):
         layer_io.install(model)
-    if model is not None and any(getattr(c, "wants_rereading", False) for c in found):
+    if model is not None and any(rereading.asks(c) for c in found):
         rereading.install(model)
     _adopt(found)
     for cache in found:
