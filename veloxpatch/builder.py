@@ -16,6 +16,7 @@ from .caches import Runtime, make_cache
 from .caches.evicting import queries_held, row_bytes_per_head
 from .caches.memory import MemoryPlan, device_bytes
 from .config import Memory, VeloxConfig
+from .coordinators import drain_streams
 from .fallback import notice
 from .log import model_type, once
 
@@ -66,8 +67,10 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
         return caches
     found = eligibility.Verdict(())  # every rank takes part in the agreement, slots or not
     if slots:
-        ranks.drain_if_split(model)
-        found = eligibility.verdict(model, caches, slots, config, whole=ranks.is_split(model))
+        split = ranks.is_split(model)
+        if split:  # a step still in flight finishes first, or it and the probe's collectives would pair on the ring
+            drain_streams()
+        found = eligibility.verdict(model, caches, slots, config, whole=split)
     members = len({id(caches[i]) for i in found.slots})
     ready, span = ranks.agreement(model, config, bool(found.slots), members)
     if found.slots and not ready:

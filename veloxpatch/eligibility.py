@@ -33,7 +33,7 @@ from .caches.memory import SlotLayout, layout_of
 from .config import Budget, VeloxConfig
 from .coordinators import Coordinator, Span
 from .log import log
-from .memo import known, per_model
+from .memo import kept, per_model
 
 # token chunks fed to the model: two prefill chunks, then decode steps (ids valid in any vocabulary)
 EXACT_CHUNKS = ((1, 2), (3, 4), (5,))
@@ -90,7 +90,7 @@ def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: Velox
 
 def probed(model: Any, slots: tuple[int, ...], config: VeloxConfig) -> bool:
     """Whether :func:`verdict` has a verdict kept for ``model``, ``slots`` and ``config`` (no probe would run)."""
-    return known(_verdicts, model, _key(slots, config))
+    return kept(_verdicts, model, _key(slots, config)) is not None
 
 
 def _key(slots: tuple[int, ...], config: VeloxConfig) -> Hashable:

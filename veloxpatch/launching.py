@@ -45,11 +45,10 @@ def module_target(module: str) -> list[str]:
 
 def forward_environment(args: list[str], env: dict[str, str]) -> list[str]:
     """``mlx.launch``'s ``args`` with ``--env NAME=VALUE`` first for each ``VELOX_*`` and PYTHONPATH in ``env``:
-    remote ranks start over ssh with a fresh environment, and mlx.launch exports its ``--env`` values on every rank
-    (veloxpatch installed at the same path on every host, as ``--python`` assumes). LD_PRELOAD is not forwarded:
-    another host may lack that BLAS. A name the user passes with ``--env`` is theirs (their PYTHONPATH gets the shim
-    first); ours go first, as mlx.launch exports in order: a later user flag wins even in a spelling not recognised
-    here (an argparse abbreviation), though ours win over a hostfile's ``envs``."""
+    remote ranks start over ssh with a fresh environment, and mlx.launch exports its ``--env`` values, in order, on
+    every rank (veloxpatch at the same path on every host, as ``--python`` assumes). Not LD_PRELOAD: another host may
+    lack that BLAS. A name the user gives with ``--env`` is theirs (their PYTHONPATH gets the shim first), and any
+    later flag of theirs wins, even in a spelling not recognised here; ours win over a hostfile's ``envs``."""
     given = _given_env(args)
     names = [name for name in sorted(env) if name.startswith("VELOX_")] + ["PYTHONPATH"]
     flags = [part for name in names if name in env and name not in given for part in ("--env", f"{name}={env[name]}")]

@@ -48,13 +48,6 @@ _splits: dict[tuple[int, Any], Split] = {}
 _placed: list[tuple[int, int]] = []  # (rank, ranks) once this process took part in an agreement
 
 
-def drain_if_split(model: Any) -> None:
-    """Before the probe runs a split model (its forwards hold the model's own collectives, on the default
-    stream): let a generation's step still in flight finish first, or the two would pair on the ring."""
-    if is_split(model):
-        drain_streams()
-
-
 def agreement(model: Any, config: VeloxConfig, ready: bool, members: int) -> tuple[bool, Span]:
     """:func:`agree` for ``model`` under ``config``, once per model and settings (later builds, e.g. a
     chat's next prompt cache, reuse it without traffic); ``(ready, Span())`` on a model not split."""

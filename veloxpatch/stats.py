@@ -60,9 +60,9 @@ def counts(caches: list[Any] | None = None) -> list[int]:
 
 def held(caches: list[Any]) -> dict[str, int]:
     """What one cache list holds (:data:`HELD`), ours and mlx_lm's slots alike, summed over layers: physical bytes
-    (spare capacity, a tier and a prompt's snapshot included), what mlx_lm's full cache would hold, the rows attended
-    and the tokens seen; and both byte counts as a 16-bit model's caches would hold them (on the CPU, where float16
-    weights run as float32, what a Mac would hold: :func:`at_16_bits`)."""
+    (spare capacity, a tier, a prompt's snapshot included) and mlx_lm's full cache's, rows attended, tokens seen;
+    both byte counts also as a 16-bit model's caches hold them (on the CPU float16 weights run as float32: what a Mac
+    would hold, :func:`at_16_bits`)."""
     found = dict.fromkeys(HELD, 0)
     for cache in caches:
         nbytes = int(getattr(cache, "nbytes", 0) or 0)

@@ -1,12 +1,9 @@
 """The one place that names what mlx_lm keeps private and veloxpatch's batched generation and server touch.
 
-Each function here says which layout it assumes: for :mod:`.batched`, ``BatchGenerator``'s waiting sequences and
-running batches, ``KVCache`` (subclassed to override ``merge``) and the ``BatchKVCache`` protocol a batch of ours
-answers in its place; for :mod:`.server`, how a request travels from the HTTP handler (its parsed ``body``) through
-``ResponseGenerator.generate``'s queue to the generation thread (``_serve_single``, ``_is_batchable``), its settings
-riding on the generation arguments. :data:`LAYOUTS` and :data:`SERVER_LAYOUTS` check each against the installed
-mlx_lm without a model (a ``BatchGenerator`` over no model, a few one-row caches, signatures), so that a changed
-mlx_lm turns the feature that needs it off instead of corrupting it.
+Each function here says which layout it assumes (for :mod:`.batched`, ``BatchGenerator``'s and the cache classes';
+for :mod:`.server`, how a request is queued). :data:`LAYOUTS` and :data:`SERVER_LAYOUTS` check each against the
+installed mlx_lm without a model, so that a changed mlx_lm turns the feature that needs it off instead of corrupting
+it.
 
 mlx_lm is imported on first use (:func:`_mlx_lm`): importing veloxpatch never imports it.
 """

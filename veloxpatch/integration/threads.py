@@ -7,9 +7,9 @@ unwinding meets the destructor's implicit ``noexcept`` ("terminate called withou
 ``mlx_lm server``'s generation thread draws from that key and is joined just before the exit, so a stop by SIGINT
 would mostly abort (``tests/test_server_exit.py``).
 
-So :func:`joined` wraps the server's two joins of that thread (``ResponseGenerator.stop_and_join`` and ``.join``):
-once joined, it sleeps, the GIL free, until the thread has left the OS too (``/proc/self/task``). Only that thread
-is waited for: mlx_lm starts no other, and an app's own threads are the app's (mlx aborts them alike unpatched).
+So once the server has joined that thread (:func:`joined`), it sleeps, the GIL free, until the thread has left the OS
+too (``/proc/self/task``). Only that thread is waited for: mlx_lm starts no other, and an app's own threads are the
+app's (mlx aborts them alike unpatched).
 """
 
 from __future__ import annotations

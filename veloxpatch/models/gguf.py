@@ -5,9 +5,8 @@ Q4_K (docs/models.md, "The yardstick's models"). So mlx reads a file only where 
 otherwise llama.cpp's optional package ``gguf`` reads it, dequantized to float32. Without it, such a file is refused.
 
 The tensors read (mlx affine triples under llama.cpp's names, or dense) are then renamed to mlx_lm's module paths,
-what llama.cpp changed is undone (llama's rotary row order on q/k, so mlx_lm's default ``rope_traditional: false``
-applies; Gemma's norms stored as ``1 + w``), and they are either dequantized or their quantization described in
-config.json.
+what llama.cpp changed is undone (:mod:`.gguf_arch`; llama's q/k rows put back so that mlx_lm's default
+``rope_traditional: false`` applies), and they are dequantized or their quantization described in config.json.
 """
 
 from __future__ import annotations
