@@ -164,16 +164,14 @@ def _draft_caches(arguments: dict[str, Any]) -> None:
     are built as mlx_lm would (also under ``VELOX_KV_MEMORY``, whose plan the two lists then share); a given list's
     draft part has its empty compressed slots swapped for mlx_lm's (one that holds rows stays, said once)."""
     config = in_force()
-    if config is None or (config.draft_kv != "none" and not config.kv_memory):
+    caches = arguments.get("prompt_cache")
+    if config is None or (config.draft_kv != "none" and (caches is not None or not config.kv_memory)):
         return
     model, draft = arguments["model"], arguments["draft_model"]
     make = sys.modules["mlx_lm.models.cache"].make_prompt_cache
     plain = builder.mlx_caches(draft) if config.draft_kv == "none" else make(draft)
-    caches = arguments.get("prompt_cache")
     if caches is None:
         arguments["prompt_cache"] = make(model) + plain
-        return
-    if config.draft_kv != "none":
         return
     first = len(model.layers)
     for i, cache in enumerate(caches[first:], start=first):
