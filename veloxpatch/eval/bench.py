@@ -87,9 +87,8 @@ class Measured:
 def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: BenchSpec, held: int = 0,
                     extra: dict[str, Any] | None = None, raw: bool = False) -> tuple[Timing, list[int]]:
     """A run: time to the first token (prefill) and the decode rate of the remaining new tokens; peaks less
-    ``held`` (memory kept by others meanwhile); ``extra``: more ``generate_step`` arguments (``kv_bits`` for
-    mlx_lm's quantized cache); ``raw``: ``generate_step`` unwrapped, decoding a prefill's copy from the last
-    prompt token (no generation starts there, see ``sharing``)."""
+    ``held`` (memory kept by others meanwhile); ``extra``: more ``generate_step`` arguments (mlx_lm's ``kv_bits``);
+    ``raw``: decoding a prefill's copy from the last prompt token, as :func:`sharing.whole` does."""
     from mlx_lm.generate import generate_step
 
     if raw:

@@ -1,15 +1,11 @@
 """``veloxpatch eval``: retrieval accuracy and perplexity per method, context length and budget.
 
-Retrieval runs through mlx_lm's own ``generate_step`` with the variant's cache list (the path a user's app takes).
-A prompt is prefilled once for the full cache and every method at every budget where that is exact (``sharing``);
-mlx_lm's rotating and quantized caches run on their own. Perplexity feeds held-out text in steps of ``PPL_STEP``
-tokens through the same caches, so compression happens between steps as it would in a long chat, and scores the
-second half of the text, where the context the cache holds has been compressed.
-
-The RULER-style tasks of ``ruler`` (for a real model) run the same way and are scored by their own rules.
-``followup``, a chat of two turns on one cache list (:func:`chat`), depends on each variant's first answer, so every
-variant runs on its own prefill. Finished examples and cells go to journals (:class:`Journal`), so a killed run keeps
-them and a rerun with the same arguments skips them.
+Retrieval runs through mlx_lm's own ``generate_step`` with the variant's cache list (the path a user's app takes),
+sharing a prompt's prefill among variants where that is exact (``sharing``); perplexity streams held-out text through
+the same caches (:func:`perplexity`). The RULER-style tasks of ``ruler`` (for a real model) run the same way and are
+scored by their own rules; ``followup``, a chat of two turns on one cache list (:func:`chat`), depends on each
+variant's first answer, so every variant runs on its own prefill. Finished examples and cells go to journals
+(:class:`Journal`), so a killed run keeps them and a rerun with the same arguments skips them.
 """
 
 from __future__ import annotations
@@ -156,10 +152,9 @@ class Journal:
 
 def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec,
                  budget: int | None = None) -> Sample:
-    """Greedy answer under the variant's caches, on its own prefill (a follow-up's every turn on one cache list,
-    :func:`chat`): 1.0 if the last answer is right else 0.0, KV bytes at the end, peak memory since the caches were
-    built (as :func:`asked_after` measures it: not the equal-bytes calibration or the probe before), and the KV bytes
-    as a 16-bit model holds them where ``spec.equal_bytes``."""
+    """The variant's :class:`Sample` of one example, on its own prefill (a follow-up's every turn on one cache list,
+    :func:`chat`); its peak memory is the run's since the caches were built (as :func:`asked_after` measures it: not
+    the equal-bytes calibration or the probe before)."""
     tokens, steps = _prompt(tokenizer, item)
     quant = variant.generate_kwargs(KVLayout.of(model))  # mlx_lm's kv_bits arguments for its quantized cache
     caches = variant.caches(model, tokens.size, budget=budget)
@@ -297,10 +292,10 @@ def _right(tokenizer: Any, out: list[int], item: Item) -> float:
 
 
 def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str) -> Sample:
-    """exp(mean NLL) of the second half of ``text`` under the variant's cache, KV bytes and memory (the whole text is
-    read: the run's peak). The text streams through the cache in steps of PPL_STEP tokens, each scored as it arrives,
-    so our caches compress between steps (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full
-    cache."""
+    """exp(mean NLL) of the second half of ``text`` (where the context the cache holds has been compressed) under the
+    variant's cache, KV bytes and memory (the whole text is read: the run's peak). The text streams through the cache
+    in steps of PPL_STEP tokens, each scored as it arrives, so our caches compress between steps as in a long chat
+    (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full cache."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
     reading = sharing.fresh_reading()

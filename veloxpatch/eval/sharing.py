@@ -158,10 +158,10 @@ class Prefill:
                                prompt_progress_callback=progress))
         except _Prefilled:
             self.seconds = time.perf_counter() - start
-            self.reading.done()
-            self.peak = mx.get_peak_memory()
-            return
-        raise RuntimeError("mlx_lm's generate_step did not report its prompt progress")
+        else:
+            raise RuntimeError("mlx_lm's generate_step did not report its prompt progress")
+        self.reading.done()
+        self.peak = mx.get_peak_memory()
 
     def untouched(self, caches: list[Any]) -> bool:
         """Whether every prompt chunk was a prefill chunk both for this prefill and for a plain run with ``caches``:
