@@ -176,7 +176,7 @@ def _group(model: Any, prompt: mx.array, source: Variant, members: list[tuple[in
     """One timed prefill of ``prompt[:-1]`` into ``source``'s caches (shared: at a budget no prompt reaches), then
     each member's decodes on its own copy: moved into a fresh list of its method (shared), or deep-copied (own)."""
     base = source.caches(model, prompt.size, spec.compress, budget=None if how == sharing.OWN else sharing.HUGE)
-    done = sharing.Prefill(model, prompt, base, spec.prefill_step)
+    prefill = sharing.Prefill(model, prompt, base, spec.prefill_step)
     held = sharing.kv_bytes(base)  # kept aside while a copy decodes: not the case's own
     last = prompt[-1:]
     for index, context, label, variant in members:
@@ -186,7 +186,7 @@ def _group(model: Any, prompt: mx.array, source: Variant, members: list[tuple[in
             return sharing.transplant(base, variant.caches(model, context, spec.compress))
 
         caches = fresh()
-        if caches is None or (how != sharing.OWN and not done.untouched(caches)):
+        if caches is None or (how != sharing.OWN and not prefill.untouched(caches)):
             del caches  # a prompt chunk short enough to be a decode step, or lists that do not line up
             yield _plain(model, index, context, label, variant, spec, held)
             continue
@@ -203,8 +203,8 @@ def _group(model: Any, prompt: mx.array, source: Variant, members: list[tuple[in
         tok_s = statistics.median(t.decode_tok_s for t in runs)
         kv = statistics.median_low(t.kv_bytes for t in runs)  # byte counts: a run's own (median of an odd count)
         decode_peak = statistics.median_low(t.peak_bytes for t in runs)  # the whole decode's
-        timing = Timing(done.seconds + first_s, tok_s, kv, max(done.peak, decode_peak), done.peak, decode_peak,
-                        done.reading.peak)
+        timing = Timing(prefill.seconds + first_s, tok_s, kv, max(prefill.peak, decode_peak), prefill.peak, decode_peak,
+                        prefill.reading.peak)
         yield Measured(index, context, label, variant, timing, tokens, how)
 
 

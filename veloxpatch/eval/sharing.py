@@ -252,7 +252,7 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
            step: int) -> Iterator[Result]:
     """One prefill into ``base``, then each member decoded on its own copy (the last on ``base`` itself when
     it can be)."""
-    done = Prefill(model, tokens, base, step)
+    prefill = Prefill(model, tokens, base, step)
     last = tokens[-1:]
     for i, r in enumerate(members):
         v = r.variant
@@ -264,14 +264,14 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
             for cache in ours(caches):
                 cache.budget = Budget(tokens=HUGE if v.method == "full" else r.budget)
         held = kv_bytes(base) if caches is not base else 0  # kept for the next members, not this run's own
-        if caches is None or (v.method != "full" and not done.untouched(caches)):
+        if caches is None or (v.method != "full" and not prefill.untouched(caches)):
             yield _plain(model, tokens, r, max_tokens, step, held)
             continue
         reset_peak()
         pairs = whole(model, last, caches, max_tokens, step, raw=True)
-        peak = max(done.peak, mx.get_peak_memory() - held)
+        peak = max(prefill.peak, mx.get_peak_memory() - held)
         yield Result(r, [t for t, _ in pairs], [p for _, p in pairs], caches,
-                     kv_bytes(caches, dense=v.method == "full"), peak, done.reading.peak)
+                     kv_bytes(caches, dense=v.method == "full"), peak, prefill.reading.peak)
         del caches
 
 
