@@ -234,15 +234,15 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
     item = ruler.followup(tok, 300, seed=0)
     turns: list[tuple[list[int], int, list[int]]] = []  # (tokens fed, tokens the caches held before, answer)
     conversations: list[str] = []
-    turn, conversation = harness._turn, ruler.conversation
+    whole, conversation = sharing.whole, ruler.conversation
 
-    def recorded(model, tokenizer, tokens, caches, *args):
+    def recorded(model, tokens, caches, *args, **kwargs):
         held = caches[0].offset
-        out = turn(model, tokenizer, tokens, caches, *args)
-        turns.append((tokens.tolist(), held, out))
+        out = whole(model, tokens, caches, *args, **kwargs)
+        turns.append((tokens.tolist(), held, [t for t, _ in out]))
         return out
 
-    monkeypatch.setattr(harness, "_turn", recorded)
+    monkeypatch.setattr(sharing, "whole", recorded)
     monkeypatch.setattr(ruler, "conversation",
                         lambda *args: conversations.append(conversation(*args)) or conversations[-1])
     variant = harness.variants(["snapkv"], [0.25])[-1]

@@ -1,15 +1,11 @@
 """``veloxpatch eval``: retrieval accuracy and perplexity per method, context length and budget.
 
-Retrieval runs through mlx_lm's own ``generate_step`` with the variant's cache list (the path a user's app takes).
-A prompt is prefilled once for the full cache and every method at every budget where that is exact (``sharing``);
-mlx_lm's rotating and quantized caches run on their own. Perplexity feeds held-out text in steps of ``PPL_STEP``
-tokens through the same caches, so compression happens between steps as it would in a long chat, and scores the
-second half of the text, where the context the cache holds has been compressed.
-
-The RULER-style tasks of ``ruler`` (for a real model) run the same way and are scored by their own rules.
-``followup``, a chat of two turns on one cache list (:func:`chat`), depends on each variant's first answer, so every
-variant runs on its own prefill. Finished examples and cells go to journals (:class:`Journal`), so a killed run keeps
-them and a rerun with the same arguments skips them.
+Retrieval runs through mlx_lm's own ``generate_step`` with the variant's cache list (the path a user's app takes),
+sharing a prompt's prefill among variants where that is exact (``sharing``); perplexity streams held-out text through
+the same caches (:func:`perplexity`). The RULER-style tasks of ``ruler`` (for a real model) run the same way and are
+scored by their own rules; ``followup``, a chat of two turns on one cache list (:func:`chat`), depends on each
+variant's first answer, so every variant runs on its own prefill. Finished examples and cells go to journals
+(:class:`Journal`), so a killed run keeps them and a rerun with the same arguments skips them.
 """
 
 from __future__ import annotations
@@ -156,10 +152,9 @@ class Journal:
 
 def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec,
                  budget: int | None = None) -> Sample:
-    """Greedy answer under the variant's caches, on its own prefill (a follow-up's every turn on one cache list,
-    :func:`chat`): 1.0 if the last answer is right else 0.0, KV bytes at the end, peak memory since the caches were
-    built (as :func:`asked_after` measures it: not the equal-bytes calibration or the probe before), and the KV bytes
-    as a 16-bit model holds them where ``spec.equal_bytes``."""
+    """The variant's :class:`Sample` of one example, on its own prefill (a follow-up's every turn on one cache list,
+    :func:`chat`); its peak memory is the run's since the caches were built (as :func:`asked_after` measures it: not
+    the equal-bytes calibration or the probe before)."""
     tokens, steps = _prompt(tokenizer, item)
     quant = variant.generate_kwargs(KVLayout.of(model))  # mlx_lm's kv_bits arguments for its quantized cache
     caches = variant.caches(model, tokens.size, budget=budget)
@@ -190,19 +185,12 @@ def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spe
         if turn:
             trim_prompt_cache(caches, len(cached) - keep)
         limit = _steps(tokenizer, item) if turn == len(item.turns) - 1 else FIRST_TURN
-        out = _turn(model, tokenizer, mx.array(full[keep:]), caches, limit, spec, quant, reading)
+        out = [t for t, _ in sharing.whole(model, mx.array(full[keep:]), caches, limit, spec.prefill_step, reading,
+                                           stop=tokenizer.eos_token_ids, **quant)]  # as mlx_lm chat calls it
         answers.append(out)
         cached = full + out
         texts.append(tokenizer.decode([t for t in out if t not in tokenizer.eos_token_ids]))
     return answers
-
-
-def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit: int, spec: EvalSpec,
-          quant: dict[str, Any], reading: sharing.Reading) -> list[int]:
-    """One chat turn through mlx_lm's ``generate_step`` as the shim patches it (as mlx_lm chat calls it): greedy
-    tokens up to the end of the turn or ``limit`` tokens."""
-    return [t for t, _ in sharing.whole(model, tokens, caches, limit, spec.prefill_step, reading,
-                                        stop=tokenizer.eos_token_ids, **quant)]
 
 
 def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, spec: EvalSpec,
@@ -269,8 +257,9 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
     for r in sharing.run(model, context, requests, 0, spec.prefill_step):
         variant = r.request.variant
         kv16 = _held_16_bit(r.caches, variant)
-        answer = _turn(model, tokenizer, question, r.caches, steps, spec, variant.generate_kwargs(KVLayout.of(model)),
-                       sharing.Reading())
+        quant = variant.generate_kwargs(KVLayout.of(model))
+        answer = [t for t, _ in sharing.whole(model, question, r.caches, steps, spec.prefill_step,
+                                              stop=tokenizer.eos_token_ids, **quant)]
         out[variant] = Sample(_right(tokenizer, answer, item), r.kv_bytes, max(r.peak_bytes, mx.get_peak_memory()),
                               r.read_peak_bytes, kv16)
         del r  # its caches let go before the next variant reads the context (they would count in its peak)
@@ -303,10 +292,10 @@ def _right(tokenizer: Any, out: list[int], item: Item) -> float:
 
 
 def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str) -> Sample:
-    """exp(mean NLL) of the second half of ``text`` under the variant's cache, KV bytes and memory (the whole text is
-    read: the run's peak). The text streams through the cache in steps of PPL_STEP tokens, each scored as it arrives,
-    so our caches compress between steps (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full
-    cache."""
+    """exp(mean NLL) of the second half of ``text`` (where the context the cache holds has been compressed) under the
+    variant's cache, KV bytes and memory (the whole text is read: the run's peak). The text streams through the cache
+    in steps of PPL_STEP tokens, each scored as it arrives, so our caches compress between steps as in a long chat
+    (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full cache."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
     reading = sharing.fresh_reading()

@@ -5,8 +5,7 @@ machine with Python, so nothing needs downloading. Files are split into ``train`
 their relative path, so evaluation text is never trained on.
 
 Every generator is seeded and pure Python; prompts are plain text that any ``tokenizer.encode`` handles, and the
-answer is exactly what greedy generation should produce right after the prompt (compare with
-``generated.strip().startswith(answer.strip())``).
+answer is exactly what greedy generation should produce right after the prompt (:func:`is_correct`).
 
 Prompt formats (the shipped model was trained on exactly these phrases)::
 
