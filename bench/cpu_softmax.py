@@ -85,8 +85,7 @@ def second_reading(past: int = 2048) -> None:
     best = mx.zeros((1, HEADS, past))
 
     def by_mlx() -> tuple[mx.array, mx.array]:
-        out = scored_attention._blocks(mx, scored_attention._block, q, keys, values, None, best,
-                                      scored_attention.QUERY_BLOCK)
+        out = scored_attention._blocks(mx, q, keys, values, None, best, scored_attention.QUERY_BLOCK)
         mx.eval(out)
         return out
 

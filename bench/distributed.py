@@ -46,7 +46,7 @@ from mlx_lm.utils import sharded_load
 
 import veloxpatch
 from veloxpatch.cpu import preloaded
-from veloxpatch.eval.bench import prompt_for
+from veloxpatch.eval import sharing
 from veloxpatch.eval.commands import machine
 from veloxpatch.eval.random_model import write_model_dir
 from veloxpatch.eval.report import markdown
@@ -181,7 +181,7 @@ def same_on_all_ranks(tokens: list[int], group: Any) -> bool:
 def run_case(model: Any, group: Any, case: Case, args: argparse.Namespace, context: int, new_tokens: int) -> Run:
     """``case`` on a fresh cache list and a prompt of ``context`` tokens (every rank draws the same)."""
     caches = case.variant.caches(model, case.context, args.compress, budget=args.budget)
-    figures, tokens = timed_run(model, prompt_for(model, context), caches, new_tokens, args.prefill_step)
+    figures, tokens = timed_run(model, sharing.random_prompt(model, context), caches, new_tokens, args.prefill_step)
     return Run(case.label, figures, same_on_all_ranks(tokens, group))
 
 

@@ -22,8 +22,9 @@ from conftest import (
 )
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget
+from veloxpatch.coordinators import Coordinator
 from veloxpatch.methods import chunkkv
-from veloxpatch.methods.chunkkv import ChunkKVCache, ChunkKVIndexReuseCoordinator
+from veloxpatch.methods.chunkkv import ChunkKVCache, topic
 from veloxpatch.methods.snapkv import SnapKVCache
 
 SCALE = 0.35
@@ -254,7 +255,7 @@ def test_reuse_one_is_every_layer_choosing_for_itself(monkeypatch) -> None:
 def test_a_follower_without_a_usable_choice_selects_itself_and_says_so(monkeypatch) -> None:
     said = []
     monkeypatch.setattr(chunkkv, "once", lambda key, level, message: said.append(message))
-    coordinator = ChunkKVIndexReuseCoordinator("chunkkv")
+    coordinator = Coordinator("chunkkv")
     leader, follower, last = (ChunkKVCache(CacheSpec(Budget(tokens=20), 2, 4, "chunk"), chunk=5, reuse=3)
                               for _ in range(3))
     for cache in (leader, follower, last):
@@ -264,20 +265,24 @@ def test_a_follower_without_a_usable_choice_selects_itself_and_says_so(monkeypat
     for cache in (leader, follower, last):
         cache.update_and_fetch(keys, keys)
         cache.memory.remember(queries, cache.offset, cache.window)
+
+    def select(cache: ChunkKVCache) -> mx.array:
+        return cache.policy.select(cache, 20, SCALE)
+
     own = follower.policy.choose(follower, 20, SCALE)
-    assert (follower.select(20, SCALE) == own).all().item() and "did not compress" in said[-1]
-    last.select(20, SCALE)
+    assert (select(follower) == own).all().item() and "did not compress" in said[-1]
+    select(last)
     assert len(said) == 2 and "did not compress" in said[-1], "a follower's own choice is not published"
-    coordinator.share(0, 3, mx.zeros((1, 1, 20), mx.int32))  # another number of KV heads
-    assert (follower.select(20, SCALE) == own).all().item() and "another shape" in said[-1]
-    coordinator.share(0, 3, mx.broadcast_to(mx.arange(40, 60, dtype=mx.int32), (1, 2, 20)) + 5)
-    assert (follower.select(20, SCALE) == own).all().item() and "does not hold" in said[-1]
+    coordinator.publish(topic(0, 3), mx.zeros((1, 1, 20), mx.int32))  # another number of KV heads
+    assert (select(follower) == own).all().item() and "another shape" in said[-1]
+    coordinator.publish(topic(0, 3), mx.broadcast_to(mx.arange(40, 60, dtype=mx.int32), (1, 2, 20)) + 5)
+    assert (select(follower) == own).all().item() and "does not hold" in said[-1]
     mine = mx.broadcast_to(mx.arange(30, 50, dtype=mx.int32), (1, 2, 20))
-    coordinator.share(0, 3, mine)
-    assert (follower.select(20, SCALE) == mine).all().item() and (last.select(20, SCALE) == mine).all().item()
+    coordinator.publish(topic(0, 3), mine)
+    assert (select(follower) == mine).all().item() and (select(last) == mine).all().item()
     assert len(said) == 4
-    assert (leader.select(20, SCALE) == leader.policy.choose(leader, 20, SCALE)).all().item()
-    assert (coordinator.shared(2, 3) == mx.take_along_axis(leader.store.row_positions(),
+    assert (select(leader) == leader.policy.choose(leader, 20, SCALE)).all().item()
+    assert (coordinator.latest(topic(2, 3)) == mx.take_along_axis(leader.store.row_positions(),
                                                            leader.policy.choose(leader, 20, SCALE),
                                                            axis=-1)).all().item(), "the leader publishes"
 

@@ -60,7 +60,7 @@ def test_a_method_registered_later_appears_on_both_pages(monkeypatch: pytest.Mon
     knob = SimpleNamespace(name="VELOX_MYMETHOD_DEPTH", option="--mymethod-depth", default="3",
                            allowed_text="an integer", doc="MyMethod: how deep.", method="mymethod")
     info = SimpleNamespace(name="mymethod", description="One line about it.", knobs=(knob,),
-                           cls=type("MyCache", (), {"bounds_memory": True}))
+                           cls=type("MyCache", (), {"bounds_memory": True, "budget_use": ""}))
     real_doc = docs._method_doc
     monkeypatch.setattr(docs, "METHODS", {**docs.METHODS, "mymethod": info})
     monkeypatch.setattr(docs, "all_settings", lambda: (*all_settings(), knob))

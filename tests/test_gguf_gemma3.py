@@ -21,9 +21,8 @@ from hypothesis import strategies as st
 from mlx.utils import tree_flatten, tree_unflatten
 
 from veloxpatch.eval.random_model import build, config_for
-from veloxpatch.models.folder import write_folder
-from veloxpatch.models.gguf import GGUFError, convert
-from veloxpatch.models.gguf_read import read_gguf
+from veloxpatch.models.fetch import write_folder
+from veloxpatch.models.gguf import GGUFError, convert, read_gguf
 from veloxpatch.models.gguf_tokenizer import build_tokenizer
 
 gguf = pytest.importorskip("gguf")

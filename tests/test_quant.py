@@ -90,10 +90,12 @@ def test_trim_into_a_block_keeps_the_whole_blocks_before_and_the_rest_exact() ->
     greedy(model, random_tokens(200, 4), caches, steps=2, chunk=50)
     assert_a_rejected_draft_leaves_no_trace(model, caches, steps=10)
     before = caches[0].unfold(caches[0].folds[0])
+    caches[0].memory.remember(mx.ones((1, 4, 4, 16)), caches[0].offset, 4)  # queries of the last 4 tokens
     for cache in caches:
         cache.trim(cache.offset - 75)
     cache = caches[0]
     assert (cache.folds[0].start, cache.folds[0].end, cache.store.rows, cache.offset) == (0, 64, 11, 75)
+    assert (cache.memory.queries, cache.memory.end) == (None, 75), "the trimmed tokens' queries go too"
     after = cache.rows()
     for old, new in zip(before, after):
         assert mx.array_equal(old[..., :75, :], new), "the kept blocks as they were, the cut block's rows dequantized"

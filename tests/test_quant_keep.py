@@ -16,7 +16,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, make_prompt_cache, s
 
 import veloxpatch
 from conftest import assert_round_trip, drain_with_caches, greedy, random_tokens, tiny
-from veloxpatch import stats
+from veloxpatch import memo, stats
 from veloxpatch.caches import CacheSpec
 from veloxpatch.config import Budget, ConfigError
 from veloxpatch.eval.variants import Variant
@@ -476,7 +476,7 @@ def test_batched_sequences_keep_the_rows_each_keeps_alone(score: str, monkeypatc
     if score == "heads":  # a first prompt rates the heads; both runs below are chosen by the ratings
         monkeypatch.setattr(quant, "CALIBRATION_ROWS", 64)
         greedy(model, random_tokens(400, 3), make_prompt_cache(model), steps=1, chunk=100)
-        assert id(model) in rereading._ratings
+        assert memo.kept(rereading._ratings, model, "heads") is not None
     alone, kept = [], []
     for prompt in prompts:
         caches = make_prompt_cache(model)
@@ -809,10 +809,11 @@ def test_the_first_prompt_long_enough_is_read_twice_and_rates_the_heads_by_their
     monkeypatch.setattr(QuantCache, "stop_rereading",
                         lambda self, read: (recorded.append(self.scores), stop(self, read)))
     greedy(model, random_tokens(PROMPT + 1, 8), make_prompt_cache(model), steps=2, chunk=PROMPT)
-    assert len(recorded) == 2 and id(model) not in rereading._ratings, "60 fresh rows a head: too few to rate"
+    assert len(recorded) == 2, "60 fresh rows a head: too few to rate"
+    assert memo.kept(rereading._ratings, model, "heads") is None
     recorded.clear()
     greedy(model, random_tokens(4 * PROMPT + 1, 9), make_prompt_cache(model), steps=2, chunk=4 * PROMPT)
-    rated = rereading._ratings[id(model)]
+    rated = memo.kept(rereading._ratings, model, "heads")
     veloxpatch.unpatch()
     assert sorted(rated) == [0, 1] and len(recorded) == 2
     for layer, scores in enumerate(recorded):  # the first fold: every row's position its index, the sinks not fresh
@@ -824,7 +825,7 @@ def test_the_first_prompt_long_enough_is_read_twice_and_rates_the_heads_by_their
 def test_later_prompts_keep_the_best_rated_heads_rows_without_a_second_reading(monkeypatch, budgets: str) -> None:
     model = rating_model(monkeypatch, budgets)
     greedy(model, random_tokens(4 * PROMPT + 1, 9), make_prompt_cache(model), steps=2, chunk=4 * PROMPT)
-    rated = rereading._ratings[id(model)]
+    rated = memo.kept(rereading._ratings, model, "heads")
     monkeypatch.setattr(QuantCache, "start_rereading", lambda self: pytest.fail("no second reading"))
     caches = make_prompt_cache(model)
     greedy(model, random_tokens(4 * PROMPT + 1, 10), caches, steps=2, chunk=4 * PROMPT)

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from veloxpatch.assets import model_path
 from veloxpatch.cli import main
-from veloxpatch.eval import harness, ruler, sharing
+from veloxpatch.eval import harness, ruler, sharing, tasks
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_question_goes_through_the_chat_template(tokenizer: Any) -> None:
 def test_train_and_heldout_haystacks_do_not_overlap() -> None:
     from pydoc_data.topics import topics
 
-    held = {k for k in topics if ruler.split_of(k) == "heldout"}
+    held = {k for k in topics if tasks.split_of(k, ruler.HELDOUT_MOD) == "heldout"}
     assert 0 < len(held) < len(topics) / 2
     train_text, held_text = ruler.haystack_text("train"), ruler.haystack_text("heldout")
     assert all(topics[k].strip("\n") in held_text and topics[k].strip("\n") not in train_text for k in held)
@@ -234,19 +234,19 @@ def test_the_second_turn_reads_only_what_the_caches_do_not_hold(model_dir: Path,
     item = ruler.followup(tok, 300, seed=0)
     turns: list[tuple[list[int], int, list[int]]] = []  # (tokens fed, tokens the caches held before, answer)
     conversations: list[str] = []
-    turn, conversation = harness._turn, ruler.conversation
+    whole, conversation = sharing.whole, ruler.conversation
 
-    def recorded(model, tokenizer, tokens, caches, *args):
+    def recorded(model, tokens, caches, *args, **kwargs):
         held = caches[0].offset
-        out = turn(model, tokenizer, tokens, caches, *args)
-        turns.append((tokens.tolist(), held, out))
+        out = whole(model, tokens, caches, *args, **kwargs)
+        turns.append((tokens.tolist(), held, [t for t, _ in out]))
         return out
 
-    monkeypatch.setattr(harness, "_turn", recorded)
+    monkeypatch.setattr(sharing, "whole", recorded)
     monkeypatch.setattr(ruler, "conversation",
                         lambda *args: conversations.append(conversation(*args)) or conversations[-1])
     variant = harness.variants(["snapkv"], [0.25])[-1]
-    sample = harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128), {})
+    sample = harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128))
     (first, start, answer), (second, held, _) = turns
     cached, full = first + answer, tok.encode(conversations[1])  # [0]: the first turn's, the prompt
     common = 0
@@ -367,7 +367,7 @@ def test_a_chats_kv_bytes_are_what_its_caches_hold_with_or_without_equal_bytes(m
     item = ruler.followup(tok, 300, seed=0)
     variant = harness.variants([method], [0.25])[-1]
     alone, counted = (harness.conversation(model, tok, variant, item, harness.EvalSpec(prefill_step=128,
-                                                                                     equal_bytes=measured), {})
+                                                                                     equal_bytes=measured))
                       for measured in (False, True))
     assert alone.kv16_bytes is None and counted.kv16_bytes is not None
     assert counted.kv_bytes == alone.kv_bytes

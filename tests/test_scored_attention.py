@@ -51,7 +51,7 @@ def test_the_output_and_scores_are_a_plain_softmaxs_on_either_backend(past, n, d
     want_out, want_best = reference(q, keys, values, real, best)
     tolerance = 1e-5 if dtype == mx.float32 else 2e-3
     on_cpu = scoring.scored_attention(q, keys, values, real, best)  # the suite runs on mlx's CPU: numpy's blocks
-    by_mlx = scoring._blocks(mx, scoring._block, q, keys, values, real, best, scoring.QUERY_BLOCK)
+    by_mlx = scoring._blocks(mx, q, keys, values, real, best, scoring.QUERY_BLOCK)
     for out, scores in (on_cpu, by_mlx):
         assert out.dtype == dtype and out.shape == (B, HEADS, GROUP, n, DIM)
         np.testing.assert_allclose(np.asarray(out.astype(mx.float32)), want_out, atol=tolerance * 10)

@@ -56,7 +56,7 @@ def test_a_request_that_says_nothing_gets_the_process_settings() -> None:
 def test_body_and_headers_set_the_settings_a_request_may_carry() -> None:
     got = settings_of({"velox": {"kv": "h2o", "budget": "25%", "snapkv_kernel": 3}},
                       {"X-Velox-Window": "16", "x-velox-tier-size": "all", "Content-Type": "x"}, BASE)
-    assert (got.kv, str(got.budget), got.window, str(got.tier_size), got.knob("snapkv_kernel")) == \
+    assert (got.kv, str(got.budget), got.window, str(got.tier_size), got.knobs["snapkv_kernel"]) == \
         ("h2o", "25%", 16, "all", 3)
     assert (got.sink, got.compress, got.stats) == (BASE.sink, BASE.compress, BASE.stats)  # the rest: the process's
     # the same value said in both places (in any spelling the setting parses alike) is no conflict

@@ -298,13 +298,13 @@ def test_a_method_said_to_ignore_its_budget_does(loaded: tuple[Any, mx.array], n
 def test_eval_measures_a_budget_free_method_once_per_example(model_dir: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     measured: list[str] = []
-    each = harness._measure_each
+    each = harness.retrievals
 
     def counting(*args: Any) -> Any:
-        measured.extend(v.label() for v in args[4])
+        measured.extend(v.label() for v in args[2])
         return each(*args)
 
-    monkeypatch.setattr(harness, "_measure_each", counting)
+    monkeypatch.setattr(harness, "retrievals", counting)
     result = CliRunner().invoke(main, ["eval", "--model", str(model_dir), "--tasks", "passkey", "--contexts", "160",
                                        "--samples", "2", "--budgets", "100%,50%,25%", "--methods", "xquant,snapkv",
                                        "--no-plots", "--out", str(tmp_path)])

@@ -191,7 +191,7 @@ def test_a_bad_signal_is_refused_naming_the_setting_the_value_and_the_choices() 
     with pytest.raises(ConfigError, match=r"VELOX_SQUEEZE_SIGNAL='attention' is not allowed: expected one of "
                                           r"cosine, entropy"):
         VeloxConfig(kv="squeeze", knobs={"squeeze_signal": "attention"})
-    assert VeloxConfig(kv="squeeze", knobs={"squeeze_signal": " Entropy "}).knob("squeeze_signal") == "entropy"
+    assert VeloxConfig(kv="squeeze", knobs={"squeeze_signal": " Entropy "}).knobs["squeeze_signal"] == "entropy"
 
 
 def test_without_the_hooks_the_cosine_signal_reports_the_entropy_one_said_once(caplog, monkeypatch) -> None:

@@ -95,7 +95,7 @@ def test_a_four_bit_tier_reads_as_close_as_mlx_lms_four_bit_cache_in_far_fewer_b
     ours, caches = last_chunk()
     assert all(c.tier.store.bits == 4 and c.tier.store.group_size == 32 for c in caches)
     assert error(ours) < 1.1 * error(theirs), (error(ours), error(theirs))
-    tier_bytes = sum(c.tier.nbytes for c in caches)
+    tier_bytes = sum(c.tier.store.nbytes for c in caches)
     assert sum(c.nbytes for c in caches) < 0.45 * dense and tier_bytes < 0.25 * dense
 
 

@@ -2,9 +2,8 @@
 
 Only plain full-attention ``KVCache`` slots are candidates; every other slot (sliding-window, SSM/linear, quantized,
 ``CacheList``, ...) stays exactly as the model made it. Which candidates get our caches is decided by probing what
-the model does with them (:mod:`veloxpatch.eligibility`); a model that fails the probe runs on mlx_lm's own caches,
-said once with the reason (:mod:`veloxpatch.fallback`). The probe runs the model, so a model whose parameters are
-not evaluated yet (:func:`veloxpatch.structure.unevaluated`) keeps mlx_lm's list, said once (:data:`LAZY`).
+the model does with them (:mod:`veloxpatch.eligibility`); a model that fails the probe, or whose parameters the
+probe would evaluate first (:data:`LAZY`), runs on mlx_lm's own caches, said once (:mod:`veloxpatch.fallback`).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from .caches import Runtime, make_cache
 from .caches.evicting import queries_held, row_bytes_per_head
 from .caches.memory import MemoryPlan, device_bytes
 from .config import Memory, VeloxConfig
+from .coordinators import drain_streams
 from .fallback import notice
 from .log import model_type, once
 
@@ -27,8 +27,7 @@ LAZY = ("its parameters are not evaluated yet, and the probe would evaluate them
 
 def candidate_slots(caches: list[Any]) -> tuple[int, ...]:
     """The plain full-attention ``KVCache`` slots of a cache list."""
-    # imported here, so patching before mlx_lm's import stays lazy
-    from mlx_lm.models.cache import KVCache
+    from mlx_lm.models.cache import KVCache  # imported here, so patching before mlx_lm's import stays lazy
 
     return tuple(i for i, c in enumerate(caches) if type(c) is KVCache)
 
@@ -52,8 +51,7 @@ def explain(model: Any, config: VeloxConfig) -> str:
     found = eligibility.verdict(model, caches, slots, config, whole=ranks.is_split(model))
     text = found.describe(len(slots))
     if config.kv_memory and found.slots:
-        # ConfigError when it cannot hold the floor
-        text += "; " + memory_plan(caches, found, config).describe()
+        text += "; " + memory_plan(caches, found, config).describe()  # ConfigError when it cannot hold the floor
     return text
 
 
@@ -69,8 +67,10 @@ def build(model: Any, caches: list[Any], config: VeloxConfig, runtime: Runtime =
         return caches
     found = eligibility.Verdict(())  # every rank takes part in the agreement, slots or not
     if slots:
-        ranks.drain_if_split(model)
-        found = eligibility.verdict(model, caches, slots, config, whole=ranks.is_split(model))
+        split = ranks.is_split(model)
+        if split:  # a step still in flight finishes first, or it and the probe's collectives would pair on the ring
+            drain_streams()
+        found = eligibility.verdict(model, caches, slots, config, whole=split)
     members = len({id(caches[i]) for i in found.slots})
     ready, span = ranks.agreement(model, config, bool(found.slots), members)
     if found.slots and not ready:

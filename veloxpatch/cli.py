@@ -98,7 +98,7 @@ def run(module: str | None, argv: tuple[str, ...], **options: str | None) -> Non
     env = _with_blas(env, loaded.config)
     target = launching.module_target(module) if module is not None else launching.script_target(argv[0])
     rest = list(argv if module is not None else argv[1:])
-    if launching.is_mlx_launch(target):
+    if Path(target[0]).name == "mlx.launch":  # mlx's distributed launcher, by path, bare name or -m
         rest = launching.forward_environment(rest, env)
     os.execve(sys.executable, [sys.executable, *target, *rest], env)
 
@@ -121,8 +121,7 @@ def _with_blas(env: dict[str, str], config: VeloxConfig) -> dict[str, str]:
 def methods(as_json: bool) -> None:
     """List the compression methods, their knobs and what each does."""
     rows: list[dict[str, Any]] = [
-        {"name": m.name, "description": m.description, "uses_budget": getattr(m.cls, "uses_budget", True),
-         "budget": getattr(m.cls, "budget_use", ""),
+        {"name": m.name, "description": m.description, "uses_budget": m.cls.uses_budget, "budget": m.cls.budget_use,
          "knobs": [{"name": k.name, "option": k.option, "default": k.default,
                     "allowed": k.allowed_text, "doc": k.doc} for k in m.knobs]}
         for m in sorted(METHODS.values(), key=lambda m: m.name)
@@ -157,7 +156,7 @@ def info(model_path: str | None) -> None:
     config = loaded.config
     click.echo("settings:")
     for s in all_settings():
-        value = config.knob(s.key) if s.method else getattr(config, s.key)
+        value = config.knobs[s.key] if s.method else getattr(config, s.key)
         click.echo(f"  {s.name:<22} {str(value):<10} ({loaded.sources[s.name]})")
     for warning in loaded.warnings:
         click.echo(f"warning: {warning}")
@@ -217,7 +216,7 @@ def _model_support(path: Path, config: VeloxConfig) -> None:
     width = max(map(len, METHODS))
     failed = None
     for name in sorted(METHODS):
-        bounded = getattr(METHODS[name].cls, "bounds_memory", False)
+        bounded = METHODS[name].cls.bounds_memory
         try:
             line = explain_patched(model, config.replace(kv=name, kv_memory=config.kv_memory if bounded else "off"))
         except ConfigError as error:  # VELOX_KV_MEMORY too small for this model

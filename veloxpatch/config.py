@@ -196,9 +196,6 @@ class VeloxConfig:
         given += [f"{s.name}={to_text(self.knobs[s.key])}" for s in knob_settings(self.kv, self.knobs).values()]
         return ", ".join(given)
 
-    def knob(self, key: str) -> Any:
-        return self.knobs[key]
-
     def to_env(self) -> dict[str, str]:
         """The same configuration as ``VELOX_*`` variables (for a child process)."""
         return {s.name: to_text(self.knobs[s.key] if s.method else getattr(self, s.key)) for s in all_settings()}
@@ -260,7 +257,7 @@ def idle_settings(config: VeloxConfig, sources: Mapping[str, str]) -> list[str]:
 
 def evicting_methods() -> list[str]:
     """The registered methods that evict rows, by name: those VELOX_KV_MEMORY bounds and VELOX_TIER serves."""
-    return sorted(m for m, e in METHODS.items() if getattr(e.cls, "bounds_memory", False))
+    return sorted(m for m, e in METHODS.items() if e.cls.bounds_memory)
 
 
 def unknown_names(environ: Mapping[str, str]) -> list[str]:

@@ -93,9 +93,8 @@ def methods_markdown() -> str:
              " ".join(f"[`{n}`](#{n})" for n in names), ""]
     for name in names:
         info = METHODS[name]
-        budget = getattr(info.cls, "budget_use", "")
-        lines += [f"## {name}", "", info.description, "", " ".join(filter(None, (budget, _memory_settings(info.cls)))),
-                  ""]
+        lines += [f"## {name}", "", info.description, "",
+                  " ".join(filter(None, (info.cls.budget_use, _memory_settings(info.cls.bounds_memory)))), ""]
         lines += [*_table(info.knobs, option=True), ""] if info.knobs else ["No knobs of its own.", ""]
         doc = _method_doc(name)
         if doc:
@@ -103,9 +102,9 @@ def methods_markdown() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def _memory_settings(cls: type) -> str:
+def _memory_settings(evicts: bool) -> str:
     """What ``VELOX_KV_MEMORY`` and ``VELOX_TIER`` do with a method: both serve the methods that evict rows."""
-    if getattr(cls, "bounds_memory", False):
+    if evicts:
         return ("It evicts rows: `VELOX_KV_MEMORY` caps the rows it keeps, and `VELOX_TIER` keeps the rows it drops at "
                 "low bits.")
     return ("It drops no row (it keeps every token in a form of its own): `VELOX_KV_MEMORY` is refused with it, and "

@@ -11,11 +11,10 @@ probes each model once, with a few dummy tokens:
 3. at a budget below the probe's length (prefill and decode compressions), nothing raises (failing 2 or 3 leaves
    the whole model to mlx_lm).
 
-The probe's cost does not grow with depth: it runs the shortest prefix of the layers holding every kind of layer
-(:mod:`veloxpatch.structure`), whose verdict each slot past it takes from its kind, or the whole model where that
-cannot stand (a model split across ranks: its ranks must run the same forwards). Each verdict carries the reason, in
-words a user can act on, and any error raised (logged at WARNING by the builder); ``VELOX_STRICT`` makes any verdict
-that leaves a slot to mlx_lm an error.
+The probe's cost does not grow with depth: it runs a prefix of the layers holding every kind of layer
+(:mod:`veloxpatch.structure`), or the whole model where that cannot stand (a model split across ranks, whose ranks
+must run the same forwards). Each verdict carries the reason, in words a user can act on, and any error raised
+(logged at WARNING by the builder); ``VELOX_STRICT`` makes any verdict that leaves a slot to mlx_lm an error.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from .caches.memory import SlotLayout, layout_of
 from .config import Budget, VeloxConfig
 from .coordinators import Coordinator, Span
 from .log import log
-from .memo import known, per_model
+from .memo import kept, per_model
 
 # token chunks fed to the model: two prefill chunks, then decode steps (ids valid in any vocabulary)
 EXACT_CHUNKS = ((1, 2), (3, 4), (5,))
@@ -91,7 +90,7 @@ def verdict(model: Any, caches: list[Any], slots: tuple[int, ...], config: Velox
 
 def probed(model: Any, slots: tuple[int, ...], config: VeloxConfig) -> bool:
     """Whether :func:`verdict` has a verdict kept for ``model``, ``slots`` and ``config`` (no probe would run)."""
-    return known(_verdicts, model, _key(slots, config))
+    return kept(_verdicts, model, _key(slots, config)) is not None
 
 
 def _key(slots: tuple[int, ...], config: VeloxConfig) -> Hashable:

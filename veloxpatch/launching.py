@@ -43,18 +43,12 @@ def module_target(module: str) -> list[str]:
     raise click.UsageError(_missing("-m MODULE", module, "an importable module"))
 
 
-def is_mlx_launch(target: list[str]) -> bool:
-    """Whether the program is mlx's distributed launcher (by path, by bare name or by ``-m``)."""
-    return Path(target[0]).name == "mlx.launch"
-
-
 def forward_environment(args: list[str], env: dict[str, str]) -> list[str]:
     """``mlx.launch``'s ``args`` with ``--env NAME=VALUE`` first for each ``VELOX_*`` and PYTHONPATH in ``env``:
-    remote ranks start over ssh with a fresh environment, and mlx.launch exports its ``--env`` values on every rank
-    (veloxpatch installed at the same path on every host, as ``--python`` assumes). LD_PRELOAD is not forwarded:
-    another host may lack that BLAS. A name the user passes with ``--env`` is theirs (their PYTHONPATH gets the shim
-    first); ours go first, as mlx.launch exports in order: a later user flag wins even in a spelling not recognised
-    here (an argparse abbreviation), though ours win over a hostfile's ``envs``."""
+    remote ranks start over ssh with a fresh environment, and mlx.launch exports its ``--env`` values, in order, on
+    every rank (veloxpatch at the same path on every host, as ``--python`` assumes). Not LD_PRELOAD: another host may
+    lack that BLAS. A name the user gives with ``--env`` is theirs (their PYTHONPATH gets the shim first), and any
+    later flag of theirs wins, even in a spelling not recognised here; ours win over a hostfile's ``envs``."""
     given = _given_env(args)
     names = [name for name in sorted(env) if name.startswith("VELOX_")] + ["PYTHONPATH"]
     flags = [part for name in names if name in env and name not in given for part in ("--env", f"{name}={env[name]}")]
@@ -67,19 +61,16 @@ def _search_path() -> str:
 
 
 def _console_script(name: str) -> str | None:
-    """The path of the Python console script ``name``, or None."""
+    """The path of ``name`` if it is a Python console script (``#!.../python``, or pip's ``#!/bin/sh`` execing it)."""
     found = shutil.which(name, path=_search_path())
-    return found if found is not None and _is_python(found) else None
-
-
-def _is_python(path: str) -> bool:
-    """Whether ``path`` is a Python script: ``#!.../python``, or (pip's, for long paths) ``#!/bin/sh`` execing it."""
+    if found is None:
+        return None
     try:
-        with open(path, "rb") as file:
+        with open(found, "rb") as file:
             head = file.readline(512) + file.readline(512)
     except OSError:
-        return False
-    return head.startswith(b"#!") and b"python" in head
+        return None
+    return found if head.startswith(b"#!") and b"python" in head else None
 
 
 def _missing(what: str, name: str, kind: str) -> str:

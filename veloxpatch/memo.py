@@ -20,6 +20,6 @@ def per_model(table: dict[tuple[int, Hashable], Any], model: Any, key: Hashable,
     return table[full]
 
 
-def known(table: dict[tuple[int, Hashable], Any], model: Any, key: Hashable) -> bool:
-    """Whether ``table`` holds an entry for ``model`` and ``key`` (:func:`per_model` would compute nothing)."""
-    return (id(model), key) in table
+def kept(table: dict[tuple[int, Hashable], Any], model: Any, key: Hashable) -> Any:
+    """``table``'s entry for ``model`` and ``key``, None where :func:`per_model` has computed none yet."""
+    return table.get((id(model), key))

@@ -48,20 +48,15 @@ _splits: dict[tuple[int, Any], Split] = {}
 _placed: list[tuple[int, int]] = []  # (rank, ranks) once this process took part in an agreement
 
 
-def drain_if_split(model: Any) -> None:
-    """Before the probe runs a split model (its forwards hold the model's own collectives, on the default
-    stream): let a generation's step still in flight finish first, or the two would pair on the ring."""
-    if is_split(model):
-        drain_streams()
-
-
 def agreement(model: Any, config: VeloxConfig, ready: bool, members: int) -> tuple[bool, Span]:
     """:func:`agree` for ``model`` under ``config``, once per model and settings (later builds, e.g. a
     chat's next prompt cache, reuse it without traffic); ``(ready, Span())`` on a model not split."""
     split = _split(model)
     if not split.split:
         return ready, Span()
-    return per_model(_agreed, model, tuple(agreed_settings(config)), lambda: agree(split, config, ready, members))
+    local = {s.name for s in CORE_SETTINGS if s.key in LOCAL_SETTINGS}
+    settings = tuple((name, value) for name, value in config.to_env().items() if name not in local)
+    return per_model(_agreed, model, settings, lambda: agree(split, settings, ready, members))
 
 
 def is_split(model: Any) -> bool:
@@ -90,16 +85,9 @@ def split_of(model: Any) -> Split:
     return Split(stage, tensor is not None or pipeline, tensor)
 
 
-def agreed_settings(config: VeloxConfig) -> list[tuple[str, str]]:
-    """(variable, value) of every setting that must be the same on every rank, in the registry's order."""
-    local = {s.name for s in CORE_SETTINGS if s.key in LOCAL_SETTINGS}
-    return [(name, value) for name, value in config.to_env().items() if name not in local]
-
-
-def agree(split: Split, config: VeloxConfig, ready: bool, members: int) -> tuple[bool, Span]:
-    """One all-gather over every rank: raises RanksDisagree if a setting differs; returns whether every
-    rank's probe passed and this rank's span (first served layer, served layers in the model)."""
-    settings = agreed_settings(config)
+def agree(split: Split, settings: tuple[tuple[str, str], ...], ready: bool, members: int) -> tuple[bool, Span]:
+    """One all-gather over every rank: raises RanksDisagree if a value of ``settings`` differs between ranks; returns
+    whether every rank's probe passed and this rank's span (first served layer, served layers in the model)."""
     mine = [zlib.crc32(value.encode()) & 0x7FFFFFFF for _, value in settings] + [int(ready), split.stage, members]
     drain_streams()
     rows = cast(list[list[int]], mx.distributed.all_gather(mx.array([mine], dtype=mx.int32), stream=mx.cpu).tolist())

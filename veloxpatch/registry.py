@@ -154,24 +154,20 @@ def policies() -> tuple[str, ...]:
 
 
 def knob_settings(kv: str, knobs: Mapping[str, Any]) -> dict[str, Setting]:
-    """Every knob reaching ``kv``'s caches (those of methods it builds on too), by its constructor's name for it."""
+    """Every knob reaching ``kv``'s caches by its constructor's name for it: ``kv``'s own, then those of every method
+    it is built on, through those built on others in turn (each once)."""
     found: dict[str, Setting] = {}
-    for name in _composed(kv, knobs):
+    done: set[str] = set()
+    todo = [kv]
+    while todo:
+        name = todo.pop(0)
+        if name in done:
+            continue
+        done.add(name)
+        todo.extend(METHODS[name].composed(knobs))
         for knob in METHODS[name].knobs:
             short = knob.key[len(name) + 1:]
             if short in found:
                 raise ValueError(f"{kv}: knob {short!r} comes from both {found[short].name} and {knob.name}")
             found[short] = knob
-    return found
-
-
-def _composed(kv: str, knobs: Mapping[str, Any]) -> list[str]:
-    """``kv`` and every method it is built on, through those built on others in turn (each once)."""
-    found: list[str] = []
-    todo = [kv]
-    while todo:
-        name = todo.pop(0)
-        if name not in found:
-            found.append(name)
-            todo.extend(METHODS[name].composed(knobs))
     return found

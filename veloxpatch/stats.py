@@ -54,15 +54,15 @@ def counts(caches: list[Any] | None = None) -> list[int]:
     folds, and over the live caches (or ``caches``) tokens seen, rows kept, rows not exact, bytes and dense bytes."""
     live = list(_live) if caches is None else caches
     return [totals.generations, totals.caches_built, totals.compressions, totals.folds, sum(c.offset for c in live),
-            sum(c.size() for c in live), sum(sum(forms(c).values()) for c in live), sum(c.nbytes for c in live),
+            sum(c.size() for c in live), sum(sum(c.kept_forms().values()) for c in live), sum(c.nbytes for c in live),
             sum(c.dense_nbytes() for c in live)]
 
 
 def held(caches: list[Any]) -> dict[str, int]:
     """What one cache list holds (:data:`HELD`), ours and mlx_lm's slots alike, summed over layers: physical bytes
-    (spare capacity, a tier and a prompt's snapshot included), what mlx_lm's full cache would hold, the rows attended
-    and the tokens seen; and both byte counts as a 16-bit model's caches would hold them (on the CPU, where float16
-    weights run as float32, what a Mac would hold: :func:`at_16_bits`)."""
+    (spare capacity, a tier, a prompt's snapshot included) and mlx_lm's full cache's, rows attended, tokens seen;
+    both byte counts also as a 16-bit model's caches hold them (on the CPU float16 weights run as float32: what a Mac
+    would hold, :func:`at_16_bits`)."""
     found = dict.fromkeys(HELD, 0)
     for cache in caches:
         nbytes = int(getattr(cache, "nbytes", 0) or 0)
@@ -94,24 +94,19 @@ def sixteen_bit_share(arrays: list[mx.array]) -> float:
     return at_16_bits(arrays) / total if total else 1.0
 
 
-def forms(cache: Any) -> dict[str, int]:
-    """The rows ``cache`` keeps in a form other than exact keys and values, by form in words."""
-    return getattr(cache, "kept_forms", dict)()
-
-
 def summary(method: str, numbers: list[int] | None = None, who: str = "", caches: list[Any] | None = None) -> str:
     """One line of the live caches (or ``caches``), or of ``numbers`` summed over the ranks of a distributed run
     (``who`` naming them; rows in forms not known here are said as "folded or quantized")."""
     live = list(_live) if caches is None else caches
     numbers = counts(live) if numbers is None else numbers
     generations, built, compressions, folds, seen, kept, other, nbytes, dense = numbers
-    by_form = sum((Counter(forms(cache)) for cache in live), Counter[str]())
+    by_form = sum((Counter(cache.kept_forms()) for cache in live), Counter[str]())
     if sum(by_form.values()) != other:
         by_form = Counter({"folded or quantized": other} if other else {})
     steps = [f"{compressions} compression(s)"] if compressions or not folds else []
     steps += [f"{folds} fold(s)"] if folds else []
     share = f"{100 * kept / seen:.1f}%" if seen else "n/a"
-    if live and not any(getattr(c, "uses_budget", True) for c in live):
+    if live and not any(c.uses_budget for c in live):
         share += ", VELOX_BUDGET does not apply"
     parts = [f"{rows} {form}" for form, rows in by_form.most_common()]
     held = f": {', '.join([*parts, f'{kept - other} exact'])}" if parts else ""

@@ -59,12 +59,12 @@ def prefix(model: Any, caches: Sequence[Any]) -> Prefix | None:
     if not isinstance(layers, (list, tuple)) or len(layers) != len(caches):
         return None
     kinds = _kinds([_features(layer) for layer in layers], [_cache_kind(cache) for cache in caches])
-    return Prefix(_shortest(kinds, REPEATS), tuple(kinds.index(kind) for kind in kinds))
+    return Prefix(_shortest(kinds), tuple(kinds.index(kind) for kind in kinds))
 
 
-def _shortest(kinds: list[Hashable], repeats: int) -> int:
-    """The length of the shortest prefix of ``kinds`` holding ``repeats`` of each (all of a rarer one)."""
-    wanted = {kind: min(repeats, count) for kind, count in Counter(kinds).items()}
+def _shortest(kinds: list[Hashable]) -> int:
+    """The length of the shortest prefix of ``kinds`` holding :data:`REPEATS` of each (all of a rarer one)."""
+    wanted = {kind: min(REPEATS, count) for kind, count in Counter(kinds).items()}
     seen: Counter[Hashable] = Counter()
     for i, kind in enumerate(kinds):
         seen[kind] += 1

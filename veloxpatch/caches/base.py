@@ -210,7 +210,7 @@ class CompressedKVCache(ABC):
 
     def kept_forms(self) -> dict[str, int]:
         """Rows held in a form other than exact keys and values, by that form in words (``VELOX_STATS``)."""
-        if self.store.bits is None or self.store.bits == 16 or not self.store.rows:
+        if self.store.bits is None or not self.store.rows:
             return {}
         return {f"at {self.store.bits} bits (kv_bits)": self.store.rows}
 

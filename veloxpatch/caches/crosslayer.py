@@ -64,10 +64,10 @@ class CrossLayerCache(CompressedKVCache):
     def group(self) -> tuple[int, ...]:
         """The member layers (``cache.layer``) whose rows fold together with this layer's."""
 
-    @abstractmethod
     def joint(self, parts: list[Any]) -> tuple[list[Any], Any]:
         """The joint step over the group's (keys, values) rows of one range, in layer order: each member's own part
-        (same order) and the part the group shares (a method folding other rows, XQuant's X, passes its own)."""
+        (same order) and the part the group shares (XQuant, releasing rows its own way, needs none)."""
+        raise NotImplementedError(f"{type(self).__name__} folds no rows through a joint step")
 
     @abstractmethod
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:
@@ -120,10 +120,8 @@ class CrossLayerCache(CompressedKVCache):
 
     def _key_positions(self) -> mx.array:
         """The folds' positions (each fold a range of tokens), then the exact rows'."""
-        exact = self.store.row_positions()
-        if not self.folds:
-            return exact
-        return mx.concatenate([*(self.fold_positions(fold) for fold in self.folds), exact], axis=-1)
+        folded = [self.fold_positions(fold) for fold in self.folds]
+        return mx.concatenate([*folded, self.store.row_positions()], axis=-1)
 
     def fold_positions(self, fold: Fold) -> mx.array:
         """(B, kv_heads, rows) the position of each row the fold holds: its range (a method dropping rows says)."""
@@ -209,6 +207,7 @@ class CrossLayerCache(CompressedKVCache):
         """End the cache at ``prefix`` with no exact rows but those of ``fold`` from position ``start`` on, rebuilt."""
         self.store = RowStore(self.store.bits, self.store.group_size, self.store.step)
         self.offset = prefix
+        self.memory.trim(prefix)
         if prefix > start:
             keys, values = self.unfold(fold)
             rows = slice(start - fold.start, prefix - fold.start)
@@ -259,13 +258,10 @@ class CrossLayerCache(CompressedKVCache):
         owns, shared = result
         self.folds.append(Fold(start, end, owns[at], shared, group))
         stats.count(self, "folds")
-        rows = self.store.rows
-        first = end - start  # exact rows begin at ``start`` (no holes: checked before contributing)
-        index = mx.broadcast_to(mx.arange(first, rows), (*self.store.row_positions().shape[:2], rows - first))
-        self.store.keep(index, 0)
+        self.store.drop_first(end - start, 0)  # exact rows begin at ``start`` (no holes: checked before contributing)
         # evaluated now: left lazy, the fold and the compacted store would keep every layer's exact rows of a prompt
         # chunk alive until the step ends (docs/results.md, "While a prompt is read")
-        self.store.materialize(*[part for part in (owns[at], shared) if part is not None])
+        self.store.materialize(owns[at], shared)
 
     def _relink(self) -> None:
         """After loading, use the shared part an earlier member of the same fold holds, so the group holds it once
@@ -274,7 +270,7 @@ class CrossLayerCache(CompressedKVCache):
         if self.coordinator is None:
             return
         held = {(f.start, f.end, f.group): f.shared for m in self.coordinator.members[: self.layer]
-                for f in getattr(m, "folds", ())}
+                for f in m.folds}
         self.folds = [Fold(f.start, f.end, f.own, held.get((f.start, f.end, f.group), f.shared), f.group)
                       for f in self.folds]
 

@@ -21,7 +21,7 @@ from .base import CompressedKVCache
 from .masks import marked
 from .queries import QueryMemory
 from .schedule import Schedule
-from .selection import best_rows, protected
+from .selection import best_rows
 from .spec import CacheSpec
 from .tier import Tier
 
@@ -189,7 +189,7 @@ class EvictingCache(CompressedKVCache):
         return rows if self.store.rows > rows else None
 
     def observe(self, queries: mx.array, keys: mx.array, scale: float) -> None:
-        """Every step's real queries and the keys they attended, before the step compresses."""
+        """:meth:`Policy.observe`, which a kind of cache may extend."""
         self.policy.observe(self, queries, keys, scale)
 
     # ----------------------------------------------------------------- the tier
@@ -242,7 +242,8 @@ class EvictingCache(CompressedKVCache):
         self.scale = scale
         keep = self.target()
         chunk = self._prompt_chunk(n, keep)
-        kept = self.select(keep, scale) if not chunk and self.schedule.pending(self.store.rows, n, keep) else None
+        pending = not chunk and self.schedule.pending(self.store.rows, n, keep)
+        kept = self.policy.select(self, keep, scale) if pending else None
         out = self._attention(queries, keys, values, scale, mask, sinks, kept)
         self.observe(queries, keys, scale)
         self.memory.remember(queries, self.offset, remembered(self.policy, self.window))
@@ -273,16 +274,12 @@ class EvictingCache(CompressedKVCache):
         precision is freed before the next layer takes its own back (else every layer's would be alive at once)."""
         self.took_back = False
         assert self.tier is not None, "after a step that took the tier back"
-        held = [(s.keys, s.values, s.positions) for s in (self.store, self.tier.store) if s.positions is not None]
-        mx.eval(out, held)
+        mx.eval(out, [(s.keys, s.values, s.positions) for s in (self.store, self.tier.store)])
 
     # ----------------------------------------------------------------- selection and compaction
-    def select(self, keep: int, scale: float) -> mx.array:
-        """The policy's choice of ``keep`` rows per KV head, (B, kv_heads, keep), ascending."""
-        return self.policy.select(self, keep, scale)
-
     def compress(self, keep: int, scale: float) -> None:
-        self.keep_rows(self.select(keep, scale))
+        """Keep the policy's choice of ``keep`` rows per KV head."""
+        self.keep_rows(self.policy.select(self, keep, scale))
 
     def keep_rows(self, index: mx.array) -> None:
         """Compact storage to the rows ``index`` (B, kv_heads, keep), ascending; the rows that go go to the tier."""
@@ -321,8 +318,8 @@ class EvictingCache(CompressedKVCache):
         return self.tier.rows_like(rows, keys)
 
     def protected(self, positions: mx.array) -> mx.array:
-        """Rows never evicted: the first ``sink`` tokens and the last ``window`` tokens."""
-        return protected(positions, self.sink, self.window, self.offset)
+        """Rows never evicted: the first ``sink`` tokens and the last ``window`` tokens (holes never)."""
+        return (positions >= 0) & ((positions < self.sink) | (positions >= self.offset - self.window))
 
     # ----------------------------------------------------------------- the protocol, with the policy's part
     def cut_to(self, prefix: int) -> None:
@@ -346,7 +343,7 @@ class EvictingCache(CompressedKVCache):
     @property
     def nbytes(self) -> int:
         held = 0 if self.read is None else self.read.nbytes(self)
-        return super().nbytes + self.log.nbytes + (0 if self.tier is None else self.tier.nbytes) + held
+        return super().nbytes + self.log.nbytes + (0 if self.tier is None else self.tier.store.nbytes) + held
 
     def _meta(self) -> dict[str, Any]:
         if self.tier is None:

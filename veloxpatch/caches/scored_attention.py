@@ -5,9 +5,8 @@ Queries go a block at a time (:func:`block_size`): a block's float32 logits over
 reading holds beyond the model's own activations, so a longer prompt's blocks take fewer queries.
 
 On mlx's CPU backend a block's cost is its exponentials, not its matmuls: mlx's ``exp`` is scalar, numpy's
-vectorized (docs/results.md, "Prefill"). So there mlx multiplies a block's logits, numpy (an mlx_lm dependency too)
-takes their softmax in place in mlx's buffer (no copy: mlx's memory count holds it), and mlx multiplies it by the
-values. On a GPU, mlx computes the whole block.
+vectorized (docs/results.md, "Prefill"), so there numpy (an mlx_lm dependency too) takes the softmax
+(:func:`_host_block`). On a GPU, mlx computes the whole block.
 """
 
 from __future__ import annotations
@@ -17,6 +16,8 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+
+from .masks import causal
 
 QUERY_BLOCK = 64  # the most queries scored at once (fewer blocks: fewer calls)
 SCORE_BYTES = 24 * 2**20  # the most a block's float32 logits take while QUERY_BLOCK queries or more remain to give
@@ -39,9 +40,9 @@ def scored_attention(q: mx.array, keys: mx.array, values: mx.array, real: mx.arr
     dtype) and ``best`` raised by the most attention each scored row got from a query of its head group."""
     size = block_size(q, keys.shape[2])
     if mx.default_device() != mx.cpu:
-        return _blocks(mx, _block, q, keys, values, real, best, size)
+        return _blocks(mx, q, keys, values, real, best, size)
     on_host = (np.asarray(real) if real is not None else None, np.asarray(_float32(best)))
-    out, found = _blocks(np, _host_block, _float32(q), _float32(keys), _float32(values), *on_host, size)
+    out, found = _blocks(np, _float32(q), _float32(keys), _float32(values), *on_host, size)
     return mx.array(out).astype(values.dtype), mx.array(found)
 
 
@@ -51,16 +52,15 @@ def causal_on_host(queries: mx.array, keys: mx.array, values: mx.array, scale: f
     b, heads_q, n, dim = queries.shape
     heads = keys.shape[1]
     q = _float32((queries * scale).reshape(b, heads, heads_q // heads, n, dim))
-    out, _ = _blocks(np, _host_block, q, _float32(keys), _float32(values), None, np.zeros((b, heads, 0), np.float32),
-                     size)
+    out, _ = _blocks(np, q, _float32(keys), _float32(values), None, np.zeros((b, heads, 0), np.float32), size)
     return mx.array(out).astype(values.dtype).reshape(b, heads_q, n, -1)
 
 
-def _blocks(xp: Any, attention: Callable[..., tuple[Any, Any]], q: mx.array, keys: mx.array, values: mx.array,
-            real: Any, best: Any, size: int) -> tuple[Any, Any]:
-    """:func:`scored_attention` ``size`` queries at a time, each block by ``attention`` (mlx's, or the CPU's with
-    ``xp`` numpy: ``real`` and ``best`` numpy's arrays, and the output): the output and the scores (none where
-    ``best`` has no column)."""
+def _blocks(xp: Any, q: mx.array, keys: mx.array, values: mx.array, real: Any, best: Any, size: int) -> tuple[Any, Any]:
+    """:func:`scored_attention` ``size`` queries at a time, each block by mlx (``xp`` mx: :func:`_block`) or on the
+    CPU (``xp`` numpy: :func:`_host_block`, ``real``, ``best`` and the output numpy's arrays): the output and the
+    scores (none where ``best`` has no column)."""
+    attention: Callable[..., tuple[Any, Any]] = _block if xp is mx else _host_block
     n = q.shape[3]
     past = keys.shape[2] - n
     outs = []
@@ -97,7 +97,7 @@ def _block(q: mx.array, keys: mx.array, values: mx.array, past: int, stop: int, 
     first = (q @ earlier[0]).astype(mx.float32)
     if real is not None:
         first = mx.where(real, first, -mx.inf)
-    second = mx.where(_causal(mx, m, stop - past), (q @ own[0]).astype(mx.float32), -mx.inf)
+    second = mx.where(causal(stop - past, m), (q @ own[0]).astype(mx.float32), -mx.inf)
     top = second.max(axis=-1, keepdims=True)  # finite: each query sees itself
     if first.shape[-1]:
         top = mx.maximum(top, first.max(axis=-1, keepdims=True))
@@ -118,7 +118,7 @@ def _host_block(q: mx.array, keys: mx.array, values: mx.array, past: int, stop: 
     probs = np.asarray(logits).reshape(b, heads, group, m, stop)  # mlx's buffer, written in place
     if real is not None:
         np.copyto(probs[..., :past], -np.inf, where=~real)
-    probs[..., past:][..., ~_causal(np, m, stop - past)] = -np.inf
+    probs[..., past:][..., ~np.asarray(causal(stop - past, m))] = -np.inf
     top = probs.max(axis=-1, keepdims=True)  # finite: each query sees itself
     np.exp(np.subtract(probs, top, out=probs), out=probs)
     total = probs.sum(axis=-1, keepdims=True)
@@ -126,8 +126,3 @@ def _host_block(q: mx.array, keys: mx.array, values: mx.array, past: int, stop: 
     mx.eval(out)  # before the scores are normalized in the same buffer
     scores = probs[..., :scored]
     return np.asarray(out), np.divide(scores, total, out=scores)
-
-
-def _causal(xp: Any, m: int, seen: int) -> Any:
-    """(m, seen): which of the chunk's ``seen`` rows so far each of the block's last ``m`` queries sees."""
-    return xp.arange(seen)[None] <= (seen - m + xp.arange(m))[:, None]

@@ -1,15 +1,10 @@
-"""Which rows a compression keeps, per KV head: the first ``VELOX_SINK`` tokens (attention sinks) and the last
-``VELOX_WINDOW`` whatever their scores, then the best by score; holes (position -1) go first.
+"""Which rows a compression keeps, per KV head: the protected ones (:meth:`.evicting.EvictingCache.protected`: the
+attention sinks and the recent window) whatever their scores, then the best by score; holes (position -1) go first.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-
-
-def protected(positions: mx.array, sink: int, window: int, seen: int) -> mx.array:
-    """Rows never evicted: the first ``sink`` and last ``window`` of the ``seen`` tokens (holes never)."""
-    return (positions >= 0) & ((positions < sink) | (positions >= seen - window))
 
 
 def best_rows(scores: mx.array, positions: mx.array, kept_anyway: mx.array, keep: int) -> mx.array:

@@ -15,17 +15,13 @@ from ..registry import METHODS, knob_settings
 from .memory import MemoryPlan
 
 
-def _no() -> bool:
-    return False
-
-
 @dataclass(frozen=True)
 class Runtime:
     """What only the integration knows, asked when it matters (so it follows ``unpatch``); by default no to both."""
 
-    batching: Callable[[], bool] = _no
+    batching: Callable[[], bool] = lambda: False
     """Whether mlx_lm's batches may hold our caches now: ``merge`` is there only then (integration.batched)."""
-    meta_apart: Callable[[], bool] = _no
+    meta_apart: Callable[[], bool] = lambda: False
     """Whether mlx_lm saves ``meta_state`` apart and only arrays of ``state`` (before mlx-lm 0.32)."""
 
 

@@ -215,6 +215,11 @@ class RowStore:
         if self.holes:
             self.holes = bool((self.row_positions() < 0).any().item())
 
+    def drop_first(self, n: int, spare: int) -> None:
+        """Compact to every row but the first ``n``, plus ``spare`` free rows (``0, 0``: give back the spare room)."""
+        b, h = self.row_positions().shape[:2]
+        self.keep(mx.broadcast_to(mx.arange(n, self.rows), (b, h, self.rows - n)), spare)
+
     def trim_to(self, prefix: int) -> None:
         """Forget every row at ``prefix`` or later: a suffix of each head, the shorter ones keeping holes."""
         if self.rows == 0:
@@ -243,9 +248,9 @@ class RowStore:
         return out
 
     def materialize(self, *also: Any) -> None:
-        """Evaluate the held arrays now (with ``also``, in the same evaluation), so that what they were computed from
-        (the larger buffer a compaction took rows of) is freed now rather than when the model's step is evaluated."""
-        mx.eval([part for part in (self.keys, self.values, self.positions) if part is not None], *also)
+        """Evaluate the held arrays and row columns now (with ``also``, in one evaluation), so what they were computed
+        from (the larger buffer a compaction took rows of) is freed now, not when the model's step is evaluated."""
+        mx.eval(self.keys, self.values, self.positions, *self.columns.values(), *also)
 
     def tie(self, dependency: mx.array) -> None:
         """Make the stored rows depend on ``dependency``, so evaluating the state evaluates it too."""

@@ -32,10 +32,6 @@ class Tier:
     def rows(self) -> int:
         return self.store.rows
 
-    @property
-    def nbytes(self) -> int:
-        return self.store.nbytes
-
     def rows_like(self, rows: int, keys: mx.array) -> int:
         """The rows like ``keys`` that take the bytes of ``rows`` at the tier's bits (fewer where it cannot quantize
         them), so ``VELOX_TIER_SIZE`` bounds the same bytes either way."""
@@ -51,7 +47,7 @@ class Tier:
         self.store.merge(keys, values, positions, index, columns)
         # nothing a step returns depends on the tier: left lazy, its arrays would keep what they were made from
         # (the rows at full precision, the tier before) alive until the next prompt reads them (3x the bytes)
-        mx.eval(self.store.keys, self.store.values, self.store.positions, *self.store.columns.values())
+        self.store.materialize()
 
     def drain(self) -> RowStore:
         """Every row as stored, with positions and columns; the tier empty after."""

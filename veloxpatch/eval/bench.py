@@ -1,27 +1,24 @@
 """``veloxpatch bench``: prefill time, decode speed and KV memory per method vs vanilla mlx_lm.
 
-Everything is measured in one process, on one model, one run after another, through mlx_lm's ``generate_step``
-(the path a user's app takes), so the ratios compare like with like. Vanilla also runs at a context equal to the
-budget: the decode speed a compressed cache holding that many rows should approach.
+Everything runs in one process, on one model, one run after another, through mlx_lm's ``generate_step`` (the path a
+user's app takes), so the ratios compare like with like. Vanilla also runs at a context equal to the budget: the
+decode speed a compressed cache holding that many rows should approach.
 
-Shared prefills (``--share-prefill``, the default, with ``--compress end``). A long prefill dominates a bench on a
-CPU, and in ``end`` mode it is the same work for many methods (``sharing`` says why and checks it), so each context
-times the prefill of ``prompt[:-1]`` once per group, and each case decodes from the last prompt token on a fresh
-copy of its group's caches: the source method's prefill moved into a list of the case's method for the shared
-methods (``sharing.transplant``), else a deep copy of the case's own prefill (vanilla's too). Only the decode is
-repeated (a warm-up, then ``repeats`` timed runs on fresh copies: the median); ``prefill_s`` is the group's prefill
-plus the case's first decode step (where ``end`` mode compresses): a plain run's time to the first token. A case
-the checks refuse (``sharing.modes``, ``sharing.untouched``) gets its own prefill, or runs plain.
+A long prefill dominates a bench on a CPU, and in ``end`` mode it is the same work for many methods (``sharing`` says
+why and checks it). So with ``--share-prefill`` (the default) and ``--compress end``, each context times the prefill
+of ``prompt[:-1]`` once per group, and each case decodes from the last prompt token on fresh copies of its group's
+caches (moved into a list of its own method, or deep-copied): a warm-up, then ``repeats`` timed decodes, medians.
+``prefill_s`` is the group's prefill plus the case's first decode step (where ``end`` mode compresses): a plain run's
+time to the first token. A case the checks refuse gets its own prefill, or runs plain.
 
 Plain (``--no-share-prefill``, ``--compress chunk``, vanilla at the budget's context, mlx_lm's quantized cache, which
-``generate_step`` quantizes as it goes, fallbacks): one warm-up, then ``repeats`` whole runs, medians. The rows'
+``generate_step`` quantizes as it goes, fallbacks): a warm-up, then ``repeats`` whole runs, medians. The rows'
 ``prefill`` field says how a case was timed: ``plain``, ``own`` or ``shared:<source method>``.
 """
 
 from __future__ import annotations
 
 import copy
-import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -90,15 +87,13 @@ class Measured:
 def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: BenchSpec, held: int = 0,
                     extra: dict[str, Any] | None = None, raw: bool = False) -> tuple[Timing, list[int]]:
     """A run: time to the first token (prefill) and the decode rate of the remaining new tokens; peaks less
-    ``held`` (memory kept by others meanwhile); ``extra``: more ``generate_step`` arguments (``kv_bits`` for
-    mlx_lm's quantized cache); ``raw``: ``generate_step`` unwrapped, decoding a prefill's copy from the last
-    prompt token (no generation starts there, see ``sharing``)."""
+    ``held`` (memory kept by others meanwhile); ``extra``: more ``generate_step`` arguments (mlx_lm's ``kv_bits``);
+    ``raw``: decoding a prefill's copy from the last prompt token, as :func:`sharing.whole` does."""
     from mlx_lm.generate import generate_step
 
     if raw:
         mx.eval([c.state for c in caches])  # the copy is made before the clock starts
     run = getattr(generate_step, "__wrapped__", generate_step) if raw else generate_step
-    gc.collect()
     reading = sharing.fresh_reading()
     tokens: list[int] = []
     start = time.perf_counter()
@@ -133,10 +128,6 @@ def cases(spec: BenchSpec) -> list[tuple[int, str, Variant]]:
     return out
 
 
-def prompt_for(model: Any, context: int) -> mx.array:
-    return mx.random.randint(0, model.args.vocab_size, (context,), key=mx.random.key(context))
-
-
 def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
     """Every case of :func:`cases`, yielded as it finishes (not in row order when prefills are shared)."""
     all_cases = [(i, *case) for i, case in enumerate(cases(spec))]
@@ -158,7 +149,7 @@ def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
     yield _plain(model, *all_cases[0], spec)  # vanilla at the budget's context: cheap
     for context in spec.contexts:
         here = [case for case in all_cases[1:] if case[1] == context]
-        prompt = prompt_for(model, context)
+        prompt = sharing.random_prompt(model, context)
         groups = [(case[3], [case], sharing.OWN) for case in here if how(case[3]) == sharing.OWN]  # vanilla first
         shared = [case for case in here if how(case[3]) == sharing.SHARED]
         if shared:  # right after vanilla
@@ -172,7 +163,7 @@ def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
 
 def _plain(model: Any, index: int, context: int, label: str, variant: Variant, spec: BenchSpec,
            held: int = 0) -> Measured:
-    prompt = prompt_for(model, context)
+    prompt = sharing.random_prompt(model, context)
     extra = variant.generate_kwargs(KVLayout.of(model))
     timing, tokens = median_timing(
         lambda: time_generation(model, prompt, variant.caches(model, context, spec.compress), spec, held, extra),
@@ -185,13 +176,7 @@ def _group(model: Any, prompt: mx.array, source: Variant, members: list[tuple[in
     """One timed prefill of ``prompt[:-1]`` into ``source``'s caches (shared: at a budget no prompt reaches), then
     each member's decodes on its own copy: moved into a fresh list of its method (shared), or deep-copied (own)."""
     base = source.caches(model, prompt.size, spec.compress, budget=None if how == sharing.OWN else sharing.HUGE)
-    gc.collect()
-    reading = sharing.fresh_reading()
-    start = time.perf_counter()
-    chunks = sharing.prefill(model, prompt, base, spec.prefill_step)
-    prefill_s = time.perf_counter() - start
-    reading.done()
-    prefill_peak = mx.get_peak_memory()
+    prefill = sharing.Prefill(model, prompt, base, spec.prefill_step)
     held = sharing.kv_bytes(base)  # kept aside while a copy decodes: not the case's own
     last = prompt[-1:]
     for index, context, label, variant in members:
@@ -201,7 +186,7 @@ def _group(model: Any, prompt: mx.array, source: Variant, members: list[tuple[in
             return sharing.transplant(base, variant.caches(model, context, spec.compress))
 
         caches = fresh()
-        if caches is None or (how != sharing.OWN and not sharing.untouched(caches, base, chunks)):
+        if caches is None or (how != sharing.OWN and not prefill.untouched(caches)):
             del caches  # a prompt chunk short enough to be a decode step, or lists that do not line up
             yield _plain(model, index, context, label, variant, spec, held)
             continue
@@ -218,8 +203,8 @@ def _group(model: Any, prompt: mx.array, source: Variant, members: list[tuple[in
         tok_s = statistics.median(t.decode_tok_s for t in runs)
         kv = statistics.median_low(t.kv_bytes for t in runs)  # byte counts: a run's own (median of an odd count)
         decode_peak = statistics.median_low(t.peak_bytes for t in runs)  # the whole decode's
-        timing = Timing(prefill_s + first_s, tok_s, kv, max(prefill_peak, decode_peak), prefill_peak, decode_peak,
-                        reading.peak)
+        timing = Timing(prefill.seconds + first_s, tok_s, kv, max(prefill.peak, decode_peak), prefill.peak, decode_peak,
+                        prefill.reading.peak)
         yield Measured(index, context, label, variant, timing, tokens, how)
 
 

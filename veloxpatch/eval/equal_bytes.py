@@ -15,7 +15,7 @@ under), and the budget for a share is read off that line. The share actually rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -45,34 +45,24 @@ def _arrays(cache: Any, dense: bool) -> list[mx.array]:
     return [a for _, a in tree_flatten(cache.state) if isinstance(a, mx.array)]
 
 
-@dataclass(frozen=True)
-class Line:
-    """Bytes held after a prompt as a line in the row budget: ``fixed + per_row * budget``."""
-
-    fixed: float
-    per_row: float
-
-    def budget_for(self, target: float) -> int:
-        """The budget whose bytes come closest to ``target`` (at least the rows every method protects)."""
-        return max(PROTECTED, round((target - self.fixed) / self.per_row))
-
-
 def full_bytes_per_token(model: Any) -> float:
     """The full cache's 16-bit bytes per token of context, measured on the calibration prompt."""
     return _held_after(model, Variant("full")) / CALIBRATION_TOKENS
 
 
-def line(model: Any, variant: Variant) -> Line:
-    """The variant's bytes after the calibration prompt, as a line in its budget."""
+def budget_line(model: Any, variant: Variant) -> Callable[[float], int]:
+    """The variant's bytes after the calibration prompt as a line in its budget, ``fixed + per_row * budget``, read
+    backwards: the budget whose bytes come closest to a target (at least the rows every method protects)."""
     low, high = CALIBRATION_BUDGETS
     held = [_held_after(model, variant, budget) for budget in CALIBRATION_BUDGETS]
     per_row = (held[1] - held[0]) / (high - low)
-    return Line(held[0] - per_row * low, per_row)
+    fixed = held[0] - per_row * low
+    return lambda target: max(PROTECTED, round((target - fixed) / per_row))
 
 
 def _held_after(model: Any, variant: Variant, budget: int | None = None) -> float:
     """The 16-bit bytes ``variant``'s caches hold at ``budget`` rows once they have read a random calibration prompt."""
-    prompt = mx.random.randint(0, model.args.vocab_size, (CALIBRATION_TOKENS,), key=mx.random.key(CALIBRATION_TOKENS))
+    prompt = sharing.random_prompt(model, CALIBRATION_TOKENS)
     caches = variant.caches(model, CALIBRATION_TOKENS, budget=budget)
     sharing.whole(model, prompt, caches, 0, CALIBRATION_STEP)
     return held_bytes(caches)

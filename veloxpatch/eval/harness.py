@@ -1,17 +1,11 @@
 """``veloxpatch eval``: retrieval accuracy and perplexity per method, context length and budget.
 
-Retrieval runs through mlx_lm's own ``generate_step`` with the variant's cache list (the path a user's app takes).
-A prompt is prefilled once for the full cache and every method at every budget where that is exact (``sharing``);
-mlx_lm's rotating and quantized caches run on their own. Perplexity feeds held-out text in steps of ``PPL_STEP``
-tokens through the same caches, so compression happens between steps as it would in a long chat, and scores the
-second half of the text, where the context the cache holds has been compressed.
-
-The RULER-style tasks of ``ruler`` (for a real model) run the same way and are scored by their own rules. ``followup``
-is a chat of two turns on one cache list, each through ``generate_step``; the second turn is the whole conversation
-templated anew, and the caches keep the tokens it starts with and read the rest, as the server's prompt-cache reuse
-does. It depends on each variant's first answer, so every variant runs on its own prefill. Every (example, variant)
-result is appended to a JSONL journal of samples and every finished cell to a journal of cells, so a killed run keeps
-them and a rerun with the same arguments skips them.
+Retrieval runs through mlx_lm's own ``generate_step`` with the variant's cache list (the path a user's app takes),
+sharing a prompt's prefill among variants where that is exact (``sharing``); perplexity streams held-out text through
+the same caches (:func:`perplexity`). The RULER-style tasks of ``ruler`` (for a real model) run the same way and are
+scored by their own rules; ``followup``, a chat of two turns on one cache list (:func:`chat`), depends on each
+variant's first answer, so every variant runs on its own prefill. Finished examples and cells go to journals
+(:class:`Journal`), so a killed run keeps them and a rerun with the same arguments skips them.
 """
 
 from __future__ import annotations
@@ -156,14 +150,13 @@ class Journal:
             handle.write(json.dumps({**row, "key": self.key}) + "\n")
 
 
-def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec, quant: dict[str, Any],
+def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec,
                  budget: int | None = None) -> Sample:
-    """Greedy answer under the variant's caches, on its own prefill (a follow-up's every turn on one cache list,
-    :func:`chat`): 1.0 if the last answer is right else 0.0, KV bytes at the end, peak memory since the caches were
-    built (as :func:`asked_after` measures it: not the equal-bytes calibration or the probe before), and the KV bytes
-    as a 16-bit model holds them where ``spec.equal_bytes``. ``quant`` is the variant's kv_bits arguments for mlx_lm
-    (empty unless it is the quantized one)."""
+    """The variant's :class:`Sample` of one example, on its own prefill (a follow-up's every turn on one cache list,
+    :func:`chat`); its peak memory is the run's since the caches were built (as :func:`asked_after` measures it: not
+    the equal-bytes calibration or the probe before)."""
     tokens, steps = _prompt(tokenizer, item)
+    quant = variant.generate_kwargs(KVLayout.of(model))  # mlx_lm's kv_bits arguments for its quantized cache
     caches = variant.caches(model, tokens.size, budget=budget)
     reading = sharing.fresh_reading()
     if isinstance(item, ruler.Example) and item.turns:
@@ -192,19 +185,12 @@ def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spe
         if turn:
             trim_prompt_cache(caches, len(cached) - keep)
         limit = _steps(tokenizer, item) if turn == len(item.turns) - 1 else FIRST_TURN
-        out = _turn(model, tokenizer, mx.array(full[keep:]), caches, limit, spec, quant, reading)
+        out = [t for t, _ in sharing.whole(model, mx.array(full[keep:]), caches, limit, spec.prefill_step, reading,
+                                           stop=tokenizer.eos_token_ids, **quant)]  # as mlx_lm chat calls it
         answers.append(out)
         cached = full + out
         texts.append(tokenizer.decode([t for t in out if t not in tokenizer.eos_token_ids]))
     return answers
-
-
-def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit: int, spec: EvalSpec,
-          quant: dict[str, Any], reading: sharing.Reading) -> list[int]:
-    """One chat turn through mlx_lm's ``generate_step`` as the shim patches it (as mlx_lm chat calls it): greedy
-    tokens up to the end of the turn or ``limit`` tokens."""
-    return [t for t, _ in sharing.whole(model, tokens, caches, limit, spec.prefill_step, reading,
-                                        stop=tokenizer.eos_token_ids, **quant)]
 
 
 def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, spec: EvalSpec,
@@ -216,8 +202,7 @@ def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, sp
     tokens, steps = _prompt(tokenizer, item)
     shared = spec.share_prefill and not (isinstance(item, ruler.Example) and item.turns)
     requests = _requests(model, chosen, shared, budgets, tokens.size)
-    out = {r.variant: conversation(model, tokenizer, r.variant, item, spec,
-                                   r.variant.generate_kwargs(KVLayout.of(model)), r.budget)
+    out = {r.variant: conversation(model, tokenizer, r.variant, item, spec, r.budget)
            for r in requests if r.mode == sharing.PLAIN}
     for r in sharing.run(model, tokens, [r for r in requests if r.mode != sharing.PLAIN], steps, spec.prefill_step):
         kv16 = _held_16_bit(r.caches, r.request.variant) if spec.equal_bytes else None
@@ -241,7 +226,7 @@ class Budgets:
     def __init__(self, model: Any, equal_bytes: bool) -> None:
         self.model, self.equal_bytes = model, equal_bytes
         self.per_token: float | None = None
-        self.lines: dict[tuple[str, Any], equal_bytes_.Line] = {}  # by (method, knobs): a line serves every share
+        self.lines: dict[tuple[str, Any], Callable[[float], int]] = {}  # by (method, knobs): one serves every share
 
     def __call__(self, variant: Variant, context: int) -> int:
         """The rows for ``variant`` at ``context`` tokens; by its share where its own rule stands (mlx_lm's quantized
@@ -254,8 +239,8 @@ class Budgets:
             self.per_token = equal_bytes_.full_bytes_per_token(self.model)
         key = (variant.method, variant.knobs)
         if key not in self.lines:
-            self.lines[key] = equal_bytes_.line(self.model, variant)
-        return self.lines[key].budget_for(variant.share * self.per_token * context)
+            self.lines[key] = equal_bytes_.budget_line(self.model, variant)
+        return self.lines[key](variant.share * self.per_token * context)
 
 
 def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.Example, spec: EvalSpec,
@@ -267,20 +252,16 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
     context = mx.array(tokenizer.encode(item.context))
     question = mx.array(tokenizer.encode(item.question, add_special_tokens=False))
     steps = _steps(tokenizer, item)
-
-    def ask(r: sharing.Result) -> Sample:
-        """The question as the next turn on ``r``'s caches, which hold the context as it left them."""
-        variant = r.request.variant
-        kv16 = _held_16_bit(r.caches, variant)
-        answer = _turn(model, tokenizer, question, r.caches, steps, spec, variant.generate_kwargs(KVLayout.of(model)),
-                       sharing.Reading())
-        return Sample(_right(tokenizer, answer, item), r.kv_bytes, max(r.peak_bytes, mx.get_peak_memory()),
-                      r.read_peak_bytes, kv16)
-
     requests = _requests(model, chosen, spec.share_prefill, budgets, context.size)
     out = {}
     for r in sharing.run(model, context, requests, 0, spec.prefill_step):
-        out[r.request.variant] = ask(r)
+        variant = r.request.variant
+        kv16 = _held_16_bit(r.caches, variant)
+        quant = variant.generate_kwargs(KVLayout.of(model))
+        answer = [t for t, _ in sharing.whole(model, question, r.caches, steps, spec.prefill_step,
+                                              stop=tokenizer.eos_token_ids, **quant)]
+        out[variant] = Sample(_right(tokenizer, answer, item), r.kv_bytes, max(r.peak_bytes, mx.get_peak_memory()),
+                              r.read_peak_bytes, kv16)
         del r  # its caches let go before the next variant reads the context (they would count in its peak)
     return {v: out[v] for v in chosen}
 
@@ -311,10 +292,10 @@ def _right(tokenizer: Any, out: list[int], item: Item) -> float:
 
 
 def perplexity(model: Any, tokenizer: Any, variant: Variant, text: str) -> Sample:
-    """exp(mean NLL) of the second half of ``text`` under the variant's cache, KV bytes and memory (the whole text is
-    read: the run's peak). The text streams through the cache in steps of PPL_STEP tokens, each scored as it arrives,
-    so our caches compress between steps (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full
-    cache."""
+    """exp(mean NLL) of the second half of ``text`` (where the context the cache holds has been compressed) under the
+    variant's cache, KV bytes and memory (the whole text is read: the run's peak). The text streams through the cache
+    in steps of PPL_STEP tokens, each scored as it arrives, so our caches compress between steps as in a long chat
+    (``VELOX_COMPRESS=chunk``): with ``end`` every method would score as the full cache."""
     from mlx_lm.generate import maybe_quantize_kv_cache
 
     reading = sharing.fresh_reading()
@@ -355,15 +336,11 @@ def measure(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Vari
     first: dict[tuple[Any, ...], Variant] = {}
     for variant in chosen:
         first.setdefault(variant.twin_key(), variant)
-    out = _measure_each(model, tokenizer, task, item, list(first.values()), spec, budgets)
+    if task == "perplexity":
+        out = {v: perplexity(model, tokenizer, v, item[0]) for v in first.values()}  # type: ignore[index]
+    else:
+        out = retrievals(model, tokenizer, list(first.values()), item, spec, budgets)
     return {v: out[first[v.twin_key()]] for v in chosen}
-
-
-def _measure_each(model: Any, tokenizer: Any, task: str, item: Item, chosen: list[Variant], spec: EvalSpec,
-                  budgets: Budgets) -> dict[Variant, Sample]:
-    if task != "perplexity":
-        return retrievals(model, tokenizer, chosen, item, spec, budgets)
-    return {v: perplexity(model, tokenizer, v, item[0]) for v in chosen}  # type: ignore[index]
 
 
 def run_eval(model: Any, tokenizer: Any, spec: EvalSpec,

@@ -31,8 +31,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from .tasks import SPLITS, TokenizerOrLenFn, _fit, _insert_at_depth, _len_fn, excerpt, random_key
-from .tasks import split_of as path_split
+from .tasks import SPLITS, TokenizerOrLenFn, _fit, _insert_at_depth, excerpt, random_key, split_of
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "trip", "followup")
 # RULER's synthetic tasks under its own names (its two QA tasks need data sets that are not on PyPI); niah_single_2 and
@@ -84,18 +83,14 @@ class Example:
         return self.prompt[self.question_at:]
 
 
-def split_of(topic: str) -> str:
-    """Stable split of a documentation topic by its name, independent of dict order and Python build."""
-    return path_split(topic, HELDOUT_MOD)
-
-
 @lru_cache(maxsize=2)
 def haystack_text(split: str) -> str:
-    """Every documentation topic of the split, in name order, as one English text."""
+    """Every documentation topic of the split (by a hash of its name, independent of dict order and Python build), in
+    name order, as one English text."""
     from pydoc_data.topics import topics
 
     assert split in SPLITS, split
-    return "".join(topics[k].strip("\n") + "\n\n" for k in sorted(topics) if split_of(k) == split)
+    return "".join(topics[k].strip("\n") + "\n\n" for k in sorted(topics) if split_of(k, HELDOUT_MOD) == split)
 
 
 Hay = Callable[[int, random.Random], str]  # about n characters of filler, from a random generator
@@ -131,7 +126,7 @@ def _build(tokenizer: Any, context: int, seed_text: str, needles: list[tuple[str
         messages[prompt] = message
         return prompt
 
-    prompt = _fit(build, context, _len_fn(tokenizer))
+    prompt = _fit(build, context, tokenizer)
     return prompt, messages[prompt], prompt.rindex(question)
 
 

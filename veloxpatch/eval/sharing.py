@@ -1,17 +1,16 @@
 """Shared prefills for the retrieval tasks: one prompt prefill serves many variants, exactly.
 
-Why it is exact. Retrieval runs our caches in ``VELOX_COMPRESS=end`` mode: the prompt's chunks never compress
-(a chunk longer than the decode headroom is a prefill chunk), and mlx_lm's ``generate_step`` feeds the prompt's
-last token as the first decode-sized step, which compresses the prompt before it attends. So once ``prompt[:-1]``
-is in, a cache of a method that keeps no state of its own holds its rows, the remembered queries and its offset,
-none of which depends on the budget or on which such method it is. From there each variant decodes on its own copy:
+Why it is exact. Retrieval runs our caches in ``VELOX_COMPRESS=end`` mode: the prompt's chunks never compress (a chunk
+longer than the decode headroom is a prefill chunk), and mlx_lm's ``generate_step`` feeds the prompt's last token as
+the first decode-sized step, which compresses the prompt before it attends. So once ``prompt[:-1]`` is in, a cache of a
+method that keeps no state of its own holds its rows, the remembered queries and its offset, none of which depends on
+the budget or on which such method it is. From there each variant decodes on its own copy:
 
-* **shared** (the full cache, and the methods :data:`PROMPT_STATE` names): one prefill per prompt by a *source*
-  method at a budget no prompt reaches; each variant gets a fresh cache list made as an app's would be
-  (``veloxpatch.patch`` + ``make_prompt_cache``: the real builder, knobs and coordinator) with a copy of the
-  source's rows, offset and (``window``) remembered queries moved in. The full cache decodes on the source itself
-  (our cache never evicting is mlx_lm's ``KVCache``; the check below checks that too), its KV bytes counted as
-  ``KVCache``'s (rows with spare capacity; no positions, no queries).
+* **shared** (the full cache, and the methods :data:`PROMPT_STATE` names): one prefill per prompt by a *source* method
+  at a budget no prompt reaches; each variant gets a fresh cache list made as an app's would be (``variants``: the real
+  builder, knobs and coordinator) with a copy of the source's rows, offset and (``window``) remembered queries moved
+  in. The full cache decodes on the source itself (our cache never evicting is mlx_lm's ``KVCache``, which the check
+  checks too), its KV bytes counted as ``KVCache``'s (rows with spare capacity; no positions, no queries).
 * **own** (every other method of ours: accumulated attention, the newest query alone, reports to a coordinator,
   folds): one prefill per (method, knobs) at a budget no prompt reaches, deep-copied (coordinator included) per
   budget, whose ``budget`` is set before decoding.
@@ -19,21 +18,22 @@ none of which depends on the budget or on which such method it is. From there ea
   ``generate_step`` on the whole prompt.
 
 The prefill is mlx_lm's own ``generate_step``, stopped by its progress callback once ``prompt[:-1]`` is in (so
-chunking, coordinator resets and evaluation are a plain run's). Decoding calls ``generate_step`` unwrapped from the
-last prompt token: the shim's wrapper would reset the coordinators as a new generation starts, which a plain run
-did before its prompt, not between the prompt and its last token.
+chunking, coordinator resets and evaluation are a plain run's). Decoding calls it unwrapped from the last prompt token:
+the shim's wrapper would reset the coordinators as a new generation starts, which a plain run did before its prompt,
+not between the prompt and its last token.
 
-Two checks keep it exact rather than assumed. A prompt with a chunk no longer than the largest decode headroom may hold
-a decode-sized step (compressed in the middle of a plain run's prompt, or told from a prompt chunk differently at two
-budgets): it runs plain for the variant. And before a (model, method, knobs) first shares, :func:`modes` runs it both
-ways on a short random prompt at two evicting budgets: tokens, log-probabilities and the final cache state must be
-equal, else it falls back to its own prefill, then to plain, said once in the log.
+Two checks keep it exact rather than assumed. A prompt with a chunk no longer than the largest decode headroom may
+hold a decode-sized step (compressed in the middle of a plain run's prompt, or told from a prompt chunk differently at
+two budgets): it runs plain for the variant. And before a (model, method, knobs) first shares, :func:`modes` runs it
+both ways on a short random prompt at two evicting budgets: tokens, log-probabilities and the final cache state must
+be equal, else it falls back to its own prefill, then to plain, said once in the log.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
+import time
 import weakref
 from collections import Counter
 from collections.abc import Collection, Iterator
@@ -87,9 +87,8 @@ class Result:
 
 class Reading:
     """The most memory held while a prompt is read (every token but the last, whose step starts decoding: where
-    ``end`` mode compresses), over what was held when the run began (the loaded model, and anything kept aside):
-    what a user must have free to read a long document. Made right before the run (:func:`fresh_reading`);
-    :meth:`progress` is ``generate_step``'s ``prompt_progress_callback``, :meth:`done` a prefill of its own's end."""
+    ``end`` mode compresses) over what was held when the run began (the loaded model, anything kept aside): what a
+    user must have free to read a long document. :meth:`progress` is ``generate_step``'s progress callback."""
 
     def __init__(self) -> None:
         self.start = mx.get_active_memory()
@@ -104,7 +103,7 @@ class Reading:
 
 
 def fresh_reading() -> Reading:
-    """The :class:`Reading` of a run about to start, its peak its own (:func:`reset_peak`)."""
+    """The :class:`Reading` of a run about to start, its peak its own."""
     reset_peak()
     return Reading()
 
@@ -115,6 +114,11 @@ def reset_peak() -> None:
     gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
+
+
+def random_prompt(model: Any, size: int) -> mx.array:
+    """``size`` random tokens of ``model``'s vocabulary, the same ones at every call of that size."""
+    return mx.random.randint(0, model.args.vocab_size, (size,), key=mx.random.key(size))
 
 
 def candidate(variant: Variant) -> str:
@@ -131,33 +135,46 @@ class _Prefilled(Exception):
     """Raised by the progress callback to stop ``generate_step`` once ``prompt[:-1]`` is in the caches."""
 
 
-def prefill(model: Any, tokens: mx.array, caches: list[Any], step: int) -> list[int]:
-    """``tokens[:-1]`` into ``caches`` by mlx_lm's own ``generate_step`` (the shim's wrapper included), stopped
-    before the last token; returns the chunk sizes it used."""
-    from mlx_lm.generate import generate_step  # the patched one, as a plain run calls it
+class Prefill:
+    """``tokens[:-1]`` read into ``base`` once (as the module docstring says), for several decodes to start from on
+    copies: the chunk sizes it used, its seconds, its peak memory and its :class:`Reading`."""
 
-    chunks: list[int] = []
+    def __init__(self, model: Any, tokens: mx.array, base: list[Any], step: int) -> None:
+        from mlx_lm.generate import generate_step  # the patched one, as a plain run calls it
 
-    def progress(done: int, total: int) -> None:
-        if done > sum(chunks):
-            chunks.append(done - sum(chunks))
-        if done >= total - 1:
-            raise _Prefilled
+        self.base = base
+        self.chunks: list[int] = []
+        self.reading = fresh_reading()
 
-    try:
-        next(generate_step(tokens, model, max_tokens=1, prompt_cache=caches, prefill_step_size=step,
-                           prompt_progress_callback=progress))
-    except _Prefilled:
-        return chunks
-    raise RuntimeError("mlx_lm's generate_step did not report its prompt progress")
+        def progress(done: int, total: int) -> None:
+            if done > sum(self.chunks):
+                self.chunks.append(done - sum(self.chunks))
+            if done >= total - 1:
+                raise _Prefilled
+
+        start = time.perf_counter()
+        try:
+            next(generate_step(tokens, model, max_tokens=1, prompt_cache=base, prefill_step_size=step,
+                               prompt_progress_callback=progress))
+        except _Prefilled:
+            self.seconds = time.perf_counter() - start
+        else:
+            raise RuntimeError("mlx_lm's generate_step did not report its prompt progress")
+        self.reading.done()
+        self.peak = mx.get_peak_memory()
+
+    def untouched(self, caches: list[Any]) -> bool:
+        """Whether every prompt chunk was a prefill chunk both for this prefill and for a plain run with ``caches``:
+        longer than any decode headroom their caches can have (the headroom for a budget no prompt reaches; asked
+        without calling ``target()``, which a method may keep state in)."""
+        return not self.chunks or all(min(self.chunks) > c.headroom(HUGE) for c in ours(caches) + ours(self.base))
 
 
 def whole(model: Any, tokens: mx.array, caches: list[Any], max_tokens: int, step: int, reading: Reading | None = None,
           raw: bool = False, stop: Collection[int] = (), **quant: Any) -> list[tuple[int, mx.array]]:
-    """Greedy tokens (ids, as ``generate_step`` yields them whatever its annotation says, and log-probabilities)
-    by mlx_lm's ``generate_step`` as the shim patches it, ``reading`` told when the prompt is read; ``raw``:
-    unwrapped, to decode from the last prompt token of a prefill (no new generation starts there); up to the
-    first token in ``stop`` (an end of turn, which is fed to the caches as a chat's next turn finds it)."""
+    """Greedy tokens (ids, whatever ``generate_step``'s annotation says) and log-probabilities by mlx_lm's
+    ``generate_step`` as the shim patches it, up to the first token in ``stop`` (an end of turn, fed to the caches as
+    a chat's next turn finds it); ``raw``: unwrapped, to decode from a prefill's last prompt token (see the module)."""
     from mlx_lm.generate import generate_step
 
     run = getattr(generate_step, "__wrapped__", generate_step) if raw else generate_step
@@ -200,13 +217,6 @@ def transplant(source: list[Any], target: list[Any]) -> list[Any] | None:
     return out
 
 
-def untouched(caches: list[Any], base: list[Any], chunks: list[int]) -> bool:
-    """Whether every prompt chunk was a prefill chunk both for the prefill into ``base`` and for a plain run
-    with ``caches``: longer than any decode headroom their caches can have (the headroom for a budget no prompt
-    reaches; asked without calling ``target()``, which a method may keep state in)."""
-    return not chunks or all(min(chunks) > c.headroom(HUGE) for c in ours(caches) + ours(base))
-
-
 def kv_bytes(caches: list[Any], dense: bool = False) -> int:
     """KV bytes of a list as the harness reports them; ``dense``: our never-evicting caches counted as
     mlx_lm's ``KVCache`` would hold the same rows (the same capacity steps; no positions, no queries)."""
@@ -242,10 +252,7 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
            step: int) -> Iterator[Result]:
     """One prefill into ``base``, then each member decoded on its own copy (the last on ``base`` itself when
     it can be)."""
-    reading = fresh_reading()
-    chunks = prefill(model, tokens, base, step)
-    reading.done()
-    prefill_peak = mx.get_peak_memory()
+    prefill = Prefill(model, tokens, base, step)
     last = tokens[-1:]
     for i, r in enumerate(members):
         v = r.variant
@@ -257,14 +264,14 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
             for cache in ours(caches):
                 cache.budget = Budget(tokens=HUGE if v.method == "full" else r.budget)
         held = kv_bytes(base) if caches is not base else 0  # kept for the next members, not this run's own
-        if caches is None or (v.method != "full" and not untouched(caches, base, chunks)):
+        if caches is None or (v.method != "full" and not prefill.untouched(caches)):
             yield _plain(model, tokens, r, max_tokens, step, held)
             continue
         reset_peak()
         pairs = whole(model, last, caches, max_tokens, step, raw=True)
-        peak = max(prefill_peak, mx.get_peak_memory() - held)
+        peak = max(prefill.peak, mx.get_peak_memory() - held)
         yield Result(r, [t for t, _ in pairs], [p for _, p in pairs], caches,
-                     kv_bytes(caches, dense=v.method == "full"), peak, reading.peak)
+                     kv_bytes(caches, dense=v.method == "full"), peak, prefill.reading.peak)
         del caches
 
 
@@ -308,7 +315,7 @@ def plan(model: Any, chosen: list[Variant]) -> dict[Variant, str]:
 def _check(model: Any, todo: dict[tuple[Any, ...], Variant]) -> dict[tuple[Any, ...], str]:
     if not todo:
         return {}
-    tokens = mx.random.randint(0, model.args.vocab_size, (PROBE_PROMPT,), key=mx.random.key(PROBE_PROMPT))
+    tokens = random_prompt(model, PROBE_PROMPT)
 
     def budgets(v: Variant) -> tuple[int, ...]:
         return (HUGE,) if v.method == "full" else PROBE_BUDGETS

@@ -5,8 +5,7 @@ machine with Python, so nothing needs downloading. Files are split into ``train`
 their relative path, so evaluation text is never trained on.
 
 Every generator is seeded and pure Python; prompts are plain text that any ``tokenizer.encode`` handles, and the
-answer is exactly what greedy generation should produce right after the prompt (compare with
-``generated.strip().startswith(answer.strip())``).
+answer is exactly what greedy generation should produce right after the prompt (:func:`is_correct`).
 
 Prompt formats (the shipped model was trained on exactly these phrases)::
 
@@ -53,13 +52,6 @@ class _Encoder(Protocol):
 
 LenFn = Callable[[str], int]
 TokenizerOrLenFn = _Encoder | LenFn
-
-
-def _len_fn(tok: TokenizerOrLenFn) -> LenFn:
-    """Accept a tokenizer (anything with ``encode``) or a ready ``str -> n_tokens`` function."""
-    if hasattr(tok, "encode"):
-        return lambda s: len(tok.encode(s))
-    return tok
 
 
 def split_of(rel_path: str, mod: int = HELDOUT_MOD) -> str:
@@ -113,9 +105,11 @@ def _insert_at_depth(text: str, needle: str, depth: float) -> str:
     return text[:pos] + needle + text[pos:]
 
 
-def _fit(build: Callable[[int], str], context_tokens: int, len_fn: LenFn) -> str:
-    """The prompt of the deterministic ``build(n_chars)`` closest to ``context_tokens`` without going over: a few
-    secant-like steps on chars-per-token converge fast."""
+def _fit(build: Callable[[int], str], context_tokens: int, tok: TokenizerOrLenFn) -> str:
+    """The prompt of the deterministic ``build(n_chars)`` closest to ``context_tokens`` without going over, counted by
+    ``tok`` (a tokenizer: anything with ``encode``, or a ready ``str -> n_tokens`` function): a few secant-like steps
+    on chars-per-token converge fast."""
+    len_fn: LenFn = (lambda s: len(tok.encode(s))) if hasattr(tok, "encode") else tok
     n_chars = context_tokens * 3
     best, best_len = build(0), len_fn(build(0))
     for _ in range(8):
@@ -143,7 +137,7 @@ def passkey_example(tokenizer_or_len_fn: TokenizerOrLenFn, context_tokens: int, 
         body = filler(n_chars, random.Random(str(fill_rng_state)), split)
         return _insert_at_depth(body, needle, depth) + PASSKEY_QUESTION
 
-    return _fit(build, context_tokens, _len_fn(tokenizer_or_len_fn)), " " + key
+    return _fit(build, context_tokens, tokenizer_or_len_fn), " " + key
 
 
 def multikey_example(tokenizer_or_len_fn: TokenizerOrLenFn, context_tokens: int, seed: int, split: str = "heldout",
@@ -163,13 +157,13 @@ def multikey_example(tokenizer_or_len_fn: TokenizerOrLenFn, context_tokens: int,
             body = _insert_at_depth(body, MULTIKEY_NEEDLE.format(name=name, key=key), d)
         return body + MULTIKEY_QUESTION.format(name=names[asked])
 
-    return _fit(build, context_tokens, _len_fn(tokenizer_or_len_fn)), " " + keys[asked]
+    return _fit(build, context_tokens, tokenizer_or_len_fn), " " + keys[asked]
 
 
 def longtext_sample(tokenizer_or_len_fn: TokenizerOrLenFn, context_tokens: int, seed: int) -> str:
     """Held-out natural text of at most ``context_tokens`` tokens, for perplexity under a compressed cache."""
     rng_state = str(random.Random(f"longtext/{seed}").getstate())
-    return _fit(lambda n: filler(n, random.Random(rng_state), "heldout"), context_tokens, _len_fn(tokenizer_or_len_fn))
+    return _fit(lambda n: filler(n, random.Random(rng_state), "heldout"), context_tokens, tokenizer_or_len_fn)
 
 
 def is_correct(generated: str, answer: str) -> bool:

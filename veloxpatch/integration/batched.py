@@ -1,21 +1,15 @@
-"""mlx_lm's batched generation over compressed caches: every sequence keeps its own (:mod:`..caches.batch`).
+"""mlx_lm's batched generation over compressed caches: every sequence keeps its own (docs/DESIGN.md, "Batched
+generation"; :mod:`..caches.batch`).
 
-While this is patched our caches have ``merge`` (:func:`batching_on`), so mlx_lm merges a prefill group of them into
-a :class:`~veloxpatch.caches.batch.SequenceBatch` per layer, and everything mlx_lm batches (``BatchGenerator``,
-``batch_generate``, the server) runs on compressed caches, each sequence compressing as it would alone and leaving
-the batch as its own caches (``extract``).
-
-``BatchGenerator.insert_segments`` starts each sequence as a generation start does
-(:func:`.wrappers.start_generation`), makes a missing list as mlx_lm would, and copies the lists a caller hands in
-(mlx_lm's own merge copies rows, and ``batch_generate`` promises not to update the caller's caches). Where our caches
-and mlx_lm's plain ``KVCache`` meet in one generator (a caller's own list next to compressed ones), the plain ones
-join batches of ours too: waiting and new ones as a :class:`_PlainMember`, a running ``BatchKVCache`` split into its
-sequences' rows. mlx_lm's other caches (sliding windows, quantized, recurrent) stay in mlx_lm's own batches: the
-builder leaves those slots mlx_lm's for every sequence alike.
-
-Every mlx_lm layout this relies on is reached through :mod:`.compat` and checked there at the first batched call;
-where the installed mlx_lm differs, our caches have no ``merge`` and ``insert_segments`` passes through, making
-mlx_lm's own caches, said once (an error under ``VELOX_STRICT``).
+While this is patched our caches have ``merge`` (:func:`batching_on`), so everything mlx_lm batches (``BatchGenerator``,
+``batch_generate``, the server) runs on compressed caches, each sequence compressing as it would alone.
+``insert_segments`` starts each sequence as a generation start does, makes a missing list as mlx_lm would, and copies
+the lists a caller hands in (mlx_lm's merge copies rows: ``batch_generate`` promises not to touch them). Where our
+caches and mlx_lm's plain ``KVCache`` meet in one generator (a caller's own list next to compressed ones), the plain
+ones join batches of ours too: waiting and new ones as a :class:`_PlainMember`, a running ``BatchKVCache`` split into
+its sequences' rows. mlx_lm's other caches (sliding windows, quantized, recurrent) stay in mlx_lm's own batches: the
+builder leaves those slots mlx_lm's for every sequence alike. Where the installed mlx_lm differs from the layouts
+:mod:`.compat` knows, batching stays mlx_lm's, on its own caches.
 """
 
 from __future__ import annotations
@@ -145,4 +139,5 @@ class _PlainMemberMixin:
 @functools.cache
 def _plain_member() -> type[Any]:
     """``_PlainMember``: the mixin on mlx_lm's ``KVCache``, made on first use (veloxpatch does not import mlx_lm)."""
-    return compat.mixed_into(_PlainMemberMixin, "KVCache")
+    return type("_PlainMember", (_PlainMemberMixin, compat.cache_class("KVCache")),
+                {"__doc__": _PlainMemberMixin.__doc__, "__module__": __name__})

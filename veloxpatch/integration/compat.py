@@ -1,12 +1,9 @@
 """The one place that names what mlx_lm keeps private and veloxpatch's batched generation and server touch.
 
-Each function here says which layout it assumes: for :mod:`.batched`, ``BatchGenerator``'s waiting sequences and
-running batches, ``KVCache`` (subclassed to override ``merge``) and the ``BatchKVCache`` protocol a batch of ours
-answers in its place; for :mod:`.server`, how a request travels from the HTTP handler (its parsed ``body``) through
-``ResponseGenerator.generate``'s queue to the generation thread (``_serve_single``, ``_is_batchable``), its settings
-riding on the generation arguments. :data:`LAYOUTS` and :data:`SERVER_LAYOUTS` check each against the installed
-mlx_lm without a model (a ``BatchGenerator`` over no model, a few one-row caches, signatures), so that a changed
-mlx_lm turns the feature that needs it off instead of corrupting it.
+Each function here says which layout it assumes (for :mod:`.batched`, ``BatchGenerator``'s and the cache classes';
+for :mod:`.server`, how a request is queued). :data:`LAYOUTS` and :data:`SERVER_LAYOUTS` check each against the
+installed mlx_lm without a model, so that a changed mlx_lm turns the feature that needs it off instead of corrupting
+it.
 
 mlx_lm is imported on first use (:func:`_mlx_lm`): importing veloxpatch never imports it.
 """
@@ -37,8 +34,8 @@ PROTOCOL = {
                      "finalize": "(self)", "filter": "(self, batch_indices)", "extend": "(self, other)",
                      "extract": "(self, idx)"},
 }
-"""mlx_lm's cache methods as mlx_lm calls them: ``KVCache.merge`` (overridden by :func:`mixed_into`'s subclass),
-and the batch-cache protocol ``SequenceBatch`` answers."""
+"""mlx_lm's cache methods as mlx_lm calls them: ``KVCache.merge`` (overridden by :mod:`.batched`'s subclass), and
+the batch-cache protocol ``SequenceBatch`` answers."""
 
 
 def _mlx_lm(name: str) -> ModuleType:
@@ -66,8 +63,7 @@ def running_caches(generator: Any) -> list[list]:
 def replace_waiting_caches(generator: Any, replace: Callable[[Any], Any]) -> None:
     """Put ``replace(caches)`` in place of each waiting sequence's cache list (:func:`waiting_cache_lists`)."""
     waiting = generator._unprocessed_sequences
-    for k in range(len(waiting)):
-        sequence = waiting[k]
+    for k, sequence in enumerate(waiting):
         waiting[k] = (*sequence[:CACHES_AT], replace(sequence[CACHES_AT]), *sequence[CACHES_AT + 1:])
 
 
@@ -75,12 +71,6 @@ def replace_waiting_caches(generator: Any, replace: Callable[[Any], Any]) -> Non
 def cache_class(name: str) -> type[Any]:
     """mlx_lm's ``models.cache.<name>`` (``KVCache``, ``BatchKVCache``)."""
     return getattr(_mlx_lm("models.cache"), name)
-
-
-def mixed_into(mixin: type, base: str) -> type[Any]:
-    """``mixin`` on mlx_lm's ``models.cache.<base>``, named as the mixin without its "Mixin"."""
-    return type(mixin.__name__.removesuffix("Mixin"), (mixin, cache_class(base)),
-                {"__doc__": mixin.__doc__, "__module__": mixin.__module__})
 
 
 def kv_cache_holding(cls: type, keys: Any, values: Any, rows: int) -> Any:
@@ -212,10 +202,9 @@ def _check_waiting_sequences() -> str | None:
 
 def _check_protocol() -> str | None:
     """Every method :data:`PROTOCOL` lists exists on mlx_lm's class with those parameters."""
-    cache_module = _mlx_lm("models.cache")
     for base, methods in PROTOCOL.items():
         for name, expected in methods.items():
-            method = getattr(getattr(cache_module, base), name, None)
+            method = getattr(cache_class(base), name, None)
             found = "missing" if method is None else parameters(method)
             if found != expected:
                 return f"{base}.{name} is {found}, not {expected}"

@@ -68,11 +68,6 @@ class Feature:
     (with only ``VELOX_FLOAT32`` at work, batched generation off leaves nothing uncompressed)."""
 
 
-def compressing(config: Any) -> bool:
-    """A KV method is on (``VELOX_KV`` not ``none``)."""
-    return config.enabled
-
-
 FEATURES: tuple[Feature, ...] = (
     Feature("attention route", "mlx_lm.models.base", (
         Target("scaled_dot_product_attention", wrappers.scaled_dot_product_attention, leading=wrappers.SDPA_PARAMS),
@@ -86,11 +81,11 @@ FEATURES: tuple[Feature, ...] = (
         Target("speculative_generate_step", wrappers.speculative_start,
                named=("model", "draft_model", "prompt_cache")),
     ), off="generations start on caches as they are (coordinators not reset, the draft's caches compressed too, "
-           "no generation counted)", used=compressing),
+           "no generation counted)", used=lambda config: config.enabled),
     Feature("batched generation", "mlx_lm.generate", (
         Target("BatchGenerator.insert_segments", batched.batch_insert_segments,
                named=("segments", "caches", "all_tokens")),
-    ), off="batched generation stays mlx_lm's", used=compressing),
+    ), off="batched generation stays mlx_lm's", used=lambda config: config.enabled),
     Feature("settings per request", "mlx_lm.server", (
         Target("APIHandler.validate_model_parameters", server.validate_model_parameters, leading=("self",)),
         Target("APIHandler.handle_completion", server.handle_completion, leading=("self", "request")),

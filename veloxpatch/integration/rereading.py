@@ -2,32 +2,26 @@
 below 100%).
 
 KVzip (Kim et al., arXiv 2505.23416) rates a context's rows by the attention they get while the model reads the
-context again: a row the model needs to say the document again is one a later question, not asked yet, may need. A
-cache cannot run the model, but the model's own call can: the class defining the top-level model's ``__call__`` is
-wrapped (once, undone by ``unpatch``). Over a list of our caches that ask for it, a prompt chunk of token ids is
-remembered and read as usual (its rows fold quantized, the keys at 8 bits until chosen: memory stays bounded); the
-first decode-sized call after them (the prompt's last token) first runs the model over the prompt again, a chunk at
-a time (each after the :data:`LEAD` tokens before it, whose rows are trimmed after it; the chunk's own are attended
-over, not stored), while the caches record the most attention each folded row gets; then each head keeps its
-best-scored rows. The prompt is read again as it is, without KVzip's "Repeat the previous context" (a model call
-has no tokenizer), and only once the whole of it is read (docs/results.md, "Rows to drop before the question: the
-repeat score"). In a batch of ours (the server's) each sequence is read again alone, over its own caches, at its
-first decode-sized step, before the batch's step runs.
+context again: a row the model needs to say the document again is one a later question may need. A cache cannot run
+the model, but the model's own call can, so the class defining the top-level model's ``__call__`` is wrapped (once,
+undone by ``unpatch``). Over caches of ours that ask for it, prompt chunks are read as usual and remembered; the first
+decode-sized call after them (the prompt's last token) first reads the whole prompt again (:func:`_read_again`) while
+the caches record the most attention each row gets, then each head keeps its best rows. The prompt is read again as it
+is, without KVzip's "Repeat the previous context" (a model call has no tokenizer; docs/results.md, "Rows to drop
+before the question: the repeat score"). In a batch of ours each sequence is read again alone, over its own caches.
 
-With ``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv`` the same call chooses the rows without a second reading, each
-cache scoring them from the prompt's last queries with its layer's attention module (:func:`attention_modules`).
-With ``heads`` the first prompt long enough to rate the heads is read again, the ratings kept here for the model,
-and later prompts' rows are scored by them.
+``VELOX_QUANT_SCORE`` ``expected`` or ``snapkv`` chooses at that call without a second reading, from the prompt's
+last queries (:func:`attention_modules`); ``heads`` reads the first prompt long enough again to rate the heads, and
+scores later prompts by those ratings.
 
-Where it cannot be done the prompt is read once and every row kept, said once: a list holding any cache that is not
-one of ours asking for it (a sliding-window slot of mlx_lm's, whose rows cannot be trimmed), or input embeddings
-instead of token ids. The cost is the paper's: each prompt is read twice.
+Where it cannot be done the prompt is read once and every row kept, said once: a list holding a cache that is not one
+of ours asking for it (mlx_lm's sliding-window slot, whose rows cannot be trimmed), or input embeddings. The cost is
+the paper's: each prompt is read twice.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -38,6 +32,7 @@ from ..caches.batch import SequenceBatch
 from ..config import VeloxConfig
 from ..fallback import fall_back
 from ..log import once
+from ..memo import kept, per_model
 from ..registry import cache_class
 from .layer_io import Parameters, defined_call, wrap_calls
 from .state import in_force
@@ -61,17 +56,12 @@ def install(model: Any) -> None:
                "the model's call takes no `cache` argument; prompt chunks are read once and every row kept")
 
 
-_ratings: dict[int, dict[int, mx.array]] = {}  # ``score=heads``: per model (by id, while it lives), per layer (H,)
+_ratings: dict[tuple[int, Any], dict[int, mx.array]] = {}  # ``score=heads``: per model (:mod:`..memo`), per layer (H,)
 
 
 def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """The model's ``__call__`` (the wrapper, with ``params`` bound): a prompt chunk over caches that ask for it is
-    read and remembered; the first decode-sized call after a prompt first reads the whole prompt again for the
-    caches' scores."""
-    sequences = _readers(params, args, kwargs)
-    if not sequences:
-        return wrapped(*args, **kwargs)
-    for readers, tokens in sequences:
+    """The wrapper of the model's ``__call__`` (``params`` bound): each sequence's step as the module docstring says."""
+    for readers, tokens in _readers(params, args, kwargs):
         first, n = readers[0], tokens.shape[1]
         if not first.schedule.decode_sized(n) or first.before_prompt_end(n):
             for cache in readers:
@@ -79,7 +69,7 @@ def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: An
         elif first.unscored and first.scores_by_queries:  # each with its layer's attention module (its rotary one)
             modules = attention_modules(instance)
             _choose_unread(readers, lambda c: c.score_by_queries(modules[c.layer] if c.layer < len(modules) else None))
-        elif first.unscored and first.score == "heads" and (rated := _ratings.get(id(instance))) is not None:
+        elif first.unscored and first.score == "heads" and (rated := kept(_ratings, instance, "heads")) is not None:
             _choose_unread(readers, lambda c: c.score_by_heads(rated.get(c.layer)))  # a layer not rated keeps all
         elif first.unscored:
             _read_again(wrapped, params, args, kwargs, readers)
@@ -89,22 +79,22 @@ def _reading_twice(params: Parameters, wrapped: Callable[..., Any], instance: An
 
 
 def _readers(params: Parameters, args: tuple, kwargs: dict) -> list[tuple[list[Any], mx.array]]:
-    """Per sequence of the call whose caches all ask for a second reading (token ids, none reading already): its
-    caches and its own tokens of the step (:func:`_sequences`). None where no cache asks (checked first: every
-    model call passes here), a list mixes caches that ask with others, or the input is embeddings (said once)."""
+    """Each sequence of the call whose caches all ask for a second reading, with its own tokens of the step
+    (:func:`_sequences`). Empty where no cache asks or one is reading already (checked first: every model call
+    passes here), and, said once, where a list mixes caches that ask with others or the input is embeddings."""
     caches = params.cache(args, kwargs)
     if not isinstance(caches, (list, tuple)) or not caches:
         return []
     flat = [m for c in caches for m in (c.members if isinstance(c, SequenceBatch) else (c,))]
-    asking_caches = [c for c in flat if _asks(c)]
+    asking_caches = [c for c in flat if asks(c)]
     if not asking_caches or any(c.rereading for c in asking_caches):
         return []
     tokens = params.input(args, kwargs)
     if kwargs.get("input_embeddings") is not None or not isinstance(tokens, mx.array) or tokens.ndim != 2 \
             or mx.issubdtype(tokens.dtype, mx.floating):
         return _refused()
-    asking = [(readers, own) for readers, own in _sequences(caches, tokens) if any(_asks(c) for c in readers)]
-    if any(len(readers) < len(caches) or not all(_asks(c) for c in readers) for readers, _ in asking):
+    asking = [(readers, own) for readers, own in _sequences(caches, tokens) if any(asks(c) for c in readers)]
+    if any(len(readers) < len(caches) or not all(asks(c) for c in readers) for readers, _ in asking):
         return _refused()
     return asking
 
@@ -127,17 +117,17 @@ def _sequences(caches: list[Any] | tuple[Any, ...], tokens: mx.array) -> list[tu
             for i, n in enumerate(lengths) if n]
 
 
-def _asks(cache: Any) -> bool:
+def asks(cache: Any) -> bool:
+    """Whether ``cache`` (of any kind: mlx_lm's too) asks for a second reading now."""
     return bool(getattr(cache, "wants_rereading", False))
 
 
 def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kwargs: dict,
                 readers: list[Any]) -> None:
-    """Read the readers' unscored prompt again, a chunk at a time as it was read, each after the :data:`LEAD`
-    tokens before it (read by a call of their own just before it, the same attention as one call over both; its
-    rows trimmed after the chunk, whose own rows are not stored: each chunk attends over the prompt read once and
-    its lead, not over the second reading's other chunks); then the readers keep their best rows. A failure is said
-    (or raised under ``VELOX_STRICT``) and leaves every row."""
+    """Read the readers' unscored prompt again, a chunk at a time as it was read, each led by the :data:`LEAD`
+    tokens before it (a call of their own: the same attention as one call over both), so each chunk attends over the
+    prompt read once and its lead alone; then the readers keep their best rows. A failure is said (or raised under
+    ``VELOX_STRICT``) and leaves every row."""
     chunks = readers[0].unscored
     offsets = [cache.offset for cache in readers]
     for cache in readers:
@@ -167,9 +157,8 @@ def _read_again(wrapped: Callable[..., Any], params: Parameters, args: tuple, kw
 
 
 def _choose_unread(readers: list[Any], score: Callable[[Any], None]) -> None:
-    """Each reader's rows scored by ``score(cache)`` without a second reading (``VELOX_QUANT_SCORE`` ``expected`` or
-    ``snapkv``: by the prompt's last queries; ``heads`` once the model's heads are rated: by their ratings), then the
-    best kept. A failure is said (or raised under ``VELOX_STRICT``) and leaves every row."""
+    """Each reader's rows scored by ``score(cache)`` without a second reading, then the best kept. A failure is said
+    (or raised under ``VELOX_STRICT``) and leaves every row."""
     try:
         for cache in readers:
             score(cache)
@@ -184,9 +173,8 @@ def _rate(model: Any, readers: list[Any]) -> None:
     """``score=heads``: the heads' ratings of the prompt just read again, kept for ``model`` while it lives, where
     every layer rated its heads (a prompt too short to rate them leaves the next one to)."""
     rated = {cache.layer: cache.rated for cache in readers}
-    if id(model) not in _ratings and all(r is not None for r in rated.values()):
-        _ratings[id(model)] = rated
-        weakref.finalize(model, _ratings.pop, id(model), None)
+    if kept(_ratings, model, "heads") is None and all(r is not None for r in rated.values()):
+        per_model(_ratings, model, "heads", lambda: rated)
         once("quant heads rated", logging.INFO, "VELOX_QUANT_SCORE=heads: the heads are rated from this prompt's "
              "second reading; later prompts are chosen by them without one")
 

@@ -1,16 +1,11 @@
-"""mlx_lm's server: settings per request (docs/settings.md, "Per request, on mlx_lm's server").
-
-A request may carry its own settings in a ``velox`` object of its JSON body or in ``X-Velox-*`` headers, by the
-settings' own keys (:func:`veloxpatch.config.request_settings`), each value parsed as the environment's would be,
-over the process's settings; a setting of the process alone (:data:`veloxpatch.config.PROCESS_WIDE`) is refused. A
-bad value is mlx_lm's own HTTP 400 naming the field, the value and what is allowed, and the server keeps serving.
+"""mlx_lm's server: settings per request (what a request may carry, and how: docs/settings.md, "Per request, on
+mlx_lm's server"). A bad one is mlx_lm's own HTTP 400, and the server keeps serving.
 
 The settings travel with the request from the HTTP handler to the generation thread or the batch it joins
 (docs/DESIGN.md, "One server request"; where batches are mlx_lm's own, a request whose settings are not the
-process's is served one at a time). The server's prompt cache is keyed by model *and* by the settings a list is
-built from (:meth:`VeloxConfig.cache_settings`), so a prompt cached under one setting is never reused under another.
-The answer's ``usage`` gains ``velox``: the method and budget in force and what the request's cache list holds once
-in the prompt cache (:func:`veloxpatch.stats.held`, and ``share_kept``), served alone or in a batch.
+process's is served one at a time). The server's prompt cache is keyed by the settings too, so a prompt cached under
+one setting is never reused under another, and the answer's ``usage`` says what the request's KV holds
+(:meth:`Ticket.usage`).
 """
 
 from __future__ import annotations
@@ -51,7 +46,7 @@ class Ticket:
         self.started = False
         self.prompt_tokens: int | None = None  # set when a batch serves it (:meth:`batched`)
         self.held: dict[str, int] | None = None
-        self._done = threading.Event()
+        self.done = threading.Event()  # set once its list is measured, or its generation over
 
     def __reduce__(self) -> tuple[type[Ticket], tuple[VeloxConfig]]:
         """Pickled (a distributed server shares a request with its other ranks), its config alone."""
@@ -66,12 +61,9 @@ class Ticket:
         server stores once it holds the whole prompt."""
         self.started, self.prompt_tokens = True, prompt_tokens
 
-    def finish(self) -> None:
-        self._done.set()
-
     def usage(self) -> dict[str, Any]:
         """``usage["velox"]`` of the request's answer, once its list is measured (waiting :data:`WAIT_S` at most)."""
-        if self.started and not self._done.wait(WAIT_S):
+        if self.started and not self.done.wait(WAIT_S):
             log.warning("the KV usage of a request was not measured within %.0f s", WAIT_S)
         held: dict[str, Any] = self.held or dict.fromkeys(stats.HELD)
         seen = held["rows_seen"]
@@ -203,7 +195,7 @@ def serve_single(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
         with serving(ticket.config, ticket):
             return wrapped(*args, **kwargs)
     finally:
-        ticket.finish()
+        ticket.done.set()
 
 
 def _batched_ticket(caches: Any) -> Ticket | None:
@@ -244,5 +236,5 @@ def insert_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
         except Exception as error:  # a measurement must never cost the answer
             log.warning("measuring a request's KV cache failed (%s: %s)", type(error).__name__, error)
         if ticket.prompt_tokens is not None:
-            ticket.finish()
+            ticket.done.set()
     return _keyed(wrapped, args, dict(kwargs), batched)

@@ -63,6 +63,7 @@ def swap(key: str, name: str, original: Any, wrap: Callable[[Any], Any], owner: 
         STATE.swaps[key] = Swap(name, original, wrap(original), owner)
     STATE.swaps[key].bind()
 
+
 _local = threading.local()
 
 

@@ -7,9 +7,9 @@ unwinding meets the destructor's implicit ``noexcept`` ("terminate called withou
 ``mlx_lm server``'s generation thread draws from that key and is joined just before the exit, so a stop by SIGINT
 would mostly abort (``tests/test_server_exit.py``).
 
-So :func:`joined` wraps the server's two joins of that thread (``ResponseGenerator.stop_and_join`` and ``.join``):
-once joined, it sleeps, the GIL free, until the thread has left the OS too (``/proc/self/task``). Only that thread
-is waited for: mlx_lm starts no other, and an app's own threads are the app's (mlx aborts them alike unpatched).
+So once the server has joined that thread (:func:`joined`), it sleeps, the GIL free, until the thread has left the OS
+too (``/proc/self/task``). Only that thread is waited for: mlx_lm starts no other, and an app's own threads are the
+app's (mlx aborts them alike unpatched).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ LIMIT_S = 2.0
 """The longest :func:`wait_gone` waits for a joined thread to leave the OS."""
 FALLBACK_S = 0.05
 """Without ``/proc/self/task``: how long :func:`wait_gone` sleeps, once."""
-TASKS = "/proc/self/task"
 
 
 @wrapt.decorator
@@ -43,7 +42,7 @@ def joined(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
 def tasks() -> set[int] | None:
     """The native ids of this process's OS threads now; None where the system does not list them."""
     try:
-        return {int(name) for name in os.listdir(TASKS)}
+        return {int(name) for name in os.listdir("/proc/self/task")}
     except (OSError, ValueError):
         return None
 

@@ -70,10 +70,9 @@ def scaled_dot_product_attention(wrapped: Callable, instance: Any, args: tuple, 
 
 
 def _in_blocks(cache: Any, queries: mx.array) -> bool:
-    """Whether a prompt chunk over one of mlx_lm's own plain caches (a slot that stays mlx_lm's: a sliding window,
-    a layer the probe turned away) is attended in blocks of queries as ours are, with a method on and on the CPU
-    (where mlx materialises the whole score matrix; its fused GPU kernels need no help): the same attention, far
-    less memory while a long prompt is read (docs/results.md, "While a prompt is read")."""
+    """Whether a prompt chunk over a plain cache of mlx_lm's (a sliding window, a layer the probe turned away) is
+    attended in blocks of queries as ours are, with a method on, on the CPU (where mlx materialises the whole score
+    matrix): the same attention in far less memory (docs/results.md, "While a prompt is read")."""
     config = in_force()
     return (queries.shape[2] > Schedule.max_headroom and config is not None and config.enabled
             and not hasattr(cache, "bits") and cpu_backend())  # a decode step stops at the first test
@@ -123,9 +122,9 @@ def load_prompt_cache(wrapped: Callable, instance: Any, args: tuple, kwargs: dic
 
 
 def _evaluate_first(caches: Any, *models: Any) -> None:
-    """Evaluate the parameters of ``models`` not evaluated yet when mlx_lm is about to make their cache list
-    (``caches`` is None, e.g. after ``load(lazy=True)``): the generation's first forward would evaluate them moments
-    later, and the probe, which never evaluates a model, can then serve this generation rather than the next."""
+    """Evaluate ``models``' lazy parameters (``load(lazy=True)``) when mlx_lm is about to make their cache list
+    (``caches`` is None): the first forward would evaluate them moments later, and the probe, which never evaluates
+    a model, can then serve this generation rather than the next."""
     config = in_force()
     if caches is not None or config is None or not config.enabled:
         return
@@ -135,17 +134,16 @@ def _evaluate_first(caches: Any, *models: Any) -> None:
 
 
 def start_generation(caches: Any, model: Any, prompt: int | None = None) -> None:
-    """A generation starts on ``caches``: each learns that its next ``prompt`` tokens (when known) are the prompt,
-    a model whose caches read layer inputs and outputs or the prompt twice gets its hooks (a list loaded from a file
-    never went through ``make_prompt_cache``), restored caches get their coordinator, copies (the server deep-copies
-    prompt caches) are counted in the statistics, and every coordinator (main and draft lists' alike) is reset."""
+    """A generation starts on ``caches``: the model gets the hooks they ask for (a list loaded from a file never
+    went through ``make_prompt_cache``), copies (the server deep-copies prompt caches) are counted in the statistics,
+    and every coordinator, main and draft lists' alike, is reset."""
     found = ours(caches)
     if prompt:
         for cache in found:
             cache.expect_prompt(prompt)
     if model is not None and any(c.wants_layer_io for c in found):
         layer_io.install(model)
-    if model is not None and any(getattr(c, "wants_rereading", False) for c in found):
+    if model is not None and any(rereading.asks(c) for c in found):
         rereading.install(model)
     _adopt(found)
     for cache in found:
@@ -166,16 +164,14 @@ def _draft_caches(arguments: dict[str, Any]) -> None:
     are built as mlx_lm would (also under ``VELOX_KV_MEMORY``, whose plan the two lists then share); a given list's
     draft part has its empty compressed slots swapped for mlx_lm's (one that holds rows stays, said once)."""
     config = in_force()
-    if config is None or (config.draft_kv != "none" and not config.kv_memory):
+    caches = arguments.get("prompt_cache")
+    if config is None or (config.draft_kv != "none" and (caches is not None or not config.kv_memory)):
         return
     model, draft = arguments["model"], arguments["draft_model"]
     make = sys.modules["mlx_lm.models.cache"].make_prompt_cache
     plain = builder.mlx_caches(draft) if config.draft_kv == "none" else make(draft)
-    caches = arguments.get("prompt_cache")
     if caches is None:
         arguments["prompt_cache"] = make(model) + plain
-        return
-    if config.draft_kv != "none":
         return
     first = len(model.layers)
     for i, cache in enumerate(caches[first:], start=first):
@@ -188,9 +184,8 @@ def _draft_caches(arguments: dict[str, Any]) -> None:
 
 
 def _share_memory_plan(arguments: dict[str, Any]) -> None:
-    """Under ``VELOX_KV_MEMORY`` a model and its draft read the same tokens into two lists, each planned
-    for the whole target when it was built: fresh ones get one plan for both, so together they hold the
-    target (a list that already holds rows, or one planned jointly before, keeps its plan)."""
+    """Under ``VELOX_KV_MEMORY`` a model and its draft read the same tokens into two lists, each planned for the
+    whole target when built: fresh ones get one plan for both, so together they hold the target."""
     caches, first = arguments.get("prompt_cache"), len(arguments["model"].layers)
     if not isinstance(caches, (list, tuple)):
         return
@@ -204,8 +199,7 @@ def _share_memory_plan(arguments: dict[str, Any]) -> None:
     plan = main.shared_with(draft)
     for cache in parts[0] + parts[1]:
         cache.memory_plan = plan
-    once(f"memory plan shared {plan.setting}", logging.INFO,
-         f"the model and its draft share {plan.describe()}")
+    once(f"memory plan shared {plan.setting}", logging.INFO, f"the model and its draft share {plan.describe()}")
 
 
 def ours(caches: Any) -> list[CompressedKVCache]:

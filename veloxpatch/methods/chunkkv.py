@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..caches.evicting import EvictingCache, Policy
-from ..coordinators import Coordinator
 from ..log import once
 from ..registry import method
 from ..settings import Setting, int_range
@@ -62,22 +61,10 @@ def keep_order(scores: mx.array, positions: mx.array, protected: mx.array, chunk
 KEPT, TIER = "kept", "tier"  # what a leader's published choice is: its store's rows, or those and its tier's
 
 
-class ChunkKVIndexReuseCoordinator(Coordinator):
-    """Carries the positions a block's leader layer keeps to the other layers of its block, within a forward."""
-
-    @staticmethod
-    def topic(layer: int, block: int, what: str) -> tuple[str, int, int]:
-        """The name a block's choice is published under: layers ``block * k .. block * k + block - 1``;
-        ``what``: the rows its store keeps (``kept``), or those and the ones its tier takes (``tier``)."""
-        return (f"chunkkv {what} positions", block, layer // block)
-
-    def share(self, layer: int, block: int, positions: mx.array, what: str = KEPT) -> None:
-        """The leader ``layer`` keeps ``positions`` (B, kv_heads, keep) in this forward."""
-        self.publish(self.topic(layer, block, what), positions)
-
-    def shared(self, layer: int, block: int, what: str = KEPT) -> mx.array | None:
-        """The positions ``layer``'s leader kept in this forward, or None."""
-        return self.latest(self.topic(layer, block, what))
+def topic(layer: int, block: int, what: str = KEPT) -> tuple[str, int, int]:
+    """The name a leader publishes its block's choice under within a forward (:meth:`Coordinator.publish`), the
+    block being layers ``block * k .. block * k + block - 1``; ``what``: ``KEPT`` or ``TIER``."""
+    return (f"chunkkv {what} positions", block, layer // block)
 
 
 @dataclass(eq=False)
@@ -100,9 +87,9 @@ class ChunkKV(Policy):
             rows = self._leaders_rows(cache, keep, what)
             return rows if rows is not None else self.choose(cache, keep, scale)
         index = self.choose(cache, keep, scale)
-        if self.reuse > 1 and isinstance(cache.coordinator, ChunkKVIndexReuseCoordinator):
+        if self.reuse > 1 and cache.coordinator is not None:
             positions = mx.take_along_axis(cache.store.row_positions(), index, axis=-1)
-            cache.coordinator.share(cache.layer, self.reuse, positions, what)
+            cache.coordinator.publish(topic(cache.layer, self.reuse, what), positions)
         return index
 
     def choose(self, cache: EvictingCache, keep: int, scale: float) -> mx.array:
@@ -116,9 +103,7 @@ class ChunkKV(Policy):
     def _leaders_rows(self, cache: EvictingCache, keep: int, what: str) -> mx.array | None:
         """The rows holding the positions this block's leader chose in this forward, or None (said once)."""
         coordinator = cache.coordinator
-        chosen = None
-        if isinstance(coordinator, ChunkKVIndexReuseCoordinator):
-            chosen = coordinator.shared(cache.layer, self.reuse, what)
+        chosen = None if coordinator is None else coordinator.latest(topic(cache.layer, self.reuse, what))
         positions = cache.store.row_positions()
         if chosen is None:
             _fallback("its leader layer did not compress in this forward")
@@ -158,7 +143,6 @@ def _fallback(reason: str) -> None:
 @method("chunkkv", "Window attention summed over chunks of consecutive tokens; whole chunks kept, per KV head.",
         KNOBS)
 class ChunkKVCache(EvictingCache):
-    """ChunkKV's cache: whole chunks kept (:class:`ChunkKV`); its list shares the leaders' choices."""
+    """ChunkKV's cache: whole chunks kept (:class:`ChunkKV`); its list's coordinator carries the leaders' choices."""
 
-    coordinator_class = ChunkKVIndexReuseCoordinator
     policy_class = ChunkKV

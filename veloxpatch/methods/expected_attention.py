@@ -110,8 +110,7 @@ class ExpectedAttention(Policy):
         queries (``memory``) and ``module`` (a reference to its attention module, or None): ``quant`` uses it too."""
         memory = cache.memory
         assert memory.queries is not None, "scored with remembered queries"
-        module = getattr(cache, "module", None)
-        rope = getattr(None if module is None else module(), "rope", None)
+        rope = getattr(None if cache.module is None else cache.module(), "rope", None)
         if rope is not None:
             try:
                 if self.base is None:

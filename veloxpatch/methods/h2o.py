@@ -62,7 +62,7 @@ def attention_with_mass(queries: mx.array, keys: mx.array, values: mx.array | No
     k = mx.expand_dims(keys, 2).swapaxes(-1, -2)
     row_positions = mx.where(positions >= 0, positions, first + n)[:, :, None, None, :]  # a hole: after every query
     block = max(1, SCORE_BYTES // (4 * b * hq * rows))
-    outs, total = [], None
+    outs, total = [], mx.zeros((b, hkv, rows), mx.float32)
     for start in range(0, n, block):
         stop = min(n, start + block)
         visible = row_positions <= mx.arange(first + start, first + stop)[:, None]
@@ -72,11 +72,9 @@ def attention_with_mass(queries: mx.array, keys: mx.array, values: mx.array | No
             outs.append((probs @ mx.expand_dims(values, 2)).reshape(b, hq, stop - start, values.shape[-1]))
         else:  # a queued decode query may see no row (its softmax NaN); a prompt step's sees its own
             probs = mx.where(visible, probs, 0.0)
-        mass = probs.astype(mx.float32).sum(axis=(2, 3))
-        total = mass if total is None else total + mass
+        total = total + probs.astype(mx.float32).sum(axis=(2, 3))
         if block < n:
             mx.eval(outs[-1:], total)  # left lazy, every block's probabilities would be alive at once
-    assert total is not None, "no queries"
     if not outs:
         return None, total
     return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)), total

@@ -36,7 +36,7 @@ from ..caches import masks
 from ..caches.crosslayer import CrossLayerCache, Fold
 from ..caches.queries import QueryMemory
 from ..caches.scored_attention import scored_attention
-from ..caches.selection import pool_rows
+from ..caches.selection import best_rows, pool_rows
 from ..caches.spec import CacheSpec
 from ..caches.store import BITS, GROUPS, Parts, decode, encode, join, take_rows
 from ..coordinators import members_of
@@ -45,7 +45,6 @@ from ..registry import cache_class, method
 from ..settings import Setting, choice, int_choice, number_range, odd_kernel, one_of_text, percent
 from ..stats import at_16_bits
 
-HALF = (mx.float16, mx.bfloat16)  # multiplied as float32 on the CPU (:meth:`QuantCache._times`)
 BUDGETS = ("layer", "model")  # VELOX_QUANT_BUDGETS: what one top-k of the rows to keep runs over
 SCORES = ("repeat", "expected", "snapkv", "heads")  # VELOX_QUANT_SCORE: how the rows to keep are scored
 CALIBRATION_ROWS = 512  # the fewest rows of every head a second reading scores to rate the heads (``score=heads``)
@@ -68,9 +67,7 @@ def group_choice(text: str) -> int | str:
 
 def block_size(group: int | str, keep: float) -> int:
     """Tokens per block of ``VELOX_QUANT_GROUP`` (``group``) for a cache keeping ``keep``: ``auto`` is 32 under a share
-    of the bytes, whose count takes in the exact rows past the last whole block, up to a block less one (blocks of
-    32 ended chats nearer their share and answered as many: docs/results.md, "Follow-up"), else 64 (fewer scales a
-    row)."""
+    of the bytes, else 64 (why: the knob's help, :data:`KNOBS`)."""
     return group if isinstance(group, int) else 32 if isinstance(keep, BytesShare) else 64
 
 
@@ -142,8 +139,7 @@ class QuantCache(CrossLayerCache):
     def __init__(self, spec: CacheSpec, bits: int = 4, group: int | str = "auto", keep: float | str = 1.0,
                  pool: int = 1, budgets: str = "model", floor: float = 0.25, score: str = "repeat") -> None:
         super().__init__(spec)
-        self.bits, self.pool, self.budgets, self.floor = bits, pool, budgets, floor
-        self.score = score
+        self.bits, self.pool, self.budgets, self.floor, self.score = bits, pool, budgets, floor, score
         self.scorer: Any = None  # ``score`` expected or snapkv: that method's policy, built once (its rotary maps)
         self.keep = keep_share(keep) if isinstance(keep, str) else keep  # a string: a saved share of the bytes
         self.group_size = block_size(group, self.keep)
@@ -209,9 +205,8 @@ class QuantCache(CrossLayerCache):
         and scores become :attr:`candidates` (under ``score=heads`` it also rates the heads: :attr:`rated`)."""
         read_again, self.rereading = self.rereading, False
         scores, self.scores = self.scores, None
-        rows = self.store.rows
-        if self.store.capacity > rows:  # the room the second reading's rows took, given back
-            self.store.keep(mx.broadcast_to(mx.arange(rows), (*self.store.row_positions().shape[:2], rows)), 0)
+        if self.store.capacity > self.store.rows:  # the room the second reading's rows took, given back
+            self.store.drop_first(0, 0)
         self.rated = None
         if read and scores is not None and self.folds:
             self.candidates = self._candidates(scores, self.score == "heads" and not read_again)
@@ -328,13 +323,12 @@ class QuantCache(CrossLayerCache):
             counts = [kept] * positions.shape[1]
         if counts == _ints(real.sum(axis=-1).max(axis=0)):
             return  # every row stays (the keys settle at VELOX_QUANT_BITS later, as when nothing was read)
-        priority = mx.where(protected, mx.inf, mx.where(fresh, normed, -mx.inf))
         heads: list[tuple[Any, ...] | None] = []
         for h, k in enumerate(counts):
             if not k:
                 heads.append(None)
                 continue
-            chosen = mx.sort(mx.argpartition(-priority[:, h: h + 1], kth=k - 1, axis=-1)[..., :k], axis=-1)
+            chosen = best_rows(normed[:, h: h + 1], positions[:, h: h + 1], protected[:, h: h + 1], k)
             rows_k, rows_v = take_rows((keys[:, h: h + 1], values[:, h: h + 1]), chosen)
             heads.append((self._keys_encoded(rows_k, self.bits), self._values_encoded(rows_v),
                           _compact(mx.take_along_axis(positions[:, h: h + 1], chosen, axis=-1))))
@@ -502,7 +496,8 @@ class QuantCache(CrossLayerCache):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
-        """A chunk of the second reading scores the folded rows (:meth:`_scored_attention`) and folds nothing."""
+        """A chunk of the second reading attends over every row (:func:`scored_attention`) and folds nothing: each
+        folded row scores the most attention any query of its head group pays it over the whole reading."""
         if not self.rereading or sinks is not None:
             if not self.unscored and self.schedule.decode_sized(queries.shape[2]):
                 self._settle()  # a prompt's held keys whose second reading did not come (a saved cache, say)
@@ -511,20 +506,13 @@ class QuantCache(CrossLayerCache):
                 self.scale = scale
             return super().attend(queries, keys, values, scale, mask, sinks)
         self.handed = None
-        out = self._scored_attention(queries, keys, values, scale)
-        masks.forget_issued(self, members_of(self))
-        return out
-
-    def _scored_attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
-        """Attention of the second reading's ``queries`` over every row (:func:`scored_attention`); each folded row
-        scores the most attention any query of its head group pays it over the whole reading."""
         b, heads_q, n, dim = queries.shape
         heads = keys.shape[1]
-        past = keys.shape[2] - n
         q = (queries * scale).reshape(b, heads, heads_q // heads, n, dim)
-        real = (self._key_positions() >= 0)[:, :, None, None, :past] if self.has_holes() else None
+        real = (self._key_positions() >= 0)[:, :, None, None, : keys.shape[2] - n] if self.has_holes() else None
         best = mx.zeros((b, heads, self.folded_rows()), mx.float32) if self.scores is None else self.scores
         out, self.scores = scored_attention(q, keys, values, real, best)
+        masks.forget_issued(self, members_of(self))
         return out.reshape(b, heads_q, n, -1)
 
     def _times(self, x: mx.array, parts: Parts, group: int | None) -> mx.array:
@@ -532,7 +520,7 @@ class QuantCache(CrossLayerCache):
         runs in float32, cast back (mlx's CPU kernel is far slower in half: ``bench/quantized_matmul.py``)."""
         packed, scales, biases = parts
         dtype = x.dtype
-        if dtype in HALF and mx.default_device() == mx.cpu:
+        if dtype in (mx.float16, mx.bfloat16) and mx.default_device() == mx.cpu:
             x, scales, biases = (a.astype(mx.float32) for a in (x, scales, biases))
         out = mx.quantized_matmul(x, packed, scales, biases, transpose=False, group_size=group, bits=self.bits)
         return out.astype(dtype)
@@ -743,15 +731,13 @@ def _fold_of(start: int, end: int, heads: list[tuple[Any, ...]], group: tuple[in
     """A fold of rows ``[start, end)`` from one own per head (keys, values, positions): dense where every head
     holds as many rows, else ragged (not padded: each head's keys quantize in blocks of its own rows)."""
     if len({head[2].shape[-1] for head in heads}) == 1:
-        own = tuple(tuple(mx.concatenate(list(arrays), axis=1) for arrays in zip(*(head[i] for head in heads)))
-                    for i in range(2))
+        own = tuple(join(*(head[i] for head in heads), axis=1) for i in range(2))
         positions = mx.concatenate([head[2].astype(mx.int32) for head in heads], axis=1)
         return Fold(start, end, (*own, _compact(positions)), None, group)
     return Fold(start, end, {"heads": tuple(tuple(head) for head in heads)}, None, group)
 
 
 def _ints(x: mx.array) -> list[int]:
-    """A 1-d integer array as a list of ints."""
     return cast(list[int], x.tolist())
 
 

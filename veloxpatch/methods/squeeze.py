@@ -159,7 +159,7 @@ class SqueezeCoordinator(Coordinator):
 
 def shares_of(members: Sequence[Any]) -> tuple[float, ...] | None:
     """Every member's share, or None while any is unset (or the list has one member)."""
-    shares = tuple(getattr(member, "share", None) for member in members)
+    shares = tuple(member.share for member in members)
     return None if len(shares) < 2 or None in shares else cast(tuple[float, ...], shares)
 
 

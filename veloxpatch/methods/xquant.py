@@ -25,8 +25,7 @@ Deviations from the paper, and why:
 * The last ``VELOX_WINDOW`` tokens keep their exact K and V beside their X (released on
   :mod:`veloxpatch.caches.crosslayer`'s schedule, in segments of at least a window): the next tokens attend to them
   most, and exact rows cost no recomputation.
-* Nothing is evicted and ``VELOX_BUDGET`` does not apply. There is no fused kernel: K and V of every released row are
-  recomputed at every step in plain mlx.
+* There is no fused kernel: K and V of every released row are recomputed at every step in plain mlx.
 * XQuant-CL's X is the attention input after each layer's norm (the only X the projections take), not the residual
   stream, whose updates are small (on SmolLM2 adjacent layers' normed inputs differ by 0.3-0.4 of their norm, the
   residual stream by 0.04-0.3). Each delta is against its group's anchor, so errors never add up along the stack.
@@ -86,11 +85,10 @@ class XQuantCache(CrossLayerCache):
     budget_use = ("VELOX_BUDGET does not apply: it keeps every token, all but the exact window at VELOX_XQUANT_BITS "
                   "bits (4 by default).")
 
-    def __init__(self, spec: CacheSpec, bits: int = 4,
-                 group: int = 64, cl: int = 4, cl_bits: int = 3, latent: str = "auto") -> None:
+    def __init__(self, spec: CacheSpec, bits: int = 4, group: int = 64, cl: int = 4, cl_bits: int = 3,
+                 latent: str = "auto") -> None:
         super().__init__(spec)
-        self.bits, self.group_size, self.cl, self.cl_bits = bits, group, cl, cl_bits
-        self.latent = latent
+        self.bits, self.group_size, self.cl, self.cl_bits, self.latent = bits, group, cl, cl_bits, latent
         self.latent_on = False  # decided at the first step: the layer keeps the GQA latent, not X
         self.hidden = 0  # the width of X (the latent's bases are computed for it)
         self.grouped = cl > 1  # False once the layer has left its XQuant-CL group
@@ -125,15 +123,15 @@ class XQuantCache(CrossLayerCache):
         if not self.checked:
             self.checked = True
             self.hidden = x.shape[-1]
+            kv = keys.shape[1] * keys.shape[3] + values.shape[1] * values.shape[3]  # K's and V's numbers per token
             if not self.folds:  # a cache loaded with rows keeps the form they were saved in
-                narrower = _width(keys) + _width(values) < x.shape[-1]  # as with grouped-query attention
-                self.latent_on = self.latent == "on" or (self.latent == "auto" and narrower)
+                self.latent_on = self.latent == "on" or (self.latent == "auto" and kv < self.hidden)  # narrower: GQA
                 self.grouped = self.grouped and not self.latent_on
-            why = self._mismatch(x, keys, values)
+            why = self._mismatch(x, keys, values, kv)
             if why:
                 self._go_exact(why)
                 return
-            self._say_form(x.shape[-1], _width(keys) + _width(values))
+            self._say_form(kv)
         group = self.group()
         if self.latent_on:  # always alone: each layer's latent is in its own bases
             self._add_own("l", self._latent(x))
@@ -149,9 +147,9 @@ class XQuantCache(CrossLayerCache):
             fold = self.folds[0]
             mx.eval([a for _, a in tree_flatten((fold.own, fold.shared)) if isinstance(a, mx.array)])
 
-    def _mismatch(self, x: mx.array, keys: mx.array, values: mx.array) -> str:
+    def _mismatch(self, x: mx.array, keys: mx.array, values: mx.array, kv: int) -> str:
         """Why K and V rebuilt from ``x`` (the rows just stored) are not the model's own ('' when they are)."""
-        width, name = (_width(keys) + _width(values), "latent") if self.latent_on else (x.shape[-1], "input")
+        width, name = (kv, "latent") if self.latent_on else (x.shape[-1], "input")
         if width % self.group_size and {self.bits, self.cl_bits if self.grouped else 16} != {16}:
             return f"its {name} width {width} is not a multiple of VELOX_XQUANT_GROUP={self.group_size}"
         offset = self.offset - keys.shape[2]
@@ -175,13 +173,13 @@ class XQuantCache(CrossLayerCache):
         once(f"xquant exact {name} {why}", logging.INFO,
              f"xquant: {name} keeps exact K and V, as mlx_lm's cache does: {why}")
 
-    def _say_form(self, hidden: int, kv: int) -> None:
+    def _say_form(self, kv: int) -> None:
         """Which form this model's layers keep, said once (``auto`` decides it per model)."""
         name = self._model_name()
         if self.latent_on:
-            text = f"the GQA latent ({kv} numbers per token and layer; X would be {hidden})"
+            text = f"the GQA latent ({kv} numbers per token and layer; X would be {self.hidden})"
         else:
-            text = f"the attention input X ({hidden} numbers per token and layer; K and V are {kv})"
+            text = f"the attention input X ({self.hidden} numbers per token and layer; K and V are {kv})"
         once(f"xquant form {name} {self.latent_on}", logging.INFO, f"xquant: {name} keeps {text}")
 
     def _model_name(self) -> str:
@@ -190,10 +188,6 @@ class XQuantCache(CrossLayerCache):
         return "a layer" if module is None else model_type(module)
 
     # ----------------------------------------------------------------- encoding X
-    def joint(self, parts: list[mx.array]) -> tuple[list[Any], Any]:
-        """One step's X of a layer alone, encoded (a group needs no fan-in: the anchor publishes within the forward)."""
-        return [{"x": self._encode(parts[0], self.bits)}], None
-
     def _add_own(self, key: str, rows: mx.array) -> None:
         """A layer alone: the step's X (``x``) or latent (``l``) joins its own."""
         self._set_fold({key: join(self._held(key), self._encode(rows, self.bits), axis=1)}, None)
@@ -328,9 +322,7 @@ class XQuantCache(CrossLayerCache):
         else:
             self.folds = [replace(self.folds[0], end=end)]
         stats.count(self, "folds")
-        stored, gone = self.store.rows, end - start
-        index = mx.broadcast_to(mx.arange(gone, stored), (*self.store.row_positions().shape[:2], stored - gone))
-        self.store.keep(index, self.min_fold())
+        self.store.drop_first(end - start, self.min_fold())
 
     # ----------------------------------------------------------------- the cache protocol
     def cut_to(self, prefix: int) -> None:
@@ -377,11 +369,6 @@ def shaped(module: Any, keys: mx.array, values: mx.array, offset: int) -> tuple[
     keys = module.rope(keys.transpose(0, 2, 1, 3), offset=offset)
     values = values.reshape(b, n, module.n_kv_heads, -1).transpose(0, 2, 1, 3)
     return keys, values
-
-
-def _width(rows: mx.array) -> int:
-    """Heads x head dim of rows (B, heads, n, head_dim)."""
-    return rows.shape[1] * rows.shape[3]
 
 
 def _key_normed(module: Any, keys: mx.array) -> mx.array:

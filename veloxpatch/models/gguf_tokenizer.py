@@ -50,7 +50,7 @@ def build_tokenizer(metadata: dict[str, Any]) -> Any:
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     given_types = metadata.get("tokenizer.ggml.token_type")  # every token normal when the file has none
     types = [NORMAL] * len(tokens) if given_types is None else given_types.tolist()
-    tokenizer = _byte_level(metadata) if model == "gpt2" else _sentencepiece(metadata, types)
+    tokenizer = _byte_level(metadata, tokens) if model == "gpt2" else _sentencepiece(metadata, tokens, types)
     tokenizer.add_tokens([AddedToken(tokens[i], special=t == CONTROL, normalized=False)
                           for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)])
     if _flag(metadata, "add_bos_token", False):
@@ -68,11 +68,10 @@ def _flag(metadata: dict[str, Any], name: str, default: bool) -> bool:
     return bool(metadata[key].item()) if key in metadata else default
 
 
-def _byte_level(metadata: dict[str, Any]) -> Any:
+def _byte_level(metadata: dict[str, Any], tokens: list[str]) -> Any:
     from tokenizers import Tokenizer, decoders, normalizers
     from tokenizers.models import BPE
 
-    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ")) for m in metadata["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     pre = metadata.get("tokenizer.ggml.pre", "default")
@@ -97,7 +96,7 @@ def sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int
     return [(left, right) for *_, left, right in sorted(ranked)]
 
 
-def _sentencepiece(metadata: dict[str, Any], types: list[int]) -> Any:
+def _sentencepiece(metadata: dict[str, Any], tokens: list[str], types: list[int]) -> Any:
     """SentencePiece BPE without the dummy space prefix (Gemma's); one with it (Llama 2's) is refused: where it
     goes around user-defined pieces is not checked here."""
     from tokenizers import Tokenizer, decoders, normalizers
@@ -106,7 +105,6 @@ def _sentencepiece(metadata: dict[str, Any], types: list[int]) -> Any:
     if _flag(metadata, "add_space_prefix", True):
         raise ValueError("tokenizer.ggml.add_space_prefix is true (or absent: SentencePiece's default); only "
                          "SentencePiece tokenizers without the space prefix (Gemma's) are supported")
-    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     scores = metadata["tokenizer.ggml.scores"].tolist()
     merges = sentencepiece_merges(tokens, scores, types)
     unknown = tokens[metadata["tokenizer.ggml.unknown_token_id"].item()]
