@@ -64,10 +64,10 @@ class CrossLayerCache(CompressedKVCache):
     def group(self) -> tuple[int, ...]:
         """The member layers (``cache.layer``) whose rows fold together with this layer's."""
 
+    @abstractmethod
     def joint(self, parts: list[Any]) -> tuple[list[Any], Any]:
         """The joint step over the group's (keys, values) rows of one range, in layer order: each member's own part
-        (same order) and the part the group shares (XQuant, releasing rows its own way, needs none)."""
-        raise NotImplementedError(f"{type(self).__name__} folds no rows through a joint step")
+        (same order) and the part the group shares (a method folding other rows, XQuant's X, passes its own)."""
 
     @abstractmethod
     def unfold(self, fold: Fold) -> tuple[mx.array, mx.array]:

@@ -188,6 +188,10 @@ class XQuantCache(CrossLayerCache):
         return "a layer" if module is None else model_type(module)
 
     # ----------------------------------------------------------------- encoding X
+    def joint(self, parts: list[mx.array]) -> tuple[list[Any], Any]:
+        """One step's X of a layer alone, encoded (a group needs no fan-in: the anchor publishes within the forward)."""
+        return [{"x": self._encode(parts[0], self.bits)}], None
+
     def _add_own(self, key: str, rows: mx.array) -> None:
         """A layer alone: the step's X (``x``) or latent (``l``) joins its own."""
         self._set_fold({key: join(self._held(key), self._encode(rows, self.bits), axis=1)}, None)
