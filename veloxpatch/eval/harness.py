@@ -185,12 +185,19 @@ def chat(model: Any, tokenizer: Any, caches: list[Any], item: ruler.Example, spe
         if turn:
             trim_prompt_cache(caches, len(cached) - keep)
         limit = _steps(tokenizer, item) if turn == len(item.turns) - 1 else FIRST_TURN
-        out = [t for t, _ in sharing.whole(model, mx.array(full[keep:]), caches, limit, spec.prefill_step, reading,
-                                           stop=tokenizer.eos_token_ids, **quant)]  # as mlx_lm chat calls it
+        out = _turn(model, tokenizer, mx.array(full[keep:]), caches, limit, spec, quant, reading)
         answers.append(out)
         cached = full + out
         texts.append(tokenizer.decode([t for t in out if t not in tokenizer.eos_token_ids]))
     return answers
+
+
+def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit: int, spec: EvalSpec,
+          quant: dict[str, Any], reading: sharing.Reading | None = None) -> list[int]:
+    """One chat turn through mlx_lm's ``generate_step`` as the shim patches it (as mlx_lm chat calls it): greedy
+    tokens up to the end of the turn or ``limit`` tokens."""
+    return [t for t, _ in sharing.whole(model, tokens, caches, limit, spec.prefill_step, reading,
+                                        stop=tokenizer.eos_token_ids, **quant)]
 
 
 def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, spec: EvalSpec,
@@ -257,9 +264,7 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
     for r in sharing.run(model, context, requests, 0, spec.prefill_step):
         variant = r.request.variant
         kv16 = _held_16_bit(r.caches, variant)
-        quant = variant.generate_kwargs(KVLayout.of(model))
-        answer = [t for t, _ in sharing.whole(model, question, r.caches, steps, spec.prefill_step,
-                                              stop=tokenizer.eos_token_ids, **quant)]
+        answer = _turn(model, tokenizer, question, r.caches, steps, spec, variant.generate_kwargs(KVLayout.of(model)))
         out[variant] = Sample(_right(tokenizer, answer, item), r.kv_bytes, max(r.peak_bytes, mx.get_peak_memory()),
                               r.read_peak_bytes, kv16)
         del r  # its caches let go before the next variant reads the context (they would count in its peak)
