@@ -220,7 +220,7 @@ def assert_within_budget(caches, offset: int) -> None:
     for layer, cache in enumerate(caches):
         keep = cache.target()
         assert (cache.offset, cache.evicted) == (offset, True), f"layer {layer}"
-        assert cache.size() < keep + cache.headroom(keep), f"layer {layer}: {cache.size()} rows, budget {keep}"
+        assert cache.size() < keep + cache.schedule.headroom(keep), f"layer {layer}: {cache.size()} rows, budget {keep}"
         assert cache.store.row_positions().max().item() == offset - 1, f"layer {layer} lost the newest token"
 
 

@@ -22,7 +22,7 @@ import veloxpatch
 from conftest import drain, drain_with_caches, random_tokens, unless_offered
 from veloxpatch.caches import CompressedKVCache
 from veloxpatch.caches.batch import SequenceBatch
-from veloxpatch.registry import METHODS
+from veloxpatch.registry import METHODS, name_of
 
 pytestmark = unless_offered("batched generation")  # mlx-lm 0.28-0.30 batch on their own caches only
 SETTINGS = dict(budget=40, window=8)  # every prompt here is longer: prefills evict
@@ -66,7 +66,7 @@ def test_every_method_batches_as_it_runs_alone(loaded, method: str) -> None:
     assert tokens == expected
     for cache_list, n in zip(caches, LENGTHS):
         found = [c for c in cache_list if isinstance(c, CompressedKVCache)]
-        assert found and all(type(c).method == method for c in found)
+        assert found and all(name_of(c) == method for c in found)
         assert {c.offset for c in found} == {n + 6}  # the batch has read every token it returned
 
 

@@ -33,10 +33,10 @@ def feed(cache, chunks: list[int], seed: int) -> mx.array:
         seen += n
         assert cache.offset == seen
         keep = cache.target()
-        if n > cache.headroom(keep) and cache.schedule.mode == "chunk":
+        if n > cache.schedule.headroom(keep) and cache.schedule.mode == "chunk":
             assert cache.size() <= keep, "a prefill chunk always ends within the budget"
         if cache.schedule.mode == "chunk":
-            assert cache.size() < max(keep + cache.headroom(keep), n + keep), "small steps use the headroom"
+            assert cache.size() < max(keep + cache.schedule.headroom(keep), n + keep), "small steps use the headroom"
     return cache.values[..., : cache.size(), 0].astype(mx.int32)
 
 
@@ -46,7 +46,7 @@ def test_snapkv_keeps_sinks_recent_window_and_time_order(chunks: list[int], budg
     cache = SnapKVCache(CacheSpec(Budget(tokens=budget), mode="chunk", sink=2, window=4), kernel=3)
     kept = feed(cache, chunks, seed)
     total = sum(chunks)
-    assert cache.size() <= min(budget + cache.headroom(budget), total)
+    assert cache.size() <= min(budget + cache.schedule.headroom(budget), total)
     if cache.size() > 1:
         assert (kept[..., 1:] > kept[..., :-1]).all().item(), "rows stay in temporal order, none twice"
     must = sorted(set(range(min(2, total))) | set(range(max(total - 4, 0), total)))
@@ -76,7 +76,7 @@ def test_end_mode_keeps_the_prompt_whole_until_a_decode_step(chunks: list[int], 
     total = sum(chunks)
     assert cache.size() == total and kept[0, 0].tolist() == list(range(total))
     kept = feed(cache, [1], seed + 1)
-    if total + 1 >= budget + cache.headroom(budget):
+    if total + 1 >= budget + cache.schedule.headroom(budget):
         assert cache.size() == budget
         assert (kept[..., :2] == mx.array([0, 1])).all().item()
         assert (kept[..., -4:] == total + 1 - 4 + mx.arange(4)).all().item()

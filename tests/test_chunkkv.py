@@ -183,7 +183,7 @@ def test_a_rewind_after_eviction_is_exact_and_followers_stay_with_their_leader(m
     assert trim_prompt_cache(caches, 120) == 120  # back into evicted history
     offset = caches[0].offset
     greedy(model, mx.array([4]), caches, steps=40)
-    assert all(c.offset == offset + 41 and c.size() <= 48 + c.headroom(48) for c in caches)
+    assert all(c.offset == offset + 41 and c.size() <= 48 + c.schedule.headroom(48) for c in caches)
     assert followers_keep_their_leaders_rows(caches)
     assert not said
 

@@ -25,6 +25,7 @@ from conftest import (
     speculated,
     tiny,
 )
+from veloxpatch import stats
 from veloxpatch.caches import CacheSpec
 from veloxpatch.caches.schedule import Schedule
 from veloxpatch.caches.selection import pool_rows
@@ -54,7 +55,8 @@ def test_offset_counts_tokens_and_rows_stay_bounded(method: str) -> None:
     assert capacity <= max(c.target() for c in caches) + Schedule.max_headroom + caches[0].store.step
     continue_greedy(model, caches, first=5, steps=100)
     assert all(c.offset == 300 + 100 + 1 for c in caches), "generate_step runs one token ahead"
-    assert all(c.size() < c.target() + c.headroom(c.target()) for c in caches) and caches[0].headroom(48) == 8
+    assert all(c.size() < c.target() + c.schedule.headroom(c.target()) for c in caches)
+    assert caches[0].schedule.headroom(48) == 8
 
 
 def test_physical_bytes_do_not_grow_with_context() -> None:
@@ -66,7 +68,7 @@ def test_physical_bytes_do_not_grow_with_context() -> None:
         prefill(model, caches, random_tokens(length, 4), chunk=50)
         sizes.append(sum(c.nbytes for c in caches))
     assert sizes[0] == sizes[1]
-    dense = sum(c.dense_nbytes() for c in caches)
+    dense = sum(stats.dense_nbytes(c) for c in caches)
     assert sizes[1] < dense / 4
 
 
@@ -275,7 +277,7 @@ def test_trim_into_evicted_history_leaves_the_compressed_cache_of_the_prefix() -
     assert mx.abs(diff).max().item() < 1e-4, "kept rows keep their keys and original rotation"
     generated = continue_greedy(model, caches, 3, steps=20)
     assert len(generated) == 20 and all(c.offset == 90 + 21 for c in caches)
-    assert all(c.size() <= 48 + c.headroom(48) for c in caches)
+    assert all(c.size() <= 48 + c.schedule.headroom(48) for c in caches)
 
 
 def test_each_generation_resets_the_coordinator_of_a_reused_cache_list() -> None:

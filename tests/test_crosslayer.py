@@ -9,6 +9,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_promp
 
 import veloxpatch
 from conftest import CROSS_LAYER, assert_a_rejected_draft_leaves_no_trace, greedy, random_tokens, tiny
+from veloxpatch import stats
 
 # settings that fold on a 4-layer model, with the share of the folded rows' exact bytes the folds take
 SAVING = {"xkv": ({"budget": "25%"}, (0.2, 0.25)),  # rank auto: a quarter of the bytes
@@ -50,7 +51,7 @@ def test_nbytes_is_what_the_arrays_hold_and_the_process_holds_less_than_unpatche
             shared = {id(p): p for c in caches for p in c.shared_parts()}
             shared_bytes = sum(a.nbytes for p in shared.values() for _, a in tree_flatten(p))
             assert sum(c.nbytes for c in caches) == sum(c.store.nbytes + own_bytes(c) for c in caches) + shared_bytes
-            exact = sum((f.end - f.start) * c.dense_nbytes() // c.offset for c in caches for f in c.folds)
+            exact = sum((f.end - f.start) * stats.dense_nbytes(c) // c.offset for c in caches for f in c.folds)
             folded = sum(c.nbytes - c.store.nbytes for c in caches)
             assert low < folded / exact <= high, f"{folded / exact:.3f} of the folded rows' bytes"
         del caches

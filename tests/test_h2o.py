@@ -160,7 +160,7 @@ def test_a_rewind_before_the_next_compression_takes_the_rewound_queries_back() -
     keys, queries = random_rows(3, 2, 2, 2, sum(chunks + rest))
     cache = H2OCache(CacheSpec(Budget(tokens=24), 2, 4, mode="chunk"))
     list(feed(cache, keys, queries, chunks))
-    assert cache.size() + 3 < 24 + cache.headroom(24), "the draft step compresses nothing"
+    assert cache.size() + 3 < 24 + cache.schedule.headroom(24), "the draft step compresses nothing"
     draft_keys, draft_queries = random_rows(9, 2, 2, 2, 3)
     k, v = cache.update_and_fetch(mx.array(draft_keys), mx.array(draft_keys))
     cache.attend(mx.array(draft_queries), k, v, scale=SCALE)

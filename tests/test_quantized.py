@@ -58,7 +58,7 @@ def test_kv_bits_in_generate_step_stores_our_rows_quantized(model, bits: int) ->
         tokens = [t for t, _ in generate_step(random_tokens(300, 51), model, max_tokens=20, prompt_cache=caches,
                                               kv_bits=kv_bits, kv_group_size=32, quantized_kv_start=0)]
         assert len(tokens) == 20
-        assert all(c.store.bits == kv_bits and c.size() < 64 + c.headroom(64) for c in caches)
+        assert all(c.store.bits == kv_bits and c.size() < 64 + c.schedule.headroom(64) for c in caches)
         sizes[kv_bits] = sum(c.nbytes for c in caches)
     assert sizes[bits] < sizes[None] * (0.45 if bits == 8 else 0.3)
 

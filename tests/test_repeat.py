@@ -154,4 +154,4 @@ def test_a_short_next_turn_chooses_among_every_row(mode: str, monkeypatch: pytes
     assert len(took) == len(caches) and all(took), "every layer took its tier back for the question"
     if mode == "end":
         assert not held, "nothing compressed mid-question: the selection waits for its last token"
-    assert all(c.store.rows <= 512 + c.headroom(512) for c in caches)
+    assert all(c.store.rows <= 512 + c.schedule.headroom(512) for c in caches)

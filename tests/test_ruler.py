@@ -304,7 +304,7 @@ def test_the_context_is_compressed_before_the_question_comes(model_dir: Path, to
     caches = Variant.of("snapkv", 0.25).caches(model, context.size, budget=64)
     try:
         assert sharing.whole(model, context, caches, 0, 2048) == []
-        assert all(64 <= c.size() <= 64 + c.headroom(64) for c in sharing.ours(caches))
+        assert all(64 <= c.size() <= 64 + c.schedule.headroom(64) for c in sharing.ours(caches))
         assert all(c.offset == context.size for c in caches)
     finally:
         harness.veloxpatch.unpatch()

@@ -64,7 +64,7 @@ def test_with_compression_every_offset_is_the_tokens_seen(models) -> None:
         assert [c.offset for c in ours] == [witness.offset] * len(ours), "no drift after rewinds"
     for cache in caches[1:layers] + caches[layers + 1 :]:
         newest = cache.store.row_positions().max().item()
-        assert newest == cache.offset - 1 and cache.size() < 128 + cache.headroom(128)
+        assert newest == cache.offset - 1 and cache.size() < 128 + cache.schedule.headroom(128)
     assert tasks.is_correct(models[2].decode([r.token for r in out]), models[4])
 
 

@@ -33,7 +33,7 @@ from veloxpatch.config import Budget, ConfigError, VeloxConfig
 from veloxpatch.coordinators import Coordinator, coordinators_of
 from veloxpatch.integration.state import STATE
 from veloxpatch.methods.squeeze import SqueezeCache, SqueezeCoordinator, attention_change, kmeans_1d, squeeze_shares
-from veloxpatch.registry import cache_class, policies
+from veloxpatch.registry import cache_class, name_of, policies
 
 
 # ----------------------------------------------------------------- the paper's definitions, in numpy
@@ -304,7 +304,7 @@ def test_a_chunks_report_keeps_nothing_of_the_chunk_alive(signal: str) -> None:
 @pytest.mark.parametrize("mode", ["end", "chunk"])
 def test_every_policy_decodes_within_each_layers_own_budget(policy: str, mode: str) -> None:
     tokens, caches = decoded("squeeze", mode, squeeze_policy=policy)
-    assert all(isinstance(c.policy, cache_class(policy).policy_class) and c.method == "squeeze" for c in caches)
+    assert all(isinstance(c.policy, cache_class(policy).policy_class) and name_of(c) == "squeeze" for c in caches)
     targets = [c.target() for c in caches]
     assert len(tokens) == 30 and sum(targets) == 4 * 40 and len(set(targets)) > 1
     assert_within_budget(caches, 230)
@@ -401,7 +401,8 @@ def test_a_rewind_keeps_the_shares_and_the_policys_own_row_state() -> None:
     greedy(model, random_tokens(150, 6), caches, steps=16)
     shares = [c.share for c in caches]
     assert None not in shares
-    assert all(c.size() + 4 < c.target() + c.headroom(c.target()) for c in caches), "the draft compresses nothing"
+    assert all(c.size() + 4 < c.target() + c.schedule.headroom(c.target()) for c in caches), \
+        "the draft compresses nothing"
     assert_a_rejected_draft_leaves_no_trace(model, caches, steps=20)  # the h2o mass followed the trim
     assert [c.share for c in caches] == shares
     assert_within_budget(caches, 166 + 21)  # 20 more tokens, generate_step one ahead

@@ -49,7 +49,7 @@ def test_a_lossless_tier_loses_no_token_and_decoding_stays_within_the_budget(met
     caches = make_prompt_cache(model)
     greedy(model, random_tokens(200, 41), caches, steps=30, chunk=64)
     assert all(c.tier is not None and c.tier.rows > 0 and every_position_once(c) for c in caches)
-    assert all(c.size() < c.target() + c.headroom(c.target()) for c in caches), "decoding runs over the budget"
+    assert all(c.size() < c.target() + c.schedule.headroom(c.target()) for c in caches), "decoding runs over the budget"
 
 
 def test_reading_in_chunks_over_a_lossless_tier_is_reading_with_the_full_cache() -> None:

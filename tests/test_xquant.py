@@ -307,7 +307,7 @@ def test_the_stats_line_says_every_token_is_kept_and_in_which_form(monkeypatch, 
         held = (f"{rebuilt // 2} as 4-bit X (K and V rebuilt from it), "
                 f"{rebuilt // 2} as 2-bit deltas from their group's 4-bit X (XQuant-CL; K and V rebuilt from it)")
     line = stats.summary("xquant", caches=caches)
-    nbytes, dense = sum(c.nbytes for c in caches), sum(c.dense_nbytes() for c in caches)
+    nbytes, dense = sum(c.nbytes for c in caches), sum(stats.dense_nbytes(c) for c in caches)
     assert line == (f"veloxpatch: xquant | 1 generation(s), 4 layer cache(s) built, 4 fold(s) | live: {seen}/{seen} "
                     f"rows kept (100.0%, VELOX_BUDGET does not apply): {held}, {exact} exact | KV "
                     f"{nbytes / 2**20:.2f} MiB vs {dense / 2**20:.2f} MiB dense ({100 * nbytes / dense:.1f}%)")
@@ -329,7 +329,7 @@ def test_attention_it_cannot_rebuild_keeps_exact_rows_with_one_log_line(monkeypa
     finally:
         logger.removeHandler(caplog.handler)
     assert all(c.exact and c.folded_rows() and all(set(f.own) == {"k", "v"} for f in c.folds) for c in caches)
-    assert sum(c.nbytes for c in caches) >= sum(c.dense_nbytes() for c in caches), "nothing saved, nothing hidden"
+    assert sum(c.nbytes for c in caches) >= sum(stats.dense_nbytes(c) for c in caches), "nothing saved, nothing hidden"
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("xquant: phi3 keeps exact K and V")]
     assert len(lines) == 1 and "no attribute 'k_proj'" in lines[0]
 

@@ -34,6 +34,7 @@ from .config import Budget, VeloxConfig
 from .coordinators import Coordinator, Span
 from .log import log
 from .memo import kept, per_model
+from .registry import name_of
 
 # token chunks fed to the model: two prefill chunks, then decode steps (ids valid in any vocabulary)
 EXACT_CHUNKS = ((1, 2), (3, 4), (5,))
@@ -294,7 +295,7 @@ class _Watch:
             return "its attention runs over other rows than the cache stores"
         if self.derived_keys and self.cache.uses_queries:
             return (f"it attends over keys computed from the stored rows (multi-head latent attention), "
-                    f"which {self.cache.method} cannot score against its queries")
+                    f"which {name_of(self.cache)} cannot score against its queries")
         if forwards is not None and (self.stores, self.attends) != (forwards, forwards):
             return f"it was stored to {self.stores} and attended {self.attends} times in {forwards} forward passes"
         return ""

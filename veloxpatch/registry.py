@@ -136,7 +136,6 @@ def method(name: str, description: str, knobs: tuple[Setting, ...] = (), *,
                 raise ValueError(f"knob {knob.name} of {name} must be {PREFIX}{name.upper()}_*")
         if policy and getattr(cls, "policy_class", None) is None:
             raise ValueError(f"method {name!r} is offered as a policy (policy=True) but its class has no policy_class")
-        setattr(cls, "method", name)  # any class: a typed ``cls.method = name`` would need it declared on C
         owned = tuple(replace(knob, method=name) for knob in knobs)  # each knob says whose it is
         METHODS.add(MethodInfo(name, description, owned, cls, composes, policy))
         return cls
@@ -146,6 +145,12 @@ def method(name: str, description: str, knobs: tuple[Setting, ...] = (), *,
 
 def cache_class(name: str) -> type[Any]:
     return METHODS[name].cls
+
+
+def name_of(cache: Any) -> str:
+    """The method ``cache`` is a cache of: the name its class (or the nearest base registered) has in the table."""
+    names = {info.cls: name for name, info in METHODS.items()}
+    return next(names[kind] for kind in type(cache).__mro__ if kind in names)
 
 
 def policies() -> tuple[str, ...]:

@@ -55,7 +55,16 @@ def counts(caches: list[Any] | None = None) -> list[int]:
     live = list(_live) if caches is None else caches
     return [totals.generations, totals.caches_built, totals.compressions, totals.folds, sum(c.offset for c in live),
             sum(c.size() for c in live), sum(sum(c.kept_forms().values()) for c in live), sum(c.nbytes for c in live),
-            sum(c.dense_nbytes() for c in live)]
+            sum(dense_nbytes(c) for c in live)]
+
+
+def dense_nbytes(cache: Any) -> int:
+    """Bytes a plain KVCache would need for the tokens one of our caches has seen."""
+    if cache.empty():
+        return 0
+    keys, values = cache.store.fetch()
+    b, h, _, dk = keys.shape
+    return int(cache.offset * b * h * (dk + values.shape[-1]) * keys.itemsize)
 
 
 def held(caches: list[Any]) -> dict[str, int]:
@@ -66,7 +75,7 @@ def held(caches: list[Any]) -> dict[str, int]:
     found = dict.fromkeys(HELD, 0)
     for cache in caches:
         nbytes = int(getattr(cache, "nbytes", 0) or 0)
-        dense_bytes = int(getattr(cache, "dense_nbytes", lambda: nbytes)())  # mlx_lm's own slots: as they are
+        dense_bytes = dense_nbytes(cache) if hasattr(cache, "store") else nbytes  # mlx_lm's own slots: as they are
         offset = getattr(cache, "offset", None)
         found["kv_bytes"] += nbytes
         found["dense_kv_bytes"] += dense_bytes

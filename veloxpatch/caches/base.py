@@ -35,7 +35,6 @@ _Cache = TypeVar("_Cache", bound="CompressedKVCache")
 class CompressedKVCache(ABC):
     """A per-layer KV cache. Deliberately has no ``bits``: mlx_lm would send it to its own quantized attention."""
 
-    method: ClassVar[str] = ""  # set by the registry's ``@method``
     coordinator_class: ClassVar[type[Coordinator]] = Coordinator
     store_step: ClassVar[int] = 256  # rows the store grows by (KVCache's step)
     wants_layer_io: ClassVar[bool] = False  # integration.layer_io hands it the hidden states around attention
@@ -57,17 +56,13 @@ class CompressedKVCache(ABC):
         self.coordinator: Coordinator | None = None
         self.layer = 0  # index in the coordinator's members (set when it joins)
         self.prompt_end: int | None = None  # the offset at which the prompt a generation announced ends
+        self.uses_queries = False  # the cache's choices read the model's real queries (the probe and batching ask)
 
     # ----------------------------------------------------------------- what a kind of cache provides
     @abstractmethod
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any = None,
                sinks: mx.array | None = None) -> mx.array:
         """Attention of this step over the rows :meth:`update_and_fetch` returned, then the cache's own work."""
-
-    @property
-    def uses_queries(self) -> bool:
-        """Whether the cache's choices read the model's real queries (the probe and batching ask)."""
-        return False
 
     def knob_values(self) -> dict[str, Any]:
         """The method's own knobs, saved with the cache so it loads back the same."""
@@ -180,10 +175,6 @@ class CompressedKVCache(ABC):
         self.store.trim_to(prefix)
         self.memory.trim(prefix)
 
-    def headroom(self, keep: int) -> int:
-        """Decode rows allowed above a budget of ``keep`` before compressing again (:class:`Schedule`)."""
-        return self.schedule.headroom(keep)
-
     def to_quantized(self: _Cache, group_size: int = 64, bits: int = 4) -> _Cache:
         """This cache with its rows quantized; mlx_lm calls it at every step, so one already in that format returns
         itself, and a format mlx cannot store leaves the cache as it is (said once)."""
@@ -213,14 +204,6 @@ class CompressedKVCache(ABC):
         if self.store.bits is None or not self.store.rows:
             return {}
         return {f"at {self.store.bits} bits (kv_bits)": self.store.rows}
-
-    def dense_nbytes(self) -> int:
-        """Bytes a plain KVCache would need for the same tokens (for statistics)."""
-        if self.empty():
-            return 0
-        keys, values = self.store.fetch()
-        b, h, _, dk = keys.shape
-        return self.offset * b * h * (dk + values.shape[-1]) * keys.itemsize
 
     # ----------------------------------------------------------------- saving (save_prompt_cache)
     @property
@@ -284,24 +267,20 @@ class CompressedKVCache(ABC):
     # ----------------------------------------------------------------- attention over our rows
     def _attention(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
                    sinks: mx.array | None, kept: mx.array | None = None) -> mx.array:
-        """mlx's attention of this step with our mask; with ``kept``, the stored rows not in it are masked."""
-        own = self._mask(queries, mask, keys.shape[2])
-        if kept is not None:
-            own = masks.restricted(kept, self.store.rows, queries.shape[2], queries.shape[1], own)
-        out = blocks.attention(queries, keys, values, scale, own, sinks)
-        masks.forget_issued(self, members_of(self))
-        return out
-
-    def _mask(self, queries: mx.array, given: Any, rows: int) -> Any:
-        """Our mask, combined with the model's own: causal (every row is in the past) unless holes are among them."""
-        n = queries.shape[2]
+        """mlx's attention of this step with our mask: causal (every row is in the past) unless holes are among the
+        rows, combined with the model's own where it gave one; with ``kept``, the stored rows not in it are masked."""
+        n, rows = queries.shape[2], keys.shape[2]
         own: mx.array | str | None = None if n == 1 else "causal"
         if self.has_holes():  # (B, query heads, n, rows) by the positions of the rows this step attends over
             positions = self._key_positions()
             own = mx.repeat(masks.visible(positions, n, self.offset), queries.shape[1] // positions.shape[1], axis=1)
-        if not isinstance(given, mx.array) or masks.issued(given, members_of(self)):
-            return own
-        return given if own is None else masks.combined(own, given, rows, n)
+        if isinstance(mask, mx.array) and not masks.issued(mask, members_of(self)):
+            own = mask if own is None else masks.combined(own, mask, rows, n)
+        if kept is not None:
+            own = masks.restricted(kept, self.store.rows, n, queries.shape[1], own)
+        out = blocks.attention(queries, keys, values, scale, own, sinks)
+        masks.forget_issued(self, members_of(self))
+        return out
 
     def has_holes(self) -> bool:
         """Whether a row attention runs over is a hole (position -1), so masks must go by position."""

@@ -243,10 +243,10 @@ class CrossLayerCache(CompressedKVCache):
         """Apply completed folds; a group that did not complete folds this layer alone."""
         for key, group, start, end in self.pending:
             assert self.coordinator is not None, "only a coordinated layer contributes"
-            result = self.coordinator.joint(key)
+            result, method = self.coordinator.joint(key), self.coordinator.method
             if result is None:
-                once(f"{self.method} fold alone", logging.INFO,
-                     f"{self.method}: layers {self.coordinator.missing(key, group)} of group {list(group)} did not "
+                once(f"{method} fold alone", logging.INFO,
+                     f"{method}: layers {self.coordinator.missing(key, group)} of group {list(group)} did not "
                      f"fold rows {start}-{end} with the others; each layer folds alone")
                 self._apply(start, end, (self.layer,), self.joint([self._exact(start, end)]), 0)
             else:

@@ -134,6 +134,7 @@ class EvictingCache(CompressedKVCache):
     def __init__(self, spec: CacheSpec, **knobs: Any) -> None:
         super().__init__(spec)
         self.policy = self.make_policy(**knobs)
+        self.uses_queries = self.policy.uses_queries
         self.store.columns = dict.fromkeys(self.policy.row_columns)
         self.log = QueryMemory()  # queries the policy has not accounted yet (``logs_queries``)
         self.tier = Tier(spec.tier) if spec.tier else None  # where dropped rows go (VELOX_TIER), or None: lost
@@ -147,10 +148,6 @@ class EvictingCache(CompressedKVCache):
     def make_policy(self, **knobs: Any) -> Policy:
         """The policy picking this cache's rows, from the method's knobs."""
         return self.policy_class(**knobs)
-
-    @property
-    def uses_queries(self) -> bool:
-        return self.policy.uses_queries
 
     def knob_values(self) -> dict[str, Any]:
         return self.policy.knob_values()
@@ -220,7 +217,7 @@ class EvictingCache(CompressedKVCache):
 
     def _prompt_chunk(self, n: int, keep: int) -> bool:
         """Whether the step is longer than the headroom, or before the end of an announced prompt."""
-        return n > self.headroom(keep) or self.before_prompt_end(0)
+        return n > self.schedule.headroom(keep) or self.before_prompt_end(0)
 
     def _take_back(self, keys: mx.array, values: mx.array) -> None:
         """The tier's rows back into the store in time order, with room for the step's rows, evaluated first (lazy, the
@@ -287,7 +284,7 @@ class EvictingCache(CompressedKVCache):
             self._to_tier(index)
         keep = index.shape[-1]
         self.evicted = self.evicted or keep < self.store.rows
-        self.store.keep(index, self.headroom(keep))
+        self.store.keep(index, self.schedule.headroom(keep))
         stats.count(self, "compressions")
 
     def _to_tier(self, index: mx.array) -> None:

@@ -46,7 +46,7 @@ from veloxpatch.caches import CompressedKVCache
 from veloxpatch.config import Budget
 from veloxpatch.integration.wrappers import ours
 from veloxpatch.log import log
-from veloxpatch.registry import METHODS
+from veloxpatch.registry import METHODS, name_of
 
 from .variants import PROTECTED, KVLayout, Variant
 
@@ -167,7 +167,8 @@ class Prefill:
         """Whether every prompt chunk was a prefill chunk both for this prefill and for a plain run with ``caches``:
         longer than any decode headroom their caches can have (the headroom for a budget no prompt reaches; asked
         without calling ``target()``, which a method may keep state in)."""
-        return not self.chunks or all(min(self.chunks) > c.headroom(HUGE) for c in ours(caches) + ours(self.base))
+        return not self.chunks or all(min(self.chunks) > c.schedule.headroom(HUGE)
+                                      for c in ours(caches) + ours(self.base))
 
 
 def whole(model: Any, tokens: mx.array, caches: list[Any], max_tokens: int, step: int, reading: Reading | None = None,
@@ -198,9 +199,9 @@ def transplant(source: list[Any], target: list[Any]) -> list[Any] | None:
     out = list(target)
     for i, (s, t) in enumerate(zip(source, target)):
         if isinstance(s, CompressedKVCache) and isinstance(t, CompressedKVCache):
-            window = PROMPT_STATE.get(t.method) == "window"
+            window = PROMPT_STATE.get(name_of(t)) == "window"
             if (s.sink, s.window, s.schedule.mode) != (t.sink, t.window, t.schedule.mode) or (
-                    window and PROMPT_STATE.get(s.method) != "window"):
+                    window and PROMPT_STATE.get(name_of(s)) != "window"):
                 return None
             if id(t) not in memo:
                 memo[id(t)] = t

@@ -24,6 +24,7 @@ from ..coordinators import coordinators_of
 from ..cpu import cpu_backend
 from ..fallback import StrictError, fall_back
 from ..log import once
+from ..registry import name_of
 from ..settings import ConfigError
 from . import layer_io, rereading
 from .state import STATE, in_batched_generation, in_force
@@ -211,8 +212,8 @@ def _adopt(caches: list[CompressedKVCache]) -> None:
     """Give caches without a coordinator (``from_state`` builds single caches, which cannot know their list) one
     per method, shared, joined in list order."""
     orphans = [c for c in caches if c.coordinator is None]
-    for method in dict.fromkeys(c.method for c in orphans):
-        members = [c for c in orphans if c.method == method]
+    for method in dict.fromkeys(map(name_of, orphans)):
+        members = [c for c in orphans if name_of(c) == method]
         coordinator = type(members[0]).coordinator_class(method)
         for cache in members:
             coordinator.join(cache)

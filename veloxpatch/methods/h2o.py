@@ -104,7 +104,7 @@ class H2O(Policy):
             return
         cache.log.remember(queries, cache.offset, EVERY)
         assert cache.log.queries is not None, "remembered"
-        if cache.log.queries.shape[2] > cache.headroom(cache.target()):
+        if cache.log.queries.shape[2] > cache.schedule.headroom(cache.target()):
             self.catch_up(cache)
 
     def credit(self, cache: EvictingCache, mass: mx.array) -> None:
@@ -137,7 +137,7 @@ class H2OCache(EvictingCache):
         the decode headroom, with sinks, a model's own mask or the rows a pending compression keeps) is attended as
         every cache attends, and its queries scored later."""
         own_mask = mask is None or isinstance(mask, str) or masks.issued(mask, members_of(self))
-        if queries.shape[2] <= self.headroom(self.target()) or kept is not None or sinks is not None \
+        if queries.shape[2] <= self.schedule.headroom(self.target()) or kept is not None or sinks is not None \
                 or not own_mask or keys.shape[2] != self.store.rows:
             return super()._attention(queries, keys, values, scale, mask, sinks, kept)
         self.policy.catch_up(self)

@@ -196,7 +196,7 @@ class SqueezeCache(EvictingCache):
         coordinator = self.coordinator
         if not isinstance(coordinator, SqueezeCoordinator):
             return
-        if queries.shape[2] <= self.headroom(max(self.budget_rows(), self.sink + self.window)):
+        if queries.shape[2] <= self.schedule.headroom(max(self.budget_rows(), self.sink + self.window)):
             coordinator.close()
         elif self.block_input is not None:
             self.awaiting = True
