@@ -45,13 +45,13 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import sharded_load
 
 import veloxpatch
+from serving import free_port
 from veloxpatch.cpu import preloaded
 from veloxpatch.eval import sharing
 from veloxpatch.eval.commands import machine
 from veloxpatch.eval.random_model import write_model_dir
 from veloxpatch.eval.report import markdown
 from veloxpatch.eval.variants import Variant
-from veloxpatch.launching import free_ring_port
 
 RANKS = 2
 MIB = 2**20
@@ -100,7 +100,7 @@ def driver_command() -> str:
 
 def launch(args: argparse.Namespace, folder: Path, note: str) -> int:
     """Run the worker role on RANKS local ranks; stop their process group at the timeout."""
-    port = free_ring_port()
+    port = free_port(RANKS)
     worker = [str(Path(__file__).resolve()), "--rank-worker", "--model", str(folder),
               "--context", str(args.context), "--budget", str(args.budget), "--kv", args.kv,
               "--compress", args.compress, "--decode", str(args.decode), "--prefill-step", str(args.prefill_step),

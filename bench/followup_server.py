@@ -5,7 +5,7 @@ cache and compressed, each chat sent turn after turn as a client sends it (the s
                                     [--compress end|chunk] [--tier BITS] [--set VELOX_QUANT_KEEP=30% ...] [--facts 3]
                                     --out DIR
 
-Three turns per chat (``ruler.followup`` and ``ruler.ask_first_again``): a document's first question, a second about
+Three turns per chat (``ruler.followup`` and ``serving.ask_first_again``): a document's first question, a second about
 another fact, then the first again; with ``--facts 3`` three facts, one asked a turn. Each chat runs on a server of
 its own (``veloxpatch run -m mlx_lm server``), unpatched and with ``VELOX_KV``/``VELOX_BUDGET``: a shared server
 would start the next chat from this one's cache trimmed back to the chat template. Every chat is appended to
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -31,15 +30,16 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from veloxpatch.eval import harness, ruler, serving
+import serving
+from veloxpatch.eval import harness, ruler
 from veloxpatch.eval.report import wilson
 from veloxpatch.eval.variants import GENERAL, Variant, identity
 
 
 def chat_example(tokenizer, context: int, seed: int, facts: int) -> ruler.Example:
-    """The chat of three turns: two facts, the first asked again last (``ruler.ask_first_again``), or three."""
+    """The chat of three turns: two facts, the first asked again last (``serving.ask_first_again``), or three."""
     ex = ruler.followup(tokenizer, context, seed, facts=facts)
-    return ruler.ask_first_again(ex) if facts == 2 else ex
+    return serving.ask_first_again(ex) if facts == 2 else ex
 
 
 def turn_examples(ex: ruler.Example, facts: int) -> list[ruler.Example]:
@@ -58,8 +58,7 @@ def run_chat(model: str, tokenizer, ex: ruler.Example, env: dict[str, str]) -> t
     """One chat's answers from a fresh server with ``env``, and the last answer's ``usage.velox``."""
     serve = [sys.executable, "-m", "veloxpatch.cli", "run", "-m", "mlx_lm", "server", "--model", model,
              "--log-level", "INFO"]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
-    with tempfile.TemporaryDirectory() as folder, serving.running(serve, Path(folder) / "log", {**clean, **env}) as url:
+    with tempfile.TemporaryDirectory() as folder, serving.running(serve, Path(folder) / "log", env) as url:
         usages: list[dict] = []
         answers = serving.chat(url, tokenizer, ex, harness.FIRST_TURN, usages, timeout=TIMEOUT_S)
         return answers, usages[-1].get("velox") or {}

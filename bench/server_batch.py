@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from veloxpatch.eval import serving, tasks
+import serving
+from veloxpatch.eval import tasks
 
 MAX_TOKENS = 32
 
@@ -69,10 +69,9 @@ def send(url: str, batch: list[str], alone: bool = False) -> tuple[float, list[d
 
 def server(model: str, env: dict[str, str], log: Path, *extra: str) -> Any:
     """A server under the launcher with ``env`` over this process's environment (VELOX_* removed)."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_") and k != "LD_PRELOAD"}
     command = [sys.executable, "-m", "veloxpatch.cli", "run", "-m", "mlx_lm", "server", "--model", model,
                "--log-level", "INFO", *extra]
-    return serving.running(command, log, {**base, **env})
+    return serving.running(command, log, env, unset=("LD_PRELOAD",))
 
 
 def main() -> None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from veloxpatch.eval import serving, tasks
+import serving
+from veloxpatch.eval import tasks
 
 
 def server_pid(port: str) -> int:
@@ -59,12 +59,11 @@ def main() -> None:
 
     tokenizer = load_tokenizer(Path(args.model))
     args.out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VELOX_") and k != "LD_PRELOAD"}
-    env |= {"VELOX_KV": args.kv, "VELOX_BUDGET": args.budget}
+    env = {"VELOX_KV": args.kv, "VELOX_BUDGET": args.budget}
     command = [sys.executable, "-m", "veloxpatch.cli", "run", "-m", "mlx_lm", "server", "--model", args.model]
     series: list[tuple[int, float, float]] = []
     start = time.perf_counter()
-    with serving.running(command, Path(tempfile.mkdtemp()) / "server.log", env) as url:
+    with serving.running(command, Path(tempfile.mkdtemp()) / "server.log", env, unset=("LD_PRELOAD",)) as url:
         pid = server_pid(url.rpartition(":")[2])
         for i in range(1, args.requests + 1):
             text, _ = tasks.passkey_example(tokenizer, args.context, 9000 + i, depth=0.5)

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import (
 
 import veloxpatch
 import veloxpatch.log
+from serving import without_velox
 from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.caches.evicting import EvictingCache
 from veloxpatch.coordinators import coordinators_of
@@ -38,6 +39,7 @@ from veloxpatch.eval.random_model import ARCHS, build, config_for, write_model_d
 from veloxpatch.integration import features
 from veloxpatch.registry import METHODS
 
+BENCH = Path(__file__).resolve().parents[1] / "bench"  # on the tests' path too (pyproject's pythonpath)
 VOCAB = 97
 # methods that evict rows to a budget, and those that fold rows across layers instead (no budget)
 EVICTING = sorted(name for name, m in METHODS.items() if not issubclass(m.cls, CrossLayerCache))
@@ -111,11 +113,6 @@ def unless_offered(feature: str) -> pytest.MarkDecorator:
     found = next(f for f in features.FEATURES if f.name == feature)
     problem = features.problem(found, importlib.import_module(found.module))
     return pytest.mark.skipif(problem is not None, reason=f"{feature} is off: {problem}")
-
-
-def without_velox() -> dict[str, str]:
-    """This process's environment without its VELOX_* settings (a child starts from its own)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
 
 
 def run_python(code: str, env: dict[str, str] | None = None, cwd: Path | None = None,
@@ -353,7 +350,7 @@ def count_joints(monkeypatch, cls) -> list[int]:
 
 def bench_script(name: str) -> types.ModuleType:
     """A script of bench/ (not a package) loaded as a module, for its functions."""
-    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    path = BENCH / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)

@@ -23,10 +23,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import EVICTING, run_group
+from serving import free_port
 from test_launcher import LAUNCHER, MLX_LAUNCH
 from veloxpatch.eval import zoo
 from veloxpatch.eval.random_model import build, write_byte_tokenizer, write_model_dir
-from veloxpatch.launching import free_ring_port
 from veloxpatch.registry import METHODS
 
 WORKER = Path(__file__).with_name("ranks_worker.py")
@@ -35,7 +35,7 @@ WORKER = Path(__file__).with_name("ranks_worker.py")
 def launch(*args: str, timeout: int = 240) -> dict[Any, Any]:
     """Run the worker on two ranks; each rank's result, by rank (and the whole output under "output")."""
     out = Path(tempfile.mkdtemp(prefix="ranks-"))
-    _, output = run_group([MLX_LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ring_port()),
+    _, output = run_group([MLX_LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port(2)),
                            "--python", sys.executable, str(WORKER), *args, str(out)], timeout)
     results = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
     shutil.rmtree(out)
@@ -132,7 +132,7 @@ def test_mlx_lms_own_distributed_benchmark_runs_compressed_on_every_rank(tmp_pat
     stages. (Tensor parallelism runs every method through the worker above.)"""
     folder = pipeline_dir(tmp_path / "ministral3")
     command = [LAUNCHER, "run", "--kv", "squeeze", "--budget", "48", "--window", "8", "--stats",
-               MLX_LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_ring_port()),
+               MLX_LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(free_port(2)),
                "--python", sys.executable, "--", "-m", "mlx_lm", "benchmark", "--model", str(folder),
                "--prompt-tokens", "200", "--generation-tokens", "8", "--num-trials", "1", "--prefill-step-size", "64",
                "--pipeline"]

@@ -170,7 +170,7 @@ def test_eval_seed_picks_the_held_out_examples() -> None:
 
 def test_a_benchs_server_settings_are_velox_names_with_values() -> None:
     """``--set VELOX_NAME=VALUE`` of the server benches: a value may hold ``=``; another form is refused by name."""
-    from veloxpatch.eval.serving import env_settings
+    from serving import env_settings
 
     assert env_settings(["VELOX_QUANT_KEEP=0.125x", "VELOX_X=a=b"]) == {"VELOX_QUANT_KEEP": "0.125x", "VELOX_X": "a=b"}
     for bad in ("VELOX_QUANT_KEEP", "QUANT_KEEP=1"):

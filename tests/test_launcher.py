@@ -14,8 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import run_group, without_velox
+from serving import free_port
 from veloxpatch.cli import app_arguments_apart, main
-from veloxpatch.launching import SHIM_DIR, free_ring_port
+from veloxpatch.launching import SHIM_DIR
 
 LAUNCHER = str(Path(sys.executable).parent / "veloxpatch")
 
@@ -293,7 +294,7 @@ def test_mlx_launch_ranks_run_patched(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     command = [LAUNCHER, "run", "--kv", "snapkv", "--budget", "64", "mlx.launch", "-n", "2", "--backend", "ring",
-               "--starting-port", str(free_ring_port()), "--python", sys.executable, str(script)]
+               "--starting-port", str(free_port(2)), "--python", sys.executable, str(script)]
     code, out = run_group(command, timeout=60, cwd=tmp_path)
     assert code == 0, out
     ranks = sorted((json.loads(line) for line in out.splitlines() if line.startswith("{")), key=lambda r: r["rank"])

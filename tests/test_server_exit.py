@@ -22,10 +22,10 @@ import time
 import mlx.core as mx
 import pytest
 
+import serving
 import veloxpatch
 from conftest import without_velox
 from veloxpatch.assets import model_path
-from veloxpatch.eval import serving
 from veloxpatch.integration import threads
 from veloxpatch.integration.version import mlx_lm_version
 

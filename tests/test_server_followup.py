@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fetched_folder, without_velox
-from serving import running
-from veloxpatch.eval import harness, ruler, serving
+import serving
+from conftest import BENCH, fetched_folder, without_velox
+from veloxpatch.eval import harness, ruler
 
 CONTEXT = 512
 SEEDS = (0, 1, 2)
@@ -38,10 +38,12 @@ import json, sys
 import mlx_lm
 from mlx_lm.models import cache
 from veloxpatch.eval import harness, ruler, sharing
+sys.path.insert(0, sys.argv[4])  # bench/, for serving
+from serving import ask_first_again
 model, tok = mlx_lm.load(sys.argv[1])
 chats = []
 for seed in json.loads(sys.argv[2]):
-    ex = ruler.ask_first_again(ruler.followup(tok, int(sys.argv[3]), seed))
+    ex = ask_first_again(ruler.followup(tok, int(sys.argv[3]), seed))
     caches = cache.make_prompt_cache(model)
     turns = harness.chat(model, tok, caches, ex, harness.EvalSpec(prefill_step=2048), {}, sharing.Reading())
     chats.append([tok.decode([t for t in out if t not in tok.eos_token_ids]) for out in turns])
@@ -57,7 +59,7 @@ def smollm2() -> str:
 
 def chats(tokenizer) -> list[ruler.Example]:
     """The followup examples with a third turn that asks the first question again."""
-    return [ruler.ask_first_again(ruler.followup(tokenizer, CONTEXT, seed)) for seed in SEEDS]
+    return [serving.ask_first_again(ruler.followup(tokenizer, CONTEXT, seed)) for seed in SEEDS]
 
 
 def served(folder: str, log: Path, env: dict[str, str], usages: list[dict]) -> list[list[str]]:
@@ -71,7 +73,7 @@ def served(folder: str, log: Path, env: dict[str, str], usages: list[dict]) -> l
              "--log-level", "INFO"]
     out = []
     for ex in chats(tokenizer):
-        with running(serve, log.with_suffix(f".{len(out)}.log"), env) as url:
+        with serving.running(serve, log.with_suffix(f".{len(out)}.log"), env) as url:
             out.append(serving.chat(url, tokenizer, ex, harness.FIRST_TURN, usages))
     return out
 
@@ -82,7 +84,7 @@ def test_a_chat_through_the_server_answers_as_the_eval_does(smollm2, tmp_path, n
     (tmp_path / "app.py").write_text(CHAT_APP)
     in_process = subprocess.run(
         [sys.executable, "-m", "veloxpatch.cli", "run", str(tmp_path / "app.py"), smollm2, json.dumps(SEEDS),
-         str(CONTEXT)], env={**without_velox(), **settings}, capture_output=True, text=True, timeout=600)
+         str(CONTEXT), str(BENCH)], env={**without_velox(), **settings}, capture_output=True, text=True, timeout=600)
     assert in_process.returncode == 0, in_process.stderr
     assert cache_class in in_process.stderr, "the eval's chat ran on our caches"
     expected = json.loads(in_process.stdout.splitlines()[-1])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -95,6 +96,30 @@ def test_every_model_type_runs_exactly_compressed_or_unpatched(model_type: str, 
             assert all(c.tier.rows > 0 and c.size() + c.tier.rows == c.offset for c in ours), f"{case}: rows lost"
 
 
+# the names configs give their number of layers
+DEPTH_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_transformer_layers")
+
+
+def deep_config(model_type: str, times: int = 3) -> dict[str, Any]:
+    """:func:`zoo.small_config` with ``times`` as many layers: each layer count of the config multiplied, each
+    per-layer list repeated and each list of layer indexes continued, so that every kind of layer recurs deeper down
+    (the eligibility probe's prefix of the layers is checked against all of them on it)."""
+    config = zoo.small_config(model_type)
+    named = [key for key in DEPTH_KEYS if key in zoo.OVERRIDES.get(model_type, {})]
+    layers = config[(named or ["num_hidden_layers"])[0]]
+
+    def deeper(value: Any, key: str) -> Any:
+        if isinstance(value, dict):
+            return {k: deeper(v, k) for k, v in value.items()}
+        if (key in DEPTH_KEYS and value == layers) or (isinstance(value, list) and len(value) == layers):
+            return value * times
+        if isinstance(value, list) and value and all(type(i) is int and 0 <= i < layers for i in value):
+            return [i + layers * r for r in range(times) for i in value]
+        return value
+
+    return deeper(config, "")
+
+
 @pytest.mark.parametrize("model_type", zoo.model_types())
 def test_every_model_type_gets_the_same_verdict_from_a_prefix_of_its_layers_as_from_all(model_type: str,
                                                                                       records) -> None:
@@ -103,7 +128,7 @@ def test_every_model_type_gets_the_same_verdict_from_a_prefix_of_its_layers_as_f
     reason = zoo.unbuildable(model_type)
     if reason:
         pytest.skip(reason)
-    model = build(zoo.deep_config(model_type))
+    model = build(deep_config(model_type))
     caches = builder.mlx_caches(model)
     slots = builder.candidate_slots(caches)
     if not slots:

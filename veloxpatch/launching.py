@@ -10,7 +10,6 @@ import importlib.machinery
 import importlib.util
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -129,24 +128,3 @@ def _shim_first(args: list[str], index: int | None) -> list[str]:
         return list(args)
     joined = os.pathsep.join([str(SHIM_DIR), *paths])
     return [*args[:index], f"{prefix}PYTHONPATH={joined}", *args[index + 1:]]
-
-
-def free_ring_port(ranks: int = 2) -> int:
-    """A port P with P .. P + ranks - 1 free on loopback, for ``mlx.launch --backend ring --starting-port P``
-    on one machine (the ring backend listens on the starting port + rank). Free when looked at, not reserved."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + ranks <= 65536 and all(_free(port) for port in range(base, base + ranks)):
-            return base
-    raise RuntimeError(f"no {ranks} consecutive free ports on 127.0.0.1")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

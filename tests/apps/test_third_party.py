@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
+import serving
 from conftest import without_velox
 from veloxpatch.assets import model_path
-from veloxpatch.eval import serving
 
 BIN = Path(sys.executable).parent
 LAUNCHER = str(BIN / "veloxpatch")
@@ -136,7 +136,7 @@ def serve(log: Path, *launch: str) -> Iterator[str]:
     """mlx-dev-server on a loopback port, plain or after ``launch``; its URL. It loads the model a request names,
     generates on an executor thread with ``max_kv_size`` (its ``--max-kv-size``, 4096), and is stopped by SIGTERM."""
     program = [*launch, "mlx_dev_server"] if launch else [str(BIN / "mlx_dev_server")]
-    return serving.running(program, log, without_velox())
+    return serving.running(program, log)
 
 
 def complete(url: str, model: Path) -> str:

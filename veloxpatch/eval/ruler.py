@@ -355,14 +355,6 @@ def followup(tokenizer: Any, context: int, seed: int, split: str = "heldout", fa
                    turns=((message, turns[0][1]), *turns[1:]))
 
 
-def ask_first_again(ex: Example) -> Example:
-    """A follow-up example with a third turn: its first question (the last line of the first message) asked again,
-    after the second answer; the answer wanted is then the first number."""
-    (message, prefix), _ = ex.turns
-    return replace(ex, wanted=ex.unwanted, unwanted=ex.wanted, answer=ex.unwanted[0],
-                   turns=(*ex.turns, (message.rsplit("\n", 1)[1], prefix)))
-
-
 def conversation(tokenizer: Any, turns: Sequence[tuple[str, str]], answers: Sequence[str] = ()) -> str:
     """A chat's text up to where the answer to ``turns[len(answers)]`` starts: each turn a user's message and the start
     of its answer, an earlier one with its answer given, through the tokenizer's chat template as the server's

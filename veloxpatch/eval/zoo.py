@@ -147,9 +147,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                     layer_types=SLIDING),
 }
 
-# the names configs give their number of layers
-DEPTH_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_transformer_layers")
-
 UNBUILDABLE: dict[str, str] = {
     "olmo": "needs the ai2-olmo package (`hf_olmo`), which is not installed",
     "phi3small": "crashes mlx's CPU backend (segmentation fault) without veloxpatch too",
@@ -172,26 +169,6 @@ def small_config(model_type: str) -> dict[str, Any]:
     """config.json contents of a tiny ``model_type`` model."""
     flat = {**SMALL, **OVERRIDES.get(model_type, {}), "model_type": model_type}
     return {**flat, "text_config": {**flat, **flat.get("text_config", {})}}
-
-
-def deep_config(model_type: str, times: int = 3) -> dict[str, Any]:
-    """:func:`small_config` with ``times`` as many layers: each layer count of the config multiplied, each per-layer
-    list repeated and each list of layer indexes continued, so that every kind of layer recurs deeper down (the
-    eligibility probe's prefix of the layers is checked against all of them on it)."""
-    config = small_config(model_type)
-    named = [key for key in DEPTH_KEYS if key in OVERRIDES.get(model_type, {})]
-    layers = config[(named or ["num_hidden_layers"])[0]]
-
-    def deeper(value: Any, key: str) -> Any:
-        if isinstance(value, dict):
-            return {k: deeper(v, k) for k, v in value.items()}
-        if (key in DEPTH_KEYS and value == layers) or (isinstance(value, list) and len(value) == layers):
-            return value * times
-        if isinstance(value, list) and value and all(type(i) is int and 0 <= i < layers for i in value):
-            return [i + layers * r for r in range(times) for i in value]
-        return value
-
-    return deeper(config, "")
 
 
 def unbuildable(model_type: str) -> str | None:

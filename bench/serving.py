@@ -1,10 +1,15 @@
-"""A real ``mlx_lm server`` on a loopback port, for the tests and benches that talk to it as a client would: start
-it, wait until it answers ``/health``, post completions, stop it."""
+"""What the tests and the bench scripts share, not shipped with the package: a real ``mlx_lm server`` on a loopback
+port, for those that talk to it as a client would (start it without this process's VELOX_* settings, wait until it
+answers ``/health``, post completions, stop it), free loopback ports, and the follow-up chat they send.
+
+Not a script: a script here imports it as ``serving`` (``python bench/NAME.py`` puts bench/ first on the path), and
+pytest's ``pythonpath`` (pyproject.toml) puts bench/ on the tests' path."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import socket
 import subprocess
@@ -12,17 +17,37 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from . import ruler
+from veloxpatch.eval import ruler
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """A port P with P .. P + count - 1 free on loopback: a server's, or ``mlx.launch --backend ring --starting-port
+    P`` on one machine (the ring backend listens on the starting port + rank). Free when looked at, not reserved."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count <= 65536 and all(_free(port) for port in range(base, base + count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def without_velox() -> dict[str, str]:
+    """This process's environment without its VELOX_* settings (a child starts from its own)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("VELOX_")}
 
 
 def post(url: str, body: dict, timeout: float = 120, headers: dict[str, str] | None = None) -> tuple[int, dict]:
@@ -34,6 +59,13 @@ def post(url: str, body: dict, timeout: float = 120, headers: dict[str, str] | N
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, {"error": error.read().decode(errors="replace")}
+
+
+def processed(body: dict) -> int:
+    """The prompt tokens a completion had to read: the rest came from the server's prompt cache (mlx_lm's usage
+    says how many, in the single and in the batched path alike)."""
+    usage = body["usage"]
+    return usage["prompt_tokens"] - usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
 
 
 def wait_healthy(url: str, server: subprocess.Popen, log: Path, limit: float = 90) -> None:
@@ -64,12 +96,14 @@ def env_settings(given: list[str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def running(command: list[str], log: Path, env: dict[str, str]) -> Iterator[str]:
-    """Start ``command`` plus ``--host 127.0.0.1 --port P`` with environment ``env``, its output to ``log``; yield
-    its URL; stop it afterwards."""
+def running(command: list[str], log: Path, env: dict[str, str] | None = None,
+            unset: tuple[str, ...] = ()) -> Iterator[str]:
+    """Start ``command`` plus ``--host 127.0.0.1 --port P`` with ``env`` over this environment less its VELOX_*
+    settings and the variables named in ``unset``, its output to ``log``; yield its URL; stop it afterwards."""
     port = free_port()
+    full_env = {**{k: v for k, v in without_velox().items() if k not in unset}, **(env or {})}
     with log.open("w") as sink:
-        server = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], env=env,
+        server = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], env=full_env,
                                   stdout=sink, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -82,6 +116,14 @@ def running(command: list[str], log: Path, env: dict[str, str]) -> Iterator[str]
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def ask_first_again(ex: ruler.Example) -> ruler.Example:
+    """A follow-up example (:func:`ruler.followup`) with a third turn: its first question (the last line of the
+    first message) asked again, after the second answer; the answer wanted is then the first number."""
+    (message, prefix), _ = ex.turns
+    return replace(ex, wanted=ex.unwanted, unwanted=ex.wanted, answer=ex.unwanted[0],
+                   turns=(*ex.turns, (message.rsplit("\n", 1)[1], prefix)))
 
 
 def chat(url: str, tokenizer: Any, ex: ruler.Example, max_tokens: int,
