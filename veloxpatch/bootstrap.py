@@ -32,7 +32,7 @@ def install() -> None:
 
         if everything:
             wrapt.register_post_import_hook("veloxpatch.integration:on_mlx_lm_import", "mlx_lm")
-        wrapt.register_post_import_hook("veloxpatch.integration:on_server_import", "mlx_lm.server")
+        wrapt.register_post_import_hook("veloxpatch.integration:on_mlx_lm_import", "mlx_lm.server")
     except Exception as error:  # the host app must start regardless
         if strict_requested():
             raise

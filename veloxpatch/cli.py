@@ -66,15 +66,6 @@ def _setting_options(command: Any) -> Any:
     return command
 
 
-def child_environment(options: dict[str, Any], base: dict[str, str]) -> dict[str, str]:
-    """The app's environment: the caller's, the given options as VELOX_*, the bootstrap path."""
-    env = dict(base)
-    env.update({s.name: to_text(options[s.key]) for s in all_settings() if options.get(s.key) is not None})
-    paths = [str(launching.SHIM_DIR)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
-
-
 @main.command(cls=AppCommand, context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-m", "module", metavar="MODULE", help="Run a library module as a script (like python -m).")
 @click.argument("argv", nargs=-1, type=click.UNPROCESSED, metavar="SCRIPT [ARGS]...")
@@ -88,32 +79,25 @@ def run(module: str | None, argv: tuple[str, ...], **options: str | None) -> Non
     """
     if module is None and not argv:
         raise click.UsageError("give a SCRIPT to run, or -m MODULE")
-    env = child_environment(options, dict(os.environ))
+    env = {**os.environ, **{s.name: to_text(options[s.key]) for s in all_settings() if options.get(s.key) is not None}}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(launching.SHIM_DIR), *paths])  # the bootstrap first
     try:
         loaded = from_env(env)
+        for warning in loaded.warnings:
+            click.echo(f"veloxpatch: WARNING: {warning}", err=True)
+        blas = cpu.choose_blas(loaded.config.blas)
     except ConfigError as error:
         raise click.UsageError(str(error)) from None
-    for warning in loaded.warnings:
-        click.echo(f"veloxpatch: WARNING: {warning}", err=True)
-    env = _with_blas(env, loaded.config)
+    if blas.path is not None:  # only at exec can a library be preloaded
+        if loaded.config.log in ("DEBUG", "INFO"):
+            click.echo(f"veloxpatch: INFO: preloading {blas.path} ({blas.reason})", err=True)
+        env = cpu.with_preload(env, blas.path)
     target = launching.module_target(module) if module is not None else launching.script_target(argv[0])
     rest = list(argv if module is not None else argv[1:])
     if Path(target[0]).name == "mlx.launch":  # mlx's distributed launcher, by path, bare name or -m
         rest = launching.forward_environment(rest, env)
     os.execve(sys.executable, [sys.executable, *target, *rest], env)
-
-
-def _with_blas(env: dict[str, str], config: VeloxConfig) -> dict[str, str]:
-    """The child's environment with the BLAS that ``VELOX_BLAS`` chooses preloaded (only at exec can it be)."""
-    try:
-        choice = cpu.choose_blas(config.blas)
-    except ConfigError as error:
-        raise click.UsageError(str(error)) from None
-    if choice.path is None:
-        return env
-    if config.log in ("DEBUG", "INFO"):
-        click.echo(f"veloxpatch: INFO: preloading {choice.path} ({choice.reason})", err=True)
-    return cpu.with_preload(env, choice.path)
 
 
 @main.command()
@@ -161,7 +145,10 @@ def info(model_path: str | None) -> None:
     for warning in loaded.warnings:
         click.echo(f"warning: {warning}")
     _cpu_speed(config)
-    _rank()
+    if "MLX_RANK" in os.environ:  # under mlx.launch: which rank of how many this is (each must show the same settings)
+        group = mx.distributed.init()
+        click.echo(f"distributed: rank {group.rank()} of {group.size()} (started by mlx.launch); caches agree "
+                   "across ranks when first built, and settings that differ are an error then")
     if model_path is not None:
         _model_support(Path(model_path), config)
 
@@ -177,17 +164,6 @@ def _features(found: str | None) -> None:
     layouts = compat.layout_problem() if found_features["batched generation"] is None else None
     if layouts is not None:
         click.echo(f"  (batches run on mlx_lm's own caches only, from their first call: {layouts})")
-
-
-def _rank() -> None:
-    """Under ``mlx.launch`` (``MLX_RANK``), which rank of how many this is: each must show the same settings."""
-    if "MLX_RANK" not in os.environ:
-        return
-    import mlx.core as mx
-
-    group = mx.distributed.init()
-    click.echo(f"distributed: rank {group.rank()} of {group.size()} (started by mlx.launch); caches agree "
-               "across ranks when first built, and settings that differ are an error then")
 
 
 def _cpu_speed(config: VeloxConfig) -> None:

@@ -47,10 +47,8 @@ def _tier(text: str) -> int:
 
 
 def _method(text: str) -> str:
-    value = text.strip().lower()
-    if value not in ("none", "") and value not in METHODS:
-        raise ValueError
-    return value or "none"
+    """A registered method's name, or ``none`` (also when empty)."""
+    return choice(lambda: ("none", "", *METHODS))(text) or "none"
 
 
 CORE_SETTINGS: tuple[Setting, ...] = (
@@ -155,7 +153,11 @@ class VeloxConfig:
     def __post_init__(self) -> None:
         for s in CORE_SETTINGS:
             object.__setattr__(self, s.key, s.convert(getattr(self, s.key)))
-        object.__setattr__(self, "knobs", self._checked_knobs(dict(self.knobs)))
+        by_key = {s.key: s for s in all_settings() if s.method}
+        unknown = sorted(set(self.knobs) - set(by_key))
+        if unknown:
+            raise ConfigError(f"unknown method knob(s) {unknown}; known: {sorted(by_key)}")
+        object.__setattr__(self, "knobs", {k: s.convert(self.knobs.get(k, s.default)) for k, s in by_key.items()})
         assert isinstance(self.budget, Budget), "converted above"
         tokens = self.budget.tokens
         if self.enabled and tokens is not None and tokens < self.sink + self.window:
@@ -165,13 +167,6 @@ class VeloxConfig:
             raise ConfigError(f"VELOX_KV_MEMORY={self.kv_memory} is not allowed with VELOX_KV={self.kv}: it bounds the "
                               f"methods that evict rows ({', '.join(evicting_methods())}); {self.kv} keeps every token "
                               f"in a form of its own{METHODS[self.kv].cls.memory_instead}")
-
-    def _checked_knobs(self, given: dict[str, Any]) -> dict[str, Any]:
-        by_key = {s.key: s for s in all_settings() if s.method}
-        unknown = sorted(set(given) - set(by_key))
-        if unknown:
-            raise ConfigError(f"unknown method knob(s) {unknown}; known: {sorted(by_key)}")
-        return {k: s.convert(given.get(k, s.default)) for k, s in by_key.items()}
 
     @property
     def enabled(self) -> bool:
@@ -227,7 +222,8 @@ class LoadedConfig:
 
 def from_env(environ: Mapping[str, str] | None = None) -> LoadedConfig:
     """Read and validate every ``VELOX_*`` variable; raise :class:`ConfigError` naming every bad value, one a line
-    (then the rules across settings, such as the budget against sink + window)."""
+    (then the rules across settings, such as the budget against sink + window). Warned: unknown names, and a setting
+    given that the method does not use (``VELOX_TIER`` with one that drops no row)."""
     environ = os.environ if environ is None else environ
     core: dict[str, Any] = {}
     knobs: dict[str, Any] = {}
@@ -242,17 +238,12 @@ def from_env(environ: Mapping[str, str] | None = None) -> LoadedConfig:
     if errors:
         raise ConfigError("\n".join(errors))
     config = VeloxConfig(**core, knobs=knobs)
-    return LoadedConfig(config, sources, unknown_names(environ) + idle_settings(config, sources))
-
-
-def idle_settings(config: VeloxConfig, sources: Mapping[str, str]) -> list[str]:
-    """Warnings for settings given that the chosen method does not use (``VELOX_TIER`` with one that drops no row)."""
-    given = config.enabled and config.tier and sources.get("VELOX_TIER", "default") != "default"
-    if not given or config.kv in evicting_methods():
-        return []
-    return [f"VELOX_TIER={config.tier} does nothing with VELOX_KV={config.kv}: it keeps the rows a method drops, and "
-            f"{config.kv} drops none (it keeps every token in a form of its own); it is for "
-            f"{', '.join(evicting_methods())}"]
+    warnings = unknown_names(environ)
+    if config.enabled and config.tier and "VELOX_TIER" in environ and config.kv not in evicting_methods():
+        warnings.append(f"VELOX_TIER={config.tier} does nothing with VELOX_KV={config.kv}: it keeps the rows a method "
+                        f"drops, and {config.kv} drops none (it keeps every token in a form of its own); it is for "
+                        f"{', '.join(evicting_methods())}")
+    return LoadedConfig(config, sources, warnings)
 
 
 def evicting_methods() -> list[str]:

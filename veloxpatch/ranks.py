@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from .config import CORE_SETTINGS, ConfigError, VeloxConfig
 from .coordinators import Span, drain_streams
-from .memo import per_model
+from .memo import kept, per_model
 
 # settings that may differ per rank: they change nothing in the caches (strict must agree: a strict rank raising
 # inside a build that its peers go on with would leave them waiting in a collective)
@@ -51,7 +51,7 @@ _placed: list[tuple[int, int]] = []  # (rank, ranks) once this process took part
 def agreement(model: Any, config: VeloxConfig, ready: bool, members: int) -> tuple[bool, Span]:
     """:func:`agree` for ``model`` under ``config``, once per model and settings (later builds, e.g. a
     chat's next prompt cache, reuse it without traffic); ``(ready, Span())`` on a model not split."""
-    split = _split(model)
+    split = split_of(model)
     if not split.split:
         return ready, Span()
     local = {s.name for s in CORE_SETTINGS if s.key in LOCAL_SETTINGS}
@@ -61,17 +61,14 @@ def agreement(model: Any, config: VeloxConfig, ready: bool, members: int) -> tup
 
 def is_split(model: Any) -> bool:
     """Whether ``model`` is split across ranks (its forwards hold collectives every rank must meet alike)."""
-    return _split(model).split
-
-
-def _split(model: Any) -> Split:
-    """:func:`split_of`, found once per model."""
-    return per_model(_splits, model, None, lambda: split_of(model))
+    return split_of(model).split
 
 
 def split_of(model: Any) -> Split:
-    """Whether ``model`` is split across ranks, found from its modules (sharded linear layers with a
+    """Whether ``model`` is split across ranks, found once per model from its modules (sharded linear layers with a
     group of more than one rank; a pipelined layer stack), and its pipeline stage."""
+    if (known := kept(_splits, model, None)) is not None:
+        return known
     from mlx.nn.layers import distributed
 
     sharded = (distributed.AllToShardedLinear, distributed.ShardedToAllLinear,
@@ -82,7 +79,7 @@ def split_of(model: Any) -> Split:
             tensor = module.group
         if getattr(module, "pipeline_size", 1) > 1:
             pipeline, stage = True, module.pipeline_rank
-    return Split(stage, tensor is not None or pipeline, tensor)
+    return per_model(_splits, model, None, lambda: Split(stage, tensor is not None or pipeline, tensor))
 
 
 def agree(split: Split, settings: tuple[tuple[str, str], ...], ready: bool, members: int) -> tuple[bool, Span]:

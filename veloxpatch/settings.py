@@ -192,10 +192,7 @@ def choice(options: tuple[str, ...] | Callable[[], tuple[str, ...]], upper: bool
 
 def boolean(text: str) -> bool:
     """``1/0``, ``true/false``, ``yes/no``, ``on/off`` (and empty: false)."""
-    value = text.strip().lower()
-    if value not in TRUE + FALSE:
-        raise ValueError
-    return value in TRUE
+    return choice(TRUE + FALSE)(text) in TRUE
 
 
 def strict_requested() -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import io
-from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,18 +58,11 @@ def prefix(model: Any, caches: Sequence[Any]) -> Prefix | None:
     if not isinstance(layers, (list, tuple)) or len(layers) != len(caches):
         return None
     kinds = _kinds([_features(layer) for layer in layers], [_cache_kind(cache) for cache in caches])
-    return Prefix(_shortest(kinds), tuple(kinds.index(kind) for kind in kinds))
-
-
-def _shortest(kinds: list[Hashable]) -> int:
-    """The length of the shortest prefix of ``kinds`` holding :data:`REPEATS` of each (all of a rarer one)."""
-    wanted = {kind: min(REPEATS, count) for kind, count in Counter(kinds).items()}
-    seen: Counter[Hashable] = Counter()
+    places: dict[Hashable, list[int]] = {}  # each kind's layers, in order
     for i, kind in enumerate(kinds):
-        seen[kind] += 1
-        if all(seen[k] >= n for k, n in wanted.items()):
-            return i + 1
-    return len(kinds)
+        places.setdefault(kind, []).append(i)
+    length = max((at[min(REPEATS, len(at)) - 1] + 1 for at in places.values()), default=0)
+    return Prefix(length, tuple(places[kind][0] for kind in kinds))
 
 
 def _kinds(layers: list[dict[Hashable, Any]], caches: list[Hashable]) -> list[Hashable]:
@@ -112,11 +104,9 @@ def _plain(obj: Any) -> tuple[tuple[str, Any], ...]:
     items = list(vars(obj).items()) if hasattr(obj, "__dict__") else []
     if isinstance(obj, dict):  # an mlx module keeps its lists and tuples in itself, not in __dict__
         items += obj.items()
-    return tuple(sorted((name, tuple(v) if isinstance(v, list) else v) for name, v in items if _is_plain(v)))
-
-
-def _is_plain(value: Any) -> bool:
-    return isinstance(value, _PLAIN) or (isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value))
+    plain = [(name, tuple(v) if isinstance(v, list) else v) for name, v in items if isinstance(v, _PLAIN)
+             or (isinstance(v, (tuple, list)) and all(isinstance(each, _PLAIN) for each in v))]
+    return tuple(sorted(plain))
 
 
 def shortened(model: Any, length: int) -> Any:

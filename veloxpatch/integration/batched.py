@@ -29,7 +29,7 @@ from ..caches.batch import SequenceBatch
 from ..fallback import notice
 from ..log import once
 from . import compat
-from .state import STATE, batched_generation, in_force, same_as_process, serving, taken_by_batch
+from .state import STATE, batched_generation, in_force, same_as_process, serving, to_batch
 from .wrappers import ours, start_generation
 
 FEATURE = "batched generation"
@@ -69,7 +69,7 @@ def _join(generator: Any, arguments: dict[str, Any]) -> None:
     given = list(arguments.get("caches") or [None] * len(segments))
     if len(given) != len(segments):
         return  # mlx_lm reports the mismatch itself
-    ticket = taken_by_batch()  # a server request (one sequence), with its own settings
+    ticket = to_batch(take=True)  # a server request (one sequence), with its own settings
     if ticket is not None and not same_as_process(ticket.config):
         once("batched own settings", logging.INFO,
              "a server request with settings of its own joins a batch (on caches made under its settings)")

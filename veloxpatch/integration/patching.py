@@ -32,7 +32,6 @@ from ..log import log
 from ..registry import METHODS
 from ..settings import strict_requested
 from . import batched, compat, features, version
-from .features import Feature
 from .state import STATE, swap
 
 
@@ -118,15 +117,10 @@ def patch_from_env(serving: bool = False) -> bool:
 
 
 def on_mlx_lm_import(module: ModuleType) -> None:
-    """Lazy bootstrap entry (a wrapt hook on ``mlx_lm``): patch only once mlx_lm is used."""
+    """Lazy bootstrap entry (a wrapt hook on ``mlx_lm``, and on ``mlx_lm.server``, which is patched whatever the
+    settings): patch only once mlx_lm is used."""
     if not STATE.active:
-        patch_from_env()
-
-
-def on_server_import(module: ModuleType) -> None:
-    """Bootstrap entry (a wrapt hook on ``mlx_lm.server``): the server is patched whatever the settings."""
-    if not STATE.active:
-        patch_from_env(serving=True)
+        patch_from_env(serving=module.__name__ == "mlx_lm.server")
 
 
 def _version_accepted(config: VeloxConfig) -> bool:
@@ -163,37 +157,31 @@ def _on_import(module: ModuleType) -> None:
 
 
 def _apply(module: ModuleType) -> None:
-    """Patch every feature ``module`` defines that the installed mlx_lm offers whole; decide each once per
-    patch, and say each that is off (an essential one off unpatches everything)."""
+    """Patch every feature ``module`` defines that the installed mlx_lm offers whole, deciding each once per patch.
+    One that is off is said at each patch (a new config may use it), once: at INFO, or for an essential one a
+    WARNING, and then nothing stays patched. Under ``VELOX_STRICT`` a :class:`StrictError` where the settings use
+    the feature (``Feature.used``), and nothing stays half-patched."""
     try:
         for feature in (f for f in features.FEATURES if f.module == module.__name__):
             if feature.name not in STATE.features:
                 STATE.features[feature.name] = features.problem(feature, module)
-            _said_off(feature, STATE.features[feature.name])  # each patch: a new config may use what is off
-            if not STATE.active:
-                return
-            if STATE.features[feature.name] is None:
+            problem = STATE.features[feature.name]
+            if problem is None:
                 _bind(feature, module)
-    except StrictError:  # nothing stays half-patched
+            elif not feature.essential:
+                refusing = STATE.config if feature.used(STATE.config) else None  # notice raises for a strict config
+                notice(f"{feature.off}: {problem}", refusing, key=f"feature off: {feature.name}", level=logging.INFO)
+            else:
+                notice(f"the {feature.name} cannot be patched, so {feature.off}: {problem}; running unpatched",
+                       STATE.config, key=f"feature off: {feature.name}")
+                unpatch()
+                return
+    except StrictError:
         unpatch()
         raise
 
 
-def _said_off(feature: Feature, problem: str | None) -> None:
-    """A feature that is off, said once: at INFO, or for an essential one a WARNING, and then nothing stays
-    patched. Under ``VELOX_STRICT`` a :class:`StrictError` where the settings use the feature (``Feature.used``)."""
-    if problem is None:
-        return
-    if not feature.essential:
-        refusing = STATE.config if feature.used(STATE.config) else None  # notice raises for a strict config only
-        notice(f"{feature.off}: {problem}", refusing, key=f"feature off: {feature.name}", level=logging.INFO)
-        return
-    notice(f"the {feature.name} cannot be patched, so {feature.off}: {problem}; running unpatched", STATE.config,
-           key=f"feature off: {feature.name}")
-    unpatch()
-
-
-def _bind(feature: Feature, module: ModuleType) -> None:
+def _bind(feature: features.Feature, module: ModuleType) -> None:
     """Bind our wrapper for each of ``feature``'s names in ``module`` (each wrapped once per patch)."""
     for target in feature.targets:
         owner = features.owner_of(module, target) if "." in target.name else None

@@ -18,7 +18,7 @@ from typing import Any
 import wrapt
 
 from .. import stats
-from ..config import PROCESS_WIDE, ConfigError, Setting, VeloxConfig, request_settings
+from ..config import CORE_SETTINGS, PROCESS_WIDE, ConfigError, Setting, VeloxConfig, request_settings
 from ..log import log
 from . import compat
 from .batched import batching_on
@@ -29,6 +29,10 @@ FIELD = "velox"
 
 HEADER = "x-velox-"
 """The prefix of a setting's header (any case): ``X-Velox-Budget``."""
+
+CARRIED = (f"a request may carry {', '.join(s.key for s in CORE_SETTINGS if s.key not in PROCESS_WIDE)} and the "
+           "methods' knobs (e.g. snapkv_kernel; `veloxpatch methods` lists them)")
+"""What a request may carry, in words: the core settings by key, the knobs by kind."""
 
 WAIT_S = 10.0
 """How long an answer waits for its request's measurement (a generation thread that died never gives it)."""
@@ -101,12 +105,12 @@ def _parsed(key: str, where: str, value: Any, allowed: Mapping[str, Setting]) ->
     """``value`` of setting ``key`` as the environment's would be parsed, or a :class:`RequestError`."""
     if key in PROCESS_WIDE:
         raise RequestError(f"{where}: VELOX_{key.upper()} is the server process's setting, not a request's "
-                           f"({PROCESS_WIDE[key]}); {_carried_text(allowed)}")
+                           f"({PROCESS_WIDE[key]}); {CARRIED}")
     setting = allowed.get(key)
     if setting is None:
         close = difflib.get_close_matches(key, list(allowed), n=1, cutoff=0.6)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise RequestError(f"{where}: {key!r} is not a setting{hint}; {_carried_text(allowed)}")
+        raise RequestError(f"{where}: {key!r} is not a setting{hint}; {CARRIED}")
     if isinstance(value, (dict, list)) or value is None:
         raise RequestError(f"{where}={value!r} is not allowed: expected {setting.allowed_text}, as a string, a "
                            "number or a boolean")
@@ -114,13 +118,6 @@ def _parsed(key: str, where: str, value: Any, allowed: Mapping[str, Setting]) ->
         return setting.convert(value)
     except ConfigError as error:
         raise RequestError(f"{where}: {error}") from None
-
-
-def _carried_text(allowed: Mapping[str, Setting]) -> str:
-    """What a request may carry, in words: the core settings by key, the knobs by kind."""
-    core = [key for key, s in allowed.items() if not s.method]
-    return (f"a request may carry {', '.join(core)} and the methods' knobs (e.g. snapkv_kernel; `veloxpatch "
-            "methods` lists them)")
 
 
 # --------------------------------------------------------------------- the handler's thread

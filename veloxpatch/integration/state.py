@@ -122,12 +122,10 @@ def hand_to_batch(ticket: Any) -> None:
     _local.batched_ticket = ticket
 
 
-def to_batch() -> Any:
-    """What :func:`hand_to_batch` left on this thread, left there (the server's prompt-cache fetch reads it)."""
-    return getattr(_local, "batched_ticket", None)
-
-
-def taken_by_batch() -> Any:
-    """What :func:`hand_to_batch` left on this thread, once (None if nothing)."""
-    ticket, _local.batched_ticket = getattr(_local, "batched_ticket", None), None
+def to_batch(take: bool = False) -> Any:
+    """What :func:`hand_to_batch` left on this thread (None if nothing): left there (the server's prompt-cache fetch
+    reads it), or once with ``take`` (the batch takes it)."""
+    ticket = getattr(_local, "batched_ticket", None)
+    if take:
+        _local.batched_ticket = None
     return ticket
