@@ -45,17 +45,17 @@ def test_a_repeated_prompt_gets_the_same_answer(method: str, mode: str, tier: st
     veloxpatch.patch(kv=method, budget=64, window=8, compress=mode, tier=tier)
     caches = make_prompt_cache(model)
     first = greedy(model, prompt, caches, steps=80, chunk=128)
-    assert sum(c.evicted for c in caches) and all(c.read is not None for c in caches)
+    assert sum(c.evicted for c in caches) and all(c.snapshot is not None for c in caches)
     again = served_again(caches, prompt)
     if tier != "off":  # the snapshot keeps no tier: the one rebuilt is the one the prompt left
-        assert all(c.read.nbytes(c) > 0 for c in caches), "decoding compacted (and tiered rows) after the prompt"
+        assert all(c.snapshot.nbytes(c) > 0 for c in caches), "decoding compacted (and tiered rows) after the prompt"
         just_read = make_prompt_cache(model)
         greedy(model, prompt, just_read, steps=1, chunk=128)
         for got, want in zip(again, just_read):
             assert mx.array_equal(got.tier.store.row_positions(), want.tier.store.row_positions()).item()
             assert mx.allclose(got.tier.store.fetch()[0], want.tier.store.fetch()[0], atol=1e-5).item()
     assert greedy(model, prompt[-1:], again, steps=80, chunk=128) == first
-    assert all(c.read is not None for c in caches), "the cache the server keeps keeps its snapshot"
+    assert all(c.snapshot is not None for c in caches), "the cache the server keeps keeps its snapshot"
 
 
 @pytest.mark.parametrize("method", EVICTING)
@@ -85,12 +85,12 @@ def test_a_trim_deeper_than_the_prompt_trims_what_the_prompt_left() -> None:
     greedy(model, prompt, caches, steps=1, chunk=128)
     left = copy.deepcopy(caches)
     greedy(model, mx.array([7]), caches, steps=60, chunk=128)
-    assert all(c.read.nbytes(c) > 0 for c in caches), "decoding compacted: the snapshot holds rows of its own"
+    assert all(c.snapshot.nbytes(c) > 0 for c in caches), "decoding compacted: the snapshot holds rows of its own"
     assert all(c.nbytes > c.store.nbytes + c.memory.nbytes for c in caches)
     for cache in (caches, left):
         trim_prompt_cache(cache, cache[0].offset - 300)
     for got, want in zip(caches, left):
-        assert got.offset == 300 and got.read is None
+        assert got.offset == 300 and got.snapshot is None
         assert mx.array_equal(got.store.row_positions(), want.store.row_positions()).item()
         assert mx.array_equal(got.store.fetch()[0], want.store.fetch()[0]).item()
 
@@ -100,7 +100,7 @@ def test_under_a_memory_target_no_snapshot_is_kept() -> None:
     veloxpatch.patch(kv="snapkv", budget=64, window=8, kv_memory="1GB")
     caches = make_prompt_cache(model)
     greedy(model, random_tokens(PROMPT, 5), caches, steps=3, chunk=128)
-    assert all(c.read is None for c in caches)
+    assert all(c.snapshot is None for c in caches)
 
 
 @pytest.mark.parametrize("method", ["snapkv", "h2o", "streamingllm"])

@@ -93,7 +93,7 @@ class Snapshot:
             cache.tier = self._tier_then(cache)
         cache.offset, cache.evicted = self.offset, self.evicted
         cache.store, cache.memory, cache.policy, cache.log = self.store, self.memory, self.policy, self.log
-        cache.read = None
+        cache.snapshot = None
 
     def _tier_then(self, cache: EvictingCache) -> Tier:
         """The tier as the prompt left it, rebuilt rather than copied (it is most of what a cache holds): without a
@@ -142,8 +142,8 @@ class EvictingCache(CompressedKVCache):
         self.memory_plan = spec.memory_plan  # VELOX_KV_MEMORY as rows per layer, or None
         self.scale = 1.0  # the attention's scale, seen at every step (a capped tier ranks what it takes by score)
         self.took_back = False  # this step took the tier's rows back into the store (evaluated after it)
-        self.reading = False  # a prompt chunk came since the last decode-sized step
-        self.read: Snapshot | None = None  # this cache as its last prompt left it (restored by a trim back into it)
+        self.prompt_open = False  # a prompt chunk came since the last decode-sized step
+        self.snapshot: Snapshot | None = None  # this cache as its last prompt left it (restored by a trim back into it)
 
     def make_policy(self, **knobs: Any) -> Policy:
         """The policy picking this cache's rows, from the method's knobs."""
@@ -253,10 +253,10 @@ class EvictingCache(CompressedKVCache):
         if self.took_back:
             self._evaluate_kept(out)
         if chunk:
-            self.reading = True
-        elif self.reading or self._prompt_read():  # under VELOX_KV_MEMORY the target wins: no snapshot, whose
-            self.reading = False  # queries it skips
-            self.read = None if self.memory_plan is not None else Snapshot(self)
+            self.prompt_open = True
+        elif self.prompt_open or self._prompt_read():  # under VELOX_KV_MEMORY the target wins: no snapshot, whose
+            self.prompt_open = False  # queries it skips
+            self.snapshot = None if self.memory_plan is not None else Snapshot(self)
         return out
 
     def _prompt_read(self) -> bool:
@@ -322,8 +322,8 @@ class EvictingCache(CompressedKVCache):
     def cut_to(self, prefix: int) -> None:
         """A trim back into the last prompt starts from its :class:`Snapshot`, so the server's prompt-cache reuse
         answers a repeated request as it answered the first time."""
-        if self.read is not None and prefix < self.read.offset:
-            self.read.restore(self)
+        if self.snapshot is not None and prefix < self.snapshot.offset:
+            self.snapshot.restore(self)
         super().cut_to(prefix)
         self.log.trim(prefix)
         if self.tier is not None:
@@ -333,13 +333,13 @@ class EvictingCache(CompressedKVCache):
         """The base's quantized copy (the tier keeps its own format), with a policy, log and tier of its own."""
         out = super().to_quantized(group_size, bits)
         if out is not self:
-            out.policy, out.tier, out.read = copy.copy(self.policy), copy.deepcopy(self.tier), None
+            out.policy, out.tier, out.snapshot = copy.copy(self.policy), copy.deepcopy(self.tier), None
             out.log = copy.copy(self.log)
         return out
 
     @property
     def nbytes(self) -> int:
-        held = 0 if self.read is None else self.read.nbytes(self)
+        held = 0 if self.snapshot is None else self.snapshot.nbytes(self)
         return super().nbytes + self.log.nbytes + (0 if self.tier is None else self.tier.store.nbytes) + held
 
     def _meta(self) -> dict[str, Any]:
