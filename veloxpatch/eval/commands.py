@@ -21,7 +21,7 @@ from ..registry import METHODS, cache_class
 from ..settings import ConfigError
 from . import report, tasks
 from .bench import LARGE_RANDOM, PEAK_NOTE, BenchSpec, run_bench
-from .harness import ALL_TASKS, TASKS, Cell, EvalSpec, Journal, run_eval
+from .harness import ALL_TASKS, TASKS, EvalSpec, Journal, run_eval
 from .random_model import build, config_for
 from .variants import Variant, known_methods, parse_spec, split_specs
 
@@ -178,7 +178,10 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
     journal = Journal(out / "eval.cells.jsonl", key)
     started = time.time()
     cells = run_eval(loaded, tokenizer, spec, _progress("eval"), journal)
-    rows = [c.row() for c in [*cells, *_others(journal, cells)]]
+    # and the journal's cells under the same arguments that this run did not ask for (another run's variants or
+    # tasks into the same folder), so the folder's eval.csv and eval.json keep them
+    asked = {(c.task, c.context, c.variant.identity()) for c in cells}
+    rows = [c.row() for c in [*cells, *(cell for done, cell in journal.done().items() if done not in asked)]]
     rows = report.with_byte_shares(rows) if equal_bytes else rows
     columns = EVAL_COLUMNS + (("kv16_share",) if equal_bytes else ())
     finish(rows, columns, out, "eval", path, spec, started, [{**r, "result": report.result_text(r)} for r in rows])
@@ -188,13 +191,6 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
             click.echo(f"wrote {png}", err=True)
         if not pngs:
             click.echo("no plots: matplotlib is not installed (pip install 'veloxpatch[plot]')", err=True)
-
-
-def _others(journal: Journal, cells: list[Cell]) -> list[Cell]:
-    """The journal's cells under the same arguments that this run did not ask for (another run's variants or
-    tasks into the same folder), so the folder's eval.csv and eval.json keep them."""
-    asked = {(c.task, c.context, c.variant.identity()) for c in cells}
-    return [cell for key, cell in journal.done().items() if key not in asked]
 
 
 @click.command("bench")

@@ -164,7 +164,7 @@ def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec:
     else:
         out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, reading, **quant)]
     held = sharing.kv_bytes(caches)  # before the 16-bit count reads the state (H2O then folds its queued queries)
-    kv16 = _held_16_bit(caches, variant) if spec.equal_bytes else None
+    kv16 = equal_bytes_.held_bytes(caches) if spec.equal_bytes else None  # a plain run's: mlx_lm's full cache
     return Sample(_right(tokenizer, out, item), held, mx.get_peak_memory(), reading.peak, kv16)
 
 
@@ -212,7 +212,8 @@ def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, sp
     out = {r.variant: conversation(model, tokenizer, r.variant, item, spec, r.budget)
            for r in requests if r.mode == sharing.PLAIN}
     for r in sharing.run(model, tokens, [r for r in requests if r.mode != sharing.PLAIN], steps, spec.prefill_step):
-        kv16 = _held_16_bit(r.caches, r.request.variant) if spec.equal_bytes else None
+        # the full cache's rows alone, as mlx_lm's KVCache holds them (a shared prefill runs it as one of ours)
+        kv16 = equal_bytes_.held_bytes(r.caches, r.request.variant.method == "full") if spec.equal_bytes else None
         out[r.request.variant] = Sample(_right(tokenizer, r.tokens, item), r.kv_bytes, r.peak_bytes,
                                         r.read_peak_bytes, kv16)
         del r  # its caches let go before the next variant decodes (they would count in its peak)
@@ -263,18 +264,12 @@ def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.E
     out = {}
     for r in sharing.run(model, context, requests, 0, spec.prefill_step):
         variant = r.request.variant
-        kv16 = _held_16_bit(r.caches, variant)
+        kv16 = equal_bytes_.held_bytes(r.caches, dense=variant.method == "full")  # as retrievals counts it
         answer = _turn(model, tokenizer, question, r.caches, steps, spec, variant.generate_kwargs(KVLayout.of(model)))
         out[variant] = Sample(_right(tokenizer, answer, item), r.kv_bytes, max(r.peak_bytes, mx.get_peak_memory()),
                               r.read_peak_bytes, kv16)
         del r  # its caches let go before the next variant reads the context (they would count in its peak)
     return {v: out[v] for v in chosen}
-
-
-def _held_16_bit(caches: list[Any], variant: Variant) -> float:
-    """What ``caches`` hold as a 16-bit model's caches would; the full cache's rows alone, as mlx_lm's ``KVCache``
-    holds them (a shared prefill runs it as one of ours at a budget no prompt reaches)."""
-    return equal_bytes_.held_bytes(caches, dense=variant.method == "full")
 
 
 def _prompt(tokenizer: Any, item: Item) -> tuple[mx.array, int]:
