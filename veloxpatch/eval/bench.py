@@ -176,8 +176,7 @@ def _group(model: Any, prompt: mx.array, source: Variant, members: list[tuple[in
     held = sharing.kv_bytes(base)  # kept aside while a copy decodes: not the case's own
     for index, context, label, variant in members:
         def fresh() -> list[Any] | None:
-            """A copy to decode on; None for a prompt chunk short enough to be a decode step, or lists that do not
-            line up."""
+            """A copy to decode on; None where a prompt chunk could be a decode step, or the lists do not line up."""
             if how == sharing.OWN:
                 return copy.deepcopy(base)  # coordinators included (one deepcopy of the whole list)
             caches = sharing.transplant(base, variant.caches(model, context, spec.compress))

@@ -7,6 +7,7 @@ import platform
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +61,9 @@ def _methods(text: str) -> list[str]:
     return chosen
 
 
-def _progress(label: str):
-    def wrap(items: Iterator[Any], length: int) -> Iterator[Any]:
-        with click.progressbar(items, length=length, label=label, file=sys.stderr) as bar:
-            yield from bar
-
-    return wrap
+def _progress(label: str, items: Iterator[Any], length: int) -> Iterator[Any]:
+    with click.progressbar(items, length=length, label=label, file=sys.stderr) as bar:
+        yield from bar
 
 
 def prefill_step(option: int | None, model: str | None) -> int:
@@ -177,7 +175,7 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
         key.update(protocol=protocol, equal_bytes=equal_bytes)
     journal = Journal(out / "eval.cells.jsonl", key)
     started = time.time()
-    cells = run_eval(loaded, tokenizer, spec, _progress("eval"), journal)
+    cells = run_eval(loaded, tokenizer, spec, partial(_progress, "eval"), journal)
     # and the journal's cells under the same arguments that this run did not ask for (another run's variants or
     # tasks into the same folder), so the folder's eval.csv and eval.json keep them
     asked = {(c.task, c.context, c.variant.identity()) for c in cells}
@@ -229,7 +227,7 @@ def bench_command(model, random_model, contexts, budget, methods, new_tokens, re
     else:
         loaded, _, path = load_model(model)
     started = time.time()
-    rows = run_bench(loaded, spec, _progress("bench"))
+    rows = run_bench(loaded, spec, partial(_progress, "bench"))
     finish(rows, BENCH_COLUMNS, out, "bench", path, spec, started)
     click.echo(PEAK_NOTE)
 

@@ -337,9 +337,7 @@ def _check(model: Any, todo: dict[tuple[Any, ...], Variant]) -> dict[tuple[Any, 
 
 def _same(a: Result, b: Result) -> bool:
     """Equal greedy tokens and log-probabilities, KV bytes, and (both ours) equal cache states."""
-    if a.tokens != b.tokens or a.kv_bytes != b.kv_bytes:
-        return False
-    if not all(mx.array_equal(x, y).item() for x, y in zip(a.logprobs, b.logprobs)):
+    if a.tokens != b.tokens or a.kv_bytes != b.kv_bytes or not _state_equal(a.logprobs, b.logprobs):
         return False
     return b.request.variant.method == "full" or (
         len(a.caches) == len(b.caches) and all(_state_equal(x.state, y.state) for x, y in zip(a.caches, b.caches)))
