@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,11 +112,14 @@ def time_generation(model: Any, prompt: mx.array, caches: list[Any], spec: Bench
                   max(prefill_peak, decode_peak), prefill_peak, decode_peak, reading.peak), tokens
 
 
-def median_timing(run: Callable[[], tuple[Timing, list[int]]], repeats: int) -> tuple[Timing, list[int]]:
-    """Median of each figure over ``repeats`` runs, after one warm-up run; the last run's tokens."""
+def median_timing(run: Callable[[], tuple[Timing, list[int]]], repeats: int,
+                  low: Collection[str] = ()) -> tuple[Timing, list[int]]:
+    """Median of each figure over ``repeats`` runs, after one warm-up run (the figures in ``low``: the lower middle of
+    an even count, a run's own); the last run's tokens."""
     run()
     runs = [run() for _ in range(max(repeats, 1))]
-    return Timing(*(statistics.median(getattr(t, f) for t, _ in runs) for f in vars(runs[0][0]))), runs[-1][1]
+    return Timing(*((statistics.median_low if f in low else statistics.median)(getattr(t, f) for t, _ in runs)
+                    for f in vars(runs[0][0]))), runs[-1][1]
 
 
 def cases(spec: BenchSpec) -> list[tuple[int, str, Variant]]:
@@ -132,33 +135,26 @@ def measure(model: Any, spec: BenchSpec) -> Iterator[Measured]:
     """Every case of :func:`cases`, yielded as it finishes (not in row order when prefills are shared)."""
     all_cases = [(i, *case) for i, case in enumerate(cases(spec))]
     if not (spec.share_prefill and spec.compress == "end"):  # exact in ``end`` mode: chunk mode's prefill differs
-        for case in all_cases:
-            yield _plain(model, *case, spec)
+        yield from (_plain(model, *case, spec) for case in all_cases)
         return
     # a shared candidate is first checked against plain runs on a short prompt (see sharing); an own prefill
     # needs no check: it is the case's own plain prefill, and a deep copy of any cache list replays it
     layout = KVLayout.of(model)
-    candidates = [v for *_, v in all_cases if v.method in METHODS and sharing.candidate(v) == sharing.SHARED]
-    modes = sharing.modes(model, candidates)
-
-    def how(variant: Variant) -> str:
-        if variant.generate_kwargs(layout):
-            return sharing.PLAIN  # mlx_lm quantizes inside generate_step: its prefill is its own
-        return modes.get(variant, sharing.OWN)
-
+    modes = sharing.modes(model, [v for *_, v in all_cases if v.method in METHODS
+                                  and sharing.candidate(v) == sharing.SHARED])
+    # mlx_lm quantizes inside generate_step: its prefill is its own
+    how = {v: sharing.PLAIN if v.generate_kwargs(layout) else modes.get(v, sharing.OWN) for *_, v in all_cases}
     yield _plain(model, *all_cases[0], spec)  # vanilla at the budget's context: cheap
     for context in spec.contexts:
         here = [case for case in all_cases[1:] if case[1] == context]
         prompt = sharing.random_prompt(model, context)
-        groups = [(case[3], [case], sharing.OWN) for case in here if how(case[3]) == sharing.OWN]  # vanilla first
-        shared = [case for case in here if how(case[3]) == sharing.SHARED]
+        groups = [(case[3], [case], sharing.OWN) for case in here if how[case[3]] == sharing.OWN]  # vanilla first
+        shared = [case for case in here if how[case[3]] == sharing.SHARED]
         if shared:  # right after vanilla
             groups.insert(1, (Variant(sharing.SOURCE), shared, f"{sharing.SHARED}:{sharing.SOURCE}"))
         for source, members, label in groups:
             yield from _group(model, prompt, source, members, label, spec)
-        for case in here:
-            if how(case[3]) == sharing.PLAIN:
-                yield _plain(model, *case, spec)
+        yield from (_plain(model, *case, spec) for case in here if how[case[3]] == sharing.PLAIN)
 
 
 def _plain(model: Any, index: int, context: int, label: str, variant: Variant, spec: BenchSpec,
@@ -178,53 +174,39 @@ def _group(model: Any, prompt: mx.array, source: Variant, members: list[tuple[in
     base = source.caches(model, prompt.size, spec.compress, budget=None if how == sharing.OWN else sharing.HUGE)
     prefill = sharing.Prefill(model, prompt, base, spec.prefill_step)
     held = sharing.kv_bytes(base)  # kept aside while a copy decodes: not the case's own
-    last = prompt[-1:]
     for index, context, label, variant in members:
         def fresh() -> list[Any] | None:
+            """A copy to decode on; None where a prompt chunk could be a decode step, or the lists do not line up."""
             if how == sharing.OWN:
                 return copy.deepcopy(base)  # coordinators included (one deepcopy of the whole list)
-            return sharing.transplant(base, variant.caches(model, context, spec.compress))
+            caches = sharing.transplant(base, variant.caches(model, context, spec.compress))
+            return caches if caches is not None and prefill.untouched(caches) else None
 
-        caches = fresh()
-        if caches is None or (how != sharing.OWN and not prefill.untouched(caches)):
-            del caches  # a prompt chunk short enough to be a decode step, or lists that do not line up
-            yield _plain(model, index, context, label, variant, spec, held)
-            continue
-        time_generation(model, last, caches, spec, held, raw=True)  # warm-up
-        del caches
-        runs = []
-        for _ in range(max(spec.repeats, 1)):
+        def decode() -> tuple[Timing, list[int]]:
             caches = fresh()
             assert caches is not None  # made as the first one was, which was not None
-            timed, tokens = time_generation(model, last, caches, spec, held, raw=True)
-            runs.append(timed)
-            del caches
-        first_s = statistics.median(t.prefill_s for t in runs)
-        tok_s = statistics.median(t.decode_tok_s for t in runs)
-        kv = statistics.median_low(t.kv_bytes for t in runs)  # byte counts: a run's own (median of an odd count)
-        decode_peak = statistics.median_low(t.peak_bytes for t in runs)  # the whole decode's
-        timing = Timing(prefill.seconds + first_s, tok_s, kv, max(prefill.peak, decode_peak), prefill.peak, decode_peak,
-                        prefill.reading.peak)
+            return time_generation(model, prompt[-1:], caches, spec, held, raw=True)
+
+        if how != sharing.OWN and fresh() is None:
+            yield _plain(model, index, context, label, variant, spec, held)
+            continue
+        # byte counts: a run's own; peak_bytes: the whole decode's
+        decoded, tokens = median_timing(decode, spec.repeats, low=("kv_bytes", "peak_bytes"))
+        timing = Timing(prefill.seconds + decoded.prefill_s, decoded.decode_tok_s, decoded.kv_bytes,
+                        max(prefill.peak, decoded.peak_bytes), prefill.peak, decoded.peak_bytes, prefill.reading.peak)
         yield Measured(index, context, label, variant, timing, tokens, how)
 
 
 def run_bench(model: Any, spec: BenchSpec,
               progress: Callable[[Iterator[Any], int], Iterator[Any]] | None = None) -> list[dict[str, Any]]:
-    """One row per case (in :func:`cases` order), with decode speed and KV bytes relative to vanilla at the
-    same context."""
-    total = len(cases(spec))
-    found: dict[int, Measured] = {}
+    """One row per case (in :func:`cases` order), with decode speed, KV bytes and the reading's peak relative to
+    vanilla at the same context."""
+    steps = measure(model, spec)
     try:
-        steps = measure(model, spec)
-        for m in progress(steps, total) if progress else steps:
-            found[m.index] = m
+        found = {m.index: m for m in (progress(steps, len(cases(spec))) if progress else steps)}
     finally:
         veloxpatch.unpatch()
-    return with_ratios([found[i].row() for i in sorted(found)])
-
-
-def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Add decode and memory ratios against vanilla at the same context."""
+    rows = [found[i].row() for i in sorted(found)]
     vanilla = {r["context"]: r for r in rows if r["variant"] == "vanilla"}
     for r in rows:
         base = vanilla.get(r["context"])

@@ -7,6 +7,7 @@ import platform
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from ..registry import METHODS, cache_class
 from ..settings import ConfigError
 from . import report, tasks
 from .bench import LARGE_RANDOM, PEAK_NOTE, BenchSpec, run_bench
-from .harness import ALL_TASKS, TASKS, Cell, EvalSpec, Journal, run_eval
+from .harness import ALL_TASKS, TASKS, EvalSpec, Journal, run_eval
 from .random_model import build, config_for
 from .variants import Variant, known_methods, parse_spec, split_specs
 
@@ -60,12 +61,9 @@ def _methods(text: str) -> list[str]:
     return chosen
 
 
-def _progress(label: str):
-    def wrap(items: Iterator[Any], length: int) -> Iterator[Any]:
-        with click.progressbar(items, length=length, label=label, file=sys.stderr) as bar:
-            yield from bar
-
-    return wrap
+def _progress(label: str, items: Iterator[Any], length: int) -> Iterator[Any]:
+    with click.progressbar(items, length=length, label=label, file=sys.stderr) as bar:
+        yield from bar
 
 
 def prefill_step(option: int | None, model: str | None) -> int:
@@ -177,8 +175,11 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
         key.update(protocol=protocol, equal_bytes=equal_bytes)
     journal = Journal(out / "eval.cells.jsonl", key)
     started = time.time()
-    cells = run_eval(loaded, tokenizer, spec, _progress("eval"), journal)
-    rows = [c.row() for c in [*cells, *_others(journal, cells)]]
+    cells = run_eval(loaded, tokenizer, spec, partial(_progress, "eval"), journal)
+    # and the journal's cells under the same arguments that this run did not ask for (another run's variants or
+    # tasks into the same folder), so the folder's eval.csv and eval.json keep them
+    asked = {(c.task, c.context, c.variant.identity()) for c in cells}
+    rows = [c.row() for c in [*cells, *(cell for done, cell in journal.done().items() if done not in asked)]]
     rows = report.with_byte_shares(rows) if equal_bytes else rows
     columns = EVAL_COLUMNS + (("kv16_share",) if equal_bytes else ())
     finish(rows, columns, out, "eval", path, spec, started, [{**r, "result": report.result_text(r)} for r in rows])
@@ -188,13 +189,6 @@ def eval_command(model, task_list, contexts, budgets, methods, samples, seed, pr
             click.echo(f"wrote {png}", err=True)
         if not pngs:
             click.echo("no plots: matplotlib is not installed (pip install 'veloxpatch[plot]')", err=True)
-
-
-def _others(journal: Journal, cells: list[Cell]) -> list[Cell]:
-    """The journal's cells under the same arguments that this run did not ask for (another run's variants or
-    tasks into the same folder), so the folder's eval.csv and eval.json keep them."""
-    asked = {(c.task, c.context, c.variant.identity()) for c in cells}
-    return [cell for key, cell in journal.done().items() if key not in asked]
 
 
 @click.command("bench")
@@ -233,7 +227,7 @@ def bench_command(model, random_model, contexts, budget, methods, new_tokens, re
     else:
         loaded, _, path = load_model(model)
     started = time.time()
-    rows = run_bench(loaded, spec, _progress("bench"))
+    rows = run_bench(loaded, spec, partial(_progress, "bench"))
     finish(rows, BENCH_COLUMNS, out, "bench", path, spec, started)
     click.echo(PEAK_NOTE)
 

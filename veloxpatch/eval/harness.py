@@ -153,8 +153,8 @@ class Journal:
 def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec: EvalSpec,
                  budget: int | None = None) -> Sample:
     """The variant's :class:`Sample` of one example, on its own prefill (a follow-up's every turn on one cache list,
-    :func:`chat`); its peak memory is the run's since the caches were built (as :func:`asked_after` measures it: not
-    the equal-bytes calibration or the probe before)."""
+    :func:`chat`); its peak memory is the run's since the caches were built (as :func:`retrievals` measures a question
+    asked after its context: not the equal-bytes calibration or the probe before)."""
     tokens, steps = _prompt(tokenizer, item)
     quant = variant.generate_kwargs(KVLayout.of(model))  # mlx_lm's kv_bits arguments for its quantized cache
     caches = variant.caches(model, tokens.size, budget=budget)
@@ -164,7 +164,7 @@ def conversation(model: Any, tokenizer: Any, variant: Variant, item: Item, spec:
     else:
         out = [t for t, _ in sharing.whole(model, tokens, caches, steps, spec.prefill_step, reading, **quant)]
     held = sharing.kv_bytes(caches)  # before the 16-bit count reads the state (H2O then folds its queued queries)
-    kv16 = _held_16_bit(caches, variant) if spec.equal_bytes else None
+    kv16 = equal_bytes_.held_bytes(caches) if spec.equal_bytes else None  # a plain run's: mlx_lm's full cache
     return Sample(_right(tokenizer, out, item), held, mx.get_peak_memory(), reading.peak, kv16)
 
 
@@ -203,27 +203,35 @@ def _turn(model: Any, tokenizer: Any, tokens: mx.array, caches: list[Any], limit
 def retrievals(model: Any, tokenizer: Any, chosen: list[Variant], item: Item, spec: EvalSpec,
                budgets: Budgets) -> dict[Variant, Sample]:
     """Every chosen variant on one example, sharing prefills where that is exact (``sharing``); a follow-up
-    example's variants each on their own; a RULER example asked after its context under ``protocol="after"``."""
-    if spec.protocol == "after" and isinstance(item, ruler.Example) and not item.turns:
-        return asked_after(model, tokenizer, chosen, item, spec, budgets)
+    example's variants each on their own. Under ``protocol="after"``, the field's protocol (kvpress's leaderboard),
+    each variant's cache reads a RULER example's context alone, as a generation of no tokens, and compresses it as a
+    chat's first turn would leave it; then the question comes as the next turn on that cache. KV bytes are those held
+    once the prompt (or the context) is read."""
+    follow_up = isinstance(item, ruler.Example) and bool(item.turns)
     tokens, steps = _prompt(tokenizer, item)
-    shared = spec.share_prefill and not (isinstance(item, ruler.Example) and item.turns)
-    requests = _requests(model, chosen, shared, budgets, tokens.size)
-    out = {r.variant: conversation(model, tokenizer, r.variant, item, spec, r.budget)
-           for r in requests if r.mode == sharing.PLAIN}
-    for r in sharing.run(model, tokens, [r for r in requests if r.mode != sharing.PLAIN], steps, spec.prefill_step):
-        kv16 = _held_16_bit(r.caches, r.request.variant) if spec.equal_bytes else None
-        out[r.request.variant] = Sample(_right(tokenizer, r.tokens, item), r.kv_bytes, r.peak_bytes,
-                                        r.read_peak_bytes, kv16)
-        del r  # its caches let go before the next variant decodes (they would count in its peak)
-    return {v: out[v] for v in chosen}
-
-
-def _requests(model: Any, chosen: list[Variant], shared: bool, budgets: Budgets,
-              context: int) -> list[sharing.Request]:
-    """Each variant as a request on a prompt of ``context`` tokens, ``shared``: sharing a prefill where exact."""
+    question = None
+    if isinstance(item, ruler.Example) and spec.protocol == "after" and not follow_up:
+        tokens = mx.array(tokenizer.encode(item.context))
+        question = mx.array(tokenizer.encode(item.question, add_special_tokens=False))
+    shared = spec.share_prefill and not follow_up
     modes = sharing.plan(model, chosen) if shared else dict.fromkeys(chosen, sharing.PLAIN)
-    return [sharing.Request(v, budgets(v, context), modes[v]) for v in chosen]
+    requests = [sharing.Request(v, budgets(v, tokens.size), modes[v]) for v in chosen]
+    out = {r.variant: conversation(model, tokenizer, r.variant, item, spec, r.budget)
+           for r in requests if r.mode == sharing.PLAIN and question is None}
+    for r in sharing.run(model, tokens, [r for r in requests if r.variant not in out],
+                         steps if question is None else 0, spec.prefill_step):
+        variant = r.request.variant
+        counted = spec.equal_bytes or question is not None
+        # the full cache's rows alone, as mlx_lm's KVCache holds them (a shared prefill runs it as one of ours)
+        kv16 = equal_bytes_.held_bytes(r.caches, variant.method == "full") if counted else None
+        answer, peak = r.tokens, r.peak_bytes
+        if question is not None:  # the next turn on the caches; the peak the run's since they were built
+            quant = variant.generate_kwargs(KVLayout.of(model))
+            answer = _turn(model, tokenizer, question, r.caches, steps, spec, quant)
+            peak = max(peak, mx.get_peak_memory())
+        out[variant] = Sample(_right(tokenizer, answer, item), r.kv_bytes, peak, r.read_peak_bytes, kv16)
+        del r  # its caches let go before the next variant reads the prompt (they would count in its peak)
+    return {v: out[v] for v in chosen}
 
 
 class Budgets:
@@ -248,33 +256,6 @@ class Budgets:
         if key not in self.lines:
             self.lines[key] = equal_bytes_.budget_line(self.model, variant)
         return self.lines[key](variant.share * self.per_token * context)
-
-
-def asked_after(model: Any, tokenizer: Any, chosen: list[Variant], item: ruler.Example, spec: EvalSpec,
-                budgets: Budgets) -> dict[Variant, Sample]:
-    """The field's protocol (kvpress's leaderboard): each variant's cache reads the context alone, as a
-    generation of no tokens, and compresses it as a chat's first turn would leave it; then the question comes as
-    the next turn on that cache. KV bytes are those held once the context is read. The context's prefill is
-    shared where that is exact, as :func:`retrievals` shares a prompt's."""
-    context = mx.array(tokenizer.encode(item.context))
-    question = mx.array(tokenizer.encode(item.question, add_special_tokens=False))
-    steps = _steps(tokenizer, item)
-    requests = _requests(model, chosen, spec.share_prefill, budgets, context.size)
-    out = {}
-    for r in sharing.run(model, context, requests, 0, spec.prefill_step):
-        variant = r.request.variant
-        kv16 = _held_16_bit(r.caches, variant)
-        answer = _turn(model, tokenizer, question, r.caches, steps, spec, variant.generate_kwargs(KVLayout.of(model)))
-        out[variant] = Sample(_right(tokenizer, answer, item), r.kv_bytes, max(r.peak_bytes, mx.get_peak_memory()),
-                              r.read_peak_bytes, kv16)
-        del r  # its caches let go before the next variant reads the context (they would count in its peak)
-    return {v: out[v] for v in chosen}
-
-
-def _held_16_bit(caches: list[Any], variant: Variant) -> float:
-    """What ``caches`` hold as a 16-bit model's caches would; the full cache's rows alone, as mlx_lm's ``KVCache``
-    holds them (a shared prefill runs it as one of ours at a budget no prompt reaches)."""
-    return equal_bytes_.held_bytes(caches, dense=variant.method == "full")
 
 
 def _prompt(tokenizer: Any, item: Item) -> tuple[mx.array, int]:

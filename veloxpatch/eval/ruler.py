@@ -179,13 +179,8 @@ def _single(name: str, new_key: Callable[[random.Random], str], value: Callable[
     def generate(tokenizer: Any, context: int, seed: int, split: str = "heldout") -> Example:
         rng = random.Random(name.format(split=split, seed=seed))
         key, answer = new_key(rng), value(rng)
-
-        def line(r: random.Random) -> tuple[str, str]:
-            k = new_key(r)
-            return k, _needle(kind, k, value(r))
-
         prompt, _, at = _build(tokenizer, context, f"{rng.random()}", [(_needle(kind, key, answer), rng.random())],
-                               *_asked(kind, key), hay(split) if hay else needles_hay(line, key))
+                               *_asked(kind, key), hay(split) if hay else needles_hay(new_key, value, kind, key))
         return Example(prompt, answer, (answer,), question_at=at)
 
     return generate
@@ -207,13 +202,15 @@ def niah_multikey(tokenizer: Any, context: int, seed: int, split: str = "heldout
     return Example(prompt, numbers[asked], (numbers[asked],), others, question_at=at)
 
 
-def needles_hay(line: Callable[[random.Random], tuple[str, str]], skip: str) -> Hay:
-    """A haystack made of needles for other keys (RULER's niah_multikey_2 and _3): ``line(rng)`` gives a key and its
-    needle; ``skip``, the asked key, never appears."""
+def needles_hay(new_key: Callable[[random.Random], str], value: Callable[[random.Random], str], kind: str,
+                skip: str) -> Hay:
+    """A haystack made of ``kind`` needles for other keys (RULER's niah_multikey_2 and _3), each a key and a value
+    drawn by ``new_key`` and ``value``; ``skip``, the asked key, never appears."""
     def hay(n_chars: int, rng: random.Random) -> str:
         out, size, seen = [], 0, {skip}
         while size < n_chars:
-            key, text = line(rng)
+            key = new_key(rng)
+            text = _needle(kind, key, value(rng))
             if key not in seen:
                 seen.add(key)
                 out.append(text)
@@ -246,20 +243,15 @@ def niah_multiquery(tokenizer: Any, context: int, seed: int, split: str = "heldo
     return _all_numbers(tokenizer, context, rng, words, ", ".join(words[:-1]) + f" and {words[-1]}", split)
 
 
-def _names(rng: random.Random, n: int) -> list[str]:
-    """``n`` distinct five-letter upper-case variable names."""
-    names: set[str] = set()
-    while len(names) < n:
-        names.add("".join(rng.choice(LETTERS) for _ in range(5)))
-    return sorted(sorted(names), key=lambda _: rng.random())  # a set's order changes with each process's hash seed
-
-
 def vt(tokenizer: Any, context: int, seed: int, split: str = "heldout", hops: int = 4, decoys: int = 1) -> Example:
     """Variable tracking: chains ``VAR A = value``, ``VAR B = VAR A`` ...; the asked chain's variables are the answer.
 
     Decoy chains start from other values, so copying every ``VAR`` name is wrong."""
     rng = random.Random(f"vt/{split}/{seed}")
-    names = _names(rng, (hops + 1) * (decoys + 1))
+    drawn: set[str] = set()  # distinct five-letter upper-case variable names
+    while len(drawn) < (hops + 1) * (decoys + 1):
+        drawn.add("".join(rng.choice(LETTERS) for _ in range(5)))
+    names = sorted(sorted(drawn), key=lambda _: rng.random())  # a set's order changes with each process's hash seed
     chains = [names[i * (hops + 1):(i + 1) * (hops + 1)] for i in range(decoys + 1)]
     values = [random_key(rng, 5) for _ in chains]
     depths = iter(_depths(rng, len(names)))

@@ -103,17 +103,13 @@ class Reading:
 
 
 def fresh_reading() -> Reading:
-    """The :class:`Reading` of a run about to start, its peak its own."""
-    reset_peak()
-    return Reading()
-
-
-def reset_peak() -> None:
-    """Earlier runs' garbage collected (a cache list with a coordinator is a cycle, which only the collector frees:
-    left, it counted in the next run's peak), mlx's buffer cache emptied and its peak reset."""
+    """The :class:`Reading` of a run about to start, its peak its own: earlier runs' garbage collected (a cache list
+    with a coordinator is a cycle, which only the collector frees: left, it counted in the next run's peak), mlx's
+    buffer cache emptied and its peak reset."""
     gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
+    return Reading()
 
 
 def random_prompt(model: Any, size: int) -> mx.array:
@@ -123,10 +119,8 @@ def random_prompt(model: Any, size: int) -> mx.array:
 
 def candidate(variant: Variant) -> str:
     """The mode the declared rule gives a variant (before :func:`modes` checks it)."""
-    if variant.method == "full":
-        return SHARED
     if variant.method not in METHODS:
-        return PLAIN
+        return SHARED if variant.method == "full" else PLAIN
     return SHARED if variant.method in PROMPT_STATE else OWN
 
 
@@ -254,7 +248,6 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
     """One prefill into ``base``, then each member decoded on its own copy (the last on ``base`` itself when
     it can be)."""
     prefill = Prefill(model, tokens, base, step)
-    last = tokens[-1:]
     for i, r in enumerate(members):
         v = r.variant
         caches: list[Any] | None
@@ -268,8 +261,8 @@ def _group(model: Any, tokens: mx.array, base: list[Any], members: list[Request]
         if caches is None or (v.method != "full" and not prefill.untouched(caches)):
             yield _plain(model, tokens, r, max_tokens, step, held)
             continue
-        reset_peak()
-        pairs = whole(model, last, caches, max_tokens, step, raw=True)
+        fresh_reading()
+        pairs = whole(model, tokens[-1:], caches, max_tokens, step, raw=True)
         peak = max(prefill.peak, mx.get_peak_memory() - held)
         yield Result(r, [t for t, _ in pairs], [p for _, p in pairs], caches,
                      kv_bytes(caches, dense=v.method == "full"), peak, prefill.reading.peak)
@@ -314,28 +307,23 @@ def plan(model: Any, chosen: list[Variant]) -> dict[Variant, str]:
 
 
 def _check(model: Any, todo: dict[tuple[Any, ...], Variant]) -> dict[tuple[Any, ...], str]:
-    if not todo:
-        return {}
     tokens = random_prompt(model, PROBE_PROMPT)
 
     def budgets(v: Variant) -> tuple[int, ...]:
         return (HUGE,) if v.method == "full" else PROBE_BUDGETS
 
-    expected = {(key, b): _plain(model, tokens, Request(v, b, PLAIN), PROBE_DECODE, PROBE_STEP)
-                for key, v in todo.items() for b in budgets(v)}
+    expected = {(v, b): _plain(model, tokens, Request(v, b, PLAIN), PROBE_DECODE, PROBE_STEP)
+                for v in todo.values() for b in budgets(v)}
     found: dict[tuple[Any, ...], str] = {}
     trying = {key: candidate(v) for key, v in todo.items()}
     while trying:
         requests = [Request(todo[key], b, m) for key, m in trying.items() for b in budgets(todo[key])]
-        failed = set()
-        for got in run(model, tokens, requests, PROBE_DECODE, PROBE_STEP):
-            key = (id(model), got.request.variant.method, got.request.variant.knobs)
-            if not _same(expected[key, got.request.budget], got):
-                failed.add(key)
+        failed = {got.request.variant for got in run(model, tokens, requests, PROBE_DECODE, PROBE_STEP)
+                  if not _same(expected[got.request.variant, got.request.budget], got)}
         retry = {}
         for key, m in trying.items():
             name = todo[key].name
-            if key not in failed:
+            if todo[key] not in failed:
                 found[key] = m
                 if m != candidate(todo[key]):
                     log.warning("eval: %s differs when it takes over a shared prefill; it gets its own", name)
@@ -350,9 +338,7 @@ def _check(model: Any, todo: dict[tuple[Any, ...], Variant]) -> dict[tuple[Any, 
 
 def _same(a: Result, b: Result) -> bool:
     """Equal greedy tokens and log-probabilities, KV bytes, and (both ours) equal cache states."""
-    if a.tokens != b.tokens or a.kv_bytes != b.kv_bytes:
-        return False
-    if not all(mx.array_equal(x, y).item() for x, y in zip(a.logprobs, b.logprobs)):
+    if a.tokens != b.tokens or a.kv_bytes != b.kv_bytes or not _state_equal(a.logprobs, b.logprobs):
         return False
     return b.request.variant.method == "full" or (
         len(a.caches) == len(b.caches) and all(_state_equal(x.state, y.state) for x, y in zip(a.caches, b.caches)))

@@ -131,11 +131,10 @@ def passkey_example(tokenizer_or_len_fn: TokenizerOrLenFn, context_tokens: int, 
     key = random_key(rng, n_digits)
     depth = rng.random() if depth is None else depth
     fill_rng_state = rng.getstate()
-    needle = PASSKEY_NEEDLE.format(key=key)
 
     def build(n_chars: int) -> str:
         body = filler(n_chars, random.Random(str(fill_rng_state)), split)
-        return _insert_at_depth(body, needle, depth) + PASSKEY_QUESTION
+        return _insert_at_depth(body, PASSKEY_NEEDLE.format(key=key), depth) + PASSKEY_QUESTION
 
     return _fit(build, context_tokens, tokenizer_or_len_fn), " " + key
 

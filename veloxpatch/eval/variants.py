@@ -121,8 +121,12 @@ def parse_spec(spec: str) -> tuple[str, Knobs]:
         if not equals:
             raise ValueError(f"{spec!r}: {part.strip()!r} is not KNOB=VALUE")
         given[name] = value
-    if method == "quantized":
-        return method, _quantized_bits(spec, given)
+    if method == "quantized":  # mlx_lm's quantized cache at a width of the user's choosing, whatever the share
+        bits = given.get("bits", "")  # (whose column it is reported in); else the share picks among the usual widths
+        if set(given) != {"bits"} or not bits.isdigit() or int(bits) not in MLX_BITS:
+            raise ValueError(f"{spec!r}: the quantized variant takes one knob, bits, one of "
+                             f"{', '.join(map(str, MLX_BITS))}")
+        return method, (("bits", int(bits)),)
     if method not in METHODS:
         raise ValueError(f"{spec!r}: only compression methods and quantized[bits=N] have knobs")
     settings = {**_settings(method, given), **GENERAL}
@@ -139,16 +143,6 @@ def _plain(value: Any) -> Any:
     parses back to it."""
     plain = value is None or isinstance(value, (bool, int, float, str)) and not isinstance(value, BytesShare)
     return value if plain else str(value)
-
-
-def _quantized_bits(spec: str, given: dict[str, str]) -> Knobs:
-    """``quantized[bits=N]``: mlx_lm's quantized cache at a width of the user's choosing, whatever the share
-    (whose column it is reported in); without it the share picks among mlx_lm's usual widths."""
-    value = given.get("bits", "")
-    if set(given) != {"bits"} or not value.isdigit() or int(value) not in MLX_BITS:
-        widths = ", ".join(map(str, MLX_BITS))
-        raise ValueError(f"{spec!r}: the quantized variant takes one knob, bits, one of {widths}")
-    return (("bits", int(value)),)
 
 
 @dataclass(frozen=True)
@@ -169,15 +163,11 @@ class Variant:
     @property
     def name(self) -> str:
         """The method with its knob overrides, as written on the command line: ``snapkv[kernel=15]``."""
-        if not self.knobs:
-            return self.method
-        return f"{self.method}[{','.join(f'{k}={v}' for k, v in self.knobs)}]"
+        return f"{self.method}[{','.join(f'{k}={v}' for k, v in self.knobs)}]" if self.knobs else self.method
 
     def budget(self, context: int) -> int:
         """Rows this variant may keep of ``context`` tokens: at least sink + window."""
-        if self.method == "full":
-            return context
-        return max(round(self.share * context), PROTECTED)
+        return context if self.method == "full" else max(round(self.share * context), PROTECTED)
 
     def knob_values(self) -> dict[str, Any]:
         """Every knob that reaches this variant's caches, defaults included: what a journal matches besides the

@@ -183,8 +183,7 @@ def support_table(types: list[str] | None = None) -> str:
     methods = sorted(METHODS)
     lines = ["| model type | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
     for model_type in types or model_types():
-        reason = unbuildable(model_type)
-        if reason:
+        if reason := unbuildable(model_type):
             cells = [f"not built: {reason}"] * len(methods)
         else:  # probed under a temporary patch
             model = build(small_config(model_type))
