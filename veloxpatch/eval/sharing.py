@@ -203,8 +203,8 @@ def transplant(source: list[Any], target: list[Any]) -> list[Any] | None:
                 if window:
                     t.memory = copy.copy(s.memory)  # its queries are replaced, never written in place
                 t.offset, t.evicted = s.offset, s.evicted
-                if hasattr(t, "reading"):  # a prompt was read: the next decode-sized step takes the snapshot
-                    t.reading = getattr(s, "reading", True)
+                if hasattr(t, "prompt_open"):  # a prompt was read: the next decode-sized step takes the snapshot
+                    t.prompt_open = getattr(s, "prompt_open", True)
         elif type(s) is type(t) and not isinstance(s, CompressedKVCache):
             out[i] = copy.deepcopy(s, memo)
         else:
