@@ -8,7 +8,7 @@ import pytest
 
 from veloxpatch.caches.crosslayer import CrossLayerCache
 from veloxpatch.caches.evicting import EvictingCache
-from veloxpatch.registry import METHODS, cache_class, knob_settings, method, policies
+from veloxpatch.registry import METHODS, cache_class, knob_settings, method, name_of, policies
 from veloxpatch.settings import Setting, int_range
 
 BUILTIN = {"chunkkv", "expected_attention", "h2o", "minicache", "pyramidkv", "quant", "snapkv", "squeeze",
@@ -28,6 +28,18 @@ def test_every_module_of_the_methods_package_is_found_and_the_policies_are_those
     assert set(METHODS) == BUILTIN
     assert policies() == ("h2o", "snapkv", "streamingllm", "tova")
     assert cache_class("pyramidkv").policy_class is cache_class("snapkv").policy_class, "built on SnapKV, by id"
+
+
+def test_a_cache_is_named_by_its_class_or_the_nearest_registered_base_without_the_class_being_changed(
+        forget: list[str]) -> None:
+    snapkv = cache_class("snapkv")
+    assert "method" not in vars(snapkv), "the registry leaves the class it registers as it was written"
+    assert name_of(object.__new__(snapkv)) == "snapkv"
+    assert name_of(object.__new__(type("Narrower", (snapkv,), {}))) == "snapkv", "an unregistered subclass"
+    forget.append("narrow")
+    method("narrow", "test")(narrow := type("NarrowCache", (snapkv,), {}))
+    assert name_of(object.__new__(narrow)) == "narrow", "registered itself: its own name, not its base's"
+    assert name_of(object.__new__(type("Loose", (EvictingCache,), {}))) == "", "no registered class among its bases"
 
 
 def test_a_class_offered_as_a_policy_must_have_one(forget: list[str]) -> None:

@@ -148,9 +148,10 @@ def cache_class(name: str) -> type[Any]:
 
 
 def name_of(cache: Any) -> str:
-    """The method ``cache`` is a cache of: the name its class (or the nearest base registered) has in the table."""
+    """The method ``cache`` is a cache of: the name its class (or the nearest base registered) has in the table, ``""``
+    for a class none of whose bases is registered."""
     names = {info.cls: name for name, info in METHODS.items()}
-    return next(names[kind] for kind in type(cache).__mro__ if kind in names)
+    return next((names[kind] for kind in type(cache).__mro__ if kind in names), "")
 
 
 def policies() -> tuple[str, ...]:
