@@ -132,8 +132,7 @@ def write_folder(gguf_path: Path, target: Path, quantized: bool = False) -> Path
 def cache_root() -> Path:
     """``$XDG_CACHE_HOME/veloxpatch`` (unless empty or relative, as the XDG spec says), else ``~/.cache``'s."""
     base = os.environ.get("XDG_CACHE_HOME", "")
-    root = Path(base) if base and Path(base).is_absolute() else Path.home() / ".cache"
-    return root / "veloxpatch"
+    return (Path(base) if base and Path(base).is_absolute() else Path.home() / ".cache") / "veloxpatch"
 
 
 def sha256_of(path: Path) -> str:

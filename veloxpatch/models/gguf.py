@@ -34,8 +34,16 @@ def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """The file's tensors (quantized triples where mlx reads them, else dense float32) and metadata."""
     try:
         from gguf import GGUFReader
-    except ImportError:
-        return _read_with_mlx_alone(path)
+    except ImportError:  # without the ``gguf`` package: mlx's reading, where it cannot be wrong
+        try:
+            weights, metadata = _mlx_load(path)
+        except (RuntimeError, ValueError) as error:
+            raise GGUFError(f"{path} has tensor types mlx cannot read ({error}); "
+                            f"the gguf package can: {INSTALL}") from None
+        if any(w.dtype == mx.float16 for w in weights.values()):
+            raise GGUFError(f"{path} has float16 or K-quant tensors, which mlx returns alike, and some K-quants "
+                            f"(Q4_K) wrongly; the gguf package reads them exactly: {INSTALL}")
+        return weights, metadata
     if {t.tensor_type.name for t in GGUFReader(str(path)).tensors} <= MLX_KEEPS:
         return _mlx_load(path)
     return read_with_gguf(path)
@@ -47,18 +55,6 @@ def _mlx_load(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     return loaded[0], loaded[1]
 
 
-def _read_with_mlx_alone(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
-    """Without the ``gguf`` package: mlx's reading, where it cannot be wrong."""
-    try:
-        weights, metadata = _mlx_load(path)
-    except (RuntimeError, ValueError) as error:
-        raise GGUFError(f"{path} has tensor types mlx cannot read ({error}); the gguf package can: {INSTALL}") from None
-    if any(w.dtype == mx.float16 for w in weights.values()):
-        raise GGUFError(f"{path} has float16 or K-quant tensors, which mlx returns alike, and some K-quants (Q4_K) "
-                        f"wrongly; the gguf package reads them exactly: {INSTALL}")
-    return weights, metadata
-
-
 def read_with_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """Every tensor dequantized to float32 and the metadata, through the ``gguf`` package."""
     from gguf import GGUFReader
@@ -66,8 +62,7 @@ def read_with_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
 
     reader = GGUFReader(str(path))
     weights = {t.name: mx.array(dequantize(t.data, t.tensor_type)) for t in reader.tensors}
-    metadata = {name: _value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
-    return weights, metadata
+    return weights, {name: _value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
 def _value(field: Any) -> Any:
@@ -105,8 +100,7 @@ def mlx_lm_name(gguf_name: str, arch: Architecture) -> str:
 def unpermute_rotary(rows: mx.array, heads: int) -> mx.array:
     """Undo llama.cpp's q/k row order, which interleaves each head's two rotary halves (rows 0, d/2, 1, ...);
     only whole rows move, so packed/scales/biases rows work alike."""
-    out_features = rows.shape[0]
-    grouped = rows.reshape(heads, out_features // heads // 2, 2, *rows.shape[1:])
+    grouped = rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:])  # rows: the out features
     return grouped.swapaxes(1, 2).reshape(rows.shape)
 
 
@@ -143,11 +137,9 @@ def quantization_config(tensors: dict[str, dict[str, mx.array]], arch: Architect
         raise GGUFError("this GGUF has no matrices mlx keeps quantized (its K-quants are dequantized on reading): "
                         "convert it dense, then quantize the folder with `python -m mlx_lm convert -q`")
     default = Counter(bits.values()).most_common(1)[0][0]
-    config: dict[str, Any] = {"group_size": GGUF_GROUP_SIZE, "bits": default}
-    for path, width in sorted(bits.items()):
-        if width != default:
-            config[path] = {"group_size": GGUF_GROUP_SIZE, "bits": width}
-    return config
+    others = {path: {"group_size": GGUF_GROUP_SIZE, "bits": width} for path, width in sorted(bits.items())
+              if width != default}
+    return {"group_size": GGUF_GROUP_SIZE, "bits": default, **others}
 
 
 def convert(weights: dict[str, mx.array], metadata: dict[str, Any],
@@ -162,8 +154,6 @@ def convert(weights: dict[str, mx.array], metadata: dict[str, Any],
     config = arch.config(metadata, "output" not in tensors)
     if quantized:
         config["quantization"] = quantization_config(tensors, arch)
-    converted = {}
-    for base, parts in tensors.items():
-        arrays = convert_tensor(base, parts, arch, config, quantized)
-        converted.update({mlx_lm_name(base, arch) + suffix: a for suffix, a in arrays.items()})
+    converted = {mlx_lm_name(base, arch) + suffix: a for base, parts in tensors.items()
+                 for suffix, a in convert_tensor(base, parts, arch, config, quantized).items()}
     return converted, config

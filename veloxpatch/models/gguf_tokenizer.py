@@ -23,22 +23,6 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
                r"|\s+(?!\S)|\s+")
 
 
-def _pre_tokenizer(name: str) -> Any:
-    """The pre-tokenizer llama.cpp calls ``name``."""
-    from tokenizers import Regex, pre_tokenizers
-
-    if name == "qwen2":
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if name == "smollm":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if name in ("gpt2", "default"):
-        return byte_level
-    raise ValueError(f"tokenizer.ggml.pre is {name!r}; supported: smollm, qwen2, gpt2, default")
-
-
 def build_tokenizer(metadata: dict[str, Any]) -> Any:
     """A ``tokenizers.Tokenizer`` from ``tokenizer.ggml.*``, with the file's added tokens and its BOS if it asks."""
     from tokenizers import AddedToken
@@ -69,15 +53,25 @@ def _flag(metadata: dict[str, Any], name: str, default: bool) -> bool:
 
 
 def _byte_level(metadata: dict[str, Any], tokens: list[str]) -> Any:
-    from tokenizers import Tokenizer, decoders, normalizers
+    """Byte-level BPE, split into words by the pre-tokenizer llama.cpp calls ``tokenizer.ggml.pre``."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
     merges = [tuple(m.split(" ")) for m in metadata["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     pre = metadata.get("tokenizer.ggml.pre", "default")
-    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre == "qwen2":
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tokenizer.normalizer = normalizers.NFC()  # as Qwen2's own tokenizer.json
+    elif pre == "smollm":
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in ("gpt2", "default"):
+        tokenizer.pre_tokenizer = byte_level
+    else:
+        raise ValueError(f"tokenizer.ggml.pre is {pre!r}; supported: smollm, qwen2, gpt2, default")
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
@@ -105,8 +99,7 @@ def _sentencepiece(metadata: dict[str, Any], tokens: list[str], types: list[int]
     if _flag(metadata, "add_space_prefix", True):
         raise ValueError("tokenizer.ggml.add_space_prefix is true (or absent: SentencePiece's default); only "
                          "SentencePiece tokenizers without the space prefix (Gemma's) are supported")
-    scores = metadata["tokenizer.ggml.scores"].tolist()
-    merges = sentencepiece_merges(tokens, scores, types)
+    merges = sentencepiece_merges(tokens, metadata["tokenizer.ggml.scores"].tolist(), types)
     unknown = tokens[metadata["tokenizer.ggml.unknown_token_id"].item()]
     tokenizer = Tokenizer(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token=unknown,
                               byte_fallback=True, fuse_unk=True))
