@@ -102,20 +102,19 @@ class ChunkKV(Policy):
 
     def _leaders_rows(self, cache: EvictingCache, keep: int, what: str) -> mx.array | None:
         """The rows holding the positions this block's leader chose in this forward, or None (said once)."""
-        coordinator = cache.coordinator
-        chosen = None if coordinator is None else coordinator.latest(topic(cache.layer, self.reuse, what))
+        chosen = None if cache.coordinator is None else cache.coordinator.latest(topic(cache.layer, self.reuse, what))
         positions = cache.store.row_positions()
         if chosen is None:
-            _fallback("its leader layer did not compress in this forward")
-            return None
-        if tuple(chosen.shape) != (*positions.shape[:2], keep):
-            _fallback("its leader's choice has another shape (batch, KV heads or budget differ)")
-            return None
-        rows = rows_of(positions, chosen, cache.offset)
-        if not bool((rows >= 0).all().item()):
-            _fallback("its leader kept positions it does not hold")
-            return None
-        return rows
+            reason = "its leader layer did not compress in this forward"
+        elif tuple(chosen.shape) != (*positions.shape[:2], keep):
+            reason = "its leader's choice has another shape (batch, KV heads or budget differ)"
+        elif not bool(((rows := rows_of(positions, chosen, cache.offset)) >= 0).all().item()):
+            reason = "its leader kept positions it does not hold"
+        else:
+            return rows
+        once(f"chunkkv reuse: {reason}", logging.INFO,
+             f"chunkkv: a follower layer chose its own chunks because {reason} (said once)")
+        return None
 
 
 def rows_of(positions: mx.array, wanted: mx.array, seen: int) -> mx.array:
@@ -133,11 +132,6 @@ def rows_of(positions: mx.array, wanted: mx.array, seen: int) -> mx.array:
     own_hole = mx.take_along_axis(holes, mx.clip(nth, 0, rows - 1), axis=-1)
     enough = nth < (positions < 0).sum(axis=-1, keepdims=True)
     return mx.sort(mx.where(hole, mx.where(enough, own_hole, -1), found), axis=-1)
-
-
-def _fallback(reason: str) -> None:
-    once(f"chunkkv reuse: {reason}", logging.INFO,
-         f"chunkkv: a follower layer chose its own chunks because {reason} (said once)")
 
 
 @method("chunkkv", "Window attention summed over chunks of consecutive tokens; whole chunks kept, per KV head.",
