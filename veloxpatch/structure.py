@@ -104,9 +104,11 @@ def _plain(obj: Any) -> tuple[tuple[str, Any], ...]:
     items = list(vars(obj).items()) if hasattr(obj, "__dict__") else []
     if isinstance(obj, dict):  # an mlx module keeps its lists and tuples in itself, not in __dict__
         items += obj.items()
-    plain = [(name, tuple(v) if isinstance(v, list) else v) for name, v in items if isinstance(v, _PLAIN)
-             or (isinstance(v, (tuple, list)) and all(isinstance(each, _PLAIN) for each in v))]
-    return tuple(sorted(plain))
+    return tuple(sorted((name, tuple(v) if isinstance(v, list) else v) for name, v in items if _is_plain(v)))
+
+
+def _is_plain(value: Any) -> bool:
+    return isinstance(value, _PLAIN) or (isinstance(value, (tuple, list)) and all(isinstance(v, _PLAIN) for v in value))
 
 
 def shortened(model: Any, length: int) -> Any:

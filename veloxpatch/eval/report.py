@@ -42,9 +42,12 @@ def with_byte_shares(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows with ``kv16_share``: their 16-bit KV bytes over the full cache's in the same (task, context), where both
     were measured (``veloxpatch eval --equal-bytes``)."""
     full = {(r["task"], r["context"]): r.get("kv16_bytes") for r in rows if r["label"] == "full"}
-    wholes = [full.get((r["task"], r["context"])) for r in rows]
-    return [{**r, "kv16_share": r["kv16_bytes"] / whole if whole and r.get("kv16_bytes") is not None else None}
-            for r, whole in zip(rows, wholes)]
+    out = []
+    for r in rows:
+        whole = full.get((r["task"], r["context"]))
+        share = r["kv16_bytes"] / whole if whole and r.get("kv16_bytes") is not None else None
+        out.append({**r, "kv16_share": share})
+    return out
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
