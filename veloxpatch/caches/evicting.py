@@ -88,34 +88,30 @@ class Snapshot:
         self.log = copy.copy(cache.log)
 
     def restore(self, cache: EvictingCache) -> None:
-        """Put the cache back as the prompt left it; the snapshot is used up (they share arrays again)."""
+        """Put the cache back as the prompt left it; the snapshot is used up (they share arrays again). A tier is
+        rebuilt as the prompt left it rather than copied (it is most of what a cache holds): without a memory target
+        nothing seen since is lost, only moved, so it is every row held now from before the prompt's end that the
+        snapshot's store does not hold (rows of the store now are tiered again)."""
         if cache.tier is not None:
-            cache.tier = self._tier_then(cache)
+            kept = self.store.row_positions()
+            seen = marked((*kept.shape[:2], self.offset + 1), mx.where(kept < 0, self.offset, kept))
+
+            def then(positions: mx.array) -> mx.array:  # the positions of rows the prompt's tier held; -1 elsewhere
+                inside = (positions >= 0) & (positions < self.offset)
+                stored = mx.take_along_axis(seen, mx.where(inside, positions, self.offset), axis=-1)
+                return mx.where(inside & ~stored, positions, -1)
+
+            tier = Tier(cache.tier.bits)
+            if cache.tier.rows:
+                keys, values, positions = cache.tier.store.state
+                tier.load((keys, values, then(positions)), cache.tier.store.group_size)
+                tier.store.columns = cache.tier.store.columns
+            if cache.store.rows:
+                tier.take(*cache.store.fetch(), then(cache.store.row_positions()), cache.store.full_columns())
+            cache.tier = tier
         cache.offset, cache.evicted = self.offset, self.evicted
         cache.store, cache.memory, cache.policy, cache.log = self.store, self.memory, self.policy, self.log
         cache.snapshot = None
-
-    def _tier_then(self, cache: EvictingCache) -> Tier:
-        """The tier as the prompt left it, rebuilt rather than copied (it is most of what a cache holds): without a
-        memory target nothing seen since is lost, only moved, so it is every row held now from before the prompt's
-        end that the snapshot's store does not hold (rows of the store now are tiered again)."""
-        assert cache.tier is not None, "restored with a tier only"
-        kept = self.store.row_positions()
-        seen = marked((*kept.shape[:2], self.offset + 1), mx.where(kept < 0, self.offset, kept))
-
-        def then(positions: mx.array) -> mx.array:  # the positions of rows the prompt's tier held; -1 elsewhere
-            inside = (positions >= 0) & (positions < self.offset)
-            stored = mx.take_along_axis(seen, mx.where(inside, positions, self.offset), axis=-1)
-            return mx.where(inside & ~stored, positions, -1)
-
-        tier = Tier(cache.tier.bits)
-        if cache.tier.rows:
-            keys, values, positions = cache.tier.store.state
-            tier.load((keys, values, then(positions)), cache.tier.store.group_size)
-            tier.store.columns = cache.tier.store.columns
-        if cache.store.rows:
-            tier.take(*cache.store.fetch(), then(cache.store.row_positions()), cache.store.full_columns())
-        return tier
 
     def nbytes(self, cache: EvictingCache) -> int:
         """Bytes it holds that the cache does not (its queries, rows and log once the cache has moved past them)."""
@@ -294,25 +290,21 @@ class EvictingCache(CompressedKVCache):
         keys, values = self.store.fetch()
         kept = marked(positions.shape, index)
         dropped = self.store.rows - index.shape[-1]
-        room = min(dropped, self.tier_rows(index.shape[-1], keys) - self.tier.rows)
+        # the most rows the tier may hold: VELOX_KV_MEMORY's share at the mean budget (by each layer's own, the tiers
+        # would take the bytes a smaller budget frees in every layer at once), else the bytes of VELOX_TIER_SIZE
+        # budgets of the rows kept, or every row
+        if self.memory_plan is not None:
+            most = self.memory_plan.tier_rows(self.budget_rows(), self.batch)
+        else:
+            rows = self.tier_size.rows(index.shape[-1])
+            most = self.offset if rows is None else self.tier.rows_like(rows, keys)
+        room = min(dropped, most - self.tier.rows)
         if 0 < room < dropped:
             kept = kept | ~marked(positions.shape, self.policy.select(self, index.shape[-1] + room, self.scale, kept))
         gone = mx.argsort(kept.astype(mx.int32), axis=-1)[..., : max(room, 0)]
         if gone.shape[-1]:
             self.tier.take(keys, values, mx.take_along_axis(positions, gone, axis=-1),
                            self.store.full_columns(gone), index=gone)
-
-    def tier_rows(self, keep: int, keys: mx.array) -> int:
-        """The most rows like ``keys`` the tier may hold: ``VELOX_KV_MEMORY``'s share at the mean budget (by each
-        layer's own, the tiers would take the bytes a smaller budget frees in every layer at once), else the bytes of
-        ``VELOX_TIER_SIZE`` budgets of ``keep``, or every row."""
-        if self.memory_plan is not None:
-            return self.memory_plan.tier_rows(self.budget_rows(), self.batch)
-        rows = self.tier_size.rows(keep)
-        if rows is None:
-            return self.offset
-        assert self.tier is not None, "asked by _to_tier, with a tier"
-        return self.tier.rows_like(rows, keys)
 
     def protected(self, positions: mx.array) -> mx.array:
         """Rows never evicted: the first ``sink`` tokens and the last ``window`` tokens (holes never)."""

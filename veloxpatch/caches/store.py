@@ -117,12 +117,11 @@ class RowStore:
         """Column ``name`` of the first ``rows`` rows (every stored row by default), float32 zeros past its end."""
         rows = self.rows if rows is None else rows
         held = self.columns.get(name)
-        have = 0 if held is None else held.shape[-1]
-        if held is not None and have == rows:
+        if held is None:
+            return mx.zeros((*self.row_positions().shape[:2], rows), mx.float32)
+        if held.shape[-1] == rows:
             return held
-        b, h = self.row_positions().shape[:2]
-        fresh = mx.zeros((b, h, rows - have), mx.float32 if held is None else held.dtype)
-        return fresh if held is None else mx.concatenate([held, fresh], axis=-1)
+        return mx.concatenate([held, mx.zeros((*held.shape[:2], rows - held.shape[-1]), held.dtype)], axis=-1)
 
     def set_column(self, name: str, value: mx.array | None) -> None:
         """Hold ``value`` (B, H, <= rows) as column ``name``."""
@@ -139,12 +138,10 @@ class RowStore:
         """Write ``keys``/``values`` (B, H, n, d) after the stored rows, as the rows of positions ``start`` on."""
         n = keys.shape[2]
         self._reserve(n, keys, values)
-        positions = mx.arange(start, start + n, dtype=mx.int32)[:, None]
-        held_keys, held_values, held_positions = self._held()
-        for stored, fresh in zip((held_keys, held_values, (held_positions,)),
-                                 (self.encode(keys), self.encode(values), (positions,))):
-            for target, part in zip(stored, fresh):
-                target[..., self.rows : self.rows + n, :] = part
+        held_keys, held_values, positions = self._held()
+        fresh = (*self.encode(keys), *self.encode(values), mx.arange(start, start + n, dtype=mx.int32)[:, None])
+        for target, part in zip((*held_keys, *held_values, positions), fresh):
+            target[..., self.rows : self.rows + n, :] = part
         self.rows += n
 
     def merge(self, keys: mx.array, values: mx.array, positions: mx.array, index: mx.array | None = None,

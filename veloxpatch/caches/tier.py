@@ -51,8 +51,7 @@ class Tier:
 
     def drain(self) -> RowStore:
         """Every row as stored, with positions and columns; the tier empty after."""
-        rows = self.store
-        self.store = RowStore(self.store.bits, self.store.group_size, step=1)
+        rows, self.store = self.store, RowStore(self.store.bits, self.store.group_size, step=1)
         return rows
 
     @property
