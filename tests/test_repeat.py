@@ -103,6 +103,22 @@ def test_under_a_memory_target_no_snapshot_is_kept() -> None:
     assert all(c.snapshot is None for c in caches)
 
 
+@pytest.mark.parametrize("mode", ["end", "chunk"])
+def test_an_announced_prompt_leaves_one_snapshot_where_it_ends(mode: str) -> None:
+    """mlx_lm's generate_step announces its prompt (``expect_prompt``): the snapshot is the cache after the step that
+    reads the prompt's last token, not one taken again at the next step (the first answer token read)."""
+    model = tiny("llama", seed=1)
+    prompt = random_tokens(PROMPT, 6)
+    veloxpatch.patch(kv="snapkv", budget=64, window=8, compress=mode)
+    from mlx_lm.generate import generate_step  # the patched one, which announces its prompt
+
+    caches = make_prompt_cache(model)
+    for _, (_, _) in zip(range(4), generate_step(prompt, model, prompt_cache=caches, prefill_step_size=128)):
+        pass
+    assert all(c.offset > PROMPT + 1 for c in caches), "decoded past the prompt's end and one answer token"
+    assert all(c.snapshot is not None and c.snapshot.offset == PROMPT for c in caches)
+
+
 @pytest.mark.parametrize("method", ["snapkv", "h2o", "streamingllm"])
 def test_the_server_answers_a_repeated_request_as_the_first_time(method: str, tmp_path: Path) -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer

@@ -250,8 +250,8 @@ class EvictingCache(CompressedKVCache):
             self._evaluate_kept(out)
         if chunk:
             self.prompt_open = True
-        elif self.prompt_open or self._prompt_read():  # under VELOX_KV_MEMORY the target wins: no snapshot, whose
-            self.prompt_open = False  # queries it skips
+        elif self._prompt_read() or self.prompt_open:  # the announced end asked first, so it is forgotten once read
+            self.prompt_open = False  # (under VELOX_KV_MEMORY the target wins: no snapshot, whose queries it skips)
             self.snapshot = None if self.memory_plan is not None else Snapshot(self)
         return out
 
